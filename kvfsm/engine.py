@@ -1,0 +1,376 @@
+"""Declare a machine with ``transitions``; run a dispatch table compiled from it.
+
+A :class:`Declaration` is the single source of truth for one kind of machine: its states (an
+Enum), its events, the answers each event can carry, named guards over those answers, named
+actions, and the transition list in ``transitions``' own dict format. Declaring builds a real
+``transitions.Machine`` (which validates the states and the table) and reads the table back out of
+it, so what runs is exactly what ``transitions`` was given.
+
+Guards here are pure predicates over the *answer* an event carries (what NIXL answered: ``PROC``,
+``DONE``, ``RAISED``...). Because every event has a finite answer domain, compilation evaluates
+every guard for every answer up front and stores, per ``(state, event, answer)``, the one
+:class:`Step` that ``transitions`` would take, trying guards in declaration order as it does.
+Compilation also rejects two kinds of mistakes that ``transitions`` accepts silently:
+
+* overlapping guards: two edges of one ``(state, event)`` that both accept the same answer, where
+  declaration order would quietly decide the winner;
+* undeclared stays: an answer that no edge of a declared ``(state, event)`` accepts, where
+  ``transitions`` would silently refuse and leave the machine where it was. A stay must be a
+  declared self-loop.
+
+At run time :meth:`CompiledMachine.fire` is two dict lookups, an attribute store and the step's
+actions. Each step counts how often it was taken, which gives per-transition counts and
+transition coverage for free.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from transitions import Machine
+
+__all__ = [
+    "Action",
+    "CompiledMachine",
+    "Declaration",
+    "DeclarationError",
+    "Edge",
+    "InvalidTransition",
+    "Record",
+    "Step",
+]
+
+S = TypeVar("S", bound=enum.Enum)
+A = TypeVar("A", bound=enum.Enum)
+
+
+class Record(Protocol[S]):
+    """Anything that carries a machine's current state in a ``state`` attribute."""
+
+    state: S
+
+
+#: An action runs after the state changed: ``action(record, answer, detail)``.
+Action = Callable[[Any, Any, Any], None]
+
+
+class DeclarationError(ValueError):
+    """The declared machine is inconsistent (unknown name, overlapping guards, missing answer)."""
+
+
+class InvalidTransition(RuntimeError):
+    """An event was fired in a state, or with an answer, that the machine does not declare."""
+
+    def __init__(self, machine: str, state: enum.Enum, event: str, answer: enum.Enum) -> None:
+        self.machine = machine
+        self.state = state
+        self.event = event
+        self.answer = answer
+        super().__init__(
+            f"{machine}: event {event!r} (answer {answer.name}) is not declared "
+            f"in state {state.name}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """One declared transition, as read back from the ``transitions`` machine."""
+
+    event: str
+    source: str
+    dest: str
+    conditions: tuple[str, ...]
+    unless: tuple[str, ...]
+    actions: tuple[str, ...]
+    #: position among the edges of the same (source, event): the order guards are tried in
+    order: int
+
+    @property
+    def is_loop(self) -> bool:
+        """True for a self-loop (the machine stays where it is)."""
+        return self.source == self.dest
+
+    @property
+    def guard_label(self) -> str:
+        """The guards as ``transitions`` draws them: ``a && !b``; empty when unguarded."""
+        return " && ".join([*self.conditions, *(f"!{name}" for name in self.unless)])
+
+
+class Step(Generic[S]):
+    """What firing one event with one answer does in one state: go to ``dest``, run ``actions``."""
+
+    __slots__ = ("action_names", "actions", "answer", "count", "dest", "edge", "source")
+
+    def __init__(
+        self, source: S, answer: enum.Enum, dest: S, edge: Edge, actions: tuple[Action, ...]
+    ) -> None:
+        self.source = source
+        self.answer = answer
+        self.dest = dest
+        self.edge = edge
+        self.actions = actions
+        self.action_names = edge.actions
+        #: how many times this step was taken since compilation (or the last reset)
+        self.count = 0
+
+    def __repr__(self) -> str:
+        return (f"<Step {self.source.name} -{self.edge.event}({self.answer.name})-> "
+                f"{self.dest.name} x{self.count}>")
+
+
+class Declaration(Generic[S, A]):
+    """A machine declared once with ``transitions``: the source of truth for engine and diagram.
+
+    Args:
+        name: the machine's name (used in errors, diagrams and coverage).
+        states: the Enum of states.
+        initial: the state every record starts in.
+        answers: for each event name, the answers it can carry (members of one Enum).
+        guards: for each guard name, the set of answers it accepts.
+        actions: for each action name, the function that performs it.
+        transitions: the table, as ``transitions`` dicts (``trigger``, ``source``, ``dest``,
+            optional ``conditions``, ``unless`` and ``after``), grouped by source state.
+        final: the states a record leaves the table from (drawn distinct in diagrams).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        states: type[S],
+        initial: S,
+        answers: Mapping[str, Iterable[A]],
+        guards: Mapping[str, Iterable[A]],
+        actions: Mapping[str, Action],
+        transitions: Sequence[Mapping[str, Any]],
+        final: Iterable[S] = (),
+    ) -> None:
+        self.name = name
+        self.states = states
+        self.initial = initial
+        self.answers: dict[str, frozenset[A]] = {e: frozenset(a) for e, a in answers.items()}
+        self.guards: dict[str, frozenset[A]] = {g: frozenset(a) for g, a in guards.items()}
+        self.actions = dict(actions)
+        self.transitions = [dict(t) for t in transitions]
+        self.final = frozenset(final)
+        self._check_names()
+        self.edges: tuple[Edge, ...] = self._read_edges(self.build_machine(_Inert()))
+        known = {state.name for state in states}
+        for edge in self.edges:
+            for end in (edge.source, edge.dest):
+                if end not in known:
+                    raise DeclarationError(f"{self.name}: edge {edge.source} -{edge.event}-> "
+                                           f"{edge.dest} names an unknown state {end!r}")
+        self._resolve()  # fail at declaration time, not at first use
+
+    # -- the transitions machine ------------------------------------------------------------
+
+    def build_machine(self, model: Any, **options: Any) -> Machine:
+        """A fresh ``transitions`` machine for ``model`` (no auto transitions, strict triggers)."""
+        machine_class = options.pop("machine_class", Machine)
+        machine: Machine = machine_class(
+            model=model,
+            states=self.states,
+            initial=self.initial,
+            transitions=self.transitions,
+            auto_transitions=False,
+            ignore_invalid_triggers=False,
+            **options,
+        )
+        return machine
+
+    def reference_model(self) -> Any:
+        """A model whose guards and actions are the declared ones, for running ``transitions``.
+
+        Guards are methods answering whether they accept the answer an event carries; actions
+        record their names in ``model.actions_run`` instead of touching a real record.
+        """
+        namespace: dict[str, Any] = {}
+        for guard, accepted in self.guards.items():
+            namespace[guard] = _guard_method(accepted)
+        for action in self.actions:
+            namespace[action] = _action_method(action)
+        model_class = type(f"{self.name}_reference_model", (), namespace)
+        model = model_class()
+        model.actions_run = []
+        self.build_machine(model)
+        return model
+
+    # -- compilation --------------------------------------------------------------------------
+
+    def compile(self, actions: Mapping[str, Action] | None = None) -> CompiledMachine[S, A]:
+        """Compile the declaration into a dispatch table; ``actions`` may override any action."""
+        return CompiledMachine(self, self._resolve({**self.actions, **(actions or {})}))
+
+    def edges_from(self, source: S, event: str) -> list[Edge]:
+        """The edges leaving ``source`` on ``event``, in the order their guards are tried."""
+        return [e for e in self.edges if e.source == source.name and e.event == event]
+
+    @property
+    def events(self) -> list[str]:
+        """The declared events, in declaration order."""
+        return list(self.answers)
+
+    def _check_names(self) -> None:
+        for transition in self.transitions:
+            trigger = transition.get("trigger")
+            if trigger not in self.answers:
+                raise DeclarationError(f"{self.name}: transition {transition} has an undeclared "
+                                       f"trigger {trigger!r}")
+            for key in ("conditions", "unless"):
+                for guard in _names(transition.get(key)):
+                    if guard not in self.guards:
+                        raise DeclarationError(f"{self.name}: unknown guard {guard!r} in {key} "
+                                               f"of {transition}")
+            for action in _names(transition.get("after")):
+                if action not in self.actions:
+                    raise DeclarationError(
+                        f"{self.name}: unknown action {action!r} in {transition}")
+            for key in transition:
+                if key not in {"trigger", "source", "dest", "conditions", "unless", "after"}:
+                    raise DeclarationError(f"{self.name}: unsupported key {key!r} in {transition}"
+                                           " (guards go in conditions/unless, actions in after)")
+        for guard, accepted in self.guards.items():
+            if not accepted:
+                raise DeclarationError(f"{self.name}: guard {guard!r} accepts no answer")
+
+    def _read_edges(self, machine: Machine) -> tuple[Edge, ...]:
+        edges: list[Edge] = []
+        for event_name, event in machine.events.items():
+            for source, declared in event.transitions.items():
+                for order, transition in enumerate(declared):
+                    edges.append(Edge(
+                        event=event_name,
+                        source=source,
+                        dest=transition.dest if transition.dest is not None else source,
+                        conditions=tuple(str(c.func) for c in transition.conditions if c.target),
+                        unless=tuple(str(c.func) for c in transition.conditions
+                                     if not c.target),
+                        actions=tuple(str(a) for a in transition.after),
+                        order=order,
+                    ))
+        return tuple(edges)
+
+    def _accepts(self, edge: Edge, answer: A) -> bool:
+        return all(answer in self.guards[g] for g in edge.conditions) and not any(
+            answer in self.guards[g] for g in edge.unless
+        )
+
+    def _resolve(
+        self, actions: Mapping[str, Action] | None = None
+    ) -> dict[S, dict[str, dict[A, Step[S]]]]:
+        actions = self.actions if actions is None else actions
+        table: dict[S, dict[str, dict[A, Step[S]]]] = {}
+        by_source: dict[tuple[str, str], list[Edge]] = {}
+        for edge in self.edges:
+            by_source.setdefault((edge.source, edge.event), []).append(edge)
+        for (source_name, event), edges in by_source.items():
+            source = self.states[source_name]
+            row: dict[A, Step[S]] = {}
+            for answer in sorted(self.answers[event], key=lambda a: a.name):
+                accepting = [e for e in edges if self._accepts(e, answer)]
+                if not accepting:
+                    raise DeclarationError(
+                        f"{self.name}: in state {source_name}, event {event!r} with answer "
+                        f"{answer.name} matches no edge; declare the stay as a self-loop")
+                if len(accepting) > 1:
+                    raise DeclarationError(
+                        f"{self.name}: in state {source_name}, event {event!r} with answer "
+                        f"{answer.name} matches {len(accepting)} edges (guards overlap): "
+                        + ", ".join(f"-> {e.dest} [{e.guard_label}]" for e in accepting))
+                edge = accepting[0]
+                row[answer] = Step(source, answer, self.states[edge.dest], edge,
+                                   tuple(actions[a] for a in edge.actions))
+            table.setdefault(source, {})[event] = row
+        for edge in self.edges:
+            if not any(self._accepts(edge, a) for a in self.answers[edge.event]):
+                raise DeclarationError(f"{self.name}: edge {edge.source} -{edge.event}-> "
+                                       f"{edge.dest} [{edge.guard_label}] can never be taken")
+        return table
+
+
+class CompiledMachine(Generic[S, A]):
+    """The dispatch table compiled from a :class:`Declaration`; what runs on the hot path."""
+
+    __slots__ = ("declaration", "name", "table")
+
+    def __init__(
+        self, declaration: Declaration[S, A], table: dict[S, dict[str, dict[A, Step[S]]]]
+    ) -> None:
+        self.declaration = declaration
+        self.name = declaration.name
+        self.table = table
+
+    def step(self, state: S, event: str, answer: A) -> Step[S]:
+        """The step firing ``event`` with ``answer`` takes in ``state``; raises if undeclared."""
+        try:
+            return self.table[state][event][answer]
+        except KeyError:
+            raise InvalidTransition(self.name, state, event, answer) from None
+
+    def fire(self, record: Record[S], event: str, answer: A, detail: Any = None) -> S:
+        """Move ``record`` on ``event`` carrying ``answer``; run the step's actions.
+
+        Raises:
+            InvalidTransition: the event (or that answer) is not declared in the record's state;
+                the record is left unchanged.
+        """
+        try:
+            step = self.table[record.state][event][answer]
+        except KeyError:
+            raise InvalidTransition(self.name, record.state, event, answer) from None
+        step.count += 1
+        record.state = step.dest
+        for action in step.actions:
+            action(record, answer, detail)
+        return step.dest
+
+    def steps(self) -> list[Step[S]]:
+        """Every compiled step, in a stable order (by source, event, answer)."""
+        return [
+            step
+            for state in self.declaration.states
+            for event, row in sorted(self.table.get(state, {}).items())
+            for _, step in sorted(row.items(), key=lambda item: item[0].name)
+        ]
+
+    def transition_counts(self) -> dict[Edge, int]:
+        """How often each declared edge was taken, in declaration order."""
+        counts = dict.fromkeys(self.declaration.edges, 0)
+        for step in self.steps():
+            counts[step.edge] += step.count
+        return counts
+
+    def reset_counts(self) -> None:
+        """Set every step's count back to zero."""
+        for step in self.steps():
+            step.count = 0
+
+
+class _Inert:
+    """A model for the template machine that is only read, never triggered."""
+
+
+def _names(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return list(value)
+
+
+def _guard_method(accepted: frozenset[Any]) -> Callable[[Any, Any], bool]:
+    def guard(self: Any, answer: Any, detail: Any = None) -> bool:
+        return answer in accepted
+
+    return guard
+
+
+def _action_method(name: str) -> Callable[[Any, Any, Any], None]:
+    def action(self: Any, answer: Any, detail: Any = None) -> None:
+        self.actions_run.append(name)
+
+    return action

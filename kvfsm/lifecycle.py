@@ -1,0 +1,221 @@
+"""The transfer lifecycle: every rule about what a KV-offload transfer may do next.
+
+Theory of operation
+-------------------
+
+A transfer copies a job's KV blocks between the primary cache and a tier with NIXL. It holds up to
+three NIXL resources (registered remote descriptors, a prepped descriptor list, a transfer handle)
+and, through the job, primary blocks the engine has pinned. The one thing that must never happen
+is that the engine learns the job is over (and reuses its blocks) while NIXL may still touch them,
+or never learns it at all.
+
+So a transfer moves through seven states, and only forward::
+
+    SUBMITTED -> PROCESSING -> DONE | FAILED -> XFER_RELEASED -> CLEANED -> PUBLISHED
+
+Every event is one NIXL call, and carries what NIXL answered (an :class:`Answer`). The driver
+(:mod:`kvfsm.driver`) makes the call and fires the event; this table alone decides what follows:
+
+* ``post`` (the submit calls: register, prep, make, transfer): ``PROC`` -> PROCESSING, ``DONE``
+  -> DONE, ``ERR`` or a raise at *any* submit step -> FAILED. Leaving SUBMITTED is total (F5).
+* ``poll`` (``check_xfer_state``): ``PROC`` stays, ``DONE`` -> DONE, ``ERR`` or a raise -> FAILED.
+  Every answer is handled (F4).
+* Entering DONE or FAILED latches the outcome, once; nothing recomputes it (F3). From here on the
+  transfer is known to be over, so its handle may be released.
+* ``release`` (``release_xfer_handle``): success -> XFER_RELEASED; a raise is a declared self-loop
+  that stays in DONE or FAILED and is retried on the next poll (F1). There is no other way to
+  XFER_RELEASED, and no way to PUBLISHED that skips it (F2).
+* ``clean`` (``release_dlist_handle`` then ``deregister_memory``): best effort; failures are
+  recorded as leaks and never hold the transfer back (F7). It is only declared from
+  XFER_RELEASED, so descriptors are never torn down under a live transfer (F8).
+* ``publish``: CLEANED -> PUBLISHED, entered exactly once; the transfer leaves the tier's table
+  only here, and its one result is handed out (F6).
+
+Any (state, event) pair not in the table raises :class:`kvfsm.engine.InvalidTransition` naming
+both, and leaves the transfer unchanged. The table is declared with ``transitions`` and compiled
+(:mod:`kvfsm.engine`); compilation proves that each declared (state, event) handles every answer
+its event can carry exactly once.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from kvfsm.engine import Declaration
+
+__all__ = [
+    "TRANSFER_MACHINE",
+    "Answer",
+    "OutcomeAlreadyLatched",
+    "TransferEvent",
+    "TransferState",
+]
+
+
+class TransferState(enum.Enum):
+    """Where a transfer is in its lifecycle."""
+
+    #: the submit calls are being made; no answer from NIXL yet
+    SUBMITTED = "submitted"
+    #: posted; NIXL answered PROC and the transfer may be touching memory
+    PROCESSING = "processing"
+    #: NIXL answered DONE: the copy finished, its handle may be released
+    DONE = "done"
+    #: a submit call or the state check failed: the transfer is over, its handle may be released
+    FAILED = "failed"
+    #: the transfer handle is released; NIXL no longer references the primary blocks
+    XFER_RELEASED = "xfer_released"
+    #: descriptor list released and remote descriptors deregistered (leaks recorded, if any)
+    CLEANED = "cleaned"
+    #: the one result was handed out; the transfer left the table
+    PUBLISHED = "published"
+
+
+class TransferEvent(enum.StrEnum):
+    """The NIXL calls whose answers move a transfer; values are the trigger names."""
+
+    #: register_memory, prep_xfer_dlist, make_prepped_xfer and transfer, in that order
+    POST = "post"
+    #: check_xfer_state
+    POLL = "poll"
+    #: release_xfer_handle
+    RELEASE = "release"
+    #: release_dlist_handle then deregister_memory
+    CLEAN = "clean"
+    #: hand the result to the tier's caller
+    PUBLISH = "publish"
+
+
+class Answer(enum.Enum):
+    """What a NIXL call answered."""
+
+    #: the transfer is still running
+    PROC = "PROC"
+    #: the transfer finished
+    DONE = "DONE"
+    #: NIXL returned the string "ERR"
+    ERR = "ERR"
+    #: the call raised an exception
+    RAISED = "RAISED"
+    #: the call returned normally (calls that return nothing)
+    OK = "OK"
+    #: a best-effort cleanup call raised; its resources may have leaked
+    LEAKED = "LEAKED"
+
+
+class OutcomeAlreadyLatched(AssertionError):
+    """An action tried to set a transfer's outcome a second time (an F3 violation)."""
+
+
+S = TransferState
+E = TransferEvent
+
+#: what each event can carry
+ANSWERS: dict[str, tuple[Answer, ...]] = {
+    E.POST: (Answer.PROC, Answer.DONE, Answer.ERR, Answer.RAISED),
+    E.POLL: (Answer.PROC, Answer.DONE, Answer.ERR, Answer.RAISED),
+    E.RELEASE: (Answer.OK, Answer.RAISED),
+    E.CLEAN: (Answer.OK, Answer.LEAKED),
+    E.PUBLISH: (Answer.OK,),
+}
+
+#: named guards: the answers each accepts
+GUARDS: dict[str, tuple[Answer, ...]] = {
+    "running": (Answer.PROC,),
+    "finished": (Answer.DONE,),
+    "errored": (Answer.ERR, Answer.RAISED),
+    "released": (Answer.OK,),
+    "release_raised": (Answer.RAISED,),
+    "cleaned": (Answer.OK,),
+    "leaked": (Answer.LEAKED,),
+}
+
+
+# -- named actions: (transfer, answer, detail); detail is the exception or message, if any ----
+
+def latch_success(transfer: Any, answer: Answer, detail: Any) -> None:
+    """Latch the outcome as success (entering DONE)."""
+    if transfer.success is not None:
+        raise OutcomeAlreadyLatched(f"job {transfer.job.job_id}: outcome already latched")
+    transfer.success = True
+    transfer.finished_at = time.monotonic()
+
+
+def latch_failure(transfer: Any, answer: Answer, detail: Any) -> None:
+    """Latch the outcome as failure (entering FAILED) and keep NIXL's error."""
+    if transfer.success is not None:
+        raise OutcomeAlreadyLatched(f"job {transfer.job.job_id}: outcome already latched")
+    transfer.success = False
+    transfer.finished_at = time.monotonic()
+    transfer.error = _describe(answer, detail)
+
+
+def count_retry(transfer: Any, answer: Answer, detail: Any) -> None:
+    """Count a release that raised; the transfer stays put and is retried on the next poll."""
+    transfer.retries += 1
+    transfer.error = _describe(answer, detail)
+
+
+def record_leaks(transfer: Any, answer: Answer, detail: Any) -> None:
+    """Keep the cleanup calls that failed (``detail`` is a tuple of :class:`Leak`)."""
+    transfer.leaks = tuple(detail or ())
+
+
+ACTIONS = {
+    "latch_success": latch_success,
+    "latch_failure": latch_failure,
+    "count_retry": count_retry,
+    "record_leaks": record_leaks,
+}
+
+#: The table, grouped by source state; edges of one (state, event) are tried in this order.
+TRANSITIONS: list[dict[str, Any]] = [
+    # SUBMITTED: the submit calls answered
+    {"trigger": E.POST, "source": S.SUBMITTED, "dest": S.PROCESSING, "conditions": "running"},
+    {"trigger": E.POST, "source": S.SUBMITTED, "dest": S.DONE, "conditions": "finished",
+     "after": "latch_success"},
+    {"trigger": E.POST, "source": S.SUBMITTED, "dest": S.FAILED, "conditions": "errored",
+     "after": "latch_failure"},
+    # PROCESSING: check_xfer_state answered
+    {"trigger": E.POLL, "source": S.PROCESSING, "dest": S.PROCESSING, "conditions": "running"},
+    {"trigger": E.POLL, "source": S.PROCESSING, "dest": S.DONE, "conditions": "finished",
+     "after": "latch_success"},
+    {"trigger": E.POLL, "source": S.PROCESSING, "dest": S.FAILED, "conditions": "errored",
+     "after": "latch_failure"},
+    # DONE: release_xfer_handle answered
+    {"trigger": E.RELEASE, "source": S.DONE, "dest": S.XFER_RELEASED, "conditions": "released"},
+    {"trigger": E.RELEASE, "source": S.DONE, "dest": S.DONE, "conditions": "release_raised",
+     "after": "count_retry"},
+    # FAILED: release_xfer_handle answered
+    {"trigger": E.RELEASE, "source": S.FAILED, "dest": S.XFER_RELEASED, "conditions": "released"},
+    {"trigger": E.RELEASE, "source": S.FAILED, "dest": S.FAILED, "conditions": "release_raised",
+     "after": "count_retry"},
+    # XFER_RELEASED: release_dlist_handle and deregister_memory answered
+    {"trigger": E.CLEAN, "source": S.XFER_RELEASED, "dest": S.CLEANED, "conditions": "cleaned"},
+    {"trigger": E.CLEAN, "source": S.XFER_RELEASED, "dest": S.CLEANED, "conditions": "leaked",
+     "after": "record_leaks"},
+    # CLEANED: the result is handed out
+    {"trigger": E.PUBLISH, "source": S.CLEANED, "dest": S.PUBLISHED},
+]
+
+#: The transfer lifecycle, declared once.
+TRANSFER_MACHINE: Declaration[TransferState, Answer] = Declaration(
+    "transfer",
+    states=TransferState,
+    initial=TransferState.SUBMITTED,
+    answers=ANSWERS,
+    guards=GUARDS,
+    actions=ACTIONS,
+    transitions=TRANSITIONS,
+    final=(TransferState.PUBLISHED,),
+)
+
+
+def _describe(answer: Answer, detail: Any) -> str:
+    if isinstance(detail, BaseException):
+        return f"{type(detail).__name__}: {detail}"
+    if detail is None:
+        return answer.value
+    return str(detail)

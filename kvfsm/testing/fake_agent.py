@@ -1,0 +1,948 @@
+"""An in-memory stand-in for NIXL's ``nixl_agent``, for unit tests and fault injection.
+
+:class:`FakeNixlAgent` serves the prepped-dlist call sequence of an object-store tier with the
+call shapes of the real wrapper (``nixl._api.nixl_agent``) and moves real bytes between registered
+host memory, addressed by raw pointers such as ``tensor.data_ptr()``, and
+:attr:`FakeNixlAgent.objects`, an in-memory object store (``dict[str, bytes]``).
+
+Timing: ``complete_after_polls`` is the number of ``check_xfer_state`` calls a posted transfer
+needs. With 0, ``transfer`` completes it at once and answers "DONE". With ``n >= 1``, ``transfer``
+answers "PROC", the first ``n - 1`` checks answer "PROC" and the n-th check completes it. Bytes
+move at completion, all at once, and a failed transfer moves none. A completed transfer keeps
+answering "DONE"; a failed one keeps failing the same way; either may be posted again.
+
+Failures: what real NIXL reports becomes :class:`FakeNixlError` (or the ``TypeError``,
+``KeyError`` or ``IndexError`` the real wrapper raises for malformed arguments). What would crash
+or corrupt a real process becomes :class:`NixlMisuseError`, which is not a ``FakeNixlError``.
+
+Faults: :meth:`FakeNixlAgent.inject` arms :data:`Fault` values for numbered calls. Every call of
+a NIXL method is numbered per method name from 1 when it starts, failed calls included, and the
+fault armed for that number is consumed then. After :meth:`FakeNixlAgent.close` every call raises
+``NixlMisuseError`` at once; otherwise arguments are checked first, then misuse, then the fault
+fires, then the call behaves as normal. A call that raises ``NixlMisuseError`` (or an
+argument error) still consumes its fault. The only effect of ``Raise`` is the raise, except
+on ``check_xfer_state`` of a running transfer: a raised state check ends the transfer as failed,
+as it does in real NIXL, so its handle may then be released.
+
+Not thread safe: drive one agent from one thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import operator
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from types import TracebackType
+from typing import SupportsIndex, TypeAlias
+
+__all__ = [
+    "FakeDlistHandle",
+    "FakeNixlAgent",
+    "FakeNixlError",
+    "FakeRegDList",
+    "FakeXferDList",
+    "FakeXferHandle",
+    "Fault",
+    "NixlMisuseError",
+    "Raise",
+    "ReturnErr",
+    "StayProc",
+]
+
+#: a registration descriptor: (addr, length, dev_id, meta)
+RegDesc: TypeAlias = tuple[int, int, int, str]
+#: a transfer descriptor: (addr, length, dev_id)
+XferDesc: TypeAlias = tuple[int, int, int]
+
+_LOCAL_AGENT = "NIXL_INIT_AGENT"
+_MEM_TYPES = {
+    "DRAM": "DRAM",
+    "VRAM": "VRAM",
+    "FILE": "FILE",
+    "BLOCK": "BLOCK",
+    "OBJ": "OBJ",
+    "cpu": "DRAM",
+    "cuda": "VRAM",
+}
+_SUPPORTED_MEM_TYPES = frozenset({"DRAM", "OBJ"})
+_OPERATIONS = frozenset({"WRITE", "READ"})
+_STATUS_CALLS = frozenset({"transfer", "check_xfer_state"})
+_FAULTABLE_CALLS = frozenset(
+    {
+        "register_memory",
+        "deregister_memory",
+        "query_memory",
+        "prep_xfer_dlist",
+        "make_prepped_xfer",
+        "transfer",
+        "check_xfer_state",
+        "release_xfer_handle",
+        "release_dlist_handle",
+    }
+)
+_handle_ids = itertools.count(0x1000)
+
+
+class FakeNixlError(Exception):
+    """A failure real NIXL would report; ``str(error)`` is the NIXL code, as in real NIXL.
+
+    Args:
+        code: the NIXL status name, e.g. "NIXL_ERR_BACKEND".
+    """
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class NixlMisuseError(Exception):
+    """A call that would crash or corrupt a process using real NIXL."""
+
+
+@dataclass(frozen=True)
+class Raise:
+    """The call raises ``FakeNixlError(code)`` instead of running."""
+
+    code: str = "NIXL_ERR_BACKEND"
+
+    def __post_init__(self) -> None:
+        """Reject a code that is not a NIXL error name."""
+        if not isinstance(self.code, str) or not self.code.startswith("NIXL_ERR_"):
+            raise ValueError(f"Raise: code must be a NIXL_ERR_* name, got {self.code!r}")
+
+
+@dataclass(frozen=True)
+class ReturnErr:
+    """``transfer`` answers "ERR" without posting; ``check_xfer_state`` answers "ERR".
+
+    On a check of a running transfer, the transfer is then over and failed, moving no bytes.
+    """
+
+
+@dataclass(frozen=True)
+class StayProc:
+    """Makes ``polls`` answers in a row "PROC": the faulted call and the next ``polls - 1`` checks.
+
+    The held answers do not advance the transfer, which resumes where it was afterwards. On
+    ``transfer`` the post happens (it still raises NIXL_ERR_REPOST_ACTIVE on a running transfer),
+    even with ``complete_after_polls=0``, whose transfer then completes at the first check after
+    the held ones. On a transfer that is not running the held answers change nothing but the answer.
+    """
+
+    polls: int
+
+    def __post_init__(self) -> None:
+        """Reject a count below 1."""
+        if isinstance(self.polls, bool) or not isinstance(self.polls, int) or self.polls < 1:
+            raise ValueError(f"StayProc: polls must be an int >= 1, got {self.polls!r}")
+
+
+#: a fault to inject with :meth:`FakeNixlAgent.inject`
+Fault: TypeAlias = Raise | ReturnErr | StayProc
+
+
+class FakeRegDList:
+    """Registration descriptors ``(addr, length, dev_id, meta)`` of one memory type.
+
+    Args:
+        mem_type: "DRAM" or "OBJ".
+        descs: the descriptors.
+    """
+
+    __slots__ = ("descs", "mem_type")
+
+    def __init__(self, mem_type: str, descs: Iterable[RegDesc]) -> None:
+        self.mem_type = mem_type
+        self.descs: tuple[RegDesc, ...] = tuple(descs)
+
+    def __len__(self) -> int:
+        """Number of descriptors."""
+        return len(self.descs)
+
+    def __iter__(self) -> Iterator[RegDesc]:
+        """The descriptors in order."""
+        return iter(self.descs)
+
+    def __repr__(self) -> str:
+        return f"FakeRegDList({self.mem_type!r}, {list(self.descs)!r})"
+
+    def trim(self) -> FakeXferDList:
+        """The same descriptors without their meta, as a transfer descriptor list."""
+        trimmed = FakeXferDList(self.mem_type, (d[:3] for d in self.descs))
+        trimmed._metas = tuple(d[3] for d in self.descs)
+        return trimmed
+
+
+class FakeXferDList:
+    """Transfer descriptors ``(addr, length, dev_id)`` of one memory type.
+
+    One made by :meth:`FakeRegDList.trim` remembers the meta strings it was trimmed from
+    (:attr:`metas`). The object key a prepped OBJ descriptor addresses is still resolved through its
+    dev_id, as the real OBJ backend does.
+
+    Args:
+        mem_type: "DRAM" or "OBJ".
+        descs: the descriptors.
+    """
+
+    __slots__ = ("_metas", "descs", "mem_type")
+
+    def __init__(self, mem_type: str, descs: Iterable[XferDesc]) -> None:
+        self.mem_type = mem_type
+        self.descs: tuple[XferDesc, ...] = tuple(descs)
+        self._metas: tuple[str, ...] | None = None
+
+    @property
+    def metas(self) -> tuple[str, ...] | None:
+        """The meta strings of the registration this list was trimmed from, if any."""
+        return self._metas
+
+    def __len__(self) -> int:
+        """Number of descriptors."""
+        return len(self.descs)
+
+    def __iter__(self) -> Iterator[XferDesc]:
+        """The descriptors in order."""
+        return iter(self.descs)
+
+    def __repr__(self) -> str:
+        return f"FakeXferDList({self.mem_type!r}, {list(self.descs)!r})"
+
+
+class FakeDlistHandle:
+    """Opaque handle to a prepped descriptor list; release it with the agent that made it."""
+
+    __slots__ = ("_handle", "_released")
+
+    def __init__(self, value: int) -> None:
+        self._handle = value
+        self._released = False
+
+    def __repr__(self) -> str:
+        return f"FakeDlistHandle(0x{self._handle:x}, released={self._released})"
+
+
+class FakeXferHandle:
+    """Opaque handle to a transfer; release it with the agent that made it."""
+
+    __slots__ = ("_handle", "_released")
+
+    def __init__(self, value: int) -> None:
+        self._handle = value
+        self._released = False
+
+    def __repr__(self) -> str:
+        return f"FakeXferHandle(0x{self._handle:x}, released={self._released})"
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One registered descriptor."""
+
+    mem_type: str
+    addr: int
+    length: int
+    dev_id: int
+    meta: str
+    owner: FakeRegDList
+    live: bool = True
+
+    def covers(self, desc: XferDesc) -> bool:
+        """Whether ``desc`` lies inside this registered descriptor."""
+        addr, length, dev_id = desc
+        return (
+            self.live
+            and dev_id == self.dev_id
+            and addr >= self.addr
+            and addr + length <= self.addr + self.length
+        )
+
+
+@dataclass(eq=False)
+class _Prepped:
+    """A prepped descriptor list and what it relies on."""
+
+    handle: FakeDlistHandle
+    local: bool
+    mem_type: str
+    descs: tuple[XferDesc, ...]
+    entries: tuple[_Entry, ...]
+    keys: tuple[str, ...]
+
+
+class _State(Enum):
+    MADE = "made"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class _Xfer:
+    """A transfer request and its progress."""
+
+    handle: FakeXferHandle
+    operation: str
+    local: _Prepped
+    remote: _Prepped
+    #: (local DRAM address, length, object key) per descriptor pair
+    moves: tuple[tuple[int, int, str], ...]
+    state: _State = _State.MADE
+    polls_left: int = 0
+    hold: int = 0
+    #: a NIXL code to raise again, or "ERR" to answer again, once failed
+    failure: str | None = None
+
+
+@dataclass
+class _Armed:
+    """A fault armed for calls ``first`` to ``last`` of ``call``."""
+
+    call: str
+    fault: Fault
+    first: int
+    last: int
+
+
+def _index(value: object, what: str) -> int:
+    """An unsigned integer field of a descriptor; TypeError otherwise (as pybind11 does)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {value!r}") from None
+    if number < 0:
+        raise TypeError(f"{what} must not be negative, got {number}")
+    return number
+
+
+def _mem_type(call: str, mem_type: str | None) -> str:
+    """The canonical memory type name; TypeError if missing, KeyError if unknown (as real)."""
+    if mem_type is None:
+        raise TypeError(f"{call}: a mem_type is needed with a list of tuples")
+    return _MEM_TYPES[mem_type]
+
+
+def _reg_descs(
+    call: str, reg_list: object, mem_type: str | None
+) -> tuple[str, tuple[RegDesc, ...]]:
+    """Memory type and descriptors of a registration-style argument."""
+    if isinstance(reg_list, FakeRegDList):
+        return _MEM_TYPES[reg_list.mem_type], reg_list.descs
+    if not isinstance(reg_list, list | tuple):
+        raise TypeError(
+            f"{call}: expected a FakeRegDList or a list of (addr, len, dev_id, meta) tuples, "
+            f"got {type(reg_list).__name__}"
+        )
+    if not reg_list:
+        raise IndexError(f"{call}: empty descriptor list")
+    canonical = _mem_type(call, mem_type)
+    descs: list[RegDesc] = []
+    for desc in reg_list:
+        if not isinstance(desc, tuple) or len(desc) != 4:
+            raise TypeError(f"{call}: expected (addr, len, dev_id, meta) 4-tuples, got {desc!r}")
+        addr, length, dev_id, meta = desc
+        if not isinstance(meta, str):
+            raise TypeError(f"{call}: meta must be a str, got {meta!r}")
+        descs.append(
+            (_index(addr, "addr"), _index(length, "length"), _index(dev_id, "dev_id"), meta)
+        )
+    return canonical, tuple(descs)
+
+
+def _xfer_descs(
+    call: str, xfer_list: object, mem_type: str | None
+) -> tuple[str, tuple[XferDesc, ...]]:
+    """Memory type and descriptors of a transfer-style argument."""
+    if isinstance(xfer_list, FakeXferDList):
+        return _MEM_TYPES[xfer_list.mem_type], xfer_list.descs
+    if not isinstance(xfer_list, list | tuple):
+        raise TypeError(
+            f"{call}: expected a FakeXferDList or a list of (addr, len, dev_id) tuples, "
+            f"got {type(xfer_list).__name__}"
+        )
+    if not xfer_list:
+        raise IndexError(f"{call}: empty descriptor list")
+    canonical = _mem_type(call, mem_type)
+    descs: list[XferDesc] = []
+    for desc in xfer_list:
+        if not isinstance(desc, tuple) or len(desc) != 3:
+            raise TypeError(f"{call}: expected (addr, len, dev_id) 3-tuples, got {desc!r}")
+        addr, length, dev_id = desc
+        descs.append((_index(addr, "addr"), _index(length, "length"), _index(dev_id, "dev_id")))
+    return canonical, tuple(descs)
+
+
+class FakeNixlAgent:
+    """An in-memory NIXL agent with one loopback object-store backend ("OBJ").
+
+    Args:
+        name: the agent's name; ``prep_xfer_dlist(name, ...)`` preps the loopback (remote) side.
+        complete_after_polls: how many ``check_xfer_state`` calls a posted transfer needs; 0 makes
+            ``transfer`` complete it at once (see the module docstring).
+        objects: an object store to use (shared, not copied), e.g. another agent's ``objects``.
+    """
+
+    def __init__(
+        self,
+        name: str = "fake-agent",
+        *,
+        complete_after_polls: int = 1,
+        objects: dict[str, bytes] | None = None,
+    ) -> None:
+        if (
+            isinstance(complete_after_polls, bool)
+            or not isinstance(complete_after_polls, int)
+            or complete_after_polls < 0
+        ):
+            raise ValueError(
+                f"complete_after_polls must be an int >= 0, got {complete_after_polls!r}"
+            )
+        self.name = name
+        self.complete_after_polls = complete_after_polls
+        #: the object store: object key -> bytes
+        self.objects: dict[str, bytes] = {} if objects is None else objects
+        #: backend name -> handle, like the real agent's ``backends``
+        self.backends: dict[str, int] = {"OBJ": 1}
+        #: the name of every NIXL call made, in order, failed ones included
+        self.calls: list[str] = []
+        self._counts: Counter[str] = Counter()
+        self._armed: list[_Armed] = []
+        self._entries: list[_Entry] = []
+        self._dlists: dict[int, _Prepped] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._closed = False
+        #: every misuse detected, also when the caller caught the NixlMisuseError it raised
+        self.misuses: list[str] = []
+
+    def _misuse(self, message: str) -> NixlMisuseError:
+        """Record a misuse and return the error to raise."""
+        self.misuses.append(message)
+        return NixlMisuseError(message)
+
+    # -- fault injection and introspection ------------------------------------------------
+
+    def inject(self, call: str, fault: Fault, *, at: int | None = None, times: int = 1) -> None:
+        """Arm ``fault`` for ``times`` calls of ``call``.
+
+        Args:
+            call: a NIXL method name of this agent, e.g. "transfer".
+            fault: what the call does instead (``StayProc``/``ReturnErr``: status calls only).
+            at: the number of the first faulted call (1-based, counted from the agent's creation);
+                by default the next call.
+            times: how many consecutive calls the fault applies to.
+
+        Raises:
+            ValueError: unknown call, a fault kind that call cannot take, a bad ``at`` or
+                ``times``, or calls that already have a fault armed.
+        """
+        if call not in _FAULTABLE_CALLS:
+            raise ValueError(f"inject: {call!r} is not a NIXL call of FakeNixlAgent")
+        if not isinstance(fault, Raise | ReturnErr | StayProc):
+            raise ValueError(f"inject: {fault!r} is not a Fault")
+        if not isinstance(fault, Raise) and call not in _STATUS_CALLS:
+            raise ValueError(
+                f"inject: {type(fault).__name__} only applies to transfer and check_xfer_state, "
+                f"not {call!r}"
+            )
+        if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            raise ValueError(f"inject: times must be an int >= 1, got {times!r}")
+        done = self._counts[call]
+        if at is None:
+            first = done + 1
+        elif isinstance(at, bool) or not isinstance(at, int) or at < 1:
+            raise ValueError(f"inject: at must be an int >= 1, got {at!r}")
+        elif at <= done:
+            raise ValueError(f"inject: {call} call #{at} already happened ({done} so far)")
+        else:
+            first = at
+        last = first + times - 1
+        for armed in self._armed:
+            if armed.call == call and armed.first <= last and first <= armed.last:
+                raise ValueError(
+                    f"inject: {call} calls #{armed.first}-#{armed.last} already have "
+                    f"{armed.fault!r} armed; pass at= for calls after them"
+                )
+        self._armed.append(_Armed(call, fault, first, last))
+
+    def clear_faults(self) -> None:
+        """Disarm every injected fault that has not fired yet."""
+        self._armed.clear()
+
+    def pending_faults(self) -> list[tuple[str, int, Fault]]:
+        """What is still armed: one ``(call, call_number, fault)`` per call it will hit."""
+        return [
+            (armed.call, number, armed.fault)
+            for armed in self._armed
+            for number in range(armed.first, armed.last + 1)
+        ]
+
+    def call_count(self, name: str) -> int:
+        """How many calls of ``name`` were made, failed ones included."""
+        return self._counts[name]
+
+    def live_xfer_handles(self) -> int:
+        """Transfer handles made and not yet released."""
+        return sum(1 for xfer in self._xfers.values() if not xfer.handle._released)
+
+    def live_dlist_handles(self) -> int:
+        """Prepped descriptor list handles made and not yet released."""
+        return sum(1 for prepped in self._dlists.values() if not prepped.handle._released)
+
+    def live_registrations(self, mem_type: str | None = None) -> int:
+        """Registered descriptors not yet deregistered, optionally of one memory type."""
+        wanted = None if mem_type is None else _MEM_TYPES.get(mem_type, mem_type)
+        return sum(1 for entry in self._entries if entry.live and wanted in (None, entry.mem_type))
+
+    def running_transfers(self) -> int:
+        """Transfers posted and not yet seen DONE or failed."""
+        return sum(1 for xfer in self._xfers.values() if xfer.state is _State.RUNNING)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Tear the agent down; every later call raises NixlMisuseError.
+
+        Raises:
+            NixlMisuseError: a transfer is still running, or the agent is already closed.
+        """
+        self._enter("close")
+        running = [xfer.handle for xfer in self._xfers.values() if xfer.state is _State.RUNNING]
+        if running:
+            raise self._misuse(
+                f"close: agent {self.name!r} still has running transfers {running!r}; "
+                "poll them to DONE or failure first"
+            )
+        self._closed = True
+
+    def __enter__(self) -> FakeNixlAgent:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._closed:
+            self.close()
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register_memory(
+        self,
+        reg_list: FakeRegDList | Sequence[RegDesc],
+        mem_type: str | None = None,
+        backends: Sequence[str] = (),
+    ) -> FakeRegDList:
+        """Register ``(addr, len, dev_id, meta)`` descriptors; for OBJ, meta is the object key.
+
+        Raises:
+            TypeError: not 4-tuples, or no mem_type with a list of tuples.
+            KeyError: an unknown memory type or backend name.
+            IndexError: an empty list.
+            FakeNixlError: NIXL_ERR_NOT_FOUND for a memory type other than DRAM and OBJ.
+        """
+        fault = self._enter("register_memory")
+        canonical, descs = _reg_descs("register_memory", reg_list, mem_type)
+        self._check_backends(backends)
+        self._fire_raise(fault)
+        if canonical not in _SUPPORTED_MEM_TYPES:
+            raise FakeNixlError("NIXL_ERR_NOT_FOUND")
+        registered = FakeRegDList(canonical, descs)
+        self._entries.extend(_Entry(canonical, *desc, owner=registered) for desc in descs)
+        return registered
+
+    def deregister_memory(self, dereg_list: FakeRegDList, backends: Sequence[str] = ()) -> None:
+        """Deregister descriptors registered by :meth:`register_memory` (matched by content).
+
+        Raises:
+            TypeError: not a FakeRegDList.
+            NixlMisuseError: an unreleased transfer handle relies on one of the descriptors.
+            FakeNixlError: NIXL_ERR_NOT_FOUND if a descriptor is not registered (nothing changes).
+        """
+        fault = self._enter("deregister_memory")
+        if not isinstance(dereg_list, FakeRegDList):
+            raise TypeError(
+                f"deregister_memory: expected a FakeRegDList, got {type(dereg_list).__name__}"
+            )
+        self._check_backends(backends)
+        canonical = _MEM_TYPES[dereg_list.mem_type]
+        in_use = {id(entry): xfer.handle for xfer in self._live_xfers() for entry in _entries(xfer)}
+        chosen: list[_Entry] = []
+        missing = False
+        for desc in dereg_list.descs:
+            entry = self._match_entry(canonical, desc, dereg_list, chosen)
+            if entry is None:
+                missing = True
+                continue
+            if id(entry) in in_use:
+                raise self._misuse(
+                    f"deregister_memory: {canonical} descriptor {desc!r} is still used by "
+                    f"unreleased {in_use[id(entry)]!r}; release the transfer handle first"
+                )
+            chosen.append(entry)
+        self._fire_raise(fault)
+        if missing:
+            raise FakeNixlError("NIXL_ERR_NOT_FOUND")
+        for entry in chosen:
+            entry.live = False
+
+    def query_memory(
+        self,
+        reg_list: FakeRegDList | Sequence[RegDesc],
+        backend: str,
+        mem_type: str | None = None,
+    ) -> list[dict[str, str] | None]:
+        """Whether objects exist: ``{}`` for a present key (the meta), ``None`` for an absent one.
+
+        Raises:
+            TypeError: not 4-tuples, or no mem_type with a list of tuples.
+            ValueError: an unknown backend.
+            FakeNixlError: NIXL_ERR_NOT_SUPPORTED for a memory type other than OBJ.
+        """
+        fault = self._enter("query_memory")
+        canonical, descs = _reg_descs("query_memory", reg_list, mem_type)
+        if backend not in self.backends:
+            raise ValueError(
+                f"Backend '{backend}' not found. Available backends: {list(self.backends)}"
+            )
+        self._fire_raise(fault)
+        if canonical != "OBJ":
+            raise FakeNixlError("NIXL_ERR_NOT_SUPPORTED")
+        return [{} if desc[3] in self.objects else None for desc in descs]
+
+    # -- descriptor lists and transfers --------------------------------------------------------
+
+    def prep_xfer_dlist(
+        self,
+        agent_name: str,
+        xfer_list: FakeXferDList | Sequence[XferDesc],
+        mem_type: str | None = None,
+        backends: Sequence[str] = (),
+    ) -> FakeDlistHandle:
+        """Prep descriptors: local side with "NIXL_INIT_AGENT", loopback side with ``self.name``.
+
+        OBJ descriptors are resolved to object keys now, through their dev_id: the most recent
+        live OBJ registration covering the descriptor wins.
+
+        Raises:
+            TypeError: not 3-tuples, or no mem_type with a list of tuples.
+            IndexError: an empty list.
+            NixlMisuseError: a DRAM descriptor outside every registered DRAM region (real NIXL
+                refuses it with NIXL_ERR_NOT_FOUND; the fake treats it as a bug).
+            FakeNixlError: NIXL_ERR_NOT_FOUND for another agent's name, an OBJ descriptor with no
+                registration, or a memory type other than DRAM and OBJ.
+        """
+        fault = self._enter("prep_xfer_dlist")
+        canonical, descs = _xfer_descs("prep_xfer_dlist", xfer_list, mem_type)
+        self._check_backends(backends)
+        entries: list[_Entry] = []
+        if canonical == "DRAM":
+            for desc in descs:
+                entry = self._covering(canonical, desc)
+                if entry is None:
+                    raise self._misuse(
+                        f"prep_xfer_dlist: DRAM descriptor {desc!r} lies outside every "
+                        "registered DRAM region; a transfer would touch unregistered memory"
+                    )
+                entries.append(entry)
+        self._fire_raise(fault)
+        local = agent_name in (_LOCAL_AGENT, "")
+        if not local and agent_name != self.name:
+            raise FakeNixlError("NIXL_ERR_NOT_FOUND")
+        if canonical not in _SUPPORTED_MEM_TYPES:
+            raise FakeNixlError("NIXL_ERR_NOT_FOUND")
+        keys: tuple[str, ...] = ("",) * len(descs)
+        if canonical == "OBJ":
+            for desc in descs:
+                entry = self._covering(canonical, desc)
+                if entry is None:
+                    raise FakeNixlError("NIXL_ERR_NOT_FOUND")
+                entries.append(entry)
+            keys = tuple(entry.meta for entry in entries)
+        handle = FakeDlistHandle(next(_handle_ids))
+        self._dlists[handle._handle] = _Prepped(
+            handle, local, canonical, descs, tuple(entries), keys
+        )
+        return handle
+
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: FakeDlistHandle,
+        local_indices: Iterable[SupportsIndex],
+        remote_xfer_side: FakeDlistHandle,
+        remote_indices: Iterable[SupportsIndex],
+        notif_msg: bytes | str = b"",
+        backends: Sequence[str] = (),
+        skip_desc_merge: bool = False,
+    ) -> FakeXferHandle:
+        """Make a WRITE (local DRAM to objects) or READ (objects to local DRAM) transfer.
+
+        Raises:
+            KeyError: an operation other than "WRITE" and "READ", or an unknown backend.
+            NixlMisuseError: a handle this agent did not make, one already released, or one whose
+                registered memory was deregistered.
+            FakeNixlError: NIXL_ERR_INVALID_PARAM for index lists of different or zero length,
+                an index out of range, sides prepped the wrong way round, or descriptor pairs of
+                different lengths; NIXL_ERR_NOT_SUPPORTED unless local is DRAM and remote is OBJ;
+                NIXL_ERR_BACKEND for a notification (the OBJ backend supports none).
+        """
+        call = "make_prepped_xfer"
+        fault = self._enter(call)
+        if operation not in _OPERATIONS:
+            raise KeyError(operation)
+        self._check_backends(backends)
+        local_idx = [operator.index(i) for i in local_indices]
+        remote_idx = [operator.index(i) for i in remote_indices]
+        local = self._dlist(call, local_xfer_side)
+        remote = self._dlist(call, remote_xfer_side)
+        for prepped in (local, remote):
+            if not all(entry.live for entry in prepped.entries):
+                raise self._misuse(
+                    f"{call}: {prepped.handle!r} refers to memory that was deregistered"
+                )
+        self._fire_raise(fault)
+        if len(local_idx) != len(remote_idx) or not local_idx:
+            raise FakeNixlError("NIXL_ERR_INVALID_PARAM")
+        if not local.local or remote.local:
+            raise FakeNixlError("NIXL_ERR_INVALID_PARAM")
+        for indices, prepped in ((local_idx, local), (remote_idx, remote)):
+            if any(not 0 <= i < len(prepped.descs) for i in indices):
+                raise FakeNixlError("NIXL_ERR_INVALID_PARAM")
+        pairs = [
+            (local.descs[i], remote.descs[j], remote.keys[j])
+            for i, j in zip(local_idx, remote_idx, strict=True)
+        ]
+        if any(ldesc[1] != rdesc[1] for ldesc, rdesc, _ in pairs):
+            raise FakeNixlError("NIXL_ERR_INVALID_PARAM")
+        if local.mem_type != "DRAM" or remote.mem_type != "OBJ":
+            raise FakeNixlError("NIXL_ERR_NOT_SUPPORTED")
+        if notif_msg:
+            raise FakeNixlError("NIXL_ERR_BACKEND")
+        handle = FakeXferHandle(next(_handle_ids))
+        moves = tuple((ldesc[0], ldesc[1], key) for ldesc, _, key in pairs)
+        self._xfers[handle._handle] = _Xfer(handle, operation, local, remote, moves)
+        return handle
+
+    def transfer(self, handle: FakeXferHandle, notif_msg: bytes | str = b"") -> str:
+        """Post a transfer: "PROC", or "DONE" with ``complete_after_polls=0``.
+
+        Raises:
+            NixlMisuseError: a handle this agent did not make, or one already released.
+            FakeNixlError: NIXL_ERR_REPOST_ACTIVE if it is still running; NIXL_ERR_BACKEND for a
+                notification, or (with ``complete_after_polls=0``) a READ that failed.
+        """
+        fault = self._enter("transfer")
+        xfer = self._xfer("transfer", handle)
+        self._fire_raise(fault)
+        if isinstance(fault, ReturnErr):
+            return "ERR"
+        if notif_msg:
+            raise FakeNixlError("NIXL_ERR_BACKEND")
+        if xfer.state is _State.RUNNING:
+            raise FakeNixlError("NIXL_ERR_REPOST_ACTIVE")
+        xfer.state = _State.RUNNING
+        xfer.failure = None
+        xfer.hold = 0
+        xfer.polls_left = max(self.complete_after_polls - 1, 0)
+        if isinstance(fault, StayProc):
+            xfer.hold = fault.polls - 1
+            return "PROC"
+        if self.complete_after_polls == 0:
+            return self._complete(xfer)
+        return "PROC"
+
+    def check_xfer_state(self, handle: FakeXferHandle) -> str:
+        """Poll a transfer: "PROC" while it runs, "DONE" once it completed.
+
+        Raises:
+            NixlMisuseError: a handle this agent did not make, or one already released.
+            FakeNixlError: NIXL_ERR_BACKEND when the transfer failed (a READ of a missing object
+                or of one whose length differs from the descriptor), again on every later check;
+                NIXL_ERR_NOT_POSTED for a transfer never posted.
+        """
+        fault = self._enter("check_xfer_state")
+        xfer = self._xfer("check_xfer_state", handle)
+        if isinstance(fault, StayProc):
+            xfer.hold = fault.polls - 1
+            return "PROC"
+        if isinstance(fault, Raise | ReturnErr):
+            outcome = fault.code if isinstance(fault, Raise) else "ERR"
+            if xfer.state is _State.RUNNING:
+                self._fail(xfer, outcome)
+            return self._answer_failure(outcome)
+        if xfer.hold:
+            xfer.hold -= 1
+            return "PROC"
+        if xfer.state is _State.MADE:
+            raise FakeNixlError("NIXL_ERR_NOT_POSTED")
+        if xfer.state is _State.DONE:
+            return "DONE"
+        if xfer.state is _State.FAILED:
+            return self._answer_failure(xfer.failure or "NIXL_ERR_BACKEND")
+        if xfer.polls_left:
+            xfer.polls_left -= 1
+            return "PROC"
+        return self._complete(xfer)
+
+    def release_xfer_handle(self, handle: FakeXferHandle) -> None:
+        """Release a transfer handle whose transfer is not running.
+
+        Raises:
+            NixlMisuseError: released already, not made by this agent, or its transfer may still
+                be running (posted and not yet seen DONE or failed).
+        """
+        fault = self._enter("release_xfer_handle")
+        xfer = self._xfer("release_xfer_handle", handle)
+        if xfer.state is _State.RUNNING:
+            raise self._misuse(
+                f"release_xfer_handle: the transfer of {handle!r} may still be running; poll "
+                "check_xfer_state until DONE or an error first"
+            )
+        self._fire_raise(fault)
+        handle._released = True
+
+    def release_dlist_handle(self, handle: FakeDlistHandle) -> None:
+        """Release a prepped descriptor list handle no unreleased transfer handle relies on.
+
+        Raises:
+            NixlMisuseError: released already, not made by this agent, or an unreleased transfer
+                handle was made from it.
+        """
+        fault = self._enter("release_dlist_handle")
+        prepped = self._dlist("release_dlist_handle", handle)
+        users = [
+            xfer.handle
+            for xfer in self._live_xfers()
+            if prepped is xfer.local or prepped is xfer.remote
+        ]
+        if users:
+            raise self._misuse(
+                f"release_dlist_handle: {handle!r} is still used by unreleased {users!r}; "
+                "release the transfer handles first"
+            )
+        self._fire_raise(fault)
+        handle._released = True
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _enter(self, call: str) -> Fault | None:
+        """Record and number a call, consume its fault, and refuse calls after close."""
+        self.calls.append(call)
+        self._counts[call] += 1
+        number = self._counts[call]
+        fault: Fault | None = None
+        for armed in self._armed:
+            if armed.call == call and armed.first <= number <= armed.last:
+                fault = armed.fault
+                armed.first = number + 1
+                if armed.first > armed.last:
+                    self._armed.remove(armed)
+                break
+        if self._closed:
+            raise self._misuse(f"{call}: agent {self.name!r} is closed")
+        return fault
+
+    @staticmethod
+    def _fire_raise(fault: Fault | None) -> None:
+        """Raise the injected error of a Raise fault."""
+        if isinstance(fault, Raise):
+            raise FakeNixlError(fault.code)
+
+    def _check_backends(self, backends: Sequence[str]) -> None:
+        """KeyError for a backend this agent does not have (as the real wrapper)."""
+        for backend in backends:
+            if backend not in self.backends:
+                raise KeyError(backend)
+
+    def _xfer(self, call: str, handle: object) -> _Xfer:
+        """The live transfer behind ``handle``, or NixlMisuseError."""
+        xfer = self._xfers.get(handle._handle) if isinstance(handle, FakeXferHandle) else None
+        if xfer is None or xfer.handle is not handle:
+            raise self._misuse(
+                f"{call}: {handle!r} is not a transfer handle made by agent {self.name!r}"
+            )
+        if xfer.handle._released:
+            raise self._misuse(f"{call}: {handle!r} was already released")
+        return xfer
+
+    def _dlist(self, call: str, handle: object) -> _Prepped:
+        """The live prepped list behind ``handle``, or NixlMisuseError."""
+        prepped = self._dlists.get(handle._handle) if isinstance(handle, FakeDlistHandle) else None
+        if prepped is None or prepped.handle is not handle:
+            raise self._misuse(
+                f"{call}: {handle!r} is not a dlist handle made by agent {self.name!r}"
+            )
+        if prepped.handle._released:
+            raise self._misuse(f"{call}: {handle!r} was already released")
+        return prepped
+
+    def _live_xfers(self) -> list[_Xfer]:
+        """Transfers whose handle is not released."""
+        return [xfer for xfer in self._xfers.values() if not xfer.handle._released]
+
+    def _covering(self, mem_type: str, desc: XferDesc) -> _Entry | None:
+        """The most recent live registration of ``mem_type`` that covers ``desc``."""
+        for entry in reversed(self._entries):
+            if entry.mem_type == mem_type and entry.covers(desc):
+                return entry
+        return None
+
+    def _match_entry(
+        self, mem_type: str, desc: RegDesc, owner: FakeRegDList, taken: list[_Entry]
+    ) -> _Entry | None:
+        """A live registered descriptor equal to ``desc``, preferring ones ``owner`` registered."""
+        candidates = [
+            entry
+            for entry in self._entries
+            if entry.live
+            and entry.mem_type == mem_type
+            and (entry.addr, entry.length, entry.dev_id, entry.meta) == desc
+            and all(entry is not other for other in taken)
+        ]
+        for entry in candidates:
+            if entry.owner is owner:
+                return entry
+        return candidates[-1] if candidates else None
+
+    def _complete(self, xfer: _Xfer) -> str:
+        """Move the bytes of a transfer; "DONE", or fail it with NIXL_ERR_BACKEND."""
+        if xfer.operation == "WRITE":
+            for addr, length, key in xfer.moves:
+                self.objects[key] = ctypes.string_at(addr, length)
+        else:
+            for _, length, key in xfer.moves:
+                data = self.objects.get(key)
+                if data is None or len(data) != length:
+                    self._fail(xfer, "NIXL_ERR_BACKEND")
+                    raise FakeNixlError("NIXL_ERR_BACKEND")
+            for addr, length, key in xfer.moves:
+                ctypes.memmove(addr, self.objects[key], length)
+        xfer.state = _State.DONE
+        return "DONE"
+
+    @staticmethod
+    def _fail(xfer: _Xfer, outcome: str) -> None:
+        """End a transfer as failed with ``outcome`` (a NIXL code, or "ERR")."""
+        xfer.state = _State.FAILED
+        xfer.failure = outcome
+        xfer.hold = 0
+
+    @staticmethod
+    def _answer_failure(outcome: str) -> str:
+        """Answer "ERR", or raise the NIXL error ``outcome``."""
+        if outcome == "ERR":
+            return "ERR"
+        raise FakeNixlError(outcome)
+
+
+def _entries(xfer: _Xfer) -> tuple[_Entry, ...]:
+    """The registered descriptors a transfer relies on, through both of its lists."""
+    return xfer.local.entries + xfer.remote.entries

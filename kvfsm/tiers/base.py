@@ -1,0 +1,260 @@
+"""The secondary-tier contract, run on the transfer lifecycle.
+
+A :class:`SecondaryTier` owns the primary KV cache's NIXL registration and a table of in-flight
+transfers, keyed by job id. ``submit_*`` validates the job, makes the submit calls and leaves the
+transfer where the machine put it; ``get_finished_jobs`` advances every transfer as far as NIXL's
+answers allow and hands out the results of those that reached PUBLISHED. A transfer leaves the
+table only on PUBLISHED, so no result is ever lost or handed out twice.
+
+Subclasses say only how a block key becomes a remote descriptor (:meth:`_remote_descs`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from kvfsm.agent import LOCAL_AGENT, NixlAgent
+from kvfsm.driver import TransferDriver
+from kvfsm.lifecycle import TransferState
+from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
+
+__all__ = ["DrainTimeout", "InvalidJobError", "SecondaryTier", "TierClosedError"]
+
+
+class InvalidJobError(ValueError):
+    """A submitted job was malformed; nothing was registered and no result will be published."""
+
+
+class TierClosedError(RuntimeError):
+    """The tier was shut down and takes no more jobs."""
+
+
+class DrainTimeout(TimeoutError):
+    """Transfers were still unpublished at the deadline; lists each with its state and error."""
+
+    def __init__(self, what: str, stuck: Sequence[Transfer]) -> None:
+        self.stuck = tuple(stuck)
+        lines = [f"job {t.job_id}: {t.state.name}, retries={t.retries}, last error: {t.error}"
+                 for t in self.stuck]
+        super().__init__(f"{what}: {len(self.stuck)} transfer(s) not published\n  "
+                         + "\n  ".join(lines))
+
+
+class SecondaryTier:
+    """A tier that copies primary KV blocks out and back with NIXL, one machine per transfer.
+
+    Args:
+        primary: the primary KV cache, a contiguous CPU tensor whose first dimension indexes
+            blocks.
+        agent: a NIXL agent (``nixl_agent`` or :class:`kvfsm.testing.FakeNixlAgent`).
+        poll_interval: seconds :meth:`drain_jobs` sleeps between polls while transfers run.
+    """
+
+    #: the NIXL memory type of the remote side ("OBJ", "FILE")
+    remote_mem_type: ClassVar[str]
+
+    def __init__(self, primary: torch.Tensor, *, agent: NixlAgent,
+                 poll_interval: float = 0.0005) -> None:
+        _check_primary(primary)
+        self.primary = primary
+        self.agent = agent
+        self.num_blocks = int(primary.shape[0])
+        self.block_bytes = int(primary.stride(0) * primary.element_size())
+        self.poll_interval = poll_interval
+        self.driver = TransferDriver(agent)
+        self._transfers: dict[int, Transfer] = {}
+        self._results: list[JobResult] = []
+        self._unreported: set[int] = set()  # job ids published but not yet handed out
+        self._closed = False
+        self._published = 0
+        self._retries = 0
+        self._leaks: list[tuple[int, Leak]] = []
+        base = primary.data_ptr()
+        self._dram = agent.register_memory(
+            [(base, self.num_blocks * self.block_bytes, 0, "")], "DRAM")
+        try:
+            self._local = agent.prep_xfer_dlist(
+                LOCAL_AGENT,
+                [(base + i * self.block_bytes, self.block_bytes, 0)
+                 for i in range(self.num_blocks)],
+                "DRAM")
+        except BaseException:
+            agent.deregister_memory(self._dram)
+            raise
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def submit_store(self, job: TransferJob) -> None:
+        """Copy the job's primary blocks out to the tier; the result comes later."""
+        self._submit(job, load=False)
+
+    def submit_load(self, job: TransferJob) -> None:
+        """Fill the job's (allocated) primary blocks from the tier; the result comes later."""
+        self._submit(job, load=True)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Advance every transfer once; return each result published since the last call."""
+        self._poll()
+        results, self._results = self._results, []
+        self._unreported.clear()
+        return results
+
+    def drain_jobs(self, timeout: float | None = None) -> None:
+        """Block until every transfer is published; results surface in get_finished_jobs.
+
+        Raises:
+            DrainTimeout: ``timeout`` seconds passed with transfers still unpublished; they
+                stay in the table, untouched, and a later poll goes on with them.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._poll()
+            if not self._transfers:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DrainTimeout("drain_jobs", list(self._transfers.values()))
+            time.sleep(self.poll_interval)
+
+    def has_pending_work(self) -> bool:
+        """True while a transfer is unpublished or a result is not yet handed out."""
+        return bool(self._transfers) or bool(self._results)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Finish every transfer, then release the primary registration. Idempotent.
+
+        Unfinished transfers are polled to their end (never released while running); their
+        results stay available from :meth:`get_finished_jobs`.
+
+        Raises:
+            DrainTimeout: transfers were still running at the deadline; nothing was released
+                and the tier stays open, so shutdown can be called again.
+        """
+        if self._closed:
+            return
+        self.drain_jobs(timeout)
+        self._closed = True
+        try:
+            self.agent.release_dlist_handle(self._local)
+        finally:
+            self.agent.deregister_memory(self._dram)
+
+    def state_of(self, job_id: int) -> TransferState | None:
+        """The state of a job's transfer, or None when it is published or unknown."""
+        transfer = self._transfers.get(job_id)
+        return None if transfer is None else transfer.state
+
+    def transfer_of(self, job_id: int) -> Transfer | None:
+        """The in-flight transfer record of a job (retries, leaks, last error), or None."""
+        return self._transfers.get(job_id)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts: transfers in flight per state, published, release retries, leaks."""
+        in_flight: dict[str, int] = {}
+        for transfer in self._transfers.values():
+            in_flight[transfer.state.name] = in_flight.get(transfer.state.name, 0) + 1
+        return {
+            "in_flight": in_flight,
+            "published": self._published,
+            "retries": self._retries + sum(t.retries for t in self._transfers.values()),
+            "leaks": len(self._leaks),
+            "leaked": list(self._leaks),
+        }
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` released the primary registration."""
+        return self._closed
+
+    # -- what a subclass provides -----------------------------------------------------------
+
+    def _remote_descs(self, keys: Sequence[bytes | str]) -> list[tuple[int, int, int, str]]:
+        """The remote descriptors ``(addr, len, dev_id, meta)`` for ``keys``, one per block."""
+        raise NotImplementedError
+
+    def _check_key(self, key: object, index: int) -> None:
+        """Raise InvalidJobError when ``key`` cannot name a block in this tier."""
+        if not isinstance(key, bytes | str):
+            raise InvalidJobError(f"keys[{index}] is {type(key).__name__} {key!r}; "
+                                  "a key must be bytes or str")
+        if not key:
+            raise InvalidJobError(f"keys[{index}] is empty")
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _submit(self, job: TransferJob, *, load: bool) -> None:
+        if self._closed:
+            raise TierClosedError(f"{type(self).__name__} is shut down; job {job.job_id} refused")
+        keys, block_ids = self._validate(job, load=load)
+        job = TransferJob(job.job_id, keys, block_ids, is_promotion=job.is_promotion)
+        transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic())
+        remote = self._remote_descs(keys)
+        self._transfers[job.job_id] = transfer
+        self.driver.post(transfer, "READ" if load else "WRITE", self._local, block_ids,
+                         remote, self.remote_mem_type)
+        if transfer.state is not TransferState.PROCESSING:  # over at once: DONE or FAILED
+            self._advance(transfer)
+
+    def _validate(self, job: Any, *, load: bool) -> tuple[tuple[bytes | str, ...], tuple[int, ...]]:
+        if not isinstance(job, TransferJob):
+            raise InvalidJobError(f"expected a TransferJob, got {type(job).__name__}")
+        job_id = job.job_id
+        if not isinstance(job_id, int) or isinstance(job_id, bool):
+            raise InvalidJobError(f"job_id must be an int, got {job_id!r}")
+        if job_id in self._transfers:
+            raise InvalidJobError(f"job {job_id} is already in flight "
+                                  f"({self._transfers[job_id].state.name})")
+        if job_id in self._unreported:
+            raise InvalidJobError(f"job {job_id} has a result not yet collected")
+        if job.is_promotion != load:
+            wanted = "submit_load" if job.is_promotion else "submit_store"
+            raise InvalidJobError(f"job {job_id} has is_promotion={job.is_promotion}; "
+                                  f"submit it with {wanted}")
+        keys, block_ids = tuple(job.keys), tuple(job.block_ids)
+        if len(keys) != len(block_ids):
+            raise InvalidJobError(f"job {job_id} has {len(keys)} keys but "
+                                  f"{len(block_ids)} block ids")
+        for index, key in enumerate(keys):
+            self._check_key(key, index)
+        if len(set(keys)) != len(keys):
+            raise InvalidJobError(f"job {job_id} names the same key twice")
+        for index, block_id in enumerate(block_ids):
+            if not isinstance(block_id, int) or isinstance(block_id, bool):
+                raise InvalidJobError(f"job {job_id}: block_ids[{index}] is {block_id!r}, "
+                                      "not an int")
+            if not 0 <= block_id < self.num_blocks:
+                raise InvalidJobError(f"job {job_id}: block_ids[{index}] = {block_id} is out "
+                                      f"of range [0, {self.num_blocks})")
+        if load and len(set(block_ids)) != len(block_ids):
+            raise InvalidJobError(f"job {job_id} loads into the same block twice")
+        return keys, block_ids
+
+    def _advance(self, transfer: Transfer) -> None:
+        if self.driver.advance(transfer):
+            del self._transfers[transfer.job_id]
+            self._results.append(transfer.result())
+            self._unreported.add(transfer.job_id)
+            self._published += 1
+            self._retries += transfer.retries
+            self._leaks.extend((transfer.job_id, leak) for leak in transfer.leaks)
+
+    def _poll(self) -> None:
+        for transfer in list(self._transfers.values()):
+            self._advance(transfer)
+
+
+def _check_primary(primary: object) -> None:
+    if not isinstance(primary, torch.Tensor):
+        raise ValueError(f"primary must be a torch.Tensor, got {type(primary).__name__}")
+    if primary.device.type != "cpu":
+        raise ValueError(f"primary must be a CPU tensor, got device {primary.device}")
+    if primary.dim() < 1 or primary.shape[0] == 0:
+        raise ValueError(f"primary must have a first dimension of blocks, got shape "
+                         f"{tuple(primary.shape)}")
+    if not primary.is_contiguous():
+        raise ValueError("primary must be contiguous (blocks must be adjacent in memory)")
+    if primary.numel() == 0:
+        raise ValueError(f"primary has empty blocks: shape {tuple(primary.shape)}")

@@ -1,0 +1,110 @@
+"""Jobs, results, and the per-transfer record the lifecycle machine moves."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvfsm.lifecycle import TransferState
+
+__all__ = ["JobResult", "Leak", "Transfer", "TransferJob"]
+
+Key = bytes | str
+
+
+@dataclass(frozen=True, slots=True)
+class TransferJob:
+    """A request to copy blocks between the primary KV cache and a tier.
+
+    ``keys[i]`` names the block stored in primary slot ``block_ids[i]``. A store copies the
+    primary blocks out to the tier; a load (``is_promotion=True``) fills them from the tier.
+    """
+
+    job_id: int
+    keys: Sequence[Key]
+    block_ids: Sequence[int]
+    is_promotion: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """The one result a submitted job ever publishes."""
+
+    job_id: int
+    success: bool
+    #: bytes moved (0 when the transfer failed)
+    transfer_size: int = 0
+    #: seconds from submit until the transfer finished or failed
+    transfer_time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Leak:
+    """A best-effort cleanup call that failed: NIXL metadata may have leaked, memory is safe."""
+
+    call: str
+    error: str
+
+
+class Transfer:
+    """One job's transfer: its state, the NIXL resources it holds, and its latched outcome.
+
+    The driver stores the handles it created; only the lifecycle machine's actions change
+    ``success``, ``retries``, ``error`` and ``leaks``.
+    """
+
+    __slots__ = (
+        "error",
+        "files",
+        "finished_at",
+        "job",
+        "leaks",
+        "nbytes",
+        "remote",
+        "retries",
+        "started_at",
+        "state",
+        "success",
+        "xfer",
+    )
+
+    def __init__(self, job: TransferJob, nbytes: int, started_at: float) -> None:
+        self.job = job
+        self.state = TransferState.SUBMITTED
+        self.nbytes = nbytes
+        self.started_at = started_at
+        self.finished_at = started_at
+        #: the outcome, latched on entering DONE (True) or FAILED (False); None before that
+        self.success: bool | None = None
+        #: how many times releasing the transfer handle raised and was retried
+        self.retries = 0
+        #: the last NIXL error this transfer saw, as text
+        self.error: str | None = None
+        self.leaks: tuple[Leak, ...] = ()
+        #: registered remote descriptors (register_memory), or None
+        self.files: Any = None
+        #: prepped remote descriptor list handle (prep_xfer_dlist), or None
+        self.remote: Any = None
+        #: transfer handle (make_prepped_xfer), or None once released
+        self.xfer: Any = None
+
+    @property
+    def job_id(self) -> int:
+        """The job this transfer carries."""
+        return self.job.job_id
+
+    def result(self) -> JobResult:
+        """The job's result; only meaningful once the outcome is latched."""
+        success = bool(self.success)
+        return JobResult(
+            job_id=self.job.job_id,
+            success=success,
+            transfer_size=self.nbytes if success else 0,
+            transfer_time=self.finished_at - self.started_at,
+        )
+
+    def __repr__(self) -> str:
+        outcome = {None: "pending", True: "success", False: "failure"}[self.success]
+        return (f"<Transfer job={self.job.job_id} {self.state.name} {outcome} "
+                f"retries={self.retries} leaks={len(self.leaks)}>")

@@ -1,0 +1,688 @@
+"""FakeNixlAgent: real bytes, real NIXL's failure shapes, misuse detection and fault injection."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvfsm.agent import NixlAgent
+from kvfsm.testing.fake_agent import (
+    FakeDlistHandle,
+    FakeNixlAgent,
+    FakeNixlError,
+    FakeRegDList,
+    FakeXferHandle,
+    NixlMisuseError,
+    Raise,
+    ReturnErr,
+    StayProc,
+)
+
+BLOCKS = 8
+BLOCK_ELEMS = 64
+LOCAL = "NIXL_INIT_AGENT"
+
+
+@dataclass
+class Tier:
+    """An agent with a registered, prepped KV buffer of BLOCKS float32 blocks."""
+
+    agent: FakeNixlAgent
+    kv: torch.Tensor
+    dram: FakeRegDList
+    local: FakeDlistHandle
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv[0].nbytes
+
+    def block(self, i: int) -> bytes:
+        return self.kv[i].numpy().tobytes()
+
+    def stage(self, keys: Sequence[str]) -> tuple[FakeRegDList, FakeDlistHandle]:
+        """Register one object descriptor per key and prep them as the loopback side."""
+        files = self.agent.register_memory(
+            [(0, self.block_bytes, dev_id, key) for dev_id, key in enumerate(keys, start=1)], "OBJ"
+        )
+        return files, self.agent.prep_xfer_dlist(self.agent.name, files.trim())
+
+    def make(self, op: str, blocks: Sequence[int], remote: FakeDlistHandle) -> FakeXferHandle:
+        return self.agent.make_prepped_xfer(
+            op, self.local, list(blocks), remote, list(range(len(blocks)))
+        )
+
+
+def make_tier(**agent_kwargs: int) -> Tier:
+    agent = FakeNixlAgent("tier-agent", **agent_kwargs)
+    kv = torch.arange(BLOCKS * BLOCK_ELEMS, dtype=torch.float32).view(BLOCKS, BLOCK_ELEMS)
+    base, block_bytes = kv.data_ptr(), kv[0].nbytes
+    dram = agent.register_memory([(base, kv.nbytes, 0, "")], "DRAM")
+    local = agent.prep_xfer_dlist(
+        LOCAL, [(base + i * block_bytes, block_bytes, 0) for i in range(BLOCKS)], "DRAM"
+    )
+    return Tier(agent, kv, dram, local)
+
+
+@pytest.fixture
+def tier() -> Tier:
+    return make_tier()
+
+
+def poll(agent: FakeNixlAgent, xfer: FakeXferHandle, limit: int = 20) -> list[str]:
+    """Every answer of check_xfer_state until it is not PROC."""
+    answers = [agent.check_xfer_state(xfer)]
+    while answers[-1] == "PROC" and len(answers) < limit:
+        answers.append(agent.check_xfer_state(xfer))
+    return answers
+
+
+def write_blocks(tier: Tier, keys: Sequence[str]) -> None:
+    """Store blocks 0.. len(keys)-1 under ``keys`` and clean up after."""
+    files, remote = tier.stage(keys)
+    xfer = tier.make("WRITE", range(len(keys)), remote)
+    assert tier.agent.transfer(xfer) == "PROC"
+    assert poll(tier.agent, xfer)[-1] == "DONE"
+    tier.agent.release_xfer_handle(xfer)
+    tier.agent.release_dlist_handle(remote)
+    tier.agent.deregister_memory(files)
+
+
+# -- real bytes -------------------------------------------------------------------------------
+
+
+def test_write_then_read_back_in_another_order_round_trips_the_bytes(tier: Tier) -> None:
+    agent, keys = tier.agent, [f"blk-{i}" for i in range(BLOCKS)]
+    original = tier.kv.clone()
+    files, remote = tier.stage(keys)
+    write = tier.make("WRITE", range(BLOCKS), remote)
+    assert agent.transfer(write) == "PROC"
+    assert poll(agent, write) == ["DONE"]
+    assert all(agent.objects[keys[i]] == tier.block(i) for i in range(BLOCKS))
+    agent.release_xfer_handle(write)
+
+    tier.kv.zero_()
+    order = [5, 2, 7, 0, 3, 6, 1, 4]  # object i lands in block order[i]
+    read = tier.make("READ", order, remote)
+    assert agent.transfer(read) == "PROC"
+    assert poll(agent, read) == ["DONE"]
+    for i, block in enumerate(order):
+        assert torch.equal(tier.kv[block], original[i])
+        assert tier.block(block) == agent.objects[keys[i]]
+
+    agent.release_xfer_handle(read)
+    agent.release_dlist_handle(remote)
+    agent.deregister_memory(files)
+    assert agent.live_xfer_handles() == 0
+    assert agent.live_dlist_handles() == 1  # the KV buffer's own list
+    assert agent.live_registrations("OBJ") == 0
+    assert agent.live_registrations("DRAM") == agent.live_registrations() == 1
+
+
+def test_bytes_move_only_when_the_transfer_completes() -> None:
+    tier = make_tier(complete_after_polls=2)
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    write = tier.make("WRITE", [3], remote)
+    assert agent.transfer(write) == "PROC"
+    assert agent.check_xfer_state(write) == "PROC"
+    assert agent.objects == {}
+    assert agent.running_transfers() == 1
+    assert agent.check_xfer_state(write) == "DONE"
+    assert agent.objects == {"k": tier.block(3)}
+    assert agent.running_transfers() == 0
+
+    agent.objects["k"] = bytes(tier.block_bytes)
+    read = tier.make("READ", [3], remote)
+    agent.transfer(read)
+    assert agent.check_xfer_state(read) == "PROC"
+    assert tier.kv[3].abs().sum() > 0
+    assert agent.check_xfer_state(read) == "DONE"
+    assert tier.kv[3].abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    ("complete_after_polls", "answers"),
+    [
+        (1, ["DONE"]),
+        (2, ["PROC", "DONE"]),
+        (4, ["PROC", "PROC", "PROC", "DONE"]),
+    ],
+)
+def test_complete_after_polls_is_the_number_of_checks_a_transfer_needs(
+    complete_after_polls: int, answers: list[str]
+) -> None:
+    tier = make_tier(complete_after_polls=complete_after_polls)
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    assert tier.agent.transfer(xfer) == "PROC"
+    assert poll(tier.agent, xfer) == answers
+    assert tier.agent.objects["k"] == tier.block(0)
+
+
+def test_complete_after_polls_zero_finishes_inside_transfer() -> None:
+    tier = make_tier(complete_after_polls=0)
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [6], remote)
+    assert tier.agent.transfer(xfer) == "DONE"
+    assert tier.agent.objects["k"] == tier.block(6)
+    assert tier.agent.running_transfers() == 0
+    tier.agent.release_xfer_handle(xfer)
+
+
+def test_a_done_transfer_keeps_answering_done_and_can_be_posted_again(tier: Tier) -> None:
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [1], remote)
+    agent.transfer(xfer)
+    assert poll(agent, xfer) == ["DONE"]
+    assert agent.check_xfer_state(xfer) == "DONE"
+    tier.kv[1].fill_(7.0)
+    assert agent.transfer(xfer) == "PROC"
+    assert poll(agent, xfer) == ["DONE"]
+    assert agent.objects["k"] == tier.block(1)
+
+
+def test_reading_a_missing_object_raises_from_check_ends_the_transfer_and_moves_nothing(
+    tier: Tier,
+) -> None:
+    agent = tier.agent
+    agent.objects["present"] = bytes(tier.block_bytes)
+    before = tier.kv.clone()
+    _, remote = tier.stage(["present", "missing"])
+    read = tier.make("READ", [0, 1], remote)
+    assert agent.transfer(read) == "PROC"
+    with pytest.raises(FakeNixlError) as raised:
+        agent.check_xfer_state(read)
+    assert raised.value.code == str(raised.value) == "NIXL_ERR_BACKEND"
+    assert torch.equal(tier.kv, before)
+    assert agent.running_transfers() == 0
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_BACKEND"):
+        agent.check_xfer_state(read)  # a failed transfer keeps failing
+    agent.release_xfer_handle(read)  # over, so releasing is fine
+
+
+def test_reading_an_object_of_another_length_fails(tier: Tier) -> None:
+    tier.agent.objects["short"] = b"\x01" * (tier.block_bytes - 1)
+    _, remote = tier.stage(["short"])
+    read = tier.make("READ", [0], remote)
+    tier.agent.transfer(read)
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_BACKEND"):
+        tier.agent.check_xfer_state(read)
+
+
+def test_a_failed_read_with_complete_after_polls_zero_raises_from_transfer() -> None:
+    tier = make_tier(complete_after_polls=0)
+    _, remote = tier.stage(["missing"])
+    read = tier.make("READ", [0], remote)
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_BACKEND"):
+        tier.agent.transfer(read)
+    assert tier.agent.running_transfers() == 0
+    tier.agent.release_xfer_handle(read)
+
+
+def test_query_memory_answers_empty_dict_for_present_and_none_for_absent(tier: Tier) -> None:
+    write_blocks(tier, ["a"])
+    answer = tier.agent.query_memory([(0, 1, 0, "a"), (0, 1, 0, "b")], "OBJ", "OBJ")
+    assert answer == [{}, None]
+
+
+def test_a_later_registration_of_the_same_dev_id_wins(tier: Tier) -> None:
+    agent = tier.agent
+    agent.register_memory([(0, tier.block_bytes, 9, "old")], "OBJ")
+    agent.register_memory([(0, tier.block_bytes, 9, "new")], "OBJ")
+    remote = agent.prep_xfer_dlist(agent.name, [(0, tier.block_bytes, 9)], "OBJ")
+    xfer = tier.make("WRITE", [2], remote)
+    agent.transfer(xfer)
+    poll(agent, xfer)
+    assert agent.objects == {"new": tier.block(2)}
+
+
+def test_two_agents_can_share_one_object_store(tier: Tier) -> None:
+    write_blocks(tier, ["shared"])
+    other = FakeNixlAgent("restarted", objects=tier.agent.objects)
+    assert other.query_memory([(0, 1, 0, "shared")], "OBJ", "OBJ") == [{}]
+
+
+# -- what real NIXL raises --------------------------------------------------------------------
+
+
+def test_errors_print_as_their_nixl_code_and_are_not_misuse() -> None:
+    error = FakeNixlError("NIXL_ERR_NOT_FOUND")
+    assert str(error) == error.code == "NIXL_ERR_NOT_FOUND"
+    assert not issubclass(NixlMisuseError, FakeNixlError)
+    assert not issubclass(FakeNixlError, NixlMisuseError)
+
+
+def test_three_tuples_cannot_be_registered(tier: Tier) -> None:
+    with pytest.raises(TypeError):
+        tier.agent.register_memory([(0, 8, 1)], "OBJ")  # type: ignore[list-item]
+    assert tier.agent.live_registrations("OBJ") == 0
+
+
+def test_an_operation_other_than_write_or_read_is_a_key_error(tier: Tier) -> None:
+    _, remote = tier.stage(["k"])
+    with pytest.raises(KeyError):
+        tier.agent.make_prepped_xfer("COPY", tier.local, [0], remote, [0])
+
+
+@pytest.mark.parametrize(
+    ("local_indices", "remote_indices"),
+    [
+        ([0, 1], [0]),  # different lengths
+        ([BLOCKS], [0]),  # local index out of range
+        ([0], [2]),  # remote index out of range
+        ([-1], [0]),  # negative index
+        ([], []),  # real NIXL refuses a transfer of zero descriptors
+    ],
+)
+def test_bad_indices_are_invalid_param(
+    tier: Tier, local_indices: list[int], remote_indices: list[int]
+) -> None:
+    _, remote = tier.stage(["a", "b"])
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_INVALID_PARAM"):
+        tier.agent.make_prepped_xfer("WRITE", tier.local, local_indices, remote, remote_indices)
+    assert tier.agent.live_xfer_handles() == 0
+
+
+def test_descriptors_of_different_lengths_cannot_be_paired(tier: Tier) -> None:
+    files = tier.agent.register_memory([(0, 16, 1, "small")], "OBJ")
+    remote = tier.agent.prep_xfer_dlist(tier.agent.name, files.trim())
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_INVALID_PARAM"):
+        tier.make("WRITE", [0], remote)
+
+
+def test_sides_prepped_the_wrong_way_round_are_invalid_param(tier: Tier) -> None:
+    files = tier.agent.register_memory([(0, tier.block_bytes, 1, "k")], "OBJ")
+    remote_as_local = tier.agent.prep_xfer_dlist(LOCAL, files.trim())
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_INVALID_PARAM"):
+        tier.make("WRITE", [0], remote_as_local)
+
+
+def test_deregistering_twice_is_not_found_not_a_crash(tier: Tier) -> None:
+    files, remote = tier.stage(["k"])
+    tier.agent.release_dlist_handle(remote)
+    tier.agent.deregister_memory(files)
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_NOT_FOUND"):
+        tier.agent.deregister_memory(files)
+
+
+def test_prepping_for_an_unknown_agent_or_unregistered_object_is_not_found(tier: Tier) -> None:
+    files = tier.agent.register_memory([(0, tier.block_bytes, 1, "k")], "OBJ")
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_NOT_FOUND"):
+        tier.agent.prep_xfer_dlist("somebody-else", files.trim())
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_NOT_FOUND"):
+        tier.agent.prep_xfer_dlist(tier.agent.name, [(0, tier.block_bytes, 2)], "OBJ")
+
+
+def test_posting_a_running_transfer_again_is_repost_active(tier: Tier) -> None:
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    tier.agent.transfer(xfer)
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_REPOST_ACTIVE"):
+        tier.agent.transfer(xfer)
+    assert poll(tier.agent, xfer) == ["DONE"]
+
+
+def test_checking_a_transfer_never_posted_is_not_posted(tier: Tier) -> None:
+    _, remote = tier.stage(["k"])
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_NOT_POSTED"):
+        tier.agent.check_xfer_state(tier.make("WRITE", [0], remote))
+
+
+def test_the_object_store_supports_no_notifications(tier: Tier) -> None:
+    _, remote = tier.stage(["k"])
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_BACKEND"):
+        tier.agent.make_prepped_xfer("WRITE", tier.local, [0], remote, [0], notif_msg=b"hi")
+    xfer = tier.make("WRITE", [0], remote)
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_BACKEND"):
+        tier.agent.transfer(xfer, b"hi")
+    assert tier.agent.running_transfers() == 0
+
+
+# -- misuse -----------------------------------------------------------------------------------
+
+
+def test_releasing_a_transfer_handle_twice_is_misuse(tier: Tier) -> None:
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    tier.agent.release_xfer_handle(xfer)
+    with pytest.raises(NixlMisuseError, match=r"release_xfer_handle: FakeXferHandle\(.*released"):
+        tier.agent.release_xfer_handle(xfer)
+
+
+def test_releasing_a_dlist_handle_twice_is_misuse(tier: Tier) -> None:
+    _, remote = tier.stage(["k"])
+    tier.agent.release_dlist_handle(remote)
+    with pytest.raises(NixlMisuseError, match="release_dlist_handle: FakeDlistHandle"):
+        tier.agent.release_dlist_handle(remote)
+
+
+def test_using_a_released_transfer_handle_is_misuse(tier: Tier) -> None:
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    tier.agent.release_xfer_handle(xfer)
+    with pytest.raises(NixlMisuseError, match=r"transfer: .*already released"):
+        tier.agent.transfer(xfer)
+    with pytest.raises(NixlMisuseError, match="check_xfer_state"):
+        tier.agent.check_xfer_state(xfer)
+
+
+def test_handles_of_another_agent_are_misuse(tier: Tier) -> None:
+    other = make_tier()
+    _, remote = other.stage(["k"])
+    foreign = other.make("WRITE", [0], remote)
+    with pytest.raises(NixlMisuseError, match="not a transfer handle made by agent"):
+        tier.agent.release_xfer_handle(foreign)
+    with pytest.raises(NixlMisuseError, match="not a dlist handle made by agent"):
+        tier.agent.release_dlist_handle(remote)
+    with pytest.raises(NixlMisuseError, match="make_prepped_xfer"):
+        tier.agent.make_prepped_xfer("WRITE", tier.local, [0], remote, [0])
+    assert other.agent.live_xfer_handles() == 1
+
+
+def test_releasing_a_transfer_still_running_is_misuse(tier: Tier) -> None:
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    tier.agent.transfer(xfer)
+    with pytest.raises(NixlMisuseError, match="may still be running"):
+        tier.agent.release_xfer_handle(xfer)
+    assert poll(tier.agent, xfer) == ["DONE"]
+    tier.agent.release_xfer_handle(xfer)
+
+
+def test_releasing_a_dlist_or_deregistering_under_a_live_transfer_handle_is_misuse(
+    tier: Tier,
+) -> None:
+    agent = tier.agent
+    files, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)  # never posted: still refers to both lists
+    with pytest.raises(NixlMisuseError, match="still used by"):
+        agent.release_dlist_handle(remote)
+    with pytest.raises(NixlMisuseError, match="still used by"):
+        agent.release_dlist_handle(tier.local)
+    with pytest.raises(NixlMisuseError, match="deregister_memory: OBJ"):
+        agent.deregister_memory(files)
+    with pytest.raises(NixlMisuseError, match="deregister_memory: DRAM"):
+        agent.deregister_memory(tier.dram)
+    agent.release_xfer_handle(xfer)
+    agent.release_dlist_handle(remote)
+    agent.deregister_memory(files)
+    assert agent.live_registrations("OBJ") == 0
+
+
+def test_a_dram_descriptor_outside_registered_memory_is_misuse(tier: Tier) -> None:
+    end = tier.kv.data_ptr() + tier.kv.nbytes
+    with pytest.raises(NixlMisuseError, match="outside every registered DRAM region"):
+        tier.agent.prep_xfer_dlist(LOCAL, [(end - 8, 16, 0)], "DRAM")
+    assert tier.agent.live_dlist_handles() == 1
+
+
+def test_making_a_transfer_from_a_list_whose_memory_was_deregistered_is_misuse(
+    tier: Tier,
+) -> None:
+    files, remote = tier.stage(["k"])
+    tier.agent.deregister_memory(files)
+    with pytest.raises(NixlMisuseError, match="deregistered"):
+        tier.make("WRITE", [0], remote)
+
+
+def test_closing_with_a_running_transfer_is_misuse_and_every_call_after_close_too(
+    tier: Tier,
+) -> None:
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    agent.transfer(xfer)
+    with pytest.raises(NixlMisuseError, match=r"close: .*running"):
+        agent.close()
+    assert poll(agent, xfer) == ["DONE"]
+    agent.close()
+    with pytest.raises(NixlMisuseError, match="check_xfer_state: agent 'tier-agent' is closed"):
+        agent.check_xfer_state(xfer)
+
+
+def test_the_context_manager_closes_the_agent() -> None:
+    with FakeNixlAgent() as agent:
+        agent.register_memory([(0, 8, 1, "k")], "OBJ")
+    with pytest.raises(NixlMisuseError, match="closed"):
+        agent.register_memory([(0, 8, 2, "j")], "OBJ")
+
+
+def test_misuse_escapes_code_that_handles_nixl_failures(tier: Tier) -> None:
+    _, remote = tier.stage(["k"])
+    tier.agent.release_dlist_handle(remote)
+    with pytest.raises(NixlMisuseError):
+        try:
+            tier.agent.release_dlist_handle(remote)
+        except FakeNixlError:
+            pytest.fail("a double release must not look like a NIXL failure")
+
+
+# -- fault injection --------------------------------------------------------------------------
+
+
+def test_raise_on_the_next_call_fails_that_call_only_and_changes_nothing(tier: Tier) -> None:
+    agent = tier.agent
+    agent.inject("register_memory", Raise("NIXL_ERR_NOT_ALLOWED"))
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_NOT_ALLOWED"):
+        agent.register_memory([(0, 8, 1, "k")], "OBJ")
+    assert agent.live_registrations("OBJ") == 0
+    agent.register_memory([(0, 8, 1, "k")], "OBJ")
+    assert agent.live_registrations("OBJ") == 1
+    assert agent.pending_faults() == []
+
+
+def test_raise_at_the_kth_call_counts_from_the_agents_creation(tier: Tier) -> None:
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    agent.inject("transfer", Raise(), at=2)
+    assert agent.pending_faults() == [("transfer", 2, Raise("NIXL_ERR_BACKEND"))]
+    xfer = tier.make("WRITE", [0], remote)
+    assert agent.transfer(xfer) == "PROC"  # call 1
+    poll(agent, xfer)
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_BACKEND"):
+        agent.transfer(xfer)  # call 2
+    assert agent.running_transfers() == 0
+    assert agent.transfer(xfer) == "PROC"  # call 3
+    assert agent.calls.count("transfer") == agent.call_count("transfer") == 3
+
+
+def test_times_makes_a_fault_hit_consecutive_calls(tier: Tier) -> None:
+    agent = tier.agent
+    agent.inject("prep_xfer_dlist", Raise(), times=2)
+    files = agent.register_memory([(0, tier.block_bytes, 1, "k")], "OBJ")
+    for _ in range(2):
+        with pytest.raises(FakeNixlError):
+            agent.prep_xfer_dlist(agent.name, files.trim())
+    assert agent.live_dlist_handles() == 1  # only the tier's own list
+    agent.prep_xfer_dlist(agent.name, files.trim())
+    assert agent.live_dlist_handles() == 2
+
+
+def test_return_err_on_transfer_means_the_post_did_not_happen(tier: Tier) -> None:
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    agent.inject("transfer", ReturnErr())
+    assert agent.transfer(xfer) == "ERR"
+    assert agent.running_transfers() == 0
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_NOT_POSTED"):
+        agent.check_xfer_state(xfer)
+    assert agent.transfer(xfer) == "PROC"
+
+
+def test_return_err_on_check_ends_the_transfer_as_failed_without_moving_bytes(tier: Tier) -> None:
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    agent.transfer(xfer)
+    agent.inject("check_xfer_state", ReturnErr(), at=1)
+    assert agent.check_xfer_state(xfer) == "ERR"
+    assert agent.check_xfer_state(xfer) == "ERR"
+    assert agent.objects == {}
+    agent.release_xfer_handle(xfer)
+
+
+def test_raise_on_check_ends_the_running_transfer_so_it_can_be_released(tier: Tier) -> None:
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    agent.transfer(xfer)
+    agent.inject("check_xfer_state", Raise("NIXL_ERR_UNKNOWN"))
+    with pytest.raises(FakeNixlError, match="NIXL_ERR_UNKNOWN"):
+        agent.check_xfer_state(xfer)
+    assert agent.running_transfers() == 0
+    assert agent.objects == {}
+    agent.release_xfer_handle(xfer)
+
+
+@pytest.mark.parametrize("polls", [1, 3, 5])
+def test_stay_proc_on_check_keeps_the_transfer_proc_for_n_polls(tier: Tier, polls: int) -> None:
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    agent.transfer(xfer)
+    agent.inject("check_xfer_state", StayProc(polls))
+    assert poll(agent, xfer) == ["PROC"] * polls + ["DONE"]
+    assert agent.objects["k"] == tier.block(0)
+
+
+def test_stay_proc_on_transfer_holds_even_an_immediate_completion() -> None:
+    tier = make_tier(complete_after_polls=0)
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    agent.inject("transfer", StayProc(3))
+    assert agent.transfer(xfer) == "PROC"
+    assert agent.objects == {}
+    assert poll(agent, xfer) == ["PROC", "PROC", "DONE"]
+    assert agent.objects["k"] == tier.block(0)
+
+
+def test_stay_proc_at_a_later_check_and_release_is_refused_while_held() -> None:
+    tier = make_tier(complete_after_polls=3)
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    agent.transfer(xfer)
+    agent.inject("check_xfer_state", StayProc(2), at=2)
+    answers = [agent.check_xfer_state(xfer) for _ in range(5)]
+    assert answers == ["PROC", "PROC", "PROC", "PROC", "DONE"]  # 2 normal + 2 held PROC
+    xfer2 = tier.make("WRITE", [1], remote)
+    agent.transfer(xfer2)
+    agent.inject("check_xfer_state", StayProc(4))
+    agent.check_xfer_state(xfer2)
+    with pytest.raises(NixlMisuseError, match="may still be running"):
+        agent.release_xfer_handle(xfer2)
+
+
+def test_raise_on_release_leaves_the_handle_to_release_again(tier: Tier) -> None:
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    xfer = tier.make("WRITE", [0], remote)
+    agent.inject("release_xfer_handle", Raise())
+    with pytest.raises(FakeNixlError):
+        agent.release_xfer_handle(xfer)
+    assert agent.live_xfer_handles() == 1
+    agent.release_xfer_handle(xfer)
+    assert agent.live_xfer_handles() == 0
+
+
+def test_raise_on_deregister_or_make_changes_nothing(tier: Tier) -> None:
+    agent = tier.agent
+    files, remote = tier.stage(["k"])
+    agent.inject("make_prepped_xfer", Raise())
+    with pytest.raises(FakeNixlError):
+        tier.make("WRITE", [0], remote)
+    assert agent.live_xfer_handles() == 0
+    agent.release_dlist_handle(remote)
+    agent.inject("deregister_memory", Raise())
+    with pytest.raises(FakeNixlError):
+        agent.deregister_memory(files)
+    assert agent.live_registrations("OBJ") == 1
+    agent.deregister_memory(files)
+
+
+def test_calls_records_every_call_in_order_including_failed_ones(tier: Tier) -> None:
+    agent = FakeNixlAgent()
+    agent.inject("register_memory", Raise())
+    with pytest.raises(FakeNixlError):
+        agent.register_memory([(0, 8, 1, "k")], "OBJ")
+    files = agent.register_memory([(0, 8, 1, "k")], "OBJ")
+    with pytest.raises(KeyError):
+        agent.make_prepped_xfer("MOVE", tier.local, [0], tier.local, [0])
+    agent.query_memory(files, "OBJ")
+    assert agent.calls == [
+        "register_memory",
+        "register_memory",
+        "make_prepped_xfer",
+        "query_memory",
+    ]
+    assert agent.call_count("register_memory") == 2
+    assert agent.call_count("transfer") == 0
+
+
+def test_a_call_that_is_misuse_still_consumes_its_fault(tier: Tier) -> None:
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+    agent.release_dlist_handle(remote)
+    agent.inject("release_dlist_handle", Raise())
+    with pytest.raises(NixlMisuseError):
+        agent.release_dlist_handle(remote)
+    assert agent.pending_faults() == []
+
+
+def test_pending_faults_lists_what_is_armed_until_it_fires(tier: Tier) -> None:
+    agent = tier.agent
+    agent.inject("query_memory", Raise(), times=2)
+    agent.inject("query_memory", Raise("NIXL_ERR_NOT_FOUND"), at=5)
+    assert [(call, n) for call, n, _ in agent.pending_faults()] == [
+        ("query_memory", 1),
+        ("query_memory", 2),
+        ("query_memory", 5),
+    ]
+    for _ in range(2):
+        with pytest.raises(FakeNixlError, match="NIXL_ERR_BACKEND"):
+            agent.query_memory([(0, 1, 0, "k")], "OBJ", "OBJ")
+    assert agent.pending_faults() == [("query_memory", 5, Raise("NIXL_ERR_NOT_FOUND"))]
+
+
+@pytest.mark.parametrize(
+    ("call", "fault", "kwargs", "message"),
+    [
+        ("frobnicate", Raise(), {}, "frobnicate"),
+        ("close", Raise(), {}, "close"),
+        ("register_memory", ReturnErr(), {}, "ReturnErr only applies"),
+        ("release_xfer_handle", StayProc(2), {}, "StayProc only applies"),
+        ("transfer", Raise(), {"times": 0}, "times"),
+        ("transfer", Raise(), {"at": 0}, "at must be"),
+        ("register_memory", Raise(), {"at": 1}, "already happened"),
+        ("transfer", Raise(), {"at": 3}, "already have"),
+    ],
+)
+def test_inject_refuses_what_cannot_fire(
+    tier: Tier,
+    call: str,
+    fault: Raise | ReturnErr | StayProc,
+    kwargs: dict[str, int],
+    message: str,
+) -> None:
+    tier.agent.inject("transfer", ReturnErr(), at=2, times=2)
+    with pytest.raises(ValueError, match=message):
+        tier.agent.inject(call, fault, **kwargs)
+
+
+def test_faults_reject_meaningless_values() -> None:
+    with pytest.raises(ValueError, match="polls"):
+        StayProc(0)
+    with pytest.raises(ValueError, match="NIXL_ERR_"):
+        Raise("oops")
+    with pytest.raises(ValueError, match="complete_after_polls"):
+        FakeNixlAgent(complete_after_polls=-1)
+
+
+def test_the_fake_satisfies_the_agent_protocol_kvfsm_drives() -> None:
+    assert isinstance(FakeNixlAgent(), NixlAgent)

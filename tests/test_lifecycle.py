@@ -1,0 +1,146 @@
+"""The transfer lifecycle table: every state against every event, and its invariants."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvfsm import (
+    TRANSFER_MACHINE,
+    Answer,
+    InvalidTransition,
+    Leak,
+    Transfer,
+    TransferEvent,
+    TransferJob,
+    TransferState,
+)
+from kvfsm.lifecycle import OutcomeAlreadyLatched
+
+S, E, A = TransferState, TransferEvent, Answer
+
+#: the whole table, written out independently of the declaration: (state, event, answer) -> dest
+EXPECTED: dict[tuple[TransferState, TransferEvent, Answer], TransferState] = {
+    (S.SUBMITTED, E.POST, A.PROC): S.PROCESSING,
+    (S.SUBMITTED, E.POST, A.DONE): S.DONE,
+    (S.SUBMITTED, E.POST, A.ERR): S.FAILED,
+    (S.SUBMITTED, E.POST, A.RAISED): S.FAILED,
+    (S.PROCESSING, E.POLL, A.PROC): S.PROCESSING,
+    (S.PROCESSING, E.POLL, A.DONE): S.DONE,
+    (S.PROCESSING, E.POLL, A.ERR): S.FAILED,
+    (S.PROCESSING, E.POLL, A.RAISED): S.FAILED,
+    (S.DONE, E.RELEASE, A.OK): S.XFER_RELEASED,
+    (S.DONE, E.RELEASE, A.RAISED): S.DONE,
+    (S.FAILED, E.RELEASE, A.OK): S.XFER_RELEASED,
+    (S.FAILED, E.RELEASE, A.RAISED): S.FAILED,
+    (S.XFER_RELEASED, E.CLEAN, A.OK): S.CLEANED,
+    (S.XFER_RELEASED, E.CLEAN, A.LEAKED): S.CLEANED,
+    (S.CLEANED, E.PUBLISH, A.OK): S.PUBLISHED,
+}
+
+
+def transfer_in(state: TransferState) -> Transfer:
+    transfer = Transfer(TransferJob(7, ["k"], [0]), nbytes=64, started_at=0.0)
+    transfer.state = state
+    return transfer
+
+
+def test_the_states_are_exactly_the_lifecycle() -> None:
+    assert [s.name for s in TransferState] == [
+        "SUBMITTED", "PROCESSING", "DONE", "FAILED", "XFER_RELEASED", "CLEANED", "PUBLISHED"]
+
+
+@pytest.mark.parametrize(("state", "event", "answer"), [
+    (state, event, answer)
+    for state, event, answer in itertools.product(TransferState, TransferEvent, Answer)
+])
+def test_every_state_against_every_event_and_answer(
+    state: TransferState, event: TransferEvent, answer: Answer
+) -> None:
+    machine = TRANSFER_MACHINE.compile()
+    transfer = transfer_in(state)
+    expected = EXPECTED.get((state, event, answer))
+    if expected is None:
+        with pytest.raises(InvalidTransition) as raised:
+            machine.fire(transfer, event, answer)
+        assert state.name in str(raised.value)
+        assert repr(str(event)) in str(raised.value)
+        assert transfer.state is state, "a refused event changes nothing"
+        assert transfer.success is None and transfer.retries == 0
+    else:
+        detail = (Leak("deregister_memory", "x"),) if event is E.CLEAN else RuntimeError("boom")
+        machine.fire(transfer, event, answer, detail)
+        assert transfer.state is expected
+
+
+def test_the_declared_table_is_exactly_the_expected_one() -> None:
+    machine = TRANSFER_MACHINE.compile()
+    compiled = {(step.source, TransferEvent(step.edge.event), step.answer): step.dest
+                for step in machine.steps()}
+    assert compiled == EXPECTED
+
+
+def test_published_is_reachable_only_through_xfer_released() -> None:
+    """F2: no path from SUBMITTED to PUBLISHED avoids XFER_RELEASED."""
+    edges = {(step.source, step.dest) for step in TRANSFER_MACHINE.compile().steps()}
+    reachable, frontier = {S.SUBMITTED}, [S.SUBMITTED]
+    while frontier:
+        here = frontier.pop()
+        for source, dest in edges:
+            if source is here and dest is not S.XFER_RELEASED and dest not in reachable:
+                reachable.add(dest)
+                frontier.append(dest)
+    assert S.PUBLISHED not in reachable
+    assert S.CLEANED not in reachable, "descriptors are torn down only after release (F8)"
+
+
+def test_every_state_reaches_published() -> None:
+    """No dead end: from every state some answers lead to the one result (F5, F6)."""
+    edges = {(step.source, step.dest) for step in TRANSFER_MACHINE.compile().steps()}
+    for start in TransferState:
+        reachable, frontier = {start}, [start]
+        while frontier:
+            here = frontier.pop()
+            for source, dest in edges:
+                if source is here and dest not in reachable:
+                    reachable.add(dest)
+                    frontier.append(dest)
+        assert S.PUBLISHED in reachable, start
+
+
+def test_published_is_terminal() -> None:
+    machine = TRANSFER_MACHINE.compile()
+    assert S.PUBLISHED not in machine.table
+    assert TRANSFER_MACHINE.final == {S.PUBLISHED}
+
+
+def test_the_outcome_latches_once_and_release_retries_do_not_touch_it() -> None:
+    """F3: a DONE transfer stays a success through any number of failed releases."""
+    machine = TRANSFER_MACHINE.compile()
+    transfer = transfer_in(S.PROCESSING)
+    machine.fire(transfer, E.POLL, A.DONE)
+    for _ in range(3):
+        machine.fire(transfer, E.RELEASE, A.RAISED, RuntimeError("busy"))
+    assert transfer.state is S.DONE
+    assert transfer.success is True
+    assert transfer.retries == 3
+    assert transfer.error == "RuntimeError: busy"
+    machine.fire(transfer, E.RELEASE, A.OK)
+    assert transfer.success is True
+
+
+def test_latching_an_outcome_twice_is_an_invariant_violation() -> None:
+    machine = TRANSFER_MACHINE.compile()
+    transfer = transfer_in(S.PROCESSING)
+    transfer.success = True  # as if a broken machine had already latched it
+    with pytest.raises(OutcomeAlreadyLatched):
+        machine.fire(transfer, E.POLL, A.ERR)
+
+
+def test_a_failure_keeps_nixls_error_text() -> None:
+    machine = TRANSFER_MACHINE.compile()
+    transfer = transfer_in(S.PROCESSING)
+    machine.fire(transfer, E.POLL, A.RAISED, RuntimeError("NIXL_ERR_BACKEND"))
+    assert transfer.success is False
+    assert transfer.error == "RuntimeError: NIXL_ERR_BACKEND"

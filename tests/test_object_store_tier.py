@@ -1,0 +1,328 @@
+"""The object-store tier on the fake agent: round trips and the fault classes F1-F8, F10."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfsm import JobResult, TransferJob, TransferState
+from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
+from kvfsm.tiers import DrainTimeout, InvalidJobError, ObjectStoreTier, TierClosedError
+
+from .conftest import NUM_BLOCKS, assert_nothing_held_but_recorded_leaks
+
+
+def store(job_id: int, *blocks: int) -> TransferJob:
+    return TransferJob(job_id, [f"key-{b}" for b in blocks], list(blocks))
+
+
+def load(job_id: int, keys_to_blocks: dict[str, int]) -> TransferJob:
+    return TransferJob(job_id, list(keys_to_blocks), list(keys_to_blocks.values()),
+                       is_promotion=True)
+
+
+def results_until_idle(tier: ObjectStoreTier, polls: int = 20) -> list[JobResult]:
+    results: list[JobResult] = []
+    for _ in range(polls):
+        results += tier.get_finished_jobs()
+        if not tier.has_pending_work():
+            break
+    return results
+
+
+# -- the happy path ------------------------------------------------------------------------------
+
+def test_store_then_load_round_trip_moves_every_byte(
+    tier: ObjectStoreTier, primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    original = primary.clone()
+    tier.submit_store(store(1, 0, 1, 2, 3))
+    tier.submit_store(store(2, 4, 5, 6, 7))
+    results = results_until_idle(tier)
+    assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
+    assert all(r.transfer_size == 4 * primary[0].nbytes for r in results)
+    for block in range(NUM_BLOCKS):
+        assert agent.objects[tier.object_key(f"key-{block}")] == original[block].numpy().tobytes()
+
+    primary.zero_()
+    # load back into other slots, in another order: key-b goes to slot 7 - b
+    tier.submit_load(load(3, {f"key-{b}": NUM_BLOCKS - 1 - b for b in range(NUM_BLOCKS)}))
+    (loaded,) = results_until_idle(tier)
+    assert loaded.success
+    assert torch.equal(primary, original.flip(0))
+
+
+def test_the_result_waits_while_nixl_answers_proc(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    tier = ObjectStoreTier(primary, agent=agent)
+    agent.inject("check_xfer_state", StayProc(3))
+    tier.submit_store(store(1, 0))
+    for _ in range(3):
+        assert tier.get_finished_jobs() == []
+        assert tier.state_of(1) is TransferState.PROCESSING
+        assert tier.has_pending_work()
+    assert [r.job_id for r in tier.get_finished_jobs()] == [1]
+    assert tier.state_of(1) is None
+    assert not tier.has_pending_work()
+    tier.shutdown()
+
+
+def test_a_transfer_nixl_finishes_at_once_is_published_without_polling(
+    primary: torch.Tensor,
+) -> None:
+    agent = FakeNixlAgent(complete_after_polls=0)
+    tier = ObjectStoreTier(primary, agent=agent)
+    tier.submit_store(store(1, 0, 1))
+    assert tier.state_of(1) is None, "DONE at post goes straight on to PUBLISHED"
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    assert agent.call_count("check_xfer_state") == 0
+    tier.shutdown()
+    agent.close()
+
+
+def test_jobs_are_tracked_independently(tier: ObjectStoreTier, agent: FakeNixlAgent) -> None:
+    agent.inject("check_xfer_state", StayProc(2), at=1)  # job 1 runs longer
+    tier.submit_store(store(1, 0))
+    tier.submit_store(store(2, 1))
+    assert [r.job_id for r in tier.get_finished_jobs()] == [2]
+    assert tier.state_of(1) is TransferState.PROCESSING
+    assert [r.job_id for r in results_until_idle(tier)] == [1]
+
+
+def test_a_job_with_no_blocks_publishes_success_at_once(
+    tier: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    calls_before = len(agent.calls)
+    tier.submit_store(TransferJob(9, [], []))
+    assert tier.get_finished_jobs() == [JobResult(9, True, 0, pytest.approx(0.0, abs=1.0))]
+    assert len(agent.calls) == calls_before, "no NIXL call for an empty job"
+
+
+def test_drain_blocks_until_published_and_results_surface_on_the_next_call(
+    tier: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    agent.inject("check_xfer_state", StayProc(5))
+    tier.submit_store(store(1, 0, 1))
+    tier.submit_store(store(2, 2))
+    tier.drain_jobs(timeout=5)
+    assert tier.state_of(1) is None and tier.state_of(2) is None
+    assert tier.has_pending_work(), "results not yet collected are pending work"
+    assert sorted(r.job_id for r in tier.get_finished_jobs()) == [1, 2]
+    assert not tier.has_pending_work()
+
+
+def test_a_load_of_a_missing_object_publishes_one_failure(
+    tier: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    tier.submit_load(load(1, {"never-stored": 0}))
+    (result,) = results_until_idle(tier)
+    assert result == JobResult(1, False, 0, result.transfer_time)
+
+
+# -- the regressions that started the project ----------------------------------------------------
+
+def test_regression_1_state_check_raises_then_release_raises_once(
+    tier: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    """F1: the release that raised is retried; the result is neither lost nor early."""
+    agent.inject("check_xfer_state", Raise())
+    agent.inject("release_xfer_handle", Raise())
+    tier.submit_store(store(1, 0))
+
+    assert tier.get_finished_jobs() == [], "poll 1: no result while the handle is held"
+    assert tier.state_of(1) is TransferState.FAILED
+    assert tier.has_pending_work()
+
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success) == (1, False), "poll 2: exactly one failed result"
+    assert tier.get_finished_jobs() == [], "poll 3: nothing more"
+    assert not tier.has_pending_work()
+    assert agent.call_count("check_xfer_state") == 1, "the verdict was not re-polled (F3)"
+    assert agent.call_count("release_xfer_handle") == 2
+
+
+@pytest.mark.parametrize("failing_call", ["release_dlist_handle", "deregister_memory"])
+def test_regression_2_cleanup_failure_still_publishes_one_success(
+    tier: ObjectStoreTier, agent: FakeNixlAgent, failing_call: str
+) -> None:
+    """F7: best-effort cleanup never holds a result back, and the leak is recorded."""
+    agent.inject(failing_call, Raise())
+    tier.submit_store(store(1, 0, 1))
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success) == (1, True)
+    assert tier.get_finished_jobs() == []
+    stats = tier.stats()
+    assert stats["leaks"] == 1
+    assert [(job, leak.call) for job, leak in stats["leaked"]] == [(1, failing_call)]
+    assert_nothing_held_but_recorded_leaks(tier, agent)
+
+
+# -- the fault classes ---------------------------------------------------------------------------
+
+def test_f1_a_release_that_keeps_raising_keeps_the_transfer_and_its_result(
+    tier: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    agent.inject("release_xfer_handle", Raise(), times=4)
+    tier.submit_store(store(1, 0))
+    for _ in range(4):
+        assert tier.get_finished_jobs() == []
+        assert tier.state_of(1) is TransferState.DONE
+    transfer = tier.transfer_of(1)
+    assert transfer is not None and transfer.retries == 4
+    assert transfer.error == "FakeNixlError: NIXL_ERR_BACKEND"
+    (result,) = tier.get_finished_jobs()
+    assert result.success, "F3: the DONE verdict survived four failed releases"
+
+
+def test_f2_f8_release_comes_before_cleanup_which_comes_before_the_result(
+    tier: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    agent.inject("release_xfer_handle", Raise())
+    tier.submit_store(store(1, 0))
+    assert tier.get_finished_jobs() == []
+    assert agent.live_dlist_handles() == 2, "remote descriptors kept while the handle is held"
+    assert agent.live_registrations("OBJ") == 1
+    calls_before_result = len(agent.calls)
+    assert len(tier.get_finished_jobs()) == 1
+    tail = agent.calls[calls_before_result:]
+    assert tail == ["release_xfer_handle", "release_dlist_handle", "deregister_memory"]
+
+
+@pytest.mark.parametrize("fault", [ReturnErr(), Raise()], ids=["answers-ERR", "raises"])
+def test_f4_every_answer_of_the_state_check_is_handled(
+    tier: ObjectStoreTier, agent: FakeNixlAgent, fault: Raise | ReturnErr
+) -> None:
+    agent.inject("check_xfer_state", fault)
+    tier.submit_store(store(1, 0))
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success, result.transfer_size) == (1, False, 0)
+    assert tier.get_finished_jobs() == []
+
+
+@pytest.mark.parametrize(("call", "at", "fault"), [
+    ("register_memory", 2, Raise()),  # the first registration is the primary cache's
+    ("prep_xfer_dlist", 2, Raise()),  # the first prep is the primary cache's
+    ("make_prepped_xfer", 1, Raise()),
+    ("transfer", 1, Raise()),
+    ("transfer", 1, ReturnErr()),
+])
+def test_f5_a_failure_at_any_submit_step_publishes_one_failure_and_releases_what_was_made(
+    tier: ObjectStoreTier, agent: FakeNixlAgent, call: str, at: int, fault: Raise | ReturnErr
+) -> None:
+    agent.inject(call, fault, at=at)
+    tier.submit_store(store(1, 0, 1))  # never raises: the failure is the job's result
+    assert tier.state_of(1) is None, "a failed submit goes straight on to its result"
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success) == (1, False)
+    assert_nothing_held_but_recorded_leaks(tier, agent)
+    assert tier.stats()["leaks"] == 0
+
+
+def test_f6_each_job_publishes_exactly_once_over_many_polls(
+    tier: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    agent.inject("check_xfer_state", StayProc(2), at=3)
+    agent.inject("release_xfer_handle", Raise(), at=2, times=3)
+    for job_id in range(NUM_BLOCKS):
+        tier.submit_store(store(job_id, job_id))
+    seen = [r.job_id for _ in range(10) for r in tier.get_finished_jobs()]
+    assert sorted(seen) == list(range(NUM_BLOCKS))
+
+
+def test_f10_shutdown_waits_for_running_transfers_and_keeps_their_results(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    tier = ObjectStoreTier(primary, agent=agent)
+    agent.inject("check_xfer_state", StayProc(4))
+    tier.submit_store(store(1, 0))
+    tier.submit_load(load(2, {"absent": 1}))
+    tier.shutdown(timeout=5)
+    assert agent.running_transfers() == 0, "never torn down with a transfer in flight"
+    assert sorted((r.job_id, r.success) for r in tier.get_finished_jobs()) == [
+        (1, True), (2, False)]
+    tier.shutdown()  # idempotent
+    with pytest.raises(TierClosedError):
+        tier.submit_store(store(3, 0))
+    assert agent.live_registrations() == 0
+
+
+def test_f10_shutdown_that_cannot_finish_releases_nothing_and_says_why(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    tier = ObjectStoreTier(primary, agent=agent)
+    agent.inject("release_xfer_handle", Raise("NIXL_ERR_NOT_ALLOWED"), times=10**6)
+    tier.submit_store(store(1, 0))
+    with pytest.raises(DrainTimeout, match=r"job 1: DONE.*NIXL_ERR_NOT_ALLOWED"):
+        tier.shutdown(timeout=0.01)
+    assert not tier.closed
+    assert agent.live_registrations("DRAM") == 1, "primary memory kept while a handle is held"
+    agent.clear_faults()  # the fault clears up
+    tier.shutdown(timeout=5)
+    assert [r.job_id for r in tier.get_finished_jobs()] == [1]
+
+
+# -- bad input changes nothing -------------------------------------------------------------------
+
+@pytest.mark.parametrize(("job", "message"), [
+    (TransferJob(5, ["a", "b"], [0]), "2 keys but 1 block ids"),
+    (TransferJob(5, ["a"], [NUM_BLOCKS]), rf"block_ids\[0\] = {NUM_BLOCKS} is out of range"),
+    (TransferJob(5, ["a"], [-1]), r"block_ids\[0\] = -1 is out of range"),
+    (TransferJob(5, ["a"], ["0"]), r"block_ids\[0\] is '0', not an int"),  # type: ignore[list-item]
+    (TransferJob(5, [3], [0]), r"keys\[0\] is int 3"),  # type: ignore[list-item]
+    (TransferJob(5, ["a", "a"], [0, 1]), "same key twice"),
+    (TransferJob(5, ["a"], [0], is_promotion=True), "submit it with submit_load"),
+    (TransferJob("5", ["a"], [0]), "job_id must be an int"),  # type: ignore[arg-type]
+])
+def test_bad_input_is_refused_by_name_and_changes_nothing(
+    tier: ObjectStoreTier, agent: FakeNixlAgent, job: TransferJob, message: str
+) -> None:
+    calls_before = list(agent.calls)
+    with pytest.raises(InvalidJobError, match=message):
+        tier.submit_store(job)
+    assert agent.calls == calls_before
+    assert not tier.has_pending_work()
+    assert tier.state_of(5) is None
+    assert tier.get_finished_jobs() == []
+
+
+def test_a_duplicate_job_id_is_refused_while_in_flight_or_uncollected(
+    tier: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    agent.inject("check_xfer_state", StayProc(1))
+    tier.submit_store(store(1, 0))
+    with pytest.raises(InvalidJobError, match="job 1 is already in flight"):
+        tier.submit_store(store(1, 1))
+    tier.drain_jobs(timeout=5)
+    with pytest.raises(InvalidJobError, match="job 1 has a result not yet collected"):
+        tier.submit_store(store(1, 1))
+    assert [r.job_id for r in tier.get_finished_jobs()] == [1]
+    tier.submit_store(store(1, 1))  # collected: the id may be used again
+    assert [r.job_id for r in results_until_idle(tier)] == [1]
+
+
+def test_a_load_into_the_same_block_twice_is_refused(tier: ObjectStoreTier) -> None:
+    with pytest.raises(InvalidJobError, match="same block twice"):
+        tier.submit_load(TransferJob(1, ["a", "b"], [0, 0], is_promotion=True))
+
+
+@pytest.mark.parametrize(("primary", "message"), [
+    (torch.zeros(4, 8).t(), "contiguous"),
+    (torch.zeros(0, 8), "first dimension of blocks"),
+    ("not a tensor", "torch.Tensor"),
+])
+def test_a_bad_primary_cache_is_refused(
+    agent: FakeNixlAgent, primary: object, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ObjectStoreTier(primary, agent=agent)  # type: ignore[arg-type]
+    assert agent.calls == []
+
+
+def test_object_keys_name_the_block_key(primary: torch.Tensor, agent: FakeNixlAgent) -> None:
+    tier = ObjectStoreTier(primary, agent=agent, key_prefix="kv/")
+    assert tier.object_key("layer0/block7") == "kv/layer0/block7"
+    assert tier.object_key(b"\x01\xff") == "kv/01ff"
+    with pytest.raises(ValueError, match="bytes or str"):
+        tier.object_key(7)  # type: ignore[arg-type]
+    tier.shutdown()
