@@ -4,26 +4,46 @@ The driver holds no rules. It knows which call a transfer in a given state is wa
 that call, turns what NIXL answered (a string, a return, or an exception) into an
 :class:`~kvfsm.lifecycle.Answer`, and fires the matching event. Whether the transfer moves, stays
 or retries is the lifecycle table's decision (:mod:`kvfsm.lifecycle`).
+
+What differs between tiers (object keys, files) is a :class:`RemoteSide`: it opens the remote
+descriptors of a transfer, commits a finished store (a file tier renames its file into place),
+and closes what it opened. Its calls are part of the NIXL call they sit beside: an error while
+opening or committing is that call's error, and an error while closing is a leak.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
 from kvfsm.engine import CompiledMachine
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
 from kvfsm.transfer import Leak, Transfer
 
-__all__ = ["TransferDriver"]
+__all__ = ["RemoteSide", "TransferDriver"]
 
 _STATUS = {"PROC": Answer.PROC, "DONE": Answer.DONE}
 
 
-def _status(answer: str) -> Answer:
-    """Map a NIXL status string; anything but PROC and DONE is an error."""
-    return _STATUS.get(answer, Answer.ERR)
+class RemoteSide(Protocol):
+    """How a tier names the remote side of its transfers."""
+
+    #: the NIXL memory type of the remote descriptors ("OBJ", "FILE")
+    mem_type: str
+
+    def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
+        """The remote descriptors of ``transfer``; keep what was opened on the transfer."""
+
+    def commit(self, transfer: Transfer) -> None:
+        """Make a store NIXL finished visible (may raise: the store then fails)."""
+
+    def close(self, transfer: Transfer) -> list[Leak]:
+        """Release what :meth:`open` kept, after NIXL let go of it; report what could not be."""
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 class TransferDriver:
@@ -31,6 +51,7 @@ class TransferDriver:
 
     Args:
         agent: the NIXL agent (real or fake).
+        remote: the tier's remote side.
         machine: the compiled lifecycle; by default a fresh compilation of
             :data:`~kvfsm.lifecycle.TRANSFER_MACHINE` (so its step counts are this driver's own).
     """
@@ -38,9 +59,11 @@ class TransferDriver:
     def __init__(
         self,
         agent: NixlAgent,
+        remote: RemoteSide,
         machine: CompiledMachine[TransferState, Answer] | None = None,
     ) -> None:
         self.agent = agent
+        self.remote = remote
         self.machine = machine if machine is not None else TRANSFER_MACHINE.compile()
         self._calls: dict[TransferState, Callable[[Transfer], None]] = {
             TransferState.PROCESSING: self.poll,
@@ -50,36 +73,31 @@ class TransferDriver:
             TransferState.CLEANED: self.publish,
         }
 
-    def post(
-        self,
-        transfer: Transfer,
-        operation: str,
-        local: Any,
-        local_indices: Sequence[int],
-        remote_descs: Sequence[tuple[int, int, int, str]],
-        remote_mem_type: str,
-    ) -> None:
-        """Register, prep, make and post ``transfer``; fire ``post`` with the answer.
+    def post(self, transfer: Transfer, local: Any, local_indices: Sequence[int]) -> None:
+        """Open, register, prep, make and post ``transfer``; fire ``post`` with the answer.
 
         Each resource is stored on the transfer as soon as it exists, so a failure at any step
-        leaves the transfer holding exactly what was created (F5). A job with no descriptors
-        makes no call and answers DONE.
+        leaves the transfer holding exactly what was created (F5). A job with no blocks makes
+        no call and answers DONE.
         """
         agent = self.agent
         detail: Any = None
-        if not remote_descs:
-            answer = Answer.DONE
-        else:
+        answer = Answer.DONE
+        if local_indices:
             try:
-                transfer.files = agent.register_memory(list(remote_descs), remote_mem_type)
+                descs = self.remote.open(transfer)
+                transfer.files = agent.register_memory(descs, self.remote.mem_type)
                 transfer.remote = agent.prep_xfer_dlist(agent.name, transfer.files.trim())
                 transfer.xfer = agent.make_prepped_xfer(
-                    operation, local, list(local_indices), transfer.remote,
-                    list(range(len(remote_descs))))
-                answer = _status(agent.transfer(transfer.xfer))
+                    "READ" if transfer.job.is_promotion else "WRITE",
+                    local, list(local_indices), transfer.remote, list(range(len(descs))))
+                status = agent.transfer(transfer.xfer)
+                answer = _STATUS.get(status, Answer.ERR)
                 if answer is Answer.ERR:
-                    detail = "transfer() answered ERR"
-            except Exception as error:  # every NIXL failure is an answer, not an escape (F5)
+                    detail = f"transfer() answered {status!r}"
+                elif answer is Answer.DONE:
+                    answer, detail = self._commit(transfer)
+            except Exception as error:  # every failure is an answer, not an escape (F5)
                 answer, detail = Answer.RAISED, error
         self.machine.fire(transfer, TransferEvent.POST, answer, detail)
 
@@ -90,10 +108,13 @@ class TransferDriver:
         except Exception as error:  # a raised state check is the transfer's failure (F4)
             self.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED, error)
             return
-        answer = _status(status)
-        self.machine.fire(transfer, TransferEvent.POLL, answer,
-                          f"check_xfer_state answered {status!r}" if answer is Answer.ERR
-                          else None)
+        answer = _STATUS.get(status, Answer.ERR)
+        detail: Any = None
+        if answer is Answer.DONE:
+            answer, detail = self._commit(transfer)
+        elif answer is Answer.ERR:
+            detail = f"check_xfer_state answered {status!r}"
+        self.machine.fire(transfer, TransferEvent.POLL, answer, detail)
 
     def release(self, transfer: Transfer) -> None:
         """Release the transfer handle (a transfer that never got one has nothing to release)."""
@@ -107,20 +128,24 @@ class TransferDriver:
         self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
 
     def clean(self, transfer: Transfer) -> None:
-        """Release the remote descriptor list, then deregister; each failure is a leak."""
+        """Release the remote descriptor list, deregister, close; each failure is a leak."""
         leaks: list[Leak] = []
         if transfer.remote is not None:
             try:
                 self.agent.release_dlist_handle(transfer.remote)
             except Exception as error:
-                leaks.append(Leak("release_dlist_handle", f"{type(error).__name__}: {error}"))
+                leaks.append(Leak("release_dlist_handle", _describe(error)))
             transfer.remote = None
         if transfer.files is not None:
             try:
                 self.agent.deregister_memory(transfer.files)
             except Exception as error:
-                leaks.append(Leak("deregister_memory", f"{type(error).__name__}: {error}"))
+                leaks.append(Leak("deregister_memory", _describe(error)))
             transfer.files = None
+        try:
+            leaks += self.remote.close(transfer)
+        except Exception as error:
+            leaks.append(Leak("close", _describe(error)))
         self.machine.fire(transfer, TransferEvent.CLEAN,
                           Answer.LEAKED if leaks else Answer.OK, tuple(leaks))
 
@@ -145,3 +170,13 @@ class TransferDriver:
                 return True
             if transfer.state is before:  # still running, or a release to retry next poll
                 return False
+
+    def _commit(self, transfer: Transfer) -> tuple[Answer, Any]:
+        """NIXL answered DONE: commit a store; a commit that raises makes the answer RAISED."""
+        if transfer.job.is_promotion:
+            return Answer.DONE, None
+        try:
+            self.remote.commit(transfer)
+        except Exception as error:
+            return Answer.RAISED, error
+        return Answer.DONE, None

@@ -61,6 +61,7 @@ class Transfer:
         "job",
         "leaks",
         "nbytes",
+        "opened",
         "remote",
         "retries",
         "started_at",
@@ -88,6 +89,8 @@ class Transfer:
         self.remote: Any = None
         #: transfer handle (make_prepped_xfer), or None once released
         self.xfer: Any = None
+        #: what the tier's remote side opened for this transfer (files), or None
+        self.opened: Any = None
 
     @property
     def job_id(self) -> int:

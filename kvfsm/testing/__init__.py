@@ -1,18 +1,15 @@
-"""kvfsm's public test toolkit: a fake NIXL agent with fault injection, for users' own tests."""
+"""kvfsm's public test toolkit: a fake NIXL agent, and fault injection into fake or real agents."""
 
 from kvfsm.testing.fake_agent import (
     FakeDlistHandle,
     FakeNixlAgent,
-    FakeNixlError,
     FakeRegDList,
     FakeXferDList,
     FakeXferHandle,
-    Fault,
     NixlMisuseError,
-    Raise,
-    ReturnErr,
-    StayProc,
 )
+from kvfsm.testing.faults import FakeNixlError, Fault, FaultPlan, Raise, ReturnErr, StayProc
+from kvfsm.testing.faulty import FaultyAgent
 
 __all__ = [
     "FakeDlistHandle",
@@ -22,6 +19,8 @@ __all__ = [
     "FakeXferDList",
     "FakeXferHandle",
     "Fault",
+    "FaultPlan",
+    "FaultyAgent",
     "NixlMisuseError",
     "Raise",
     "ReturnErr",

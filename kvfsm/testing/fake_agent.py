@@ -32,12 +32,13 @@ from __future__ import annotations
 import ctypes
 import itertools
 import operator
-from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import TracebackType
 from typing import SupportsIndex, TypeAlias
+
+from kvfsm.testing.faults import FakeNixlError, Fault, FaultPlan, Raise, ReturnErr, StayProc
 
 __all__ = [
     "FakeDlistHandle",
@@ -70,79 +71,11 @@ _MEM_TYPES = {
 }
 _SUPPORTED_MEM_TYPES = frozenset({"DRAM", "OBJ"})
 _OPERATIONS = frozenset({"WRITE", "READ"})
-_STATUS_CALLS = frozenset({"transfer", "check_xfer_state"})
-_FAULTABLE_CALLS = frozenset(
-    {
-        "register_memory",
-        "deregister_memory",
-        "query_memory",
-        "prep_xfer_dlist",
-        "make_prepped_xfer",
-        "transfer",
-        "check_xfer_state",
-        "release_xfer_handle",
-        "release_dlist_handle",
-    }
-)
 _handle_ids = itertools.count(0x1000)
-
-
-class FakeNixlError(Exception):
-    """A failure real NIXL would report; ``str(error)`` is the NIXL code, as in real NIXL.
-
-    Args:
-        code: the NIXL status name, e.g. "NIXL_ERR_BACKEND".
-    """
-
-    def __init__(self, code: str) -> None:
-        super().__init__(code)
-        self.code = code
 
 
 class NixlMisuseError(Exception):
     """A call that would crash or corrupt a process using real NIXL."""
-
-
-@dataclass(frozen=True)
-class Raise:
-    """The call raises ``FakeNixlError(code)`` instead of running."""
-
-    code: str = "NIXL_ERR_BACKEND"
-
-    def __post_init__(self) -> None:
-        """Reject a code that is not a NIXL error name."""
-        if not isinstance(self.code, str) or not self.code.startswith("NIXL_ERR_"):
-            raise ValueError(f"Raise: code must be a NIXL_ERR_* name, got {self.code!r}")
-
-
-@dataclass(frozen=True)
-class ReturnErr:
-    """``transfer`` answers "ERR" without posting; ``check_xfer_state`` answers "ERR".
-
-    On a check of a running transfer, the transfer is then over and failed, moving no bytes.
-    """
-
-
-@dataclass(frozen=True)
-class StayProc:
-    """Makes ``polls`` answers in a row "PROC": the faulted call and the next ``polls - 1`` checks.
-
-    The held answers do not advance the transfer, which resumes where it was afterwards. On
-    ``transfer`` the post happens (it still raises NIXL_ERR_REPOST_ACTIVE on a running transfer),
-    even with ``complete_after_polls=0``, whose transfer then completes at the first check after
-    the held ones. On a transfer that is not running the held answers change nothing but the answer.
-    """
-
-    polls: int
-
-    def __post_init__(self) -> None:
-        """Reject a count below 1."""
-        if isinstance(self.polls, bool) or not isinstance(self.polls, int) or self.polls < 1:
-            raise ValueError(f"StayProc: polls must be an int >= 1, got {self.polls!r}")
-
-
-#: a fault to inject with :meth:`FakeNixlAgent.inject`
-Fault: TypeAlias = Raise | ReturnErr | StayProc
 
 
 class FakeRegDList:
@@ -298,16 +231,6 @@ class _Xfer:
     failure: str | None = None
 
 
-@dataclass
-class _Armed:
-    """A fault armed for calls ``first`` to ``last`` of ``call``."""
-
-    call: str
-    fault: Fault
-    first: int
-    last: int
-
-
 def _index(value: object, what: str) -> int:
     """An unsigned integer field of a descriptor; TypeError otherwise (as pybind11 does)."""
     if isinstance(value, bool):
@@ -410,9 +333,10 @@ class FakeNixlAgent:
         #: backend name -> handle, like the real agent's ``backends``
         self.backends: dict[str, int] = {"OBJ": 1}
         #: the name of every NIXL call made, in order, failed ones included
-        self.calls: list[str] = []
-        self._counts: Counter[str] = Counter()
-        self._armed: list[_Armed] = []
+        #: the fault schedule, and the record of every call made
+        self.faults = FaultPlan("FakeNixlAgent")
+        #: the name of every NIXL call made, in order, failed ones included
+        self.calls: list[str] = self.faults.calls
         self._entries: list[_Entry] = []
         self._dlists: dict[int, _Prepped] = {}
         self._xfers: dict[int, _Xfer] = {}
@@ -428,63 +352,20 @@ class FakeNixlAgent:
     # -- fault injection and introspection ------------------------------------------------
 
     def inject(self, call: str, fault: Fault, *, at: int | None = None, times: int = 1) -> None:
-        """Arm ``fault`` for ``times`` calls of ``call``.
-
-        Args:
-            call: a NIXL method name of this agent, e.g. "transfer".
-            fault: what the call does instead (``StayProc``/``ReturnErr``: status calls only).
-            at: the number of the first faulted call (1-based, counted from the agent's creation);
-                by default the next call.
-            times: how many consecutive calls the fault applies to.
-
-        Raises:
-            ValueError: unknown call, a fault kind that call cannot take, a bad ``at`` or
-                ``times``, or calls that already have a fault armed.
-        """
-        if call not in _FAULTABLE_CALLS:
-            raise ValueError(f"inject: {call!r} is not a NIXL call of FakeNixlAgent")
-        if not isinstance(fault, Raise | ReturnErr | StayProc):
-            raise ValueError(f"inject: {fault!r} is not a Fault")
-        if not isinstance(fault, Raise) and call not in _STATUS_CALLS:
-            raise ValueError(
-                f"inject: {type(fault).__name__} only applies to transfer and check_xfer_state, "
-                f"not {call!r}"
-            )
-        if isinstance(times, bool) or not isinstance(times, int) or times < 1:
-            raise ValueError(f"inject: times must be an int >= 1, got {times!r}")
-        done = self._counts[call]
-        if at is None:
-            first = done + 1
-        elif isinstance(at, bool) or not isinstance(at, int) or at < 1:
-            raise ValueError(f"inject: at must be an int >= 1, got {at!r}")
-        elif at <= done:
-            raise ValueError(f"inject: {call} call #{at} already happened ({done} so far)")
-        else:
-            first = at
-        last = first + times - 1
-        for armed in self._armed:
-            if armed.call == call and armed.first <= last and first <= armed.last:
-                raise ValueError(
-                    f"inject: {call} calls #{armed.first}-#{armed.last} already have "
-                    f"{armed.fault!r} armed; pass at= for calls after them"
-                )
-        self._armed.append(_Armed(call, fault, first, last))
+        """Arm ``fault`` for ``times`` calls of ``call`` (see :meth:`FaultPlan.inject`)."""
+        self.faults.inject(call, fault, at=at, times=times)
 
     def clear_faults(self) -> None:
         """Disarm every injected fault that has not fired yet."""
-        self._armed.clear()
+        self.faults.clear()
 
     def pending_faults(self) -> list[tuple[str, int, Fault]]:
         """What is still armed: one ``(call, call_number, fault)`` per call it will hit."""
-        return [
-            (armed.call, number, armed.fault)
-            for armed in self._armed
-            for number in range(armed.first, armed.last + 1)
-        ]
+        return self.faults.pending()
 
     def call_count(self, name: str) -> int:
         """How many calls of ``name`` were made, failed ones included."""
-        return self._counts[name]
+        return self.faults.count(name)
 
     def live_xfer_handles(self) -> int:
         """Transfer handles made and not yet released."""
@@ -835,17 +716,7 @@ class FakeNixlAgent:
 
     def _enter(self, call: str) -> Fault | None:
         """Record and number a call, consume its fault, and refuse calls after close."""
-        self.calls.append(call)
-        self._counts[call] += 1
-        number = self._counts[call]
-        fault: Fault | None = None
-        for armed in self._armed:
-            if armed.call == call and armed.first <= number <= armed.last:
-                fault = armed.fault
-                armed.first = number + 1
-                if armed.first > armed.last:
-                    self._armed.remove(armed)
-                break
+        fault = self.faults.take(call)
         if self._closed:
             raise self._misuse(f"{call}: agent {self.name!r} is closed")
         return fault

@@ -1,6 +1,15 @@
 """Secondary tiers with the offload-manager contract, built on the transfer lifecycle."""
 
-from kvfsm.tiers.base import DrainTimeout, InvalidJobError, SecondaryTier, TierClosedError
+from kvfsm.tiers.base import DrainTimeout, InvalidJobError, Lookup, SecondaryTier, TierClosedError
+from kvfsm.tiers.file import FileTier
 from kvfsm.tiers.object_store import ObjectStoreTier
 
-__all__ = ["DrainTimeout", "InvalidJobError", "ObjectStoreTier", "SecondaryTier", "TierClosedError"]
+__all__ = [
+    "DrainTimeout",
+    "FileTier",
+    "InvalidJobError",
+    "Lookup",
+    "ObjectStoreTier",
+    "SecondaryTier",
+    "TierClosedError",
+]

@@ -6,23 +6,36 @@ transfer where the machine put it; ``get_finished_jobs`` advances every transfer
 answers allow and hands out the results of those that reached PUBLISHED. A transfer leaves the
 table only on PUBLISHED, so no result is ever lost or handed out twice.
 
-Subclasses say only how a block key becomes a remote descriptor (:meth:`_remote_descs`).
+Subclasses say how a block key names a remote block (:meth:`SecondaryTier.remote_name`), give
+the driver their remote side, and probe for blocks they were not told about (:meth:`_probe`).
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from kvfsm.agent import LOCAL_AGENT, NixlAgent
-from kvfsm.driver import TransferDriver
+from kvfsm.driver import RemoteSide, TransferDriver
 from kvfsm.lifecycle import TransferState
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
-__all__ = ["DrainTimeout", "InvalidJobError", "SecondaryTier", "TierClosedError"]
+__all__ = ["DrainTimeout", "InvalidJobError", "Lookup", "SecondaryTier", "TierClosedError"]
+
+
+class Lookup(enum.Enum):
+    """Whether a tier holds a block."""
+
+    #: the tier holds the block; a load may be submitted
+    HIT = "hit"
+    #: the tier does not hold the block (or its last load failed)
+    MISS = "miss"
+    #: not known yet: a probe is under way, ask again on a later step
+    RETRY = "retry"
 
 
 class InvalidJobError(ValueError):
@@ -54,10 +67,7 @@ class SecondaryTier:
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls while transfers run.
     """
 
-    #: the NIXL memory type of the remote side ("OBJ", "FILE")
-    remote_mem_type: ClassVar[str]
-
-    def __init__(self, primary: torch.Tensor, *, agent: NixlAgent,
+    def __init__(self, primary: torch.Tensor, *, agent: NixlAgent, remote: RemoteSide,
                  poll_interval: float = 0.0005) -> None:
         _check_primary(primary)
         self.primary = primary
@@ -65,7 +75,9 @@ class SecondaryTier:
         self.num_blocks = int(primary.shape[0])
         self.block_bytes = int(primary.stride(0) * primary.element_size())
         self.poll_interval = poll_interval
-        self.driver = TransferDriver(agent)
+        self.driver = TransferDriver(agent, remote)
+        #: what the tier knows of each remote name: set by results, filled in by probes
+        self._known: dict[str, Lookup] = {}
         self._transfers: dict[int, Transfer] = {}
         self._results: list[JobResult] = []
         self._unreported: set[int] = set()  # job ids published but not yet handed out
@@ -138,9 +150,19 @@ class SecondaryTier:
         self.drain_jobs(timeout)
         self._closed = True
         try:
+            self._stop_probes()
             self.agent.release_dlist_handle(self._local)
         finally:
             self.agent.deregister_memory(self._dram)
+
+    def lookup(self, key: bytes | str) -> Lookup:
+        """HIT, MISS, or RETRY while the answer is being found out; never blocks on I/O.
+
+        A finished store makes its keys HIT; a failed load makes its keys MISS (F11).
+        """
+        name = self.remote_name(key)
+        known = self._known.get(name)
+        return known if known is not None else self._probe(name)
 
     def state_of(self, job_id: int) -> TransferState | None:
         """The state of a job's transfer, or None when it is published or unknown."""
@@ -171,9 +193,16 @@ class SecondaryTier:
 
     # -- what a subclass provides -----------------------------------------------------------
 
-    def _remote_descs(self, keys: Sequence[bytes | str]) -> list[tuple[int, int, int, str]]:
-        """The remote descriptors ``(addr, len, dev_id, meta)`` for ``keys``, one per block."""
+    def remote_name(self, key: bytes | str) -> str:
+        """The name block ``key`` is stored under in this tier."""
         raise NotImplementedError
+
+    def _probe(self, name: str) -> Lookup:
+        """Answer a lookup the tier knows nothing about (without blocking the caller)."""
+        raise NotImplementedError
+
+    def _stop_probes(self) -> None:
+        """Stop any background probing; called once by shutdown."""
 
     def _check_key(self, key: object, index: int) -> None:
         """Raise InvalidJobError when ``key`` cannot name a block in this tier."""
@@ -191,10 +220,8 @@ class SecondaryTier:
         keys, block_ids = self._validate(job, load=load)
         job = TransferJob(job.job_id, keys, block_ids, is_promotion=job.is_promotion)
         transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic())
-        remote = self._remote_descs(keys)
         self._transfers[job.job_id] = transfer
-        self.driver.post(transfer, "READ" if load else "WRITE", self._local, block_ids,
-                         remote, self.remote_mem_type)
+        self.driver.post(transfer, self._local, block_ids)
         if transfer.state is not TransferState.PROCESSING:  # over at once: DONE or FAILED
             self._advance(transfer)
 
@@ -219,6 +246,7 @@ class SecondaryTier:
                                   f"{len(block_ids)} block ids")
         for index, key in enumerate(keys):
             self._check_key(key, index)
+            self.remote_name(key)
         if len(set(keys)) != len(keys):
             raise InvalidJobError(f"job {job_id} names the same key twice")
         for index, block_id in enumerate(block_ids):
@@ -240,6 +268,14 @@ class SecondaryTier:
             self._published += 1
             self._retries += transfer.retries
             self._leaks.extend((transfer.job_id, leak) for leak in transfer.leaks)
+            job = transfer.job
+            if transfer.success or job.is_promotion:
+                # a finished store or load shows the blocks are there; a failed load that
+                # they are not, so they are not loaded again and again (F11)
+                verdict = Lookup.HIT if transfer.success else Lookup.MISS
+                known = self._known
+                for key in job.keys:
+                    known[self.remote_name(key)] = verdict
 
     def _poll(self) -> None:
         for transfer in list(self._transfers.values()):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import threading
+from typing import Any
 
 import torch
 
 from kvfsm.agent import NixlAgent
-from kvfsm.tiers.base import InvalidJobError, SecondaryTier
+from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier
+from kvfsm.transfer import Leak, Transfer
 
 __all__ = ["ObjectStoreTier"]
 
@@ -17,25 +19,119 @@ __all__ = ["ObjectStoreTier"]
 _DEV_ID_SPACE = 2**31
 
 
+class _Objects:
+    """The remote side: one object descriptor per block, nothing to open or close."""
+
+    mem_type = "OBJ"
+
+    def __init__(self, tier: ObjectStoreTier) -> None:
+        self._tier = tier
+        self._dev_ids = itertools.count()
+
+    def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
+        size, name, dev_ids = self._tier.block_bytes, self._tier.object_key, self._dev_ids
+        return [(0, size, next(dev_ids) % _DEV_ID_SPACE, name(key)) for key in transfer.job.keys]
+
+    def commit(self, transfer: Transfer) -> None:
+        """An object is visible once its PUT finished."""
+
+    def close(self, transfer: Transfer) -> list[Leak]:
+        return []
+
+
+class _Prober:
+    """Answers lookups off the caller's thread: batches of ``query_memory`` on its own agent."""
+
+    def __init__(self, agent: Any, known: dict[str, Lookup], batch: int) -> None:
+        self._agent = agent
+        self._known = known
+        self._batch = batch
+        self._wanted: dict[str, None] = {}  # insertion-ordered set of names to probe
+        self._ready = threading.Condition()
+        self._stopping = False
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="kvfsm-object-probe",
+                                        daemon=True)
+        self._thread.start()
+
+    def want(self, name: str) -> None:
+        with self._ready:
+            if name not in self._wanted:
+                self._wanted[name] = None
+                self._ready.notify()
+
+    def stop(self) -> None:
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._wanted and not self._stopping:
+                    self._ready.wait()
+                if self._stopping:
+                    return
+                names = list(itertools.islice(self._wanted, self._batch))
+            try:
+                answers = self._agent.query_memory([(0, 1, 0, name) for name in names],
+                                                   "OBJ", "OBJ")
+            except Exception:  # the store did not answer: leave the names to be asked again
+                self.errors += 1
+                answers = None
+            with self._ready:
+                for index, name in enumerate(names):
+                    self._wanted.pop(name, None)
+                    if answers is not None:
+                        # a result the tier recorded meanwhile is newer than this probe
+                        self._known.setdefault(
+                            name, Lookup.MISS if answers[index] is None else Lookup.HIT)
+
+
 class ObjectStoreTier(SecondaryTier):
     """Stores each block as one object, named ``key_prefix`` + the block key.
 
+    Built with ``agent=`` it drives that agent (a ``nixl_agent`` with the OBJ backend, or a
+    :class:`kvfsm.testing.FakeNixlAgent`). Built with ``store=`` it creates its own real agents
+    from the :class:`~kvfsm.nixl_agents.StoreConfig`, checks that the bucket is reachable, and
+    releases them in :meth:`shutdown`.
+
     Args:
         primary: the primary KV cache (contiguous CPU tensor, blocks on the first dimension).
-        agent: a NIXL agent with the OBJ backend, or a :class:`kvfsm.testing.FakeNixlAgent`.
-        key_prefix: prepended to every object name.
+        agent: the NIXL agent to drive; or None with ``store``.
+        store: where to create real agents, when ``agent`` is None.
+        key_prefix: prepended to every object name (``store.key_prefix`` when built from it).
+        probe_agent: the agent lookups query from a background thread; by default a second
+            real agent when built from ``store``, else ``agent`` itself.
+        probe_batch: at most this many keys per ``query_memory`` call.
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls.
     """
 
-    remote_mem_type = "OBJ"
-
-    def __init__(self, primary: torch.Tensor, *, agent: NixlAgent, key_prefix: str = "",
-                 poll_interval: float = 0.0005) -> None:
+    def __init__(
+        self,
+        primary: torch.Tensor,
+        *,
+        agent: NixlAgent | None = None,
+        store: Any = None,
+        key_prefix: str | None = None,
+        probe_agent: Any = None,
+        probe_batch: int = 256,
+        poll_interval: float = 0.0005,
+    ) -> None:
+        if key_prefix is None:
+            key_prefix = store.key_prefix if store is not None else ""
         if not isinstance(key_prefix, str):
             raise ValueError(f"key_prefix must be a str, got {type(key_prefix).__name__}")
         self.key_prefix = key_prefix
-        self._dev_ids = itertools.count()
-        super().__init__(primary, agent=agent, poll_interval=poll_interval)
+        if agent is None:
+            if store is None:
+                raise ValueError("ObjectStoreTier needs agent= (a NIXL agent) or store= "
+                                 "(a kvfsm.nixl_agents.StoreConfig)")
+            agent, probe_agent = _agents_for(store, probe_agent)
+        super().__init__(primary, agent=agent, remote=_Objects(self), poll_interval=poll_interval)
+        self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,
+                               probe_batch)
 
     def object_key(self, key: bytes | str) -> str:
         """The object name block ``key`` is stored under: str keys as they are, bytes in hex."""
@@ -45,7 +141,31 @@ class ObjectStoreTier(SecondaryTier):
             return self.key_prefix + key.hex()
         raise InvalidJobError(f"a key must be bytes or str, got {type(key).__name__} {key!r}")
 
-    def _remote_descs(self, keys: Sequence[bytes | str]) -> list[tuple[int, int, int, str]]:
-        dev_ids = self._dev_ids
-        return [(0, self.block_bytes, next(dev_ids) % _DEV_ID_SPACE, self.object_key(key))
-                for key in keys]
+    remote_name = object_key
+
+    @property
+    def probe_errors(self) -> int:
+        """How many background ``query_memory`` calls raised (their keys are asked again)."""
+        return self._prober.errors
+
+    def _probe(self, name: str) -> Lookup:
+        self._prober.want(name)
+        return Lookup.RETRY
+
+    def _stop_probes(self) -> None:
+        self._prober.stop()
+
+
+def _agents_for(store: Any, probe_agent: Any) -> tuple[Any, Any]:
+    from kvfsm.nixl_agents import StoreConfig, check_bucket, make_agent  # noqa: PLC0415
+
+    if not isinstance(store, StoreConfig):
+        raise ValueError(f"store must be a kvfsm.nixl_agents.StoreConfig, got "
+                         f"{type(store).__name__}")
+    check_bucket(store)
+    threads = store.io_threads or 0
+    agent = make_agent(f"kvfsm-obj-{id(store):x}", "OBJ", store.backend_params(), threads)
+    if probe_agent is None:
+        probe_agent = make_agent(f"kvfsm-obj-probe-{id(store):x}", "OBJ",
+                                 store.backend_params(), threads)
+    return agent, probe_agent

@@ -1,0 +1,164 @@
+"""Real NIXL agents: the only module of kvfsm that imports NIXL.
+
+kvfsm imports and its fake agent works without NIXL installed; these factories raise
+:class:`NixlUnavailable` then. They import ``nixl_cu12`` directly: the ``nixl`` meta package picks
+the cu13 build on a machine without a CUDA torch, and that build's OBJ backend cannot load.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "BucketUnreachable",
+    "NixlUnavailable",
+    "StoreConfig",
+    "check_bucket",
+    "make_agent",
+    "nixl_available",
+]
+
+# NIXL's Python logger prints INFO lines to stdout by default; a dead S3 endpoint otherwise
+# takes ~25 s per request to fail. Both only apply when set before NIXL loads.
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("AWS_MAX_ATTEMPTS", "1")
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL (``nixl-cu12``) is not installed or cannot load."""
+
+
+class BucketUnreachable(RuntimeError):
+    """The object store's endpoint or bucket cannot be reached."""
+
+
+def _api() -> Any:
+    try:
+        from nixl_cu12 import _api  # noqa: PLC0415 - NIXL is optional; imported on first use
+    except ImportError as error:
+        raise NixlUnavailable(
+            "NIXL is not installed: pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1 "
+            f"({error})") from error
+    return _api
+
+
+def nixl_available() -> bool:
+    """True when the real NIXL bindings import."""
+    try:
+        _api()
+    except NixlUnavailable:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Where and how an object-store tier stores blocks.
+
+    Args:
+        bucket: the bucket (it must exist).
+        endpoint: ``http://host:port`` of an S3-compatible server; None for AWS itself.
+        access_key: with ``secret_key``; None uses the default credential chain
+            (environment, profile, instance role).
+        secret_key: the secret for ``access_key``.
+        region: the bucket's region.
+        use_virtual_addressing: ``bucket.host`` addressing instead of ``host/bucket``.
+        req_checksum: NIXL's request checksum mode; "required" (PUTs of 64 MiB or more to some
+            servers never complete without it) or "when_supported".
+        io_threads: the OBJ backend's I/O threads; None for NIXL's default.
+        key_prefix: prepended to every object name.
+    """
+
+    bucket: str
+    endpoint: str | None = None
+    access_key: str | None = None
+    secret_key: str | None = None
+    region: str = "us-east-1"
+    use_virtual_addressing: bool = False
+    req_checksum: str = "required"
+    io_threads: int | None = None
+    key_prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bucket, str) or not self.bucket:
+            raise ValueError(f"StoreConfig.bucket must be a non-empty str, got {self.bucket!r}")
+        if self.endpoint is not None:
+            parsed = urllib.parse.urlsplit(self.endpoint)
+            if parsed.scheme not in {"http", "https"} or not parsed.hostname:
+                raise ValueError(f"StoreConfig.endpoint must be http(s)://host[:port], got "
+                                 f"{self.endpoint!r}")
+        if (self.access_key is None) != (self.secret_key is None):
+            raise ValueError("StoreConfig: give access_key and secret_key together, or neither "
+                             "(for the default credential chain)")
+        if self.req_checksum not in {"required", "when_supported"}:
+            raise ValueError(f"StoreConfig.req_checksum must be 'required' or 'when_supported', "
+                             f"got {self.req_checksum!r}")
+        if self.io_threads is not None and self.io_threads < 1:
+            raise ValueError(f"StoreConfig.io_threads must be at least 1, got {self.io_threads}")
+
+    @property
+    def scheme(self) -> str:
+        """http or https, from the endpoint (https for AWS)."""
+        return urllib.parse.urlsplit(self.endpoint).scheme if self.endpoint else "https"
+
+    def backend_params(self) -> dict[str, str]:
+        """The OBJ backend's initialization parameters."""
+        params = {
+            "bucket": self.bucket,
+            "scheme": self.scheme,
+            "region": self.region,
+            "use_virtual_addressing": "true" if self.use_virtual_addressing else "false",
+            "req_checksum": self.req_checksum,
+        }
+        if self.endpoint:
+            params["endpoint_override"] = self.endpoint
+        if self.access_key is not None and self.secret_key is not None:
+            params["access_key"] = self.access_key
+            params["secret_key"] = self.secret_key
+        if self.io_threads is not None:
+            params["num_threads"] = str(self.io_threads)
+        return params
+
+
+def check_bucket(config: StoreConfig, timeout: float = 5.0) -> None:
+    """Raise :class:`BucketUnreachable` unless the endpoint answers for the bucket.
+
+    An unsigned ``HEAD`` of the bucket: any answer but 404 shows the server is there and the
+    bucket exists (403 only says the request was unsigned).
+    """
+    endpoint = config.endpoint or f"https://s3.{config.region}.amazonaws.com"
+    parsed = urllib.parse.urlsplit(endpoint)
+    host = parsed.hostname or ""
+    path = f"/{config.bucket}"
+    if config.use_virtual_addressing:
+        host, path = f"{config.bucket}.{host}", "/"
+    connection_class = (http.client.HTTPSConnection if parsed.scheme == "https"
+                        else http.client.HTTPConnection)
+    connection = connection_class(host, parsed.port, timeout=timeout)
+    where = f"bucket {config.bucket!r} at {endpoint}"
+    try:
+        connection.request("HEAD", path)
+        status = connection.getresponse().status
+    except OSError as error:
+        raise BucketUnreachable(f"cannot reach {where}: {error}") from error
+    finally:
+        connection.close()
+    if status == 404:
+        raise BucketUnreachable(f"{where} does not exist (HTTP 404)")
+    if status >= 500:
+        raise BucketUnreachable(f"{where} answered HTTP {status}")
+
+
+def make_agent(name: str, backend: str, params: dict[str, str] | None = None,
+               io_threads: int = 0) -> Any:
+    """A real ``nixl_agent`` with one backend ("OBJ", "POSIX" or "UCX"), no progress thread."""
+    api = _api()
+    config = api.nixl_agent_config(enable_prog_thread=False, backends=[],
+                                   num_threads=io_threads)
+    agent = api.nixl_agent(name, config)
+    agent.create_backend(backend, params or {})
+    return agent

@@ -1,0 +1,183 @@
+"""Fault injection for NIXL agents: what to inject, and a schedule of numbered calls.
+
+Every call of a NIXL method is numbered per method name from 1 when it starts, failed calls
+included. :meth:`FaultPlan.inject` arms a :data:`Fault` for numbered calls, and the agent takes
+(consumes) the fault armed for a call's number as the call starts. The fake agent and
+:class:`kvfsm.testing.FaultyAgent`, a wrapper around a real agent, share this schedule.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TypeAlias
+
+__all__ = ["FAULTABLE_CALLS", "STATUS_CALLS", "FakeNixlError", "Fault", "FaultPlan", "Raise",
+           "ReturnErr", "StayProc"]
+
+#: the calls that answer a transfer's status, and so take ReturnErr and StayProc faults
+STATUS_CALLS = frozenset({"transfer", "check_xfer_state"})
+#: the NIXL calls a fault can be injected into
+FAULTABLE_CALLS = frozenset({
+    "register_memory",
+    "deregister_memory",
+    "query_memory",
+    "prep_xfer_dlist",
+    "make_prepped_xfer",
+    "transfer",
+    "check_xfer_state",
+    "release_xfer_handle",
+    "release_dlist_handle",
+})
+
+
+class FakeNixlError(Exception):
+    """A failure real NIXL would report; ``str(error)`` is the NIXL code, as in real NIXL.
+
+    Args:
+        code: the NIXL status name, e.g. "NIXL_ERR_BACKEND".
+    """
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Raise:
+    """The call raises ``FakeNixlError(code)`` instead of running."""
+
+    code: str = "NIXL_ERR_BACKEND"
+
+    def __post_init__(self) -> None:
+        """Reject a code that is not a NIXL error name."""
+        if not isinstance(self.code, str) or not self.code.startswith("NIXL_ERR_"):
+            raise ValueError(f"Raise: code must be a NIXL_ERR_* name, got {self.code!r}")
+
+
+@dataclass(frozen=True)
+class ReturnErr:
+    """``transfer`` answers "ERR" without posting; ``check_xfer_state`` answers "ERR".
+
+    On a check of a running transfer, the transfer is then over and failed, moving no bytes.
+    """
+
+
+@dataclass(frozen=True)
+class StayProc:
+    """Makes ``polls`` answers in a row "PROC": the faulted call and the next ``polls - 1`` checks.
+
+    The held answers do not advance the transfer, which resumes where it was afterwards. On
+    ``transfer`` the post happens (it still raises NIXL_ERR_REPOST_ACTIVE on a running transfer),
+    even with ``complete_after_polls=0``, whose transfer then completes at the first check after
+    the held ones. On a transfer that is not running the held answers change nothing but the answer.
+    """
+
+    polls: int
+
+    def __post_init__(self) -> None:
+        """Reject a count below 1."""
+        if isinstance(self.polls, bool) or not isinstance(self.polls, int) or self.polls < 1:
+            raise ValueError(f"StayProc: polls must be an int >= 1, got {self.polls!r}")
+
+
+#: a fault to inject with :meth:`FaultPlan.inject`
+Fault: TypeAlias = Raise | ReturnErr | StayProc
+
+
+@dataclass
+class _Armed:
+    """A fault armed for calls ``first`` to ``last`` of ``call``."""
+
+    call: str
+    fault: Fault
+    first: int
+    last: int
+
+
+class FaultPlan:
+    """Which numbered calls of which NIXL method fail, and how; and every call made.
+
+    Args:
+        owner: the agent class's name, for error messages.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        #: the name of every call made, in order, failed ones included
+        self.calls: list[str] = []
+        self._counts: Counter[str] = Counter()
+        self._armed: list[_Armed] = []
+
+    def inject(self, call: str, fault: Fault, *, at: int | None = None, times: int = 1) -> None:
+        """Arm ``fault`` for ``times`` calls of ``call``.
+
+        Args:
+            call: a NIXL method name, e.g. "transfer".
+            fault: what the call does instead (``StayProc``/``ReturnErr``: status calls only).
+            at: the number of the first faulted call (1-based, counted from the agent's creation);
+                by default the next call.
+            times: how many consecutive calls the fault applies to.
+
+        Raises:
+            ValueError: unknown call, a fault kind that call cannot take, a bad ``at`` or
+                ``times``, or calls that already have a fault armed.
+        """
+        if call not in FAULTABLE_CALLS:
+            raise ValueError(f"inject: {call!r} is not a NIXL call of {self.owner}; one of "
+                             + ", ".join(sorted(FAULTABLE_CALLS)))
+        if not isinstance(fault, Raise | ReturnErr | StayProc):
+            raise ValueError(f"inject: {fault!r} is not a Fault")
+        if not isinstance(fault, Raise) and call not in STATUS_CALLS:
+            raise ValueError(
+                f"inject: {type(fault).__name__} only applies to transfer and check_xfer_state, "
+                f"not {call!r}"
+            )
+        if isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            raise ValueError(f"inject: times must be an int >= 1, got {times!r}")
+        done = self._counts[call]
+        if at is None:
+            first = done + 1
+        elif isinstance(at, bool) or not isinstance(at, int) or at < 1:
+            raise ValueError(f"inject: at must be an int >= 1, got {at!r}")
+        elif at <= done:
+            raise ValueError(f"inject: {call} call #{at} already happened ({done} so far)")
+        else:
+            first = at
+        last = first + times - 1
+        for armed in self._armed:
+            if armed.call == call and armed.first <= last and first <= armed.last:
+                raise ValueError(
+                    f"inject: {call} calls #{armed.first}-#{armed.last} already have "
+                    f"{armed.fault!r} armed; pass at= for calls after them"
+                )
+        self._armed.append(_Armed(call, fault, first, last))
+
+    def take(self, call: str) -> Fault | None:
+        """Record and number a call that starts; return (and consume) its fault, if any."""
+        self.calls.append(call)
+        self._counts[call] += 1
+        number = self._counts[call]
+        for armed in self._armed:
+            if armed.call == call and armed.first <= number <= armed.last:
+                armed.first = number + 1
+                if armed.first > armed.last:
+                    self._armed.remove(armed)
+                return armed.fault
+        return None
+
+    def clear(self) -> None:
+        """Disarm every fault that has not fired yet."""
+        self._armed.clear()
+
+    def pending(self) -> list[tuple[str, int, Fault]]:
+        """What is still armed: one ``(call, call_number, fault)`` per call it will hit."""
+        return [
+            (armed.call, number, armed.fault)
+            for armed in self._armed
+            for number in range(armed.first, armed.last + 1)
+        ]
+
+    def count(self, call: str) -> int:
+        """How many calls of ``call`` were made, failed ones included."""
+        return self._counts[call]
