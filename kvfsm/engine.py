@@ -64,15 +64,14 @@ class DeclarationError(ValueError):
 class InvalidTransition(RuntimeError):
     """An event was fired in a state, or with an answer, that the machine does not declare."""
 
-    def __init__(self, machine: str, state: enum.Enum, event: str, answer: enum.Enum) -> None:
+    def __init__(self, machine: str, state: enum.Enum, event: str, answer: Any,
+                 reason: str | None = None) -> None:
         self.machine = machine
         self.state = state
         self.event = event
         self.answer = answer
         super().__init__(
-            f"{machine}: event {event!r} (answer {answer.name}) is not declared "
-            f"in state {state.name}"
-        )
+            f"{machine}: " + (reason or f"event {event!r} is not declared in state {state.name}"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,26 +215,31 @@ class Declaration(Generic[S, A]):
 
     def _check_names(self) -> None:
         for transition in self.transitions:
-            trigger = transition.get("trigger")
-            if trigger not in self.answers:
-                raise DeclarationError(f"{self.name}: transition {transition} has an undeclared "
-                                       f"trigger {trigger!r}")
-            for key in ("conditions", "unless"):
-                for guard in _names(transition.get(key)):
-                    if guard not in self.guards:
-                        raise DeclarationError(f"{self.name}: unknown guard {guard!r} in {key} "
-                                               f"of {transition}")
-            for action in _names(transition.get("after")):
-                if action not in self.actions:
-                    raise DeclarationError(
-                        f"{self.name}: unknown action {action!r} in {transition}")
-            for key in transition:
-                if key not in {"trigger", "source", "dest", "conditions", "unless", "after"}:
-                    raise DeclarationError(f"{self.name}: unsupported key {key!r} in {transition}"
-                                           " (guards go in conditions/unless, actions in after)")
+            self._check_transition(transition)
         for guard, accepted in self.guards.items():
             if not accepted:
                 raise DeclarationError(f"{self.name}: guard {guard!r} accepts no answer")
+
+    def _check_transition(self, transition: Mapping[str, Any]) -> None:
+        trigger = transition.get("trigger")
+        if trigger not in self.answers:
+            raise DeclarationError(f"{self.name}: transition {transition} has an undeclared "
+                                   f"trigger {trigger!r}")
+        for key in transition:
+            if key not in {"trigger", "source", "dest", "conditions", "unless", "after"}:
+                raise DeclarationError(f"{self.name}: unsupported key {key!r} in {transition}"
+                                       " (guards go in conditions/unless, actions in after)")
+        known = {"conditions": self.guards, "unless": self.guards, "after": self.actions}
+        for key, names in known.items():
+            kind = "action" if key == "after" else "guard"
+            for name in _names(transition.get(key)):
+                if not isinstance(name, str):
+                    raise DeclarationError(
+                        f"{self.name}: {key} of {transition} must be names (str), got "
+                        f"{name!r}; declare guards in guards= and actions in actions=")
+                if name not in names:
+                    raise DeclarationError(f"{self.name}: unknown {kind} {name!r} in {key} of "
+                                           f"{transition}")
 
     def _read_edges(self, machine: Machine) -> tuple[Edge, ...]:
         edges: list[Edge] = []
@@ -308,8 +312,21 @@ class CompiledMachine(Generic[S, A]):
         """The step firing ``event`` with ``answer`` takes in ``state``; raises if undeclared."""
         try:
             return self.table[state][event][answer]
-        except KeyError:
-            raise InvalidTransition(self.name, state, event, answer) from None
+        except (KeyError, TypeError):
+            raise self._refusal(state, event, answer) from None
+
+    def _refusal(self, state: S, event: str, answer: Any) -> InvalidTransition:
+        """Say precisely why ``event`` with ``answer`` cannot be fired in ``state``."""
+        declared = self.declaration.answers.get(event)
+        if declared is None:
+            reason = f"there is no event {event!r}"
+        elif event not in self.table.get(state, {}):
+            reason = f"event {event!r} is not declared in state {state.name}"
+        else:
+            carried = ", ".join(sorted(a.name for a in declared))
+            reason = (f"event {event!r} in state {state.name} carries one of {carried}, "
+                      f"not {answer!r}")
+        return InvalidTransition(self.name, state, event, answer, reason)
 
     def fire(self, record: Record[S], event: str, answer: A, detail: Any = None) -> S:
         """Move ``record`` on ``event`` carrying ``answer``; run the step's actions.
@@ -320,8 +337,8 @@ class CompiledMachine(Generic[S, A]):
         """
         try:
             step = self.table[record.state][event][answer]
-        except KeyError:
-            raise InvalidTransition(self.name, record.state, event, answer) from None
+        except (KeyError, TypeError):
+            raise self._refusal(record.state, event, answer) from None
         step.count += 1
         record.state = step.dest
         for action in step.actions:
@@ -354,12 +371,12 @@ class _Inert:
     """A model for the template machine that is only read, never triggered."""
 
 
-def _names(value: Any) -> list[str]:
+def _names(value: Any) -> list[Any]:
     if value is None:
         return []
-    if isinstance(value, str):
-        return [value]
-    return list(value)
+    if isinstance(value, list | tuple):
+        return list(value)
+    return [value]
 
 
 def _guard_method(accepted: frozenset[Any]) -> Callable[[Any, Any], bool]:

@@ -105,7 +105,7 @@ class Answer(enum.Enum):
     LEAKED = "LEAKED"
 
 
-class OutcomeAlreadyLatched(AssertionError):
+class OutcomeAlreadyLatched(RuntimeError):
     """An action tried to set a transfer's outcome a second time (an F3 violation)."""
 
 

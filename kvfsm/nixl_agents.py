@@ -22,10 +22,11 @@ __all__ = [
     "nixl_available",
 ]
 
-# NIXL's Python logger prints INFO lines to stdout by default; a dead S3 endpoint otherwise
-# takes ~25 s per request to fail. Both only apply when set before NIXL loads.
+# NIXL's Python logger prints INFO lines to stdout by default. The S3 client of the OBJ backend
+# asks the cloud instance metadata service (169.254.169.254) for settings unless told not to;
+# off a cloud instance that request only waits. Both only apply when set before NIXL loads.
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-os.environ.setdefault("AWS_MAX_ATTEMPTS", "1")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 
 class NixlUnavailable(RuntimeError):

@@ -7,29 +7,46 @@ import sys
 
 import pytest
 
-from kvfsm.cli import main, parse_fault_spec
+from kvfsm.cli import main
+from kvfsm.demo import parse_fault_spec
 from kvfsm.testing import Raise, ReturnErr, StayProc
 
+from .real_nixl import require_nixl
 
-def test_demo_round_trip_verifies_every_byte(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--blocks", "32", "--block-kib", "4", "--blocks-per-job", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "verified 32 of 32 blocks byte for byte, 0 mismatched" in out
-    assert "every byte verified" in out
-    assert "0 duplicated, 0 lost" in out
+SMALL = ["--blocks", "32", "--block-kib", "4", "--blocks-per-job", "4"]
 
 
-def test_demo_with_faults_retries_and_still_publishes_each_job_once(
+def test_the_default_demo_verifies_every_byte_through_real_nixl_files() -> None:
+    require_nixl()
+    done = subprocess.run([sys.executable, "-m", "kvfsm", "demo", *SMALL],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "file tier on real NIXL (POSIX)" in done.stdout
+    assert "verified 32 of 32 blocks byte for byte, 0 mismatched" in done.stdout
+    assert done.stdout.rstrip().endswith("every byte verified")
+
+
+def test_injected_faults_on_real_nixl_are_retried_and_each_job_publishes_once(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    require_nixl()
     spec = "release_xfer_handle:raise*3,check_xfer_state:proc=4@2,deregister_memory:raise@1"
-    assert main(["demo", "--blocks", "16", "--block-kib", "1", "--blocks-per-job", "4",
-                 "--inject-faults", spec]) == 0
+    assert main(["demo", *SMALL, "--inject-faults", spec]) == 0
     out = capsys.readouterr().out
     assert "retries: 3 failed release(s) retried; leaks: 1 cleanup call(s) failed" in out
-    assert "results: 4 stores (0 failed), 4 loads (0 failed), 0 duplicated, 0 lost" in out
-    assert "every byte verified" in out
+    assert "results: 8 stores (0 failed), 8 loads (0 failed), 0 duplicated, 0 lost" in out
     assert "PROCESSING --poll [running]" in out
+    assert "every byte verified" in out
+
+
+def test_a_failed_state_check_fails_that_store_and_the_rest_still_verifies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", *SMALL, "--fake", "--inject-faults", "check_xfer_state:err@3"]) == 0
+    out = capsys.readouterr().out
+    assert "8 stores (1 failed), 8 loads (1 failed)" in out
+    assert "verified 28 of 32 blocks byte for byte, 0 mismatched" in out
+    assert "4 block(s) not verified" in out
 
 
 def test_the_fault_spec_grammar() -> None:
@@ -41,14 +58,26 @@ def test_the_fault_spec_grammar() -> None:
     ]
 
 
-@pytest.mark.parametrize("spec", ["transfer", "transfer:explode", "transfer:raise@0"])
-def test_a_bad_fault_spec_is_named(spec: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--blocks", "4", "--inject-faults", spec]) == 2
-    assert repr(spec.split(",", maxsplit=1)[0]) in capsys.readouterr().err
+@pytest.mark.parametrize(("args", "message"), [
+    (["--inject-faults", "transfer"], "bad fault 'transfer'"),
+    (["--inject-faults", "transfer:explode"], "bad fault 'transfer:explode'"),
+    (["--inject-faults", "transfer:raise@0"], "count from 1"),
+    (["--inject-faults", "teleport:raise"], "'teleport' is not a NIXL call"),
+    (["--blocks", "0"], "--blocks must be at least 1"),
+    (["--bucket", "b"], "--s3-endpoint and --bucket go together"),
+])
+def test_bad_options_are_named(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--fake", "--blocks", "4", *args]) == 2
+    assert message in capsys.readouterr().err
 
 
-def test_python_dash_m_kvfsm_runs_the_same_command() -> None:
-    done = subprocess.run([sys.executable, "-m", "kvfsm", "demo", "--blocks", "8",
-                           "--block-kib", "1"], capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    assert "every byte verified" in done.stdout
+def test_a_run_that_cannot_finish_stops_at_its_timeout_and_names_the_stuck_jobs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--fake", *SMALL, "--timeout", "0.2",
+                 "--inject-faults", "release_xfer_handle:raise*100000000"]) == 1
+    err = capsys.readouterr().err
+    assert "DrainTimeout: store phase: 8 transfer(s) not published" in err
+    assert "job 0: DONE" in err

@@ -6,7 +6,7 @@ import enum
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from transitions import MachineError
 
@@ -70,15 +70,26 @@ def events_of(declaration: Declaration[Any, Any]) -> st.SearchStrategy[tuple[str
          for answer in sorted(answers, key=lambda a: a.name)])
 
 
-def run_both(declaration: Declaration[Any, Any], sequence: list[tuple[str, Any]]) -> None:
-    """Fire the sequence through transitions and through the compiled table; compare each step."""
-    reference = declaration.reference_model()
-    compiled = declaration.compile(
-        {name: (lambda record, answer, detail, name=name: record.actions_run.append(name))
-         for name in declaration.actions})
-    record = Record(declaration.initial)
-    record.actions_run = []  # type: ignore[attr-defined]
-    for event, answer in sequence:
+class BothMachines:
+    """One declaration run twice: by transitions itself, and by the compiled table."""
+
+    def __init__(self, declaration: Declaration[Any, Any]) -> None:
+        self.declaration = declaration
+        self.reference = declaration.reference_model()
+        self.compiled = declaration.compile(
+            {name: (lambda record, answer, detail, name=name: record.actions_run.append(name))
+             for name in declaration.actions})
+        self.record = Record(declaration.initial)
+        self.record.actions_run = []  # type: ignore[attr-defined]
+
+    def declared_here(self) -> list[tuple[str, Any]]:
+        """The (event, answer) pairs declared in the current state."""
+        row = self.compiled.table.get(self.record.state, {})
+        return sorted(((e, a) for e, answers in row.items() for a in answers),
+                      key=lambda pair: (pair[0], pair[1].name))
+
+    def fire(self, event: str, answer: Any) -> None:
+        reference, compiled, record = self.reference, self.compiled, self.record
         try:
             reference.trigger(event, answer)
             reference_error = False
@@ -94,11 +105,40 @@ def run_both(declaration: Declaration[Any, Any], sequence: list[tuple[str, Any]]
         assert record.actions_run == reference.actions_run  # type: ignore[attr-defined]
 
 
+def run_both(declaration: Declaration[Any, Any], sequence: list[tuple[str, Any]]) -> None:
+    """Fire the sequence through transitions and through the compiled table; compare each step."""
+    both = BothMachines(declaration)
+    for name, answer in sequence:
+        both.fire(name, answer)
+
+
+def guided_walk(declaration: Declaration[Any, Any], data: Any, steps: int) -> BothMachines:
+    """Mostly declared events (so walks go deep), sometimes any event (so refusals are hit)."""
+    both = BothMachines(declaration)
+    anything = events_of(declaration)
+    for _ in range(steps):
+        here = both.declared_here()
+        if here and data.draw(st.integers(0, 9)) > 0:
+            event, answer = data.draw(st.sampled_from(here))
+        else:
+            event, answer = data.draw(anything)
+        both.fire(event, answer)
+    return both
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_transfer_machine_matches_transitions_on_random_event_sequences(data: Any) -> None:
     sequence = data.draw(st.lists(events_of(TRANSFER_MACHINE), max_size=30))
     run_both(TRANSFER_MACHINE, sequence)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_transfer_machine_matches_transitions_on_walks_through_the_lifecycle(data: Any) -> None:
+    both = guided_walk(TRANSFER_MACHINE, data, steps=data.draw(st.integers(1, 25)))
+    # walks this long reach the end of the lifecycle most of the time; make sure some do
+    event("reached PUBLISHED" if both.record.state.name == "PUBLISHED" else "stopped short")
 
 
 @settings(max_examples=200, deadline=None)
@@ -169,11 +209,34 @@ def test_unknown_guard_action_or_trigger_is_refused() -> None:
 
 
 def test_an_edge_that_can_never_be_taken_is_refused() -> None:
+    # "remove" only ever carries NONE, so a "remove" edge guarded by "hard" is dead code
+    transitions = [*door_declaration().transitions,
+                   {"trigger": "remove", "source": Door.OPEN, "dest": Door.CLOSED,
+                    "conditions": "hard"}]
+    with pytest.raises(DeclarationError, match=r"OPEN -remove-> CLOSED \[hard\] can never"):
+        door_declaration(transitions=transitions)
+
+
+def test_guards_and_actions_must_be_named() -> None:
     transitions = [*door_declaration().transitions,
                    {"trigger": "remove", "source": Door.CLOSED, "dest": Door.GONE,
-                    "conditions": "hard"}]
-    with pytest.raises(DeclarationError):
+                    "conditions": [lambda answer: True]}]
+    with pytest.raises(DeclarationError, match="must be names"):
         door_declaration(transitions=transitions)
+
+
+def test_an_answer_the_event_cannot_carry_is_refused_by_name() -> None:
+    machine = door_declaration().compile()
+    door = DoorRecord()
+    with pytest.raises(InvalidTransition, match=r"'remove' is not declared in state CLOSED"):
+        machine.fire(door, "remove", Push.NONE)
+    door.state = Door.OPEN
+    with pytest.raises(InvalidTransition, match=r"'remove' in state OPEN carries one of NONE, "
+                                                r"not <Push.HARD: 2>"):
+        machine.fire(door, "remove", Push.HARD)
+    with pytest.raises(InvalidTransition, match="there is no event 'kick'"):
+        machine.fire(door, "kick", Push.HARD)
+    assert door.state is Door.OPEN
 
 
 def test_unknown_states_are_refused() -> None:

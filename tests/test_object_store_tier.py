@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,6 +96,7 @@ def test_a_job_with_no_blocks_publishes_success_at_once(
 ) -> None:
     calls_before = len(agent.calls)
     tier.submit_store(TransferJob(9, [], []))
+    assert tier.state_of(9) is None, "published within the submit call"
     assert tier.get_finished_jobs() == [JobResult(9, True, 0, pytest.approx(0.0, abs=1.0))]
     assert len(agent.calls) == calls_before, "no NIXL call for an empty job"
 
@@ -269,8 +271,14 @@ def test_f10_shutdown_that_cannot_finish_releases_nothing_and_says_why(
     (TransferJob(5, ["a"], [NUM_BLOCKS]), rf"block_ids\[0\] = {NUM_BLOCKS} is out of range"),
     (TransferJob(5, ["a"], [-1]), r"block_ids\[0\] = -1 is out of range"),
     (TransferJob(5, ["a"], ["0"]), r"block_ids\[0\] is '0', not an int"),  # type: ignore[list-item]
-    (TransferJob(5, [3], [0]), r"keys\[0\] is int 3"),  # type: ignore[list-item]
-    (TransferJob(5, ["a", "a"], [0, 1]), "same key twice"),
+    (TransferJob(5, [3], [0]), r"keys\[0\]: a key must be bytes or str, got int 3"),  # type: ignore[list-item]
+    (TransferJob(5, [""], [0]), r"keys\[0\]: a key must not be empty"),
+    (TransferJob(5, ["a", "a"], [0, 1]), r"keys\[0\] and keys\[1\] name the same block 'a'"),
+    (TransferJob(5, ["6b", b"k"], [0, 1]), "name the same block '6b'"),
+    (TransferJob(5, "ab", [0, 1]), "keys must be a list or tuple, got str 'ab'"),
+    (TransferJob(5, None, [0]), "keys must be a list or tuple, got NoneType"),  # type: ignore[arg-type]
+    (TransferJob(5, ["a"], 0), "block_ids must be a list or tuple, got int 0"),  # type: ignore[arg-type]
+    (TransferJob(5, ["a"], [True]), r"block_ids\[0\] is True, not an int"),
     (TransferJob(5, ["a"], [0], is_promotion=True), "submit it with submit_load"),
     (TransferJob("5", ["a"], [0]), "job_id must be an int"),  # type: ignore[arg-type]
 ])
@@ -301,6 +309,15 @@ def test_a_duplicate_job_id_is_refused_while_in_flight_or_uncollected(
     assert [r.job_id for r in results_until_idle(tier)] == [1]
 
 
+def test_numpy_and_torch_integers_are_block_ids(
+    tier: ObjectStoreTier, primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    tier.submit_store(TransferJob(1, ["a", "b"], [np.int64(2), torch.tensor(3)]))
+    (result,) = results_until_idle(tier)
+    assert result.success
+    assert agent.objects["b"] == primary[3].numpy().tobytes()
+
+
 def test_a_load_into_the_same_block_twice_is_refused(tier: ObjectStoreTier) -> None:
     with pytest.raises(InvalidJobError, match="same block twice"):
         tier.submit_load(TransferJob(1, ["a", "b"], [0, 0], is_promotion=True))
@@ -325,4 +342,6 @@ def test_object_keys_name_the_block_key(primary: torch.Tensor, agent: FakeNixlAg
     assert tier.object_key(b"\x01\xff") == "kv/01ff"
     with pytest.raises(ValueError, match="bytes or str"):
         tier.object_key(7)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="must not be empty"):
+        tier.object_key(b"")
     tier.shutdown()

@@ -13,6 +13,7 @@ the driver their remote side, and probe for blocks they were not told about (:me
 from __future__ import annotations
 
 import enum
+import operator
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +25,14 @@ from kvfsm.driver import RemoteSide, TransferDriver
 from kvfsm.lifecycle import TransferState
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
-__all__ = ["DrainTimeout", "InvalidJobError", "Lookup", "SecondaryTier", "TierClosedError"]
+__all__ = [
+    "DrainTimeout",
+    "InvalidJobError",
+    "Lookup",
+    "SecondaryTier",
+    "TierClosedError",
+    "key_text",
+]
 
 
 class Lookup(enum.Enum):
@@ -73,7 +81,7 @@ class SecondaryTier:
         self.primary = primary
         self.agent = agent
         self.num_blocks = int(primary.shape[0])
-        self.block_bytes = int(primary.stride(0) * primary.element_size())
+        self.block_bytes = int(primary[0].nbytes)
         self.poll_interval = poll_interval
         self.driver = TransferDriver(agent, remote)
         #: what the tier knows of each remote name: set by results, filled in by probes
@@ -128,7 +136,7 @@ class SecondaryTier:
             if not self._transfers:
                 return
             if deadline is not None and time.monotonic() >= deadline:
-                raise DrainTimeout("drain_jobs", list(self._transfers.values()))
+                raise DrainTimeout("drain_jobs", self.unpublished())
             time.sleep(self.poll_interval)
 
     def has_pending_work(self) -> bool:
@@ -148,12 +156,15 @@ class SecondaryTier:
         if self._closed:
             return
         self.drain_jobs(timeout)
+        self._stop_probes()
+        # nothing runs any more: release the primary cache's handles, best effort
+        for call, handle in (("release_dlist_handle", self._local),
+                             ("deregister_memory", self._dram)):
+            try:
+                getattr(self.agent, call)(handle)
+            except Exception as error:
+                self._leaks.append((-1, Leak(call, f"{type(error).__name__}: {error}")))
         self._closed = True
-        try:
-            self._stop_probes()
-            self.agent.release_dlist_handle(self._local)
-        finally:
-            self.agent.deregister_memory(self._dram)
 
     def lookup(self, key: bytes | str) -> Lookup:
         """HIT, MISS, or RETRY while the answer is being found out; never blocks on I/O.
@@ -168,6 +179,10 @@ class SecondaryTier:
         """The state of a job's transfer, or None when it is published or unknown."""
         transfer = self._transfers.get(job_id)
         return None if transfer is None else transfer.state
+
+    def unpublished(self) -> list[Transfer]:
+        """The transfers not yet published, in submission order."""
+        return list(self._transfers.values())
 
     def transfer_of(self, job_id: int) -> Transfer | None:
         """The in-flight transfer record of a job (retries, leaks, last error), or None."""
@@ -194,7 +209,11 @@ class SecondaryTier:
     # -- what a subclass provides -----------------------------------------------------------
 
     def remote_name(self, key: bytes | str) -> str:
-        """The name block ``key`` is stored under in this tier."""
+        """The name block ``key`` is stored under in this tier.
+
+        Raises:
+            ValueError: ``key`` is not a non-empty str or bytes.
+        """
         raise NotImplementedError
 
     def _probe(self, name: str) -> Lookup:
@@ -203,14 +222,6 @@ class SecondaryTier:
 
     def _stop_probes(self) -> None:
         """Stop any background probing; called once by shutdown."""
-
-    def _check_key(self, key: object, index: int) -> None:
-        """Raise InvalidJobError when ``key`` cannot name a block in this tier."""
-        if not isinstance(key, bytes | str):
-            raise InvalidJobError(f"keys[{index}] is {type(key).__name__} {key!r}; "
-                                  "a key must be bytes or str")
-        if not key:
-            raise InvalidJobError(f"keys[{index}] is empty")
 
     # -- internals --------------------------------------------------------------------------
 
@@ -226,6 +237,7 @@ class SecondaryTier:
             self._advance(transfer)
 
     def _validate(self, job: Any, *, load: bool) -> tuple[tuple[bytes | str, ...], tuple[int, ...]]:
+        """Check a job against this tier; returns its keys and block ids as tuples."""
         if not isinstance(job, TransferJob):
             raise InvalidJobError(f"expected a TransferJob, got {type(job).__name__}")
         job_id = job.job_id
@@ -240,25 +252,42 @@ class SecondaryTier:
             wanted = "submit_load" if job.is_promotion else "submit_store"
             raise InvalidJobError(f"job {job_id} has is_promotion={job.is_promotion}; "
                                   f"submit it with {wanted}")
-        keys, block_ids = tuple(job.keys), tuple(job.block_ids)
-        if len(keys) != len(block_ids):
+        for field in ("keys", "block_ids"):
+            value = getattr(job, field)
+            if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+                raise InvalidJobError(f"job {job_id}: {field} must be a list or tuple, got "
+                                      f"{type(value).__name__} {value!r}")
+        keys, raw_ids = tuple(job.keys), tuple(job.block_ids)
+        if len(keys) != len(raw_ids):
             raise InvalidJobError(f"job {job_id} has {len(keys)} keys but "
-                                  f"{len(block_ids)} block ids")
+                                  f"{len(raw_ids)} block ids")
+        names: dict[str, int] = {}
         for index, key in enumerate(keys):
-            self._check_key(key, index)
-            self.remote_name(key)
-        if len(set(keys)) != len(keys):
-            raise InvalidJobError(f"job {job_id} names the same key twice")
-        for index, block_id in enumerate(block_ids):
-            if not isinstance(block_id, int) or isinstance(block_id, bool):
-                raise InvalidJobError(f"job {job_id}: block_ids[{index}] is {block_id!r}, "
-                                      "not an int")
-            if not 0 <= block_id < self.num_blocks:
-                raise InvalidJobError(f"job {job_id}: block_ids[{index}] = {block_id} is out "
-                                      f"of range [0, {self.num_blocks})")
+            try:
+                name = self.remote_name(key)
+            except ValueError as error:
+                raise InvalidJobError(f"job {job_id}: keys[{index}]: {error}") from None
+            if name in names:
+                raise InvalidJobError(f"job {job_id}: keys[{names[name]}] and keys[{index}] "
+                                      f"name the same block {name!r}")
+            names[name] = index
+        block_ids = tuple(self._block_id(job_id, index, b) for index, b in enumerate(raw_ids))
         if load and len(set(block_ids)) != len(block_ids):
             raise InvalidJobError(f"job {job_id} loads into the same block twice")
         return keys, block_ids
+
+    def _block_id(self, job_id: int, index: int, block_id: object) -> int:
+        if isinstance(block_id, bool):
+            raise InvalidJobError(f"job {job_id}: block_ids[{index}] is {block_id!r}, not an int")
+        try:
+            value = operator.index(block_id)  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidJobError(f"job {job_id}: block_ids[{index}] is {block_id!r}, "
+                                  "not an int") from None
+        if not 0 <= value < self.num_blocks:
+            raise InvalidJobError(f"job {job_id}: block_ids[{index}] = {value} is out "
+                                  f"of range [0, {self.num_blocks})")
+        return value
 
     def _advance(self, transfer: Transfer) -> None:
         if self.driver.advance(transfer):
@@ -280,6 +309,26 @@ class SecondaryTier:
     def _poll(self) -> None:
         for transfer in list(self._transfers.values()):
             self._advance(transfer)
+
+
+def key_text(key: object) -> str:
+    """A block key as text: a str as it is, bytes in hex.
+
+    Both kinds share one namespace (``"6b"`` and ``b"k"`` name the same block), so a tier's
+    users should stick to one kind.
+
+    Raises:
+        ValueError: the key is not a non-empty str or bytes.
+    """
+    if isinstance(key, str):
+        text = key
+    elif isinstance(key, bytes):
+        text = key.hex()
+    else:
+        raise ValueError(f"a key must be bytes or str, got {type(key).__name__} {key!r}")
+    if not text:
+        raise ValueError("a key must not be empty")
+    return text
 
 
 def _check_primary(primary: object) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kvfsm.agent import NixlAgent
-from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier
+from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
 from kvfsm.transfer import Leak, Transfer
 
 __all__ = ["FileTier"]
@@ -129,13 +129,9 @@ class FileTier(SecondaryTier):
         return self.root / self.remote_name(key)
 
     def remote_name(self, key: bytes | str) -> str:
-        """The file name of block ``key``: str keys quoted, bytes in hex, long names hashed."""
-        if isinstance(key, str):
-            name = urllib.parse.quote(key, safe="")
-        elif isinstance(key, bytes):
-            name = key.hex()
-        else:
-            raise InvalidJobError(f"a key must be bytes or str, got {type(key).__name__} {key!r}")
+        """The file name of block ``key``: its text (:func:`~kvfsm.tiers.base.key_text`) quoted
+        for a file name; long names hashed."""
+        name = urllib.parse.quote(key_text(key), safe="")
         if len(name) > _MAX_NAME or name.startswith("."):
             name = "h-" + hashlib.sha256(name.encode()).hexdigest()
         return name

@@ -9,14 +9,16 @@ from typing import Any
 import torch
 
 from kvfsm.agent import NixlAgent
-from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier
+from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
 from kvfsm.transfer import Leak, Transfer
 
 __all__ = ["ObjectStoreTier"]
 
 # NIXL's OBJ backend maps a descriptor's device id to its object key, so every descriptor
-# registered at the same time needs its own id; they are reused only after 2**31 registrations.
+# registered at the same time, by any tier of the process, needs its own id; they are reused
+# only after 2**31 registrations.
 _DEV_ID_SPACE = 2**31
+_dev_ids = itertools.count()
 
 
 class _Objects:
@@ -26,10 +28,9 @@ class _Objects:
 
     def __init__(self, tier: ObjectStoreTier) -> None:
         self._tier = tier
-        self._dev_ids = itertools.count()
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
-        size, name, dev_ids = self._tier.block_bytes, self._tier.object_key, self._dev_ids
+        size, name, dev_ids = self._tier.block_bytes, self._tier.object_key, _dev_ids
         return [(0, size, next(dev_ids) % _DEV_ID_SPACE, name(key)) for key in transfer.job.keys]
 
     def commit(self, transfer: Transfer) -> None:
@@ -134,12 +135,9 @@ class ObjectStoreTier(SecondaryTier):
                                probe_batch)
 
     def object_key(self, key: bytes | str) -> str:
-        """The object name block ``key`` is stored under: str keys as they are, bytes in hex."""
-        if isinstance(key, str):
-            return self.key_prefix + key
-        if isinstance(key, bytes):
-            return self.key_prefix + key.hex()
-        raise InvalidJobError(f"a key must be bytes or str, got {type(key).__name__} {key!r}")
+        """The object name block ``key`` is stored under: the prefix, then the key as text
+        (a str as it is, bytes in hex; see :func:`~kvfsm.tiers.base.key_text`)."""
+        return self.key_prefix + key_text(key)
 
     remote_name = object_key
 

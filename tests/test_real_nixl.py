@@ -1,0 +1,262 @@
+"""Real bytes through real NIXL: the OBJ backend against a local S3 server, POSIX to files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfsm import JobResult, TransferJob
+from kvfsm.nixl_agents import BucketUnreachable, make_agent
+from kvfsm.testing import FaultyAgent, Raise
+from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, SecondaryTier
+
+from .real_nixl import S3Server, free_port, own_s3_server, require_nixl, s3_server
+
+__all__ = ["own_s3_server", "s3_server"]  # fixtures, imported for pytest
+
+pytestmark = pytest.mark.nixl
+
+BLOCKS, BLOCK_BYTES = 16, 64 * 1024
+
+
+@pytest.fixture
+def cache() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randint(0, 256, (BLOCKS, BLOCK_BYTES), dtype=torch.uint8, generator=generator)
+
+
+@pytest.fixture
+def tiers() -> Iterator[list[SecondaryTier]]:
+    """Tiers a test makes; each must end with nothing in flight, and is shut down."""
+    made: list[SecondaryTier] = []
+    yield made
+    for tier in made:
+        tier.drain_jobs(timeout=120)
+        assert tier.stats()["in_flight"] == {}, "nothing may be in flight at the end"
+        tier.shutdown()
+        assert tier.closed
+
+
+def collect(tier: SecondaryTier, expected: int, timeout: float = 120) -> dict[int, JobResult]:
+    """Poll until ``expected`` results arrived; a second result for a job fails the test."""
+    results: dict[int, JobResult] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < expected and time.monotonic() < deadline:
+        for result in tier.get_finished_jobs():
+            assert result.job_id not in results, f"job {result.job_id} published twice"
+            results[result.job_id] = result
+        time.sleep(0.001)
+    assert len(results) == expected, f"{expected - len(results)} results missing"
+    return results
+
+
+def keys(job: int, blocks: range | list[int]) -> list[str]:
+    return [f"seq{job}/block{b}" for b in blocks]
+
+
+# -- the object store ----------------------------------------------------------------------------
+
+def test_object_store_round_trip_on_real_nixl(
+    s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
+) -> None:
+    bucket = s3_server.new_bucket()
+    tier = ObjectStoreTier(cache, store=s3_server.config(bucket, key_prefix="kv/"))
+    tiers.append(tier)
+    original = cache.clone()
+    for job in range(4):
+        blocks = range(job * 4, job * 4 + 4)
+        tier.submit_store(TransferJob(job, keys(0, blocks), list(blocks)))
+    assert all(r.success for r in collect(tier, 4).values())
+
+    s3 = s3_server.client()
+    for block in range(BLOCKS):
+        body = s3.get_object(Bucket=bucket, Key=f"kv/seq0/block{block}")["Body"].read()
+        assert body == original[block].numpy().tobytes(), f"object of block {block}"
+
+    cache.zero_()
+    order = [5, 0, 15, 9, 2, 12, 7, 1, 14, 3, 10, 6, 13, 4, 11, 8]  # key b -> slot order[b]
+    tier.submit_load(TransferJob(10, keys(0, range(BLOCKS)), order, is_promotion=True))
+    assert collect(tier, 1)[10].success
+    for block, slot in enumerate(order):
+        assert torch.equal(cache[slot], original[block]), f"block {block} in slot {slot}"
+
+
+def test_a_missing_object_fails_its_load_and_the_lookup_then_says_miss(
+    s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
+) -> None:
+    tier = ObjectStoreTier(cache, store=s3_server.config(s3_server.new_bucket()))
+    tiers.append(tier)
+    tier.submit_store(TransferJob(1, ["present"], [0]))
+    assert collect(tier, 1)[1].success
+    assert tier.lookup("present") is Lookup.HIT  # a finished store answers at once
+
+    assert wait_for_lookup(tier, "never-stored") is Lookup.MISS  # probed in the background
+    tier.submit_load(TransferJob(2, ["never-stored", "present"], [3, 4], is_promotion=True))
+    result = collect(tier, 1)[2]
+    assert (result.job_id, result.success) == (2, False)
+    assert tier.lookup("never-stored") is Lookup.MISS
+    assert tier.lookup("present") is Lookup.MISS, "F11: a failed load is not retried as a HIT"
+
+
+def wait_for_lookup(tier: SecondaryTier, key: str, timeout: float = 30) -> Lookup:
+    deadline = time.monotonic() + timeout
+    answer = tier.lookup(key)
+    while answer is Lookup.RETRY and time.monotonic() < deadline:
+        time.sleep(0.01)
+        answer = tier.lookup(key)
+    return answer
+
+
+def test_lookups_probe_objects_another_process_stored(
+    s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
+) -> None:
+    bucket = s3_server.new_bucket()
+    s3_server.client().put_object(Bucket=bucket, Key="elsewhere", Body=b"x" * BLOCK_BYTES)
+    tier = ObjectStoreTier(cache, store=s3_server.config(bucket))
+    tiers.append(tier)
+    assert tier.lookup("elsewhere") is Lookup.RETRY, "the caller never waits on S3"
+    assert wait_for_lookup(tier, "elsewhere") is Lookup.HIT
+    assert tier.probe_errors == 0
+
+
+def test_a_failed_release_on_real_nixl_is_retried_and_publishes_once(
+    s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
+) -> None:
+    config = s3_server.config(s3_server.new_bucket())
+    agent = FaultyAgent(make_agent("faulty-obj", "OBJ", config.backend_params()))
+    agent.inject("release_xfer_handle", Raise(), times=2)
+    agent.inject("check_xfer_state", Raise(), at=1)
+    tier = ObjectStoreTier(cache, agent=agent)
+    tiers.append(tier)
+    tier.submit_store(TransferJob(1, ["a", "b"], [0, 1]))
+    results = collect(tier, 1)
+    assert results[1].success is False, "the injected state-check failure is the verdict"
+    assert agent.call_count("release_xfer_handle") == 3
+    assert tier.stats()["retries"] == 2
+
+
+def test_the_bucket_is_checked_at_start_up(s3_server: S3Server, cache: torch.Tensor) -> None:
+    with pytest.raises(BucketUnreachable, match=r"bucket 'no-such-bucket' at .* does not exist"):
+        ObjectStoreTier(cache, store=s3_server.config("no-such-bucket"))
+    port = free_port()  # nothing listens there
+    dead = S3Server(port).config("kvfsm-any")
+    with pytest.raises(BucketUnreachable, match=rf"cannot reach bucket 'kvfsm-any' at "
+                                                rf"http://127.0.0.1:{port}"):
+        ObjectStoreTier(cache, store=dead)
+
+
+def test_the_s3_server_killed_mid_run_gives_failed_results_and_no_crash(
+    own_s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
+) -> None:
+    """Every job publishes exactly once; those cut off fail (NIXL's client retries ~25 s)."""
+    config = own_s3_server.config(own_s3_server.new_bucket(), io_threads=32)
+    tier = ObjectStoreTier(cache, store=config)
+    tiers.append(tier)
+    tier.submit_store(TransferJob(0, ["first"], [0]))
+    assert collect(tier, 1)[0].success
+    for job in range(1, BLOCKS):
+        tier.submit_store(TransferJob(job, [f"key{job}"], [job]))
+    own_s3_server.stop()
+
+    results = collect(tier, BLOCKS - 1, timeout=180)
+    assert sorted(results) == list(range(1, BLOCKS))
+    assert not all(r.success for r in results.values()), "some stores were cut off"
+    assert not tier.has_pending_work()
+    assert tier.get_finished_jobs() == []
+
+
+def test_a_process_that_used_real_nixl_exits_cleanly(s3_server: S3Server, tmp_path: Path) -> None:
+    """Stores, loads and shuts down in a child process, which must exit 0 (no SIGSEGV)."""
+    script = textwrap.dedent(f"""
+        import torch
+        from kvfsm import TransferJob
+        from kvfsm.nixl_agents import StoreConfig
+        from kvfsm.tiers import FileTier, ObjectStoreTier
+        cache = torch.ones(8, 4096, dtype=torch.uint8)
+        config = StoreConfig({s3_server.new_bucket()!r}, endpoint={s3_server.endpoint!r},
+                             access_key="kvfsm-access", secret_key="kvfsm-secret")
+        for tier in (ObjectStoreTier(cache, store=config), FileTier(cache, {str(tmp_path)!r})):
+            tier.submit_store(TransferJob(1, ["a", "b"], [0, 1]))
+            tier.shutdown(timeout=60)
+            assert [r.success for r in tier.get_finished_jobs()] == [True]
+        print("clean")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "clean"
+
+
+# -- the file tier -------------------------------------------------------------------------------
+
+@pytest.fixture
+def file_tier(cache: torch.Tensor, tmp_path: Path, tiers: list[SecondaryTier]) -> FileTier:
+    require_nixl()
+    tier = FileTier(cache, tmp_path / "blocks")
+    tiers.append(tier)
+    return tier
+
+
+def test_file_tier_round_trip_on_real_nixl(file_tier: FileTier, cache: torch.Tensor) -> None:
+    original = cache.clone()
+    file_tier.submit_store(TransferJob(1, keys(0, range(BLOCKS)), list(range(BLOCKS))))
+    assert collect(file_tier, 1)[1].success
+    for block in range(BLOCKS):
+        path = file_tier.path_of(f"seq0/block{block}")
+        assert path.read_bytes() == original[block].numpy().tobytes()
+    assert not list(file_tier.root.glob("*.partial-*"))
+
+    cache.zero_()
+    order = list(reversed(range(BLOCKS)))
+    file_tier.submit_load(TransferJob(2, keys(0, range(BLOCKS)), order, is_promotion=True))
+    assert collect(file_tier, 1)[2].success
+    assert torch.equal(cache, original.flip(0))
+
+
+def test_a_store_that_fails_never_leaves_a_block_that_reads_as_valid(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[SecondaryTier]
+) -> None:
+    require_nixl()
+    agent = FaultyAgent(make_agent("faulty-posix", "POSIX"))
+    tier = FileTier(cache, tmp_path, agent=agent)
+    tiers.append(tier)
+    original = cache.clone()
+    tier.submit_store(TransferJob(1, ["kept"], [0]))
+    assert collect(tier, 1)[1].success
+
+    cache[0] = 0  # new content for the same key, whose store fails after NIXL wrote it
+    agent.inject("check_xfer_state", Raise())
+    tier.submit_store(TransferJob(2, ["kept", "new"], [0, 1]))
+    assert collect(tier, 1)[2].success is False
+    assert tier.path_of("kept").read_bytes() == original[0].numpy().tobytes(), "old block intact"
+    assert not tier.path_of("new").exists()
+    assert not list(tmp_path.glob("*.partial-*")), "a failed store's temporary files are removed"
+    assert tier.lookup("new") is Lookup.MISS
+
+
+def test_a_load_of_a_missing_file_publishes_one_failure(
+    file_tier: FileTier, cache: torch.Tensor
+) -> None:
+    file_tier.submit_load(TransferJob(1, ["absent"], [0], is_promotion=True))
+    result = collect(file_tier, 1)[1]
+    assert (result.success, result.transfer_size) == (False, 0)
+    assert file_tier.stats()["leaks"] == 0
+    assert file_tier.lookup("absent") is Lookup.MISS
+
+
+def test_a_truncated_block_file_fails_its_load(file_tier: FileTier, cache: torch.Tensor) -> None:
+    file_tier.submit_store(TransferJob(1, ["whole"], [0]))
+    assert collect(file_tier, 1)[1].success
+    path = file_tier.path_of("whole")
+    os.truncate(path, BLOCK_BYTES // 2)  # damaged outside kvfsm
+    file_tier.submit_load(TransferJob(2, ["whole"], [1], is_promotion=True))
+    assert collect(file_tier, 1)[2].success is False
+    assert file_tier.lookup("whole") is Lookup.MISS
