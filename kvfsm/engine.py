@@ -229,7 +229,8 @@ class Declaration(Generic[S, A]):
             if key not in {"trigger", "source", "dest", "conditions", "unless", "after"}:
                 raise DeclarationError(f"{self.name}: unsupported key {key!r} in {transition}"
                                        " (guards go in conditions/unless, actions in after)")
-        known = {"conditions": self.guards, "unless": self.guards, "after": self.actions}
+        known: dict[str, Mapping[str, object]] = {
+            "conditions": self.guards, "unless": self.guards, "after": self.actions}
         for key, names in known.items():
             kind = "action" if key == "after" else "guard"
             for name in _names(transition.get(key)):
