@@ -22,7 +22,8 @@ import torch
 
 from kvfsm.agent import LOCAL_AGENT, NixlAgent
 from kvfsm.driver import RemoteSide, TransferDriver
-from kvfsm.lifecycle import TransferState
+from kvfsm.engine import Declaration
+from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferState
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
@@ -73,17 +74,20 @@ class SecondaryTier:
             blocks.
         agent: a NIXL agent (``nixl_agent`` or :class:`kvfsm.testing.FakeNixlAgent`).
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls while transfers run.
+        machine: the lifecycle to run, by default :data:`~kvfsm.lifecycle.TRANSFER_MACHINE`
+            (the explorer's tests run deliberately broken variants through the same tier).
     """
 
     def __init__(self, primary: torch.Tensor, *, agent: NixlAgent, remote: RemoteSide,
-                 poll_interval: float = 0.0005) -> None:
+                 poll_interval: float = 0.0005,
+                 machine: Declaration[TransferState, Answer] | None = None) -> None:
         _check_primary(primary)
         self.primary = primary
         self.agent = agent
         self.num_blocks = int(primary.shape[0])
         self.block_bytes = int(primary[0].nbytes)
         self.poll_interval = poll_interval
-        self.driver = TransferDriver(agent, remote)
+        self.driver = TransferDriver(agent, remote, (machine or TRANSFER_MACHINE).compile())
         #: what the tier knows of each remote name: set by results, filled in by probes
         self._known: dict[str, Lookup] = {}
         self._transfers: dict[int, Transfer] = {}

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from kvfsm.agent import NixlAgent
+from kvfsm.engine import Declaration
+from kvfsm.lifecycle import Answer, TransferState
 from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
 from kvfsm.transfer import Leak, Transfer
 
@@ -104,6 +106,7 @@ class FileTier(SecondaryTier):
         durable: ``fsync`` files and directory before a store succeeds, so a finished store
             survives a power loss too (a process crash never needs it).
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls.
+        machine: the lifecycle to run (see :class:`~kvfsm.tiers.base.SecondaryTier`).
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class FileTier(SecondaryTier):
         agent: NixlAgent | None = None,
         durable: bool = True,
         poll_interval: float = 0.0005,
+        machine: Declaration[TransferState, Answer] | None = None,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -122,7 +126,8 @@ class FileTier(SecondaryTier):
             from kvfsm.nixl_agents import make_agent  # noqa: PLC0415 - NIXL is optional
 
             agent = make_agent(f"kvfsm-file-{id(self):x}", "POSIX")
-        super().__init__(primary, agent=agent, remote=_Files(self), poll_interval=poll_interval)
+        super().__init__(primary, agent=agent, remote=_Files(self), poll_interval=poll_interval,
+                         machine=machine)
 
     def path_of(self, key: bytes | str) -> Path:
         """The file block ``key`` is stored in."""

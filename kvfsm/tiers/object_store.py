@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from kvfsm.agent import NixlAgent
+from kvfsm.engine import Declaration
+from kvfsm.lifecycle import Answer, TransferState
 from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
 from kvfsm.transfer import Leak, Transfer
 
@@ -107,6 +109,7 @@ class ObjectStoreTier(SecondaryTier):
             real agent when built from ``store``, else ``agent`` itself.
         probe_batch: at most this many keys per ``query_memory`` call.
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls.
+        machine: the lifecycle to run (see :class:`~kvfsm.tiers.base.SecondaryTier`).
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class ObjectStoreTier(SecondaryTier):
         probe_agent: Any = None,
         probe_batch: int = 256,
         poll_interval: float = 0.0005,
+        machine: Declaration[TransferState, Answer] | None = None,
     ) -> None:
         if key_prefix is None:
             key_prefix = store.key_prefix if store is not None else ""
@@ -130,7 +134,8 @@ class ObjectStoreTier(SecondaryTier):
                 raise ValueError("ObjectStoreTier needs agent= (a NIXL agent) or store= "
                                  "(a kvfsm.nixl_agents.StoreConfig)")
             agent, probe_agent = _agents_for(store, probe_agent)
-        super().__init__(primary, agent=agent, remote=_Objects(self), poll_interval=poll_interval)
+        super().__init__(primary, agent=agent, remote=_Objects(self), poll_interval=poll_interval,
+                         machine=machine)
         self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,
                                probe_batch)
 

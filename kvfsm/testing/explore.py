@@ -1,0 +1,455 @@
+"""The explorer: every NIXL call failing at every step, and the invariants checked on every path.
+
+A *path* is one run of a scenario (a few stores and a load in flight together, polled to the
+end) on :class:`~kvfsm.testing.FakeNixlAgent`, with a set of faults injected into numbered calls:
+a call that raises, a status call that answers "ERR", or one that answers "PROC" k more times.
+The explorer runs the scenario with no fault, then with every single fault at every call that
+run made, then every pair, and so on up to a bound, in order of the number of faults (so the
+first violation found is a shortest one). The real tier and driver run every path, with the
+lifecycle under test (the shipped one, or a user's own declaration).
+
+Checked on every path (:class:`Invariant`):
+
+* every submitted job publishes exactly one result, and only after its transfer handle was
+  released; with finitely many faults every job publishes in the end (liveness);
+* a transfer handle is released at most once, never while its transfer may still run, and the
+  remote descriptors are released and deregistered only after it;
+* a job whose transfer finished (DONE) publishes success; one that failed publishes failure;
+* no NIXL misuse the fake agent detects, and no exception escapes the tier.
+
+A violating path prints as a fault spec (``mode=1;check_xfer_state:raise@1,...``) that
+:func:`replay` runs again, step by step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvfsm.engine import Declaration
+from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferState
+from kvfsm.testing.fake_agent import FakeNixlAgent
+from kvfsm.testing.faults import STATUS_CALLS, Fault, Raise, ReturnErr, StayProc
+from kvfsm.tiers.base import SecondaryTier
+from kvfsm.tiers.object_store import ObjectStoreTier
+from kvfsm.transfer import JobResult, TransferJob
+
+__all__ = [
+    "Choice",
+    "Exploration",
+    "Invariant",
+    "Path",
+    "Violation",
+    "explore",
+    "parse_path",
+    "replay",
+]
+
+
+class Invariant(enum.Enum):
+    """What must hold on every path; the value is how a violation reads."""
+
+    ONE_RESULT = "a job published more than one result"
+    LIVENESS = "a job never published a result although the faults ran out"
+    RELEASE_BEFORE_PUBLISH = "a job published before its transfer handle was released"
+    RELEASE_ONCE = "a transfer handle was released twice"
+    RELEASE_WHEN_OVER = "a transfer handle was released while its transfer may still run"
+    RELEASE_BEFORE_CLEANUP = "descriptors were released before the transfer handle"
+    HANDLE_LEAK = "a transfer handle was never released"
+    OUTCOME = "a job published a result other than its transfer's outcome"
+    NO_MISUSE = "the agent saw a call that would crash real NIXL"
+    NO_ESCAPE = "an exception escaped the tier"
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One injected fault: the ``occurrence``-th call of ``call`` answers ``fault``."""
+
+    call: str
+    occurrence: int
+    fault: Fault
+
+    def __str__(self) -> str:
+        if isinstance(self.fault, Raise):
+            kind = "raise"
+        elif isinstance(self.fault, ReturnErr):
+            kind = "err"
+        else:
+            kind = f"proc={self.fault.polls}"
+        return f"{self.call}:{kind}@{self.occurrence}"
+
+
+@dataclass(frozen=True, slots=True)
+class Path:
+    """A run: the agent's mode (polls until a transfer completes; 0: at once) and its faults."""
+
+    polls: int
+    choices: tuple[Choice, ...] = ()
+
+    def __str__(self) -> str:
+        return f"mode={self.polls};" + ",".join(str(c) for c in self.choices)
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """An invariant that failed on a path."""
+
+    invariant: Invariant
+    job_id: int | None
+    detail: str
+
+    def __str__(self) -> str:
+        job = f" (job {self.job_id})" if self.job_id is not None else ""
+        return f"{self.invariant.name}{job}: {self.invariant.value}: {self.detail}"
+
+
+@dataclass
+class _Job:
+    """What the explorer saw NIXL do for one job."""
+
+    xfer: Any = None
+    remote: Any = None
+    files: Any = None
+    status: str | None = None  # the last status NIXL answered: PROC, DONE, FAILED
+    outcome: bool | None = None  # the first end NIXL answered: True DONE, False failed
+    released: bool = False
+    results: list[JobResult] = field(default_factory=list)
+
+
+class _WatchedAgent(FakeNixlAgent):
+    """The fake agent, watching which job each handle belongs to and checking call order."""
+
+    def __init__(self, polls: int) -> None:
+        super().__init__(name="explorer", complete_after_polls=polls)
+        self.jobs: dict[int, _Job] = {}
+        self.current: int | None = None  # the job being submitted
+        self.violations: list[Violation] = []
+        self._by_handle: dict[int, int] = {}
+
+    def job_of(self, handle: Any) -> _Job | None:
+        job_id = self._by_handle.get(id(handle))
+        return None if job_id is None else self.jobs[job_id]
+
+    def _violation(self, invariant: Invariant, job: int | None, detail: str) -> None:
+        self.violations.append(Violation(invariant, job, detail))
+
+    def _submitting(self) -> _Job | None:
+        return None if self.current is None else self.jobs[self.current]
+
+    def _own(self, handle: Any) -> None:
+        if self.current is not None:
+            self._by_handle[id(handle)] = self.current
+
+    def _failed(self, job: _Job | None) -> None:
+        if job is not None:
+            job.status = "FAILED"
+            if job.outcome is None:
+                job.outcome = False
+
+    def register_memory(self, reg_list: Any, mem_type: str | None = None,
+                        backends: Sequence[str] = ()) -> Any:
+        job = self._submitting()
+        try:
+            files = super().register_memory(reg_list, mem_type, backends)
+        except Exception:
+            self._failed(job)
+            raise
+        if job is not None and mem_type == "OBJ":
+            job.files = files
+            self._own(files)
+        return files
+
+    def prep_xfer_dlist(self, agent_name: str, xfer_list: Any, mem_type: str | None = None,
+                        backends: Sequence[str] = ()) -> Any:
+        job = self._submitting()
+        try:
+            handle = super().prep_xfer_dlist(agent_name, xfer_list, mem_type, backends)
+        except Exception:
+            self._failed(job)
+            raise
+        if job is not None and agent_name == self.name:
+            job.remote = handle
+            self._own(handle)
+        return handle
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        job = self._submitting()
+        try:
+            handle = super().make_prepped_xfer(*args, **kwargs)
+        except Exception:
+            self._failed(job)
+            raise
+        if job is not None:
+            job.xfer = handle
+            self._own(handle)
+        return handle
+
+    def transfer(self, handle: Any, notif_msg: bytes | str = b"") -> str:
+        return self._status(handle, lambda: super(_WatchedAgent, self).transfer(handle, notif_msg))
+
+    def check_xfer_state(self, handle: Any) -> str:
+        return self._status(handle, lambda: super(_WatchedAgent, self).check_xfer_state(handle))
+
+    def _status(self, handle: Any, call: Callable[[], str]) -> str:
+        job = self.job_of(handle)
+        try:
+            status = call()
+        except Exception:
+            self._failed(job)
+            raise
+        if job is not None:
+            if status == "DONE":
+                job.status = "DONE"
+                if job.outcome is None:
+                    job.outcome = True
+            elif status == "PROC":
+                job.status = "PROC"
+            else:
+                self._failed(job)
+        return status
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        job = self.job_of(handle)
+        if job is not None:
+            if job.released:
+                self._violation(Invariant.RELEASE_ONCE, self._by_handle[id(handle)],
+                                "release_xfer_handle after it had succeeded")
+            if job.status in {None, "PROC"}:
+                self._violation(Invariant.RELEASE_WHEN_OVER, self._by_handle[id(handle)],
+                                f"NIXL's last answer for the transfer was {job.status}")
+        super().release_xfer_handle(handle)
+        if job is not None:
+            job.released = True
+
+    def release_dlist_handle(self, handle: Any) -> None:
+        self._check_cleanup("release_dlist_handle", handle)
+        super().release_dlist_handle(handle)
+
+    def deregister_memory(self, dereg_list: Any, backends: Sequence[str] = ()) -> None:
+        self._check_cleanup("deregister_memory", dereg_list)
+        super().deregister_memory(dereg_list, backends)
+
+    def _check_cleanup(self, call: str, handle: Any) -> None:
+        job = self.job_of(handle)
+        if job is not None and job.xfer is not None and not job.released:
+            self._violation(Invariant.RELEASE_BEFORE_CLEANUP, self._by_handle[id(handle)],
+                            f"{call} while the transfer handle was still held")
+
+
+#: the scenario's jobs: (job id, keys, block ids, is a load), submitted in this order, with a
+#: poll of every transfer between the stores and the load
+_SCENARIO: tuple[tuple[int, tuple[str, ...], tuple[int, ...], bool], ...] = (
+    (0, ("a", "b"), (0, 1), False),
+    (1, ("c",), (2,), False),
+    (2, ("a",), (3,), True),
+)
+
+
+def _run(path: Path, machine: Declaration[TransferState, Answer],
+         max_polls: int) -> tuple[list[str], list[Violation], SecondaryTier]:
+    """Run the scenario on ``path``; returns the calls made and the violations seen."""
+    agent = _WatchedAgent(path.polls)
+    for choice in path.choices:
+        agent.inject(choice.call, choice.fault, at=choice.occurrence)
+    cache = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
+    tier = ObjectStoreTier(cache, agent=agent, machine=machine, probe_agent=_NoProbes())
+    violations = agent.violations
+
+    def collect() -> None:
+        try:
+            results = tier.get_finished_jobs()
+        except Exception as error:
+            violations.append(Violation(Invariant.NO_ESCAPE, None,
+                                        f"get_finished_jobs raised {error!r}"))
+            return
+        for result in results:
+            _published(agent, result, violations)
+
+    for index, (job_id, keys, blocks, load) in enumerate(_SCENARIO):
+        if load and index:
+            collect()
+        agent.jobs[job_id] = _Job()
+        agent.current = job_id
+        try:
+            submitted = TransferJob(job_id, keys, blocks, is_promotion=load)
+            (tier.submit_load if load else tier.submit_store)(submitted)
+        except Exception as error:
+            violations.append(Violation(Invariant.NO_ESCAPE, job_id, f"submit raised {error!r}"))
+            agent.jobs[job_id].results.append(JobResult(job_id, False))  # no result is due
+        finally:
+            agent.current = None
+    for _ in range(max_polls):
+        if not tier.has_pending_work():
+            break
+        collect()
+    for job_id, seen in agent.jobs.items():
+        if not seen.results:
+            violations.append(Violation(Invariant.LIVENESS, job_id,
+                                        f"still {_state(tier, job_id)} after {max_polls} polls"))
+        elif seen.xfer is not None and not seen.released:
+            violations.append(Violation(Invariant.HANDLE_LEAK, job_id,
+                                        "published, and its transfer handle is still held"))
+    if not tier.has_pending_work():
+        tier.shutdown(timeout=0)
+    for misuse in agent.misuses:
+        violations.append(Violation(Invariant.NO_MISUSE, None, misuse))
+    return list(agent.calls), violations, tier
+
+
+def _state(tier: SecondaryTier, job_id: int) -> str:
+    state = tier.state_of(job_id)
+    return "unknown to the tier" if state is None else f"in {state.name}"
+
+
+def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violation]) -> None:
+    job = agent.jobs.get(result.job_id)
+    if job is None:
+        violations.append(Violation(Invariant.ONE_RESULT, result.job_id, "never submitted"))
+        return
+    job.results.append(result)
+    if len(job.results) > 1:
+        violations.append(Violation(Invariant.ONE_RESULT, result.job_id,
+                                    f"{len(job.results)} results"))
+    if job.xfer is not None and not job.released:
+        violations.append(Violation(Invariant.RELEASE_BEFORE_PUBLISH, result.job_id,
+                                    "its transfer handle was still held"))
+    expected = bool(job.outcome)
+    if result.success != expected:
+        what = "finished (DONE)" if expected else "failed"
+        violations.append(Violation(
+            Invariant.OUTCOME, result.job_id,
+            f"NIXL said the transfer {what}, the job published success={result.success}"))
+
+
+class _NoProbes:
+    """The explorer's scenario never looks blocks up."""
+
+    def query_memory(self, *args: Any, **kwargs: Any) -> list[None]:
+        return []
+
+
+#: building the tier registers and preps the primary cache; no fault goes into those two calls
+_CONSTRUCTION_CALLS = 2
+
+
+def _alternatives(call: str, max_stall: int) -> list[Fault]:
+    if call in STATUS_CALLS:
+        return [Raise(), ReturnErr(), *(StayProc(k) for k in range(1, max_stall + 1))]
+    if call == "query_memory":
+        return []
+    return [Raise()]
+
+
+@dataclass
+class Exploration:
+    """What :func:`explore` found."""
+
+    paths: int = 0
+    calls: int = 0
+    seconds: float = 0.0
+    #: the shortest violating path, and what it violated
+    counterexample: Path | None = None
+    violations: list[Violation] = field(default_factory=list)
+    #: how many paths ended with each job outcome pattern, for the report
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when no path violated an invariant."""
+        return self.counterexample is None
+
+    def report(self) -> str:
+        """A few lines for people."""
+        lines = [f"explored {self.paths} paths ({self.calls} NIXL calls) in "
+                 f"{self.seconds:.2f} s: "
+                 + ("0 violations" if self.ok else "VIOLATION")]
+        if self.counterexample is not None:
+            lines.append(f"shortest violating path: {self.counterexample}")
+            lines += [f"  {v}" for v in self.violations]
+            lines.append(f"replay it with: kvfsm explore --replay '{self.counterexample}'")
+        return "\n".join(lines)
+
+
+def explore(
+    machine: Declaration[TransferState, Answer] = TRANSFER_MACHINE,
+    *,
+    max_faults: int = 2,
+    max_stall: int = 2,
+    max_calls: int = 80,
+    max_polls: int = 40,
+    stop_at_first: bool = True,
+) -> Exploration:
+    """Run the scenario on every path with at most ``max_faults`` faults; check every invariant.
+
+    Args:
+        machine: the lifecycle under test.
+        max_faults: the most faults on one path (a "PROC for k polls" counts as one).
+        max_stall: the most extra "PROC" answers one stall fault adds.
+        max_calls: calls past this position in a run get no faults (bounds the depth).
+        max_polls: polls after the last submit before a job without a result is a liveness
+            violation; far more than any path with ``max_faults`` faults needs.
+        stop_at_first: stop at the first violating path (a shortest one).
+    """
+    found = Exploration()
+    started = time.perf_counter()
+    for polls in (1, 0):  # transfers that complete on a poll, and ones that complete at once
+        level: list[tuple[Path, int]] = [(Path(polls), -1)]
+        for depth in range(max_faults + 1):
+            children: list[tuple[Path, int]] = []
+            for path, last in level:
+                calls, violations, _ = _run(path, machine, max_polls)
+                found.paths += 1
+                found.calls += len(calls)
+                if violations and found.counterexample is None:
+                    found.counterexample, found.violations = path, violations
+                    if stop_at_first:
+                        found.seconds = time.perf_counter() - started
+                        return found
+                if depth < max_faults:
+                    first = max(last, _CONSTRUCTION_CALLS - 1)
+                    children += _children(path, first, calls, max_stall, max_calls)
+            level = children
+    found.seconds = time.perf_counter() - started
+    return found
+
+
+def _children(path: Path, last: int, calls: list[str], max_stall: int,
+              max_calls: int) -> Iterator[tuple[Path, int]]:
+    occurrences: dict[str, int] = {}
+    for position, call in enumerate(calls[:max_calls]):
+        occurrences[call] = occurrences.get(call, 0) + 1
+        if position <= last:
+            continue
+        for fault in _alternatives(call, max_stall):
+            choice = Choice(call, occurrences[call], fault)
+            yield Path(path.polls, (*path.choices, choice)), position
+
+
+def parse_path(text: str) -> Path:
+    """Read a path back from its printed form (``mode=1;call:raise@2,...``)."""
+    from kvfsm.demo import parse_fault_spec  # noqa: PLC0415 - the one fault-spec grammar
+
+    mode, _, spec = text.partition(";")
+    if not mode.startswith("mode=") or not mode[5:].isdigit():
+        raise ValueError(f"a path starts with mode=N; got {text!r}")
+    choices = []
+    for fault in parse_fault_spec(spec):
+        if fault.at is None or fault.times != 1:
+            raise ValueError(f"each fault of a path names its call number: {fault.call}@N")
+        choices.append(Choice(fault.call, fault.at, fault.fault))
+    return Path(int(mode[5:]), tuple(choices))
+
+
+def replay(path: Path, machine: Declaration[TransferState, Answer] = TRANSFER_MACHINE,
+           max_polls: int = 40) -> tuple[list[str], list[Violation], dict[str, int]]:
+    """Run one path again: the calls made, the violations, and the transitions taken."""
+    calls, violations, tier = _run(path, machine, max_polls)
+    taken = {f"{e.source} -{e.event}[{e.guard_label}]-> {e.dest}": n
+             for e, n in tier.driver.machine.transition_counts().items() if n}
+    return calls, violations, taken
+

@@ -1,0 +1,102 @@
+"""The explorer finds no violation in the shipped lifecycle, and catches each broken variant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvfsm import TRANSFER_MACHINE, Declaration, TransferState
+from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSITIONS
+from kvfsm.testing.explore import Invariant, explore, parse_path, replay
+
+S = TransferState
+
+
+def variant(name: str, replace: dict[tuple[TransferState, str, str], dict[str, Any]],
+            actions: dict[str, Any] | None = None) -> Declaration[Any, Any]:
+    """The shipped lifecycle with the edges keyed (source, trigger, guard) replaced."""
+    transitions = []
+    for transition in TRANSITIONS:
+        key = (transition["source"], str(transition["trigger"]),
+               transition.get("conditions", ""))
+        transitions.append({**transition, **replace.pop(key)} if key in replace else transition)
+    assert not replace, f"no such edges: {list(replace)}"
+    return Declaration(name, states=TransferState, initial=S.SUBMITTED, answers=ANSWERS,
+                       guards=GUARDS, actions={**ACTIONS, **(actions or {})},
+                       transitions=transitions, final=(S.PUBLISHED,))
+
+
+def overwrite_outcome(success: bool) -> Any:
+    def action(transfer: Any, answer: Any, detail: Any) -> None:
+        transfer.success = success  # recomputed on every visit: the F3 bug
+
+    return action
+
+
+BROKEN = {
+    "publish_before_release": (
+        variant("publish_before_release", {
+            (S.DONE, "release", "release_raised"): {"dest": S.CLEANED, "after": []}}),
+        Invariant.RELEASE_BEFORE_PUBLISH),
+    "drop_on_failed_release": (
+        variant("drop_on_failed_release", {
+            (S.DONE, "release", "release_raised"): {"dest": S.SUBMITTED, "after": []},
+            (S.FAILED, "release", "release_raised"): {"dest": S.SUBMITTED, "after": []}}),
+        Invariant.LIVENESS),
+    "recompute_outcome_on_retry": (
+        variant("recompute_outcome_on_retry", {
+            (S.DONE, "release", "release_raised"): {"dest": S.PROCESSING, "after": []},
+            (S.PROCESSING, "poll", "finished"): {"after": "set_success"},
+            (S.PROCESSING, "poll", "errored"): {"after": "set_failure"}},
+            actions={"set_success": overwrite_outcome(True),
+                     "set_failure": overwrite_outcome(False)}),
+        Invariant.OUTCOME),
+    "deregister_before_release": (
+        variant("deregister_before_release", {
+            (S.DONE, "release", "release_raised"): {"dest": S.XFER_RELEASED, "after": []}}),
+        Invariant.RELEASE_BEFORE_CLEANUP),
+    "swallow_submit_error": (
+        variant("swallow_submit_error", {
+            (S.SUBMITTED, "post", "errored"): {"dest": S.SUBMITTED, "after": []}}),
+        Invariant.LIVENESS),
+}
+
+
+def test_the_shipped_lifecycle_violates_nothing_on_any_path() -> None:
+    found = explore(max_faults=2, stop_at_first=False)
+    assert found.ok, found.report()
+    assert found.paths > 1000
+    assert "0 violations" in found.report()
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_each_broken_variant_is_caught_by_name(name: str) -> None:
+    machine, invariant = BROKEN[name]
+    found = explore(machine, max_faults=2)
+    assert not found.ok, f"{name} went unnoticed over {found.paths} paths"
+    assert invariant in {v.invariant for v in found.violations}, found.report()
+    assert found.counterexample is not None
+    assert len(found.counterexample.choices) >= 1, "the fault-free path is clean in each variant"
+
+
+def test_the_shortest_counterexample_replays_to_the_same_violation() -> None:
+    machine, invariant = BROKEN["publish_before_release"]
+    found = explore(machine)
+    assert found.counterexample is not None
+    printed = str(found.counterexample)
+    assert printed == "mode=1;release_xfer_handle:raise@1"
+    path = parse_path(printed)
+    assert path == found.counterexample
+    calls, violations, taken = replay(path, machine)
+    assert invariant in {v.invariant for v in violations}
+    assert taken["DONE -release[release_raised]-> CLEANED"] == 1
+    assert calls.count("release_xfer_handle") >= 1
+
+
+def test_a_bad_path_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="starts with mode=N"):
+        parse_path("release_xfer_handle:raise@1")
+    with pytest.raises(ValueError, match="names its call number"):
+        parse_path("mode=1;release_xfer_handle:raise")
+    assert TRANSFER_MACHINE.name == "transfer"
