@@ -26,6 +26,7 @@ transition coverage for free.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
@@ -33,6 +34,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from transitions import Machine
 
 __all__ = [
+    "COMPILE_LISTENERS",
     "Action",
     "CompiledMachine",
     "Declaration",
@@ -133,6 +135,8 @@ class Declaration(Generic[S, A]):
         transitions: the table, as ``transitions`` dicts (``trigger``, ``source``, ``dest``,
             optional ``conditions``, ``unless`` and ``after``), grouped by source state.
         final: the states a record leaves the table from (drawn distinct in diagrams).
+        failure_states: the states that mean the run went wrong; diagrams draw the paths through
+            them as failure paths and the paths that avoid them as the success path.
     """
 
     def __init__(
@@ -146,6 +150,7 @@ class Declaration(Generic[S, A]):
         actions: Mapping[str, Action],
         transitions: Sequence[Mapping[str, Any]],
         final: Iterable[S] = (),
+        failure_states: Iterable[S] = (),
     ) -> None:
         self.name = name
         self.states = states
@@ -155,6 +160,7 @@ class Declaration(Generic[S, A]):
         self.actions = dict(actions)
         self.transitions = [dict(t) for t in transitions]
         self.final = frozenset(final)
+        self.failure_states = frozenset(failure_states)
         self._check_names()
         self.edges: tuple[Edge, ...] = self._read_edges(self.build_machine(_Inert()))
         known = {state.name for state in states}
@@ -200,9 +206,20 @@ class Declaration(Generic[S, A]):
 
     # -- compilation --------------------------------------------------------------------------
 
-    def compile(self, actions: Mapping[str, Action] | None = None) -> CompiledMachine[S, A]:
-        """Compile the declaration into a dispatch table; ``actions`` may override any action."""
-        return CompiledMachine(self, self._resolve({**self.actions, **(actions or {})}))
+    def compile(self, actions: Mapping[str, Action] | None = None, *,
+                trace: bool = False) -> CompiledMachine[S, A]:
+        """Compile the declaration into a dispatch table.
+
+        Args:
+            actions: replacements for any of the declared actions.
+            trace: append each step taken, with the time, to the record's ``trace`` list
+                (a run of action-less self-loops, such as polls answered PROC, is kept once).
+        """
+        compiled = CompiledMachine(self, self._resolve({**self.actions, **(actions or {})}),
+                                   trace=trace)
+        for listener in list(COMPILE_LISTENERS):
+            listener(compiled)
+        return compiled
 
     def edges_from(self, source: S, event: str) -> list[Edge]:
         """The edges leaving ``source`` on ``event``, in the order their guards are tried."""
@@ -297,17 +314,23 @@ class Declaration(Generic[S, A]):
         return table
 
 
+#: called with every machine compiled, e.g. by the transition-coverage plugin
+COMPILE_LISTENERS: list[Callable[[CompiledMachine[Any, Any]], None]] = []
+
+
 class CompiledMachine(Generic[S, A]):
     """The dispatch table compiled from a :class:`Declaration`; what runs on the hot path."""
 
-    __slots__ = ("declaration", "name", "table")
+    __slots__ = ("declaration", "name", "table", "trace")
 
     def __init__(
-        self, declaration: Declaration[S, A], table: dict[S, dict[str, dict[A, Step[S]]]]
+        self, declaration: Declaration[S, A], table: dict[S, dict[str, dict[A, Step[S]]]],
+        *, trace: bool = False,
     ) -> None:
         self.declaration = declaration
         self.name = declaration.name
         self.table = table
+        self.trace = trace
 
     def step(self, state: S, event: str, answer: A) -> Step[S]:
         """The step firing ``event`` with ``answer`` takes in ``state``; raises if undeclared."""
@@ -342,6 +365,10 @@ class CompiledMachine(Generic[S, A]):
             raise self._refusal(record.state, event, answer) from None
         step.count += 1
         record.state = step.dest
+        if self.trace:
+            trace: list[Any] = record.trace  # type: ignore[attr-defined]
+            if not (trace and trace[-2] is step and step.source is step.dest and not step.actions):
+                trace += (step, time.monotonic())
         for action in step.actions:
             action(record, answer, detail)
         return step.dest

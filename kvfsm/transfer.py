@@ -67,6 +67,7 @@ class Transfer:
         "started_at",
         "state",
         "success",
+        "trace",
         "xfer",
     )
 
@@ -91,6 +92,8 @@ class Transfer:
         self.xfer: Any = None
         #: what the tier's remote side opened for this transfer (files), or None
         self.opened: Any = None
+        #: the steps taken, flat: step, time, step, time... (see :mod:`kvfsm.trace`)
+        self.trace: list[Any] = []
 
     @property
     def job_id(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -87,7 +87,10 @@ class SecondaryTier:
         self.num_blocks = int(primary.shape[0])
         self.block_bytes = int(primary[0].nbytes)
         self.poll_interval = poll_interval
-        self.driver = TransferDriver(agent, remote, (machine or TRANSFER_MACHINE).compile())
+        self.driver = TransferDriver(agent, remote,
+                                     (machine or TRANSFER_MACHINE).compile(trace=True))
+        #: called with each transfer as it is published (a trace recorder, for one)
+        self.on_published: list[Callable[[Transfer], None]] = []
         #: what the tier knows of each remote name: set by results, filled in by probes
         self._known: dict[str, Lookup] = {}
         self._transfers: dict[int, Transfer] = {}
@@ -299,6 +302,8 @@ class SecondaryTier:
             self._results.append(transfer.result())
             self._unreported.add(transfer.job_id)
             self._published += 1
+            for listener in self.on_published:
+                listener(transfer)
             self._retries += transfer.retries
             self._leaks.extend((transfer.job_id, leak) for leak in transfer.leaks)
             job = transfer.job

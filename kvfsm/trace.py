@@ -1,0 +1,132 @@
+"""Transfer traces: recorded as transfers run, written as JSON lines, replayed against a machine.
+
+Every transfer keeps its trace (:attr:`kvfsm.transfer.Transfer.trace`): each step the compiled
+machine took, with the time. A :class:`TraceRecorder` attached to a tier writes one JSON line a
+transfer as it is published::
+
+    {"machine": "transfer", "job_id": 3,
+     "steps": [["post", "PROC", "SUBMITTED", "PROCESSING", 0.0], ...]}
+
+(event, answer, from, to, seconds since the first step). :func:`replay` runs such a trace
+against a machine's declaration and reports the first step where the declaration would not
+have done what the trace says, so a trace from any run, on any version, can be checked against
+the lifecycle as declared now.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from kvfsm.engine import Declaration, InvalidTransition
+from kvfsm.transfer import Transfer
+
+__all__ = ["Divergence", "TraceRecorder", "read_traces", "replay", "trace_steps"]
+
+
+def trace_steps(transfer: Transfer) -> list[list[Any]]:
+    """A transfer's trace as ``[event, answer, from, to, seconds]`` rows."""
+    trace = transfer.trace
+    if not trace:
+        return []
+    start = trace[1]
+    return [[step.edge.event, step.answer.name, step.source.name, step.dest.name,
+             round(moment - start, 6)]
+            for step, moment in zip(trace[::2], trace[1::2], strict=True)]
+
+
+class TraceRecorder:
+    """Writes the trace of every transfer a tier publishes, one JSON line each.
+
+    Use ``tier.on_published.append(recorder)``; :meth:`close` (or a ``with`` block) closes the
+    file.
+    """
+
+    def __init__(self, path: str | Path, machine: str = "transfer") -> None:
+        self.path = Path(path)
+        self.machine = machine
+        self.count = 0
+        self._file: IO[str] = self.path.open("w", encoding="utf-8")
+
+    def __call__(self, transfer: Transfer) -> None:
+        line = {"machine": self.machine, "job_id": transfer.job_id,
+                "steps": trace_steps(transfer)}
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self.count += 1
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        self._file.close()
+
+    def __enter__(self) -> TraceRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The traces of a file written by :class:`TraceRecorder`.
+
+    Raises:
+        ValueError: a line is not a trace (the message names the line).
+    """
+    with Path(path).open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                trace = json.loads(line)
+                if not isinstance(trace.get("steps"), list):
+                    raise ValueError("no steps")
+            except (ValueError, AttributeError) as error:
+                raise ValueError(f"{path}:{number}: not a trace ({error})") from None
+            trace["line"] = number
+            yield trace
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """Where a recorded trace and a declaration part ways."""
+
+    job_id: Any
+    line: int
+    step: int
+    recorded: str
+    declared: str
+
+    def __str__(self) -> str:
+        return (f"line {self.line}, job {self.job_id}, step {self.step}: recorded "
+                f"{self.recorded}; the declaration: {self.declared}")
+
+
+def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Divergence | None:
+    """Run ``trace`` against ``declaration``; the first divergence, or None when it replays."""
+    machine = declaration.compile()
+    answer_types = {event: type(next(iter(answers)))
+                    for event, answers in declaration.answers.items()}
+    state = declaration.initial
+
+    def diverged(index: int, recorded: str, declared: str) -> Divergence:
+        return Divergence(trace.get("job_id"), trace.get("line", 0), index, recorded, declared)
+
+    for index, row in enumerate(trace["steps"], start=1):
+        event, answer_name, source, dest = row[:4]
+        recorded = f"{source} -{event}({answer_name})-> {dest}"
+        if source != state.name:
+            return diverged(index, recorded, f"the transfer is in {state.name}")
+        answer_type = answer_types.get(event)
+        if answer_type is None or answer_name not in answer_type.__members__:
+            return diverged(index, recorded, f"no event {event!r} with answer {answer_name}")
+        try:
+            step = machine.step(state, event, answer_type[answer_name])
+        except InvalidTransition as error:
+            return diverged(index, recorded, str(error))
+        if step.dest.name != dest:
+            return diverged(index, recorded, f"{source} -{event}({answer_name})-> "
+                                             f"{step.dest.name}")
+        state = step.dest
+    return None

@@ -1,0 +1,148 @@
+"""Transition coverage as a pytest plugin, and traces that replay against the declaration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfsm import TRANSFER_MACHINE, TransferJob
+from kvfsm.testing import FakeNixlAgent, Raise
+from kvfsm.tiers import ObjectStoreTier
+from kvfsm.trace import TraceRecorder, read_traces, replay
+
+USER_MACHINE = '''
+import enum
+from kvfsm import Declaration
+
+class Lamp(enum.Enum):
+    OFF = 1
+    ON = 2
+
+class Press(enum.Enum):
+    OK = 1
+    STUCK = 2
+
+LAMP = Declaration(
+    "lamp", states=Lamp, initial=Lamp.OFF,
+    answers={"press": list(Press)},
+    guards={"ok": [Press.OK], "stuck": [Press.STUCK]},
+    actions={},
+    transitions=[
+        {"trigger": "press", "source": Lamp.OFF, "dest": Lamp.ON, "conditions": "ok"},
+        {"trigger": "press", "source": Lamp.OFF, "dest": Lamp.OFF, "conditions": "stuck"},
+        {"trigger": "press", "source": Lamp.ON, "dest": Lamp.OFF, "conditions": "ok"},
+        {"trigger": "press", "source": Lamp.ON, "dest": Lamp.ON, "conditions": "stuck"},
+    ])
+
+class Record:
+    state = Lamp.OFF
+'''
+
+USER_TESTS = '''
+from lamp import LAMP, Lamp, Press, Record
+
+def test_switch_on_and_off():
+    machine, lamp = LAMP.compile(), Record()
+    machine.fire(lamp, "press", Press.OK)
+    machine.fire(lamp, "press", Press.STUCK)
+    machine.fire(lamp, "press", Press.OK)
+    assert lamp.state is Lamp.OFF
+'''
+
+
+@pytest.fixture
+def lamp_project(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makepyfile(lamp=USER_MACHINE, test_lamp=USER_TESTS)
+    pytester.syspathinsert()
+    return pytester
+
+
+def test_the_plugin_prints_what_a_users_machine_took(lamp_project: pytest.Pytester) -> None:
+    result = lamp_project.runpytest("--kvfsm-coverage", "--kvfsm-machine", "lamp:LAMP")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        "*kvfsm transition coverage*",
+        "machine lamp: 3 of 4 transitions taken (75 %)",
+        "*OFF -press(STUCK)*-> OFF*0   <- never taken",
+        "*ON -press(STUCK)*-> ON*1",
+    ])
+
+
+def test_the_plugin_fails_a_run_that_missed_a_transition(lamp_project: pytest.Pytester) -> None:
+    result = lamp_project.runpytest("--kvfsm-coverage-fail", "--kvfsm-machine", "lamp:LAMP")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*FAILED: 1 declared transition(s) never taken*"])
+
+
+def test_the_plugin_passes_a_run_that_took_every_transition(
+    lamp_project: pytest.Pytester,
+) -> None:
+    lamp_project.makepyfile(test_stuck='''
+from lamp import LAMP, Press, Record
+
+def test_stuck_while_off():
+    LAMP.compile().fire(Record(), "press", Press.STUCK)
+''')
+    result = lamp_project.runpytest("--kvfsm-coverage-fail", "--kvfsm-machine", "lamp:LAMP",
+                                    "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["machine lamp: 4 of 4 transitions taken (100 %)"])
+
+
+def test_a_machine_that_is_not_a_declaration_is_refused(lamp_project: pytest.Pytester) -> None:
+    result = lamp_project.runpytest("--kvfsm-coverage", "--kvfsm-machine", "lamp:Record")
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*lamp:Record is a type, not a kvfsm Declaration*"])
+
+
+# -- traces ---------------------------------------------------------------------------------
+
+def test_every_transfer_keeps_its_trace_and_it_replays_clean(tmp_path: Path) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(torch.zeros(4, 16), agent=agent)
+    path = tmp_path / "traces.jsonl"
+    with TraceRecorder(path) as recorder:
+        tier.on_published.append(recorder)
+        agent.inject("release_xfer_handle", Raise())
+        tier.submit_store(TransferJob(1, ["a"], [0]))
+        tier.submit_load(TransferJob(2, ["missing"], [1], is_promotion=True))
+        tier.drain_jobs(timeout=5)
+    traces = list(read_traces(path))
+    assert [t["job_id"] for t in traces] == [2, 1]
+    steps = {t["job_id"]: [tuple(step[:4]) for step in t["steps"]] for t in traces}
+    assert steps[1] == [
+        ("post", "PROC", "SUBMITTED", "PROCESSING"),
+        ("poll", "DONE", "PROCESSING", "DONE"),
+        ("release", "RAISED", "DONE", "DONE"),
+        ("release", "OK", "DONE", "XFER_RELEASED"),
+        ("clean", "OK", "XFER_RELEASED", "CLEANED"),
+        ("publish", "OK", "CLEANED", "PUBLISHED"),
+    ]
+    assert all(replay(TRANSFER_MACHINE, trace) is None for trace in traces)
+    tier.shutdown()
+
+
+def test_a_trace_that_departs_from_the_declaration_is_reported_at_its_first_divergence(
+    tmp_path: Path,
+) -> None:
+    steps = [["post", "PROC", "SUBMITTED", "PROCESSING", 0.0],
+             ["poll", "PROC", "PROCESSING", "PROCESSING", 0.1],
+             ["poll", "RAISED", "PROCESSING", "DONE", 0.2],  # a raise never means DONE
+             ["release", "OK", "DONE", "XFER_RELEASED", 0.3]]
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"machine": "transfer", "job_id": 4, "steps": steps}) + "\n")
+    (trace,) = read_traces(path)
+    divergence = replay(TRANSFER_MACHINE, trace)
+    assert divergence is not None
+    assert (divergence.line, divergence.job_id, divergence.step) == (1, 4, 3)
+    assert "PROCESSING -poll(RAISED)-> FAILED" in str(divergence)
+
+
+def test_a_file_that_is_not_traces_is_refused_by_line(tmp_path: Path) -> None:
+    path = tmp_path / "junk.jsonl"
+    path.write_text('{"machine": "transfer", "job_id": 1, "steps": []}\nnot json\n')
+    with pytest.raises(ValueError, match=r"junk.jsonl:2: not a trace"):
+        list(read_traces(path))
