@@ -25,6 +25,7 @@ import torch
 from kvfsm.lifecycle import TransferState
 from kvfsm.testing import FakeNixlAgent, Fault, FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import DrainTimeout, FileTier, ObjectStoreTier, SecondaryTier
+from kvfsm.trace import TraceRecorder
 from kvfsm.transfer import JobResult, TransferJob
 
 __all__ = ["FaultSpec", "add_arguments", "parse_fault_spec", "run"]
@@ -87,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inject-faults", metavar="SPEC", default="",
                         help="CALL:raise|err|proc=N[@AT][*TIMES],... e.g. "
                              "release_xfer_handle:raise*3,check_xfer_state:err@2")
+    parser.add_argument("--trace", metavar="FILE",
+                        help="write every transfer's trace to FILE (JSON lines; "
+                             "kvfsm replay FILE checks it against the lifecycle)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds to wait for all results of a phase (120)")
     parser.add_argument("--seed", type=int, default=0)
@@ -198,7 +202,9 @@ def run(args: argparse.Namespace) -> int:
     groups = [list(range(start, min(start + args.blocks_per_job, args.blocks)))
               for start in range(0, args.blocks, args.blocks_per_job)]
 
-    with _open_tier(args, cache, faults) as (tier, what):
+    with _open_tier(args, cache, faults) as (tier, what), contextlib.ExitStack() as traces:
+        if args.trace:
+            tier.on_published.append(traces.enter_context(TraceRecorder(args.trace)))
         print(f"kvfsm demo: {args.blocks} blocks x {args.block_kib} KiB "
               f"({args.blocks * block_bytes / 2**20:.1f} MiB) in {len(groups)} jobs per phase")
         print(f"  {what}")

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfsm import JobResult, TransferJob
+from kvfsm import TRANSFER_MACHINE, JobResult, TransferJob
 from kvfsm.nixl_agents import BucketUnreachable, make_agent
 from kvfsm.testing import FaultyAgent, Raise
 from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, SecondaryTier
+from kvfsm.trace import read_traces, replay
 
 from .real_nixl import S3Server, free_port, own_s3_server, require_nixl, s3_server
 
@@ -193,6 +194,22 @@ def test_a_process_that_used_real_nixl_exits_cleanly(s3_server: S3Server, tmp_pa
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "clean"
+
+
+def test_a_trace_of_a_real_nixl_run_replays_clean(tmp_path: Path) -> None:
+    require_nixl()
+    traces = tmp_path / "traces.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfsm", "demo", "--blocks", "32", "--block-kib", "4",
+         "--blocks-per-job", "4", "--trace", str(traces),
+         "--inject-faults", "release_xfer_handle:raise*2,check_xfer_state:err@3"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    recorded = list(read_traces(traces))
+    assert len(recorded) == 16, "8 stores and 8 loads"
+    assert {tuple(s[:4]) for t in recorded for s in t["steps"]} >= {
+        ("release", "RAISED", "DONE", "DONE"), ("poll", "ERR", "PROCESSING", "FAILED")}
+    assert [replay(TRANSFER_MACHINE, t) for t in recorded] == [None] * 16
 
 
 # -- the file tier -------------------------------------------------------------------------------
