@@ -106,7 +106,14 @@ class TransferDriver:
         try:
             status = self.agent.check_xfer_state(transfer.xfer)
         except Exception as error:  # a raised state check is the transfer's failure (F4)
-            self.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED, error)
+            self.polled(transfer, error)
+            return
+        self.polled(transfer, status)
+
+    def polled(self, transfer: Transfer, status: str | Exception) -> None:
+        """Fire ``poll`` with what ``check_xfer_state`` answered (a status, or what it raised)."""
+        if isinstance(status, Exception):
+            self.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED, status)
             return
         answer = _STATUS.get(status, Answer.ERR)
         detail: Any = None

@@ -103,7 +103,8 @@ class Edge:
 class Step(Generic[S]):
     """What firing one event with one answer does in one state: go to ``dest``, run ``actions``."""
 
-    __slots__ = ("action_names", "actions", "answer", "count", "dest", "edge", "source")
+    __slots__ = ("action_names", "actions", "answer", "count", "dest", "edge", "is_stay",
+                 "source")
 
     def __init__(
         self, source: S, answer: enum.Enum, dest: S, edge: Edge, actions: tuple[Action, ...]
@@ -114,6 +115,8 @@ class Step(Generic[S]):
         self.edge = edge
         self.actions = actions
         self.action_names = edge.actions
+        #: a self-loop without actions: taking it changes nothing at all
+        self.is_stay = source is dest and not actions
         #: how many times this step was taken since compilation (or the last reset)
         self.count = 0
 
@@ -212,8 +215,9 @@ class Declaration(Generic[S, A]):
 
         Args:
             actions: replacements for any of the declared actions.
-            trace: append each step taken, with the time, to the record's ``trace`` list
-                (a run of action-less self-loops, such as polls answered PROC, is kept once).
+            trace: append each step taken, with the time, to the record's ``trace`` list;
+                stays (self-loops without actions, such as a poll answered PROC) change
+                nothing and are not kept.
         """
         compiled = CompiledMachine(self, self._resolve({**self.actions, **(actions or {})}),
                                    trace=trace)
@@ -365,10 +369,8 @@ class CompiledMachine(Generic[S, A]):
             raise self._refusal(record.state, event, answer) from None
         step.count += 1
         record.state = step.dest
-        if self.trace:
-            trace: list[Any] = record.trace  # type: ignore[attr-defined]
-            if not (trace and trace[-2] is step and step.source is step.dest and not step.actions):
-                trace += (step, time.monotonic())
+        if self.trace and not step.is_stay:
+            record.trace += (step, time.monotonic())  # type: ignore[attr-defined]
         for action in step.actions:
             action(record, answer, detail)
         return step.dest

@@ -23,7 +23,7 @@ import torch
 from kvfsm.agent import LOCAL_AGENT, NixlAgent
 from kvfsm.driver import RemoteSide, TransferDriver
 from kvfsm.engine import Declaration
-from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferState
+from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
@@ -89,6 +89,9 @@ class SecondaryTier:
         self.poll_interval = poll_interval
         self.driver = TransferDriver(agent, remote,
                                      (machine or TRANSFER_MACHINE).compile(trace=True))
+        step = self.driver.machine.table.get(TransferState.PROCESSING, {}).get(
+            TransferEvent.POLL, {}).get(Answer.PROC)
+        self._proc_stay = step if step is not None and step.is_stay else None
         #: called with each transfer as it is published (a trace recorder, for one)
         self.on_published: list[Callable[[Transfer], None]] = []
         #: what the tier knows of each remote name: set by results, filled in by probes
@@ -316,7 +319,39 @@ class SecondaryTier:
                     known[self.remote_name(key)] = verdict
 
     def _poll(self) -> None:
-        for transfer in list(self._transfers.values()):
+        """Advance every unpublished transfer once.
+
+        The hot path: a transfer in PROCESSING costs its ``check_xfer_state`` call and nothing
+        else while NIXL answers PROC, because the table declares that answer a stay (a
+        self-loop without actions, :attr:`~kvfsm.engine.Step.is_stay`); its step is counted
+        once per poll round, not fired. A user's machine that declares anything else for that
+        answer gets every answer fired.
+        """
+        check = self.agent.check_xfer_state
+        processing = TransferState.PROCESSING
+        stay = self._proc_stay
+        stays = 0
+        others: list[tuple[Transfer, str | Exception | None]] = []
+        for transfer in self._transfers.values():
+            if transfer.state is processing:
+                try:
+                    status: str | Exception = check(transfer.xfer)
+                except Exception as error:  # the machine hears of it: poll(RAISED)
+                    status = error
+                if status == "PROC" and stay is not None:
+                    stays += 1
+                    continue
+                others.append((transfer, status))
+            else:
+                others.append((transfer, None))
+        if stay is not None:
+            stay.count += stays
+        polled = self.driver.polled
+        for transfer, answered in others:
+            if answered is not None:
+                polled(transfer, answered)
+                if transfer.state is processing:  # a stay this machine fires: done this round
+                    continue
             self._advance(transfer)
 
 
