@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvfsm import JobResult, TransferJob, TransferState
+from kvfsm import Declaration, JobResult, TransferJob, TransferState
+from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSITIONS
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import DrainTimeout, InvalidJobError, ObjectStoreTier, TierClosedError
 
@@ -344,4 +345,26 @@ def test_object_keys_name_the_block_key(primary: torch.Tensor, agent: FakeNixlAg
         tier.object_key(7)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must not be empty"):
         tier.object_key(b"")
+    tier.shutdown()
+
+
+def test_a_machine_that_acts_on_proc_gets_every_proc_answer_fired(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """The PROC fast path applies only where the table declares PROC a stay."""
+    polls: list[int] = []
+    transitions = [
+        {**t, "after": "note_poll"} if (t["source"], t["trigger"], t.get("conditions")) == (
+            TransferState.PROCESSING, "poll", "running") else t
+        for t in TRANSITIONS]
+    counting = Declaration(
+        "counting", states=TransferState, initial=TransferState.SUBMITTED, answers=ANSWERS,
+        guards=GUARDS, transitions=transitions,
+        actions={**ACTIONS, "note_poll": lambda t, answer, detail: polls.append(t.job_id)})
+    tier = ObjectStoreTier(primary, agent=agent, machine=counting)
+    agent.inject("check_xfer_state", StayProc(3))
+    tier.submit_store(store(1, 0))
+    assert results_until_idle(tier)[0].success
+    assert polls == [1, 1, 1]
+    assert agent.call_count("check_xfer_state") == 4, "one check per poll round, no more"
     tier.shutdown()
