@@ -13,6 +13,7 @@ opening or committing is that call's error, and an error while closing is a leak
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -24,6 +25,7 @@ from kvfsm.transfer import Leak, Transfer
 __all__ = ["RemoteSide", "TransferDriver"]
 
 _STATUS = {"PROC": Answer.PROC, "DONE": Answer.DONE}
+logger = logging.getLogger("kvfsm")
 
 
 class RemoteSide(Protocol):
@@ -130,6 +132,13 @@ class TransferDriver:
                 self.agent.release_xfer_handle(transfer.xfer)
             except Exception as error:  # stay and retry on the next poll (F1)
                 self.machine.fire(transfer, TransferEvent.RELEASE, Answer.RAISED, error)
+                retries = transfer.retries
+                if retries & (retries - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every poll
+                    logger.warning("job %d: release_xfer_handle raised (retry %d): %s",
+                                   transfer.job_id, retries, transfer.error,
+                                   extra={"kvfsm_job_id": transfer.job_id,
+                                          "kvfsm_state": transfer.state.name,
+                                          "kvfsm_nixl_error": transfer.error})
                 return
             transfer.xfer = None  # released: never handed to NIXL again
         self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)

@@ -12,8 +12,11 @@ the driver their remote side, and probe for blocks they were not told about (:me
 
 from __future__ import annotations
 
+import collections
 import enum
+import logging
 import operator
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -101,6 +104,9 @@ class SecondaryTier:
         self._unreported: set[int] = set()  # job ids published but not yet handed out
         self._closed = False
         self._published = 0
+        self._failed = 0
+        self._latencies: collections.deque[float] = collections.deque(maxlen=4096)
+        self._lock = threading.RLock()
         self._retries = 0
         self._leaks: list[tuple[int, Leak]] = []
         base = primary.data_ptr()
@@ -120,18 +126,21 @@ class SecondaryTier:
 
     def submit_store(self, job: TransferJob) -> None:
         """Copy the job's primary blocks out to the tier; the result comes later."""
-        self._submit(job, load=False)
+        with self._lock:
+            self._submit(job, load=False)
 
     def submit_load(self, job: TransferJob) -> None:
         """Fill the job's (allocated) primary blocks from the tier; the result comes later."""
-        self._submit(job, load=True)
+        with self._lock:
+            self._submit(job, load=True)
 
     def get_finished_jobs(self) -> list[JobResult]:
         """Advance every transfer once; return each result published since the last call."""
-        self._poll()
-        results, self._results = self._results, []
-        self._unreported.clear()
-        return results
+        with self._lock:
+            self._poll()
+            results, self._results = self._results, []
+            self._unreported.clear()
+            return results
 
     def drain_jobs(self, timeout: float | None = None) -> None:
         """Block until every transfer is published; results surface in get_finished_jobs.
@@ -142,11 +151,12 @@ class SecondaryTier:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._poll()
-            if not self._transfers:
-                return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise DrainTimeout("drain_jobs", self.unpublished())
+            with self._lock:  # released while sleeping, so other threads can submit
+                self._poll()
+                if not self._transfers:
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DrainTimeout("drain_jobs", self.unpublished())
             time.sleep(self.poll_interval)
 
     def has_pending_work(self) -> bool:
@@ -163,9 +173,13 @@ class SecondaryTier:
             DrainTimeout: transfers were still running at the deadline; nothing was released
                 and the tier stays open, so shutdown can be called again.
         """
-        if self._closed:
-            return
-        self.drain_jobs(timeout)
+        with self._lock:
+            if self._closed:
+                return
+            self.drain_jobs(timeout)
+            self._close()
+
+    def _close(self) -> None:
         self._stop_probes()
         # nothing runs any more: release the primary cache's handles, best effort
         for call, handle in (("release_dlist_handle", self._local),
@@ -199,17 +213,25 @@ class SecondaryTier:
         return self._transfers.get(job_id)
 
     def stats(self) -> dict[str, Any]:
-        """Counts: transfers in flight per state, published, release retries, leaks."""
-        in_flight: dict[str, int] = {}
-        for transfer in self._transfers.values():
-            in_flight[transfer.state.name] = in_flight.get(transfer.state.name, 0) + 1
-        return {
-            "in_flight": in_flight,
-            "published": self._published,
-            "retries": self._retries + sum(t.retries for t in self._transfers.values()),
-            "leaks": len(self._leaks),
-            "leaked": list(self._leaks),
-        }
+        """What the tier did: transfers in flight per state, results published (and how many
+        failed), release retries, leaks, and the latency of recent transfers (seconds from
+        submit to finished, percentiles over the last 4096)."""
+        with self._lock:
+            in_flight: dict[str, int] = {}
+            for transfer in self._transfers.values():
+                in_flight[transfer.state.name] = in_flight.get(transfer.state.name, 0) + 1
+            latencies = sorted(self._latencies)
+            return {
+                "in_flight": in_flight,
+                "published": self._published,
+                "failed": self._failed,
+                "retries": self._retries + sum(t.retries for t in self._transfers.values()),
+                "leaks": len(self._leaks),
+                "leaked": list(self._leaks),
+                "latency": {name: latencies[min(len(latencies) - 1, int(q * len(latencies)))]
+                            for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+                if latencies else {},
+            }
 
     @property
     def closed(self) -> bool:
@@ -305,6 +327,13 @@ class SecondaryTier:
             self._results.append(transfer.result())
             self._unreported.add(transfer.job_id)
             self._published += 1
+            self._latencies.append(transfer.finished_at - transfer.started_at)
+            if not transfer.success:
+                self._failed += 1
+                _log_failure(transfer)
+            for leak in transfer.leaks:
+                logger.warning("job %d leaked: %s raised %s", transfer.job_id, leak.call,
+                               leak.error, extra=_fields(transfer, leak.error))
             for listener in self.on_published:
                 listener(transfer)
             self._retries += transfer.retries
@@ -353,6 +382,22 @@ class SecondaryTier:
                 if transfer.state is processing:  # a stay this machine fires: done this round
                     continue
             self._advance(transfer)
+
+
+logger = logging.getLogger("kvfsm")
+
+
+def _fields(transfer: Transfer, error: str | None) -> dict[str, Any]:
+    """The structured fields of a log line about a transfer."""
+    return {"kvfsm_job_id": transfer.job_id, "kvfsm_state": transfer.state.name,
+            "kvfsm_nixl_error": error}
+
+
+def _log_failure(transfer: Transfer) -> None:
+    job = transfer.job
+    logger.warning("job %d: %s of %d block(s) failed: %s", job.job_id,
+                   "load" if job.is_promotion else "store", len(job.block_ids), transfer.error,
+                   extra=_fields(transfer, transfer.error))
 
 
 def key_text(key: object) -> str:
