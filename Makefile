@@ -1,5 +1,5 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint diagrams
 
 setup:
 	@./scripts/setup
@@ -8,7 +8,12 @@ demo: setup
 	.venv/bin/kvfsm demo
 
 test: setup lint
+	.venv/bin/kvfsm diagrams --check
 	.venv/bin/python -m pytest
+
+# Redraw diagrams/ from the declared machines after changing one (needs graphviz's dot).
+diagrams: setup
+	.venv/bin/kvfsm diagrams
 
 lint: setup
 	.venv/bin/ruff check kvfsm tests

@@ -1,6 +1,8 @@
 """The ``kvfsm`` command.
 
 ``kvfsm demo`` stores a KV cache, wipes it, loads it back and verifies every byte.
+``kvfsm diagrams`` draws the declared machines to diagrams/NAME.dot and .svg; ``--check`` fails
+when a committed drawing no longer matches its declaration.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvfsm import demo
+from kvfsm import demo, diagrams
 
 __all__ = ["build_parser", "main"]
 
@@ -22,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(commands.add_parser(
         "demo", help="store, wipe, load and verify a KV cache", description=demo.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter))
+    diagrams.add_arguments(commands.add_parser(
+        "diagrams", help="draw the declared machines (DOT and SVG); --check them",
+        description=diagrams.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -34,4 +39,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as error:  # a user-facing command: say what went wrong, in one line
             print(f"kvfsm demo: {type(error).__name__}: {error}", file=sys.stderr)
             return 2 if isinstance(error, ValueError) else 1
+    if args.command == "diagrams":
+        return diagrams.run(args)
     return 2

@@ -210,6 +210,7 @@ TRANSFER_MACHINE: Declaration[TransferState, Answer] = Declaration(
     actions=ACTIONS,
     transitions=TRANSITIONS,
     final=(TransferState.PUBLISHED,),
+    failure_states=(TransferState.FAILED,),
 )
 
 
