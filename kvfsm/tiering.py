@@ -1,0 +1,841 @@
+"""The parent of the tiers: a CPU primary tier with pinned blocks, and a manager that runs jobs.
+
+An offload manager keeps KV blocks in host memory (the *primary* tier) and copies them out to
+secondary tiers (object store, files, a user's own) and back. This module is that parent:
+
+* :class:`CPUPrimaryTier` owns the KV cache, a torch CPU tensor with blocks on its first
+  dimension, and one reference count per block: -1 while the block is being written, 0 once it
+  is ready (and evictable), n > 0 while n transfers read it. A block with a count other than 0
+  is never evicted.
+* :class:`TieringManager` turns stores and loads into jobs for the secondary tiers, keeps
+  ``job_id -> job`` for every job it handed out, and finalizes the primary on each job's result:
+  a store's pin is dropped whether it succeeded or not; a load's block becomes readable, or is
+  freed when the load failed.
+
+So the guarantees of the tiers (one result per job, never before NIXL let go of the memory) carry
+over to the primary: no block stays pinned once its jobs have results, no block is reused while a
+transfer still reads or writes it, and the manager has pending work exactly as long as some job
+has no result.
+
+Both classes are driven from one thread (an engine's scheduler); neither is thread safe. Every
+call returns quickly except :meth:`TieringManager.drain` and :meth:`TieringManager.shutdown`.
+
+Example::
+
+    primary = CPUPrimaryTier(256, (2, 16, 128), dtype=torch.float16)
+    manager = TieringManager(primary, {
+        "s3": ObjectStoreTier(primary.cache, store=config),
+        "disk": FileTier(primary.cache, "/var/cache/kv"),
+    })
+    (block,) = primary.allocate(["seq0/blk0"])   # count -1: the engine writes the block
+    primary.cache[block] = kv
+    primary.complete_write([block], success=True)  # count 0: ready
+    manager.store([block])                       # pinned once per tier until each result
+    for done in manager.step():                  # once per scheduler step
+        ...
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import operator
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias, runtime_checkable
+
+import torch
+
+from kvfsm.tiers.base import Lookup
+from kvfsm.transfer import JobResult, TransferJob
+
+__all__ = [
+    "BlockStateError",
+    "BookkeepingError",
+    "BookkeepingIssue",
+    "CPUPrimaryTier",
+    "DuplicateKeyError",
+    "Finalized",
+    "ManagerClosedError",
+    "OffloadTier",
+    "OutOfBlocksError",
+    "PrimaryTierError",
+    "Submitted",
+    "TierSubmitError",
+    "TieringDrainTimeout",
+    "TieringInputError",
+    "TieringManager",
+    "UnknownBlockError",
+]
+
+#: a block key: what a tier stores a block under
+Key: TypeAlias = bytes | str
+
+#: reference count of a block being written
+WRITING = -1
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+class PrimaryTierError(ValueError):
+    """Bad input to the primary tier; the call changed nothing."""
+
+
+class UnknownBlockError(PrimaryTierError):
+    """A block id that is not an int in ``[0, num_blocks)``."""
+
+
+class BlockStateError(PrimaryTierError):
+    """An operation on a block in the wrong state (e.g. unpinning a block nobody pinned)."""
+
+
+class DuplicateKeyError(PrimaryTierError):
+    """A key the primary tier already holds, or the same key twice in one call."""
+
+
+class OutOfBlocksError(RuntimeError):
+    """Not enough free or evictable blocks for an allocation; nothing was evicted."""
+
+
+class TieringInputError(ValueError):
+    """Bad input to the manager (an empty job, an unknown tier name); nothing changed."""
+
+
+class ManagerClosedError(RuntimeError):
+    """The manager was shut down and takes no more jobs."""
+
+
+@dataclass(frozen=True, slots=True)
+class BookkeepingIssue:
+    """Something a tier reported that does not match the manager's books."""
+
+    #: the job id the tier reported (None when the tier's poll itself raised)
+    job_id: int | None
+    #: the name of the tier that reported it
+    tier: str
+    #: what is wrong
+    problem: str
+
+    def __str__(self) -> str:
+        job = "poll" if self.job_id is None else f"job {self.job_id}"
+        return f"{job} from tier {self.tier!r}: {self.problem}"
+
+
+class BookkeepingError(RuntimeError):
+    """A step found results that match no outstanding job (or a tier whose poll raised).
+
+    Raised by :meth:`TieringManager.step` after every other result of the step was finalized;
+    the issues are also kept in :attr:`TieringManager.bookkeeping_errors`. The manager's books
+    stay consistent, so stepping may go on.
+    """
+
+    def __init__(self, issues: Sequence[BookkeepingIssue],
+                 finalized: Sequence[Finalized]) -> None:
+        self.issues = tuple(issues)
+        #: the jobs the step finalized anyway, which :meth:`TieringManager.step` would have
+        #: returned
+        self.finalized = tuple(finalized)
+        super().__init__(f"{len(self.issues)} bookkeeping error(s):\n  "
+                         + "\n  ".join(str(issue) for issue in self.issues))
+
+
+class TierSubmitError(RuntimeError):
+    """A tier's submit raised: it refused the job, which the manager then forgot.
+
+    The pins the job took were dropped (a load's block freed) and the job id is unknown to the
+    manager; a tier that kept the job anyway would report a :class:`BookkeepingError` later.
+    Jobs other tiers accepted are in flight (:attr:`submitted`). The first refusal's exception
+    is the ``__cause__``.
+    """
+
+    def __init__(self, refusals: Sequence[tuple[str, int, BaseException]],
+                 submitted: Sequence[int]) -> None:
+        self.refusals = tuple(refusals)
+        #: the job ids other tiers accepted, in flight
+        self.submitted = tuple(submitted)
+        lines = [f"tier {tier!r} refused job {job_id}: {type(error).__name__}: {error}"
+                 for tier, job_id, error in self.refusals]
+        super().__init__("\n".join(lines))
+
+
+class TieringDrainTimeout(TimeoutError):
+    """Jobs were still outstanding at the deadline; they stay outstanding, untouched."""
+
+    def __init__(self, what: str, outstanding: Sequence[Submitted],
+                 finalized: Sequence[Finalized]) -> None:
+        self.outstanding = tuple(outstanding)
+        #: the jobs finalized before the deadline
+        self.finalized = tuple(finalized)
+        lines = [str(job) for job in self.outstanding]
+        super().__init__(f"{what}: {len(self.outstanding)} job(s) without a result\n  "
+                         + "\n  ".join(lines))
+
+
+# -- the primary tier ------------------------------------------------------------------------------
+
+class CPUPrimaryTier:
+    """The KV cache in host memory: blocks, their keys, reference counts, and eviction.
+
+    A block is *free* (holds no key), or holds one key with a reference count: -1 while being
+    written (allocated by :meth:`allocate`, until :meth:`complete_write`), 0 when ready, n > 0
+    while n transfers read it (:meth:`pin` ... :meth:`complete_read`). :meth:`allocate` takes free
+    blocks first (lowest first), then evicts ready blocks with count 0, least recently used
+    first. A block being written or pinned is never evicted.
+
+    Every method that takes blocks checks all of them before changing anything: bad input raises
+    a :class:`PrimaryTierError` (a ``ValueError``) naming what was wrong, and changes nothing.
+
+    Args:
+        num_blocks: how many blocks the cache holds.
+        block_shape: the shape of one block (an int for a flat block).
+        dtype: the element type.
+        pin_memory: allocate page-locked memory (for fast copies to a GPU); by default, when
+            CUDA is available.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_shape: int | Sequence[int],
+        dtype: torch.dtype = torch.float16,
+        *,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        shape = (block_shape,) if isinstance(block_shape, int) else tuple(block_shape)
+        if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1
+                            for d in shape):
+            raise ValueError(f"block_shape must be ints >= 1, got {block_shape!r}")
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        #: the KV cache; block ``b`` is ``cache[b]``
+        self.cache = torch.zeros((num_blocks, *shape), dtype=dtype, pin_memory=pin_memory)
+        self.num_blocks = num_blocks
+        self.block_bytes = int(self.cache[0].nbytes)
+        self._counts: dict[int, int] = {}  # held blocks only: block -> reference count
+        self._keys: dict[int, Key] = {}  # held blocks only: block -> key
+        self._blocks: dict[Key, int] = {}  # key -> block
+        self._free: list[int] = list(range(num_blocks))  # a heap: the lowest block goes first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # ready blocks, least recent first
+        self.evictions = 0
+
+    # -- what blocks hold ----------------------------------------------------------------------
+
+    def pin_count(self, block_id: int) -> int:
+        """The reference count of a block: -1 being written, 0 ready (or free), n > 0 read by n.
+
+        Raises:
+            UnknownBlockError: not a block of this cache.
+        """
+        return self._counts.get(self._block_id(block_id), 0)
+
+    def key_of(self, block_id: int) -> Key | None:
+        """The key a block holds, or None when it is free.
+
+        Raises:
+            UnknownBlockError: not a block of this cache.
+        """
+        return self._keys.get(self._block_id(block_id))
+
+    def block_of(self, key: Key) -> int | None:
+        """The block holding ``key`` (being written, ready or pinned), or None."""
+        return self._blocks.get(key)
+
+    def is_ready(self, block_id: int) -> bool:
+        """True when a block holds a key and is not being written."""
+        return self._counts.get(self._block_id(block_id), WRITING) >= 0
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks that hold no key."""
+        return len(self._free)
+
+    def evictable(self) -> list[int]:
+        """The blocks :meth:`allocate` may evict (ready, count 0), least recently used first."""
+        counts = self._counts
+        return [block for block in self._lru if counts[block] == 0]
+
+    def stats(self) -> dict[str, int]:
+        """How many blocks are free, being written, ready, pinned; evictions so far."""
+        counts = list(self._counts.values())
+        return {
+            "free": len(self._free),
+            "writing": counts.count(WRITING),
+            "ready": counts.count(0),
+            "pinned": sum(1 for count in counts if count > 0),
+            "evictions": self.evictions,
+        }
+
+    def check_new_keys(self, keys: Sequence[Key]) -> tuple[Key, ...]:
+        """Check that ``keys`` may be allocated: non-empty str or bytes, distinct, not held.
+
+        Raises:
+            PrimaryTierError: ``keys`` is not a list or tuple, or a key is malformed.
+            DuplicateKeyError: a key appears twice, or a block already holds it.
+        """
+        if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+            raise PrimaryTierError(f"keys must be a list or tuple, got "
+                                   f"{type(keys).__name__} {keys!r}")
+        checked = tuple(keys)
+        seen: set[Key] = set()
+        for index, key in enumerate(checked):
+            if not isinstance(key, str | bytes) or not key:
+                raise PrimaryTierError(f"keys[{index}] must be a non-empty str or bytes, "
+                                       f"got {key!r}")
+            if key in seen:
+                raise DuplicateKeyError(f"key {key!r} appears twice")
+            seen.add(key)
+            held = self._blocks.get(key)
+            if held is not None:
+                raise DuplicateKeyError(f"key {key!r} is already held by block {held} "
+                                        f"({self._describe(held)})")
+        return checked
+
+    def readable_keys(self, block_ids: Iterable[int]) -> list[Key]:
+        """The keys of blocks that may be pinned (ready or pinned), in order.
+
+        Raises:
+            UnknownBlockError, BlockStateError: as :meth:`pin` would.
+        """
+        return [self._keys[block] for block in self._check(block_ids, self._readable)]
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def allocate(self, keys: Sequence[Key]) -> list[int]:
+        """Take one block per key, to be written (count -1); evicts LRU ready blocks if needed.
+
+        Returns:
+            the blocks, in the order of ``keys``.
+
+        Raises:
+            PrimaryTierError: as :meth:`check_new_keys`.
+            OutOfBlocksError: fewer free and evictable blocks than keys (nothing was evicted).
+        """
+        checked = self.check_new_keys(keys)
+        victims = self.evictable()
+        missing = len(checked) - len(self._free)
+        if missing > len(victims):
+            stats = self.stats()
+            raise OutOfBlocksError(
+                f"{len(checked)} block(s) wanted, {stats['free']} free and {len(victims)} "
+                f"evictable ({stats['pinned']} pinned, {stats['writing']} being written)")
+        for block in victims[:max(missing, 0)]:
+            self._drop(block)
+            self.evictions += 1
+        blocks = []
+        for key in checked:
+            block = heapq.heappop(self._free)
+            self._counts[block] = WRITING
+            self._keys[block] = key
+            self._blocks[key] = block
+            blocks.append(block)
+        return blocks
+
+    def complete_write(self, block_ids: Iterable[int], success: bool) -> None:
+        """End the writes of blocks: ready (most recently used) on success, else freed.
+
+        Raises:
+            UnknownBlockError: not a block of this cache.
+            BlockStateError: a block that is not being written; or the same block twice.
+        """
+        blocks = self._check(block_ids, self._writing)
+        for block in blocks:
+            if success:
+                self._counts[block] = 0
+                self._lru[block] = None
+            else:
+                self._drop(block)
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop the keys of ready blocks nobody reads (count 0), making the blocks free.
+
+        Raises:
+            UnknownBlockError: not a block of this cache.
+            BlockStateError: a block that is free, being written or pinned; or the same block
+                twice.
+        """
+        for block in self._check(block_ids, self._idle):
+            self._drop(block)
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Mark ready blocks as just used, so eviction takes them last.
+
+        Raises:
+            UnknownBlockError, BlockStateError: as :meth:`pin` would.
+        """
+        for block in self._check(block_ids, self._readable):
+            self._lru.move_to_end(block)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def pin(self, block_ids: Iterable[int]) -> None:
+        """Count one more transfer reading each block; pinned blocks are never evicted.
+
+        Raises:
+            UnknownBlockError: not a block of this cache.
+            BlockStateError: a block that is free or being written; or the same block twice.
+        """
+        for block in self._check(block_ids, self._readable):
+            self._counts[block] += 1
+
+    def complete_read(self, block_ids: Iterable[int]) -> None:
+        """Drop one pin of each block (a transfer finished reading it, well or not).
+
+        Raises:
+            UnknownBlockError: not a block of this cache.
+            BlockStateError: a block that is not pinned; or the same block twice.
+        """
+        for block in self._check(block_ids, self._pinned):
+            self._counts[block] -= 1
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _block_id(self, block_id: object) -> int:
+        if isinstance(block_id, bool):
+            raise UnknownBlockError(f"block id {block_id!r} is not an int")
+        try:
+            value = operator.index(block_id)  # type: ignore[arg-type]
+        except TypeError:
+            raise UnknownBlockError(f"block id {block_id!r} is not an int") from None
+        if not 0 <= value < self.num_blocks:
+            raise UnknownBlockError(f"block {value} is out of range [0, {self.num_blocks})")
+        return value
+
+    def _check(self, block_ids: Iterable[int],
+               wanted: Callable[[int], str | None]) -> list[int]:
+        """Every block valid, distinct and in the wanted state, or an error and no change."""
+        if isinstance(block_ids, str | bytes) or not isinstance(block_ids, Iterable):
+            raise UnknownBlockError(f"block ids must be a list or tuple of ints, got "
+                                    f"{type(block_ids).__name__} {block_ids!r}")
+        blocks = [self._block_id(block) for block in block_ids]
+        seen: set[int] = set()
+        for block in blocks:
+            if block in seen:
+                raise BlockStateError(f"block {block} appears twice")
+            seen.add(block)
+            problem = wanted(block)
+            if problem is not None:
+                raise BlockStateError(f"block {block} {problem} ({self._describe(block)})")
+        return blocks
+
+    def _readable(self, block: int) -> str | None:
+        return None if self._counts.get(block, WRITING) >= 0 else "is not readable"
+
+    def _writing(self, block: int) -> str | None:
+        return None if self._counts.get(block) == WRITING else "is not being written"
+
+    def _pinned(self, block: int) -> str | None:
+        return None if self._counts.get(block, 0) > 0 else "is not pinned"
+
+    def _idle(self, block: int) -> str | None:
+        return None if self._counts.get(block) == 0 else "cannot be freed"
+
+    def _describe(self, block: int) -> str:
+        count = self._counts.get(block)
+        if count is None:
+            return "it is free"
+        key = self._keys[block]
+        if count == WRITING:
+            return f"it is being written with key {key!r}"
+        if count == 0:
+            return f"it is ready with key {key!r}"
+        return f"it holds key {key!r}, pinned by {count}"
+
+    def _drop(self, block: int) -> None:
+        del self._blocks[self._keys.pop(block)]
+        del self._counts[block]
+        self._lru.pop(block, None)
+        heapq.heappush(self._free, block)
+
+
+# -- the manager -----------------------------------------------------------------------------------
+
+@runtime_checkable
+class OffloadTier(Protocol):
+    """What :class:`TieringManager` needs of a secondary tier: the offload-manager contract.
+
+    :class:`kvfsm.tiers.ObjectStoreTier` and :class:`kvfsm.tiers.FileTier` have it; so may a
+    user's own tier. Every call must return quickly. A submit either accepts the job, which
+    then has exactly one result from :meth:`get_finished_jobs`, or raises having taken nothing.
+    The manager drains a tier by stepping it, so ``drain_jobs`` is not needed here.
+    """
+
+    def submit_store(self, job: TransferJob) -> None:
+        """Copy the job's (pinned) primary blocks out to the tier; the result comes later."""
+
+    def submit_load(self, job: TransferJob) -> None:
+        """Fill the job's (allocated) primary blocks from the tier; the result comes later."""
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Every result since the last call: exactly one per submitted job, ever."""
+
+    def has_pending_work(self) -> bool:
+        """True while a submitted job has no result handed out yet."""
+
+    def lookup(self, key: bytes | str) -> Lookup:
+        """HIT, MISS, or RETRY (ask again later); never blocks."""
+
+    def shutdown(self) -> None:
+        """Release everything; idempotent."""
+
+
+_CONTRACT = ("submit_store", "submit_load", "get_finished_jobs", "has_pending_work", "lookup",
+             "shutdown")
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A job the manager handed to a tier and has no result for yet."""
+
+    job: TransferJob
+    tier: str
+
+    @property
+    def job_id(self) -> int:
+        """The job's id."""
+        return self.job.job_id
+
+    def __str__(self) -> str:
+        kind = "load" if self.job.is_promotion else "store"
+        return (f"job {self.job.job_id}: {kind} of blocks {list(self.job.block_ids)} "
+                f"on tier {self.tier!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Finalized:
+    """A job whose result arrived and whose primary blocks were finalized."""
+
+    job: TransferJob
+    tier: str
+    success: bool
+
+    @property
+    def job_id(self) -> int:
+        """The job's id."""
+        return self.job.job_id
+
+
+class TieringManager:
+    """Runs stores and loads between a :class:`CPUPrimaryTier` and secondary tiers.
+
+    * :meth:`store` cascades ready primary blocks to every secondary tier: one job per tier,
+      each pinning the blocks before its submit; each job's result drops its pin, whether the
+      store succeeded or not.
+    * :meth:`load` promotes keys from a tier that holds them (its ``lookup`` says HIT): it
+      allocates blocks being written and submits one job; the result makes the blocks readable,
+      or frees them when the load failed.
+    * :meth:`step` collects results from every tier once and finalizes each job exactly once.
+
+    Job ids are the manager's, unique across its tiers. The books are checked on every result: a
+    result for a job id the manager does not have outstanding on that tier (never submitted,
+    already finalized, or submitted to another tier) is a :class:`BookkeepingError` naming the
+    job id and the tier, raised by :meth:`step` once everything else was finalized, and kept in
+    :attr:`bookkeeping_errors`; it is never dropped silently.
+
+    When a tier's submit raises (the tier refused the job: bad input, or it is shut down), the
+    manager takes back what it did for that job (drops its pins, frees a load's blocks), forgets
+    its id, and raises :class:`TierSubmitError` naming the tier and job id; a store still
+    cascades to the other tiers first. Bad input to the manager itself (unknown or unready
+    blocks, keys already held) raises a ``ValueError`` before any tier sees the job.
+
+    Args:
+        primary: the primary tier; every secondary tier must copy to and from ``primary.cache``.
+        secondaries: the secondary tiers in order of preference for loads, as a sequence (named
+            ``"ObjectStoreTier[0]"`` etc.) or a mapping of names to tiers.
+        poll_interval: seconds :meth:`drain` sleeps between steps.
+    """
+
+    def __init__(
+        self,
+        primary: CPUPrimaryTier,
+        secondaries: Sequence[OffloadTier] | Mapping[str, OffloadTier],
+        *,
+        poll_interval: float = 0.0005,
+    ) -> None:
+        if not isinstance(primary, CPUPrimaryTier):
+            raise TypeError(f"primary must be a CPUPrimaryTier, got {type(primary).__name__}")
+        if isinstance(secondaries, Mapping):
+            named = dict(secondaries)
+        else:
+            named = {f"{type(tier).__name__}[{index}]": tier
+                     for index, tier in enumerate(secondaries)}
+        if not named:
+            raise TieringInputError("a TieringManager needs at least one secondary tier")
+        seen: dict[int, str] = {}
+        for name, tier in named.items():
+            if not isinstance(name, str) or not name:
+                raise TieringInputError(f"tier names must be non-empty str, got {name!r}")
+            missing = [call for call in _CONTRACT if not callable(getattr(tier, call, None))]
+            if missing:
+                raise TypeError(f"tier {name!r} ({type(tier).__name__}) lacks the secondary-tier "
+                                f"contract: no {', '.join(missing)}")
+            if id(tier) in seen:
+                raise TieringInputError(f"tiers {seen[id(tier)]!r} and {name!r} are the same "
+                                        "object")
+            seen[id(tier)] = name
+            _check_same_cache(name, tier, primary.cache)
+        self.primary = primary
+        self.poll_interval = poll_interval
+        self._tiers: dict[str, OffloadTier] = named
+        self._jobs: dict[int, Submitted] = {}
+        self._ids = itertools.count(1)
+        self._closed = False
+        #: every bookkeeping issue found so far (each was raised once, by step)
+        self.bookkeeping_errors: list[BookkeepingIssue] = []
+        self._counts = {"stores_ok": 0, "stores_failed": 0, "loads_ok": 0, "loads_failed": 0}
+
+    @property
+    def tiers(self) -> Mapping[str, OffloadTier]:
+        """The secondary tiers by name, in order of preference for loads."""
+        return dict(self._tiers)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`shutdown` shut every tier down."""
+        return self._closed
+
+    # -- submitting ------------------------------------------------------------------------------
+
+    def store(self, block_ids: Sequence[int]) -> list[int]:
+        """Copy ready primary blocks to every secondary tier: one job per tier.
+
+        Returns:
+            the job ids, one per tier, in tier order.
+
+        Raises:
+            ManagerClosedError: after :meth:`shutdown`.
+            TieringInputError: no blocks.
+            UnknownBlockError, BlockStateError: a block that is unknown, free or being written;
+                nothing was pinned or submitted.
+            TierSubmitError: a tier refused its job (see the class docstring).
+        """
+        self._check_open()
+        keys = self.primary.readable_keys(_block_list(block_ids))  # checks before any change
+        blocks = [operator.index(block) for block in block_ids]
+        submitted: list[int] = []
+        refusals: list[tuple[str, int, BaseException]] = []
+        for name, tier in self._tiers.items():
+            job = TransferJob(next(self._ids), list(keys), list(blocks))
+            self.primary.pin(blocks)
+            self._jobs[job.job_id] = Submitted(job, name)
+            try:
+                tier.submit_store(job)
+            except BaseException as error:
+                del self._jobs[job.job_id]
+                self.primary.complete_read(blocks)
+                if not isinstance(error, Exception):
+                    raise
+                refusals.append((name, job.job_id, error))
+                continue
+            submitted.append(job.job_id)
+        if refusals:
+            raise TierSubmitError(refusals, submitted) from refusals[0][2]
+        return submitted
+
+    def find(self, keys: Sequence[Key]) -> str | None:
+        """The first tier whose ``lookup`` answers HIT for every key, or None (yet)."""
+        for name, tier in self._tiers.items():
+            if all(tier.lookup(key) is Lookup.HIT for key in keys):
+                return name
+        return None
+
+    def lookup(self, key: Key) -> Lookup:
+        """Across the secondary tiers: HIT if one holds ``key``, RETRY if one does not know yet,
+        else MISS."""
+        answers = {tier.lookup(key) for tier in self._tiers.values()}
+        for answer in (Lookup.HIT, Lookup.RETRY):
+            if answer in answers:
+                return answer
+        return Lookup.MISS
+
+    def load(self, keys: Sequence[Key], *, tier: str | None = None) -> int | None:
+        """Promote ``keys`` into newly allocated primary blocks, from one tier.
+
+        Args:
+            keys: the blocks to load; none may be held by the primary tier.
+            tier: the tier to load from; by default the first that answers HIT for every key.
+
+        Returns:
+            the job id; or None, with nothing changed, when no tier answers HIT for every key
+            (some may answer RETRY: ask again on a later step, or see :meth:`lookup`).
+
+        Raises:
+            ManagerClosedError: after :meth:`shutdown`.
+            TieringInputError: no keys, or an unknown tier name.
+            PrimaryTierError: a malformed key, or one the primary tier already holds.
+            OutOfBlocksError: not enough free or evictable blocks (nothing was evicted).
+            TierSubmitError: the tier refused the job; its blocks were freed.
+        """
+        self._check_open()
+        checked = self.primary.check_new_keys(keys)
+        if not checked:
+            raise TieringInputError("a load needs at least one key")
+        if tier is None:
+            tier = self.find(checked)
+            if tier is None:
+                return None
+        elif tier not in self._tiers:
+            raise TieringInputError(f"no tier named {tier!r}; tiers: {list(self._tiers)}")
+        blocks = self.primary.allocate(checked)
+        job = TransferJob(next(self._ids), list(checked), blocks, is_promotion=True)
+        self._jobs[job.job_id] = Submitted(job, tier)
+        try:
+            self._tiers[tier].submit_load(job)
+        except BaseException as error:
+            del self._jobs[job.job_id]
+            self.primary.complete_write(blocks, success=False)
+            if not isinstance(error, Exception):
+                raise
+            raise TierSubmitError([(tier, job.job_id, error)], []) from error
+        return job.job_id
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def step(self) -> list[Finalized]:
+        """Collect results from every tier once; finalize each job's primary blocks.
+
+        Returns:
+            the jobs finalized, in the order their results came.
+
+        Raises:
+            BookkeepingError: a result matched no job outstanding on its tier, or a tier's
+                ``get_finished_jobs`` raised; every other result was finalized first (they are
+                in the error's ``finalized``).
+        """
+        finalized: list[Finalized] = []
+        issues: list[BookkeepingIssue] = []
+        for name, tier in self._tiers.items():
+            try:
+                results = list(tier.get_finished_jobs())
+            except Exception as error:
+                issues.append(BookkeepingIssue(
+                    None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))
+                continue
+            for result in results:
+                issue = self._finalize(name, result, finalized)
+                if issue is not None:
+                    issues.append(issue)
+        if issues:
+            self.bookkeeping_errors.extend(issues)
+            raise BookkeepingError(issues, finalized)
+        return finalized
+
+    def has_pending_work(self) -> bool:
+        """True while a job has no result, or a tier still has work in flight."""
+        return bool(self._jobs) or any(tier.has_pending_work() for tier in self._tiers.values())
+
+    def outstanding(self) -> list[Submitted]:
+        """The jobs without a result, in submission order."""
+        return list(self._jobs.values())
+
+    def drain(self, timeout: float | None = None) -> list[Finalized]:
+        """Step until nothing is pending; never aborts a transfer.
+
+        Returns:
+            every job finalized meanwhile.
+
+        Raises:
+            TieringDrainTimeout: ``timeout`` seconds passed with jobs outstanding; they stay
+                outstanding and later steps go on with them.
+            BookkeepingError: as :meth:`step` (its ``finalized`` covers the whole drain).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done: list[Finalized] = []
+        while True:
+            try:
+                done += self.step()
+            except BookkeepingError as error:
+                error.finalized = (*done, *error.finalized)
+                raise
+            if not self.has_pending_work():
+                return done
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TieringDrainTimeout("drain", self.outstanding(), done)
+            time.sleep(self.poll_interval)
+
+    def shutdown(self, timeout: float | None = 30.0) -> list[Finalized]:
+        """Drain every job, then shut every tier down. Idempotent.
+
+        Returns:
+            the jobs finalized while draining.
+
+        Raises:
+            TieringDrainTimeout: jobs were still outstanding at the deadline; no tier was shut
+                down and the manager stays open, so shutdown can be called again.
+            Exception: the first error a tier's shutdown raised, after every other tier was
+                shut down; the manager stays open (tiers' shutdowns are idempotent).
+        """
+        if self._closed:
+            return []
+        done = self.drain(timeout)
+        errors: list[Exception] = []
+        for name, tier in self._tiers.items():
+            try:
+                tier.shutdown()
+            except Exception as error:
+                error.add_note(f"raised by the shutdown of tier {name!r}")
+                errors.append(error)
+        if errors:
+            raise errors[0]
+        self._closed = True
+        return done
+
+    def stats(self) -> dict[str, Any]:
+        """Outstanding jobs per tier; stores and loads finalized, by outcome; bookkeeping."""
+        per_tier = dict.fromkeys(self._tiers, 0)
+        for submitted in self._jobs.values():
+            per_tier[submitted.tier] += 1
+        return {"outstanding": per_tier, **self._counts,
+                "bookkeeping_errors": len(self.bookkeeping_errors)}
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosedError("the TieringManager is shut down")
+
+    def _finalize(self, name: str, result: JobResult,
+                  finalized: list[Finalized]) -> BookkeepingIssue | None:
+        job_id = getattr(result, "job_id", None)
+        submitted = self._jobs.get(job_id) if isinstance(job_id, int) else None
+        if submitted is None:
+            return BookkeepingIssue(job_id if isinstance(job_id, int) else None, name,
+                                    f"result {result!r} is for no outstanding job (never "
+                                    "submitted, or already finalized)")
+        if submitted.tier != name:
+            return BookkeepingIssue(job_id, name, f"the job was submitted to tier "
+                                                  f"{submitted.tier!r}")
+        del self._jobs[submitted.job_id]
+        job, success = submitted.job, bool(result.success)
+        try:
+            if job.is_promotion:
+                self.primary.complete_write(job.block_ids, success)
+            else:
+                self.primary.complete_read(job.block_ids)
+        except PrimaryTierError as error:  # the primary was changed behind the manager's back
+            return BookkeepingIssue(job_id, name, f"finalizing the primary failed: {error}")
+        kind = "loads" if job.is_promotion else "stores"
+        self._counts[f"{kind}_{'ok' if success else 'failed'}"] += 1
+        finalized.append(Finalized(job, name, success))
+        return None
+
+
+def _block_list(block_ids: Sequence[int]) -> list[int]:
+    if isinstance(block_ids, str | bytes) or not isinstance(block_ids, Sequence):
+        raise TieringInputError(f"block ids must be a list or tuple, got "
+                                f"{type(block_ids).__name__} {block_ids!r}")
+    if not block_ids:
+        raise TieringInputError("a store needs at least one block")
+    return list(block_ids)
+
+
+def _check_same_cache(name: str, tier: object, cache: torch.Tensor) -> None:
+    """A kvfsm tier (it has ``primary``) must copy to and from the manager's primary cache."""
+    theirs = getattr(tier, "primary", None)
+    if isinstance(theirs, torch.Tensor) and (
+            theirs.data_ptr() != cache.data_ptr() or theirs.nbytes != cache.nbytes):
+        raise TieringInputError(f"tier {name!r} copies to and from another tensor than the "
+                                "primary tier's cache")
