@@ -101,6 +101,9 @@ class TransferDriver:
                     answer, detail = self._commit(transfer)
             except Exception as error:  # every failure is an answer, not an escape (F5)
                 answer, detail = Answer.RAISED, error
+            except BaseException as interrupt:  # an interrupt: still a published failure
+                self.machine.fire(transfer, TransferEvent.POST, Answer.RAISED, interrupt)
+                raise
         self.machine.fire(transfer, TransferEvent.POST, answer, detail)
 
     def poll(self, transfer: Transfer) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from typing import Any
@@ -43,10 +44,16 @@ class _Objects:
 
 
 class _Prober:
-    """Answers lookups off the caller's thread: batches of ``query_memory`` on its own agent."""
+    """Answers lookups off the caller's thread: batches of ``query_memory``.
 
-    def __init__(self, agent: Any, known: dict[str, Lookup], batch: int) -> None:
+    On an agent of its own it runs freely; on the tier's agent (``shared``, a lock) each query
+    holds the tier's lock, because a NIXL agent is driven by one thread at a time.
+    """
+
+    def __init__(self, agent: Any, known: dict[str, Lookup], batch: int,
+                 shared: threading.RLock | None) -> None:
         self._agent = agent
+        self._shared = shared
         self._known = known
         self._batch = batch
         self._wanted: dict[str, None] = {}  # insertion-ordered set of names to probe
@@ -78,8 +85,9 @@ class _Prober:
                     return
                 names = list(itertools.islice(self._wanted, self._batch))
             try:
-                answers = self._agent.query_memory([(0, 1, 0, name) for name in names],
-                                                   "OBJ", "OBJ")
+                with self._shared or contextlib.nullcontext():
+                    answers = self._agent.query_memory([(0, 1, 0, name) for name in names],
+                                                       "OBJ", "OBJ")
             except Exception:  # the store did not answer: leave the names to be asked again
                 self.errors += 1
                 answers = None
@@ -106,7 +114,9 @@ class ObjectStoreTier(SecondaryTier):
         store: where to create real agents, when ``agent`` is None.
         key_prefix: prepended to every object name (``store.key_prefix`` when built from it).
         probe_agent: the agent lookups query from a background thread; by default a second
-            real agent when built from ``store``, else ``agent`` itself.
+            real agent when built from ``store``, else ``agent`` itself, whose queries then
+            hold the tier's lock (give real OBJ agents a probe agent of their own: a query of
+            many keys takes a while, and would hold up submits and polls meanwhile).
         probe_batch: at most this many keys per ``query_memory`` call.
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls.
         machine: the lifecycle to run (see :class:`~kvfsm.tiers.base.SecondaryTier`).
@@ -137,7 +147,7 @@ class ObjectStoreTier(SecondaryTier):
         super().__init__(primary, agent=agent, remote=_Objects(self), poll_interval=poll_interval,
                          machine=machine)
         self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,
-                               probe_batch)
+                               probe_batch, None if probe_agent is not None else self._lock)
 
     def object_key(self, key: bytes | str) -> str:
         """The object name block ``key`` is stored under: the prefix, then the key as text
