@@ -9,7 +9,7 @@ demo: setup
 
 test: setup lint
 	.venv/bin/kvfsm diagrams --check
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest --kvfsm-coverage-fail
 
 # Redraw diagrams/ from the declared machines after changing one (needs graphviz's dot).
 diagrams: setup

@@ -1,5 +1,7 @@
 """kvfsm: KV-cache offload transfers as explicit, declarative finite-state machines."""
 
+import logging
+
 from kvfsm.engine import CompiledMachine, Declaration, DeclarationError, InvalidTransition
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
@@ -20,3 +22,6 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# A library logs to the "kvfsm" logger and leaves handlers to the application.
+logging.getLogger("kvfsm").addHandler(logging.NullHandler())

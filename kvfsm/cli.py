@@ -3,6 +3,8 @@
 ``kvfsm demo`` stores a KV cache, wipes it, loads it back and verifies every byte.
 ``kvfsm diagrams`` draws the declared machines to diagrams/NAME.dot and .svg; ``--check`` fails
 when a committed drawing no longer matches its declaration.
+``kvfsm explore`` makes every NIXL call fail at every step and checks the invariants on every path.
+``kvfsm replay FILE`` replays recorded transfer traces against the declared lifecycle.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvfsm import demo, diagrams
+from kvfsm import demo, diagrams, trace
+from kvfsm.testing import explore
 
 __all__ = ["build_parser", "main"]
 
@@ -27,18 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     diagrams.add_arguments(commands.add_parser(
         "diagrams", help="draw the declared machines (DOT and SVG); --check them",
         description=diagrams.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    explore.add_arguments(commands.add_parser(
+        "explore", help="fail every NIXL call at every step; check the invariants on every path",
+        description=explore.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    trace.add_arguments(commands.add_parser(
+        "replay", help="replay recorded transfer traces against the declared lifecycle",
+        description=trace.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvfsm`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        try:
-            return demo.run(args)
-        except Exception as error:  # a user-facing command: say what went wrong, in one line
-            print(f"kvfsm demo: {type(error).__name__}: {error}", file=sys.stderr)
-            return 2 if isinstance(error, ValueError) else 1
     if args.command == "diagrams":
         return diagrams.run(args)
-    return 2
+    commands = {"demo": demo.run, "explore": explore.run, "replay": trace.run}
+    try:
+        return commands[args.command](args)
+    except Exception as error:  # a user-facing command: say what went wrong, in one line
+        print(f"kvfsm {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2 if isinstance(error, ValueError) else 1

@@ -36,23 +36,21 @@ Which machines are drawn: kvfsm's own, listed in :data:`MACHINES` (one line each
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import enum
 import hashlib
 import html
-import importlib
-import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvfsm.engine import Declaration, Edge
+from kvfsm.machines import KVFSM_MACHINES, load_machine
 
 __all__ = [
     "MACHINES",
@@ -72,10 +70,8 @@ __all__ = [
     "write",
 ]
 
-#: kvfsm's own machines, as ``module:ATTRIBUTE``; adding a machine is adding a line here.
-MACHINES: tuple[str, ...] = (
-    "kvfsm.lifecycle:TRANSFER_MACHINE",
-)
+#: kvfsm's own machines, as ``module:ATTRIBUTE`` (from :data:`kvfsm.machines.KVFSM_MACHINES`)
+MACHINES: tuple[str, ...] = tuple(KVFSM_MACHINES.values())
 
 #: the node standing for "where a record starts"; Enum member names can never be dunders
 ENTRY_NODE = "__initial__"
@@ -308,30 +304,11 @@ def check(declarations: Iterable[Declaration[Any, Any]], out: Path) -> list[Prob
 # -- naming machines ----------------------------------------------------------------------------
 
 def load_declaration(spec: str) -> Declaration[Any, Any]:
-    """Import the Declaration named by ``module:ATTRIBUTE`` (the attribute may be dotted).
-
-    The current directory is importable for the duration, as it is for ``python -m``.
-    """
-    module_name, colon, attribute = spec.partition(":")
-    if not colon or not module_name or not attribute:
-        raise DiagramError(f"{spec!r}: name a machine as module:ATTRIBUTE, "
-                           "e.g. kvfsm.lifecycle:TRANSFER_MACHINE")
-    with _current_directory_importable():
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as error:
-            raise DiagramError(f"{spec!r}: cannot import {module_name!r}: "
-                               f"{type(error).__name__}: {error}") from None
-    found: Any = module
-    for part in attribute.split("."):
-        try:
-            found = getattr(found, part)
-        except AttributeError:
-            raise DiagramError(f"{spec!r}: {module_name} has no attribute {attribute!r}") from None
-    if not isinstance(found, Declaration):
-        raise DiagramError(f"{spec!r} is not a kvfsm Declaration "
-                           f"(found {type(found).__name__})")
-    return found
+    """The Declaration named by ``module:ATTRIBUTE`` (:func:`kvfsm.machines.load_machine`)."""
+    try:
+        return load_machine(spec)
+    except ValueError as error:
+        raise DiagramError(str(error)) from None
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -485,17 +462,3 @@ def _read(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
-
-
-@contextlib.contextmanager
-def _current_directory_importable() -> Iterator[None]:
-    here = os.getcwd()
-    added = here not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, here)
-    try:
-        yield
-    finally:
-        if added:
-            with contextlib.suppress(ValueError):
-                sys.path.remove(here)

@@ -1,40 +1,72 @@
-"""The machines kvfsm declares, by name, and loading a user's machine from ``module:ATTRIBUTE``."""
+"""The machines kvfsm declares, by name, and loading a user's machine from ``module:ATTRIBUTE``.
+
+Adding a machine to kvfsm is adding a line to :data:`KVFSM_MACHINES`: the diagrams, the
+transition-coverage plugin and ``kvfsm replay`` all take their list from here.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from kvfsm.engine import Declaration
 
 __all__ = ["KVFSM_MACHINES", "kvfsm_machines", "load_machine"]
 
-#: kvfsm's own machines: name -> where the declaration lives
+#: kvfsm's own machines: name -> ``module:ATTRIBUTE`` of the declaration
 KVFSM_MACHINES = {
     "transfer": "kvfsm.lifecycle:TRANSFER_MACHINE",
 }
 
 
 def load_machine(spec: str) -> Declaration[Any, Any]:
-    """The declaration named by ``module:ATTRIBUTE``, or by the name of one of kvfsm's machines.
+    """The declaration named by ``module:ATTRIBUTE`` (the attribute may be dotted), or by the
+    name of one of kvfsm's machines. The current directory is importable meanwhile, as it is
+    for ``python -m``.
 
     Raises:
-        ValueError: the spec does not name a declaration.
+        ValueError: the spec does not name a declaration; the message says why.
     """
     spec = KVFSM_MACHINES.get(spec, spec)
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"name a machine as module:ATTRIBUTE or one of "
-                         f"{', '.join(KVFSM_MACHINES)}; got {spec!r}")
-    try:
-        value = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"cannot load machine {spec!r}: {error}") from error
-    if not isinstance(value, Declaration):
-        raise ValueError(f"{spec} is a {type(value).__name__}, not a kvfsm Declaration")
-    return value
+    module_name, colon, attribute = spec.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ValueError(f"{spec!r}: name a machine as module:ATTRIBUTE, e.g. "
+                         f"kvfsm.lifecycle:TRANSFER_MACHINE, or one of {', '.join(KVFSM_MACHINES)}")
+    with _current_directory_importable():
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as error:
+            raise ValueError(f"{spec!r}: cannot import {module_name!r}: "
+                             f"{type(error).__name__}: {error}") from None
+    found: Any = module
+    for part in attribute.split("."):
+        try:
+            found = getattr(found, part)
+        except AttributeError:
+            raise ValueError(f"{spec!r}: {module_name} has no attribute {attribute!r}") from None
+    if not isinstance(found, Declaration):
+        raise ValueError(f"{spec!r} is not a kvfsm Declaration (found {type(found).__name__})")
+    return found
 
 
 def kvfsm_machines() -> dict[str, Declaration[Any, Any]]:
     """kvfsm's own declared machines, by name."""
     return {name: load_machine(spec) for name, spec in KVFSM_MACHINES.items()}
+
+
+@contextlib.contextmanager
+def _current_directory_importable() -> Iterator[None]:
+    here = os.getcwd()
+    added = here not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, here)
+    try:
+        yield
+    finally:
+        if added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(here)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,36 @@ def test_a_run_that_cannot_finish_stops_at_its_timeout_and_names_the_stuck_jobs(
     err = capsys.readouterr().err
     assert "DrainTimeout: store phase: 8 transfer(s) not published" in err
     assert "job 0: DONE" in err
+
+
+def test_kvfsm_explore_finds_no_violation_in_the_shipped_lifecycle() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvfsm", "explore", "--max-faults", "1"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 violations" in done.stdout
+    assert done.stderr == "", "a library logs nowhere unless the application says so"
+
+
+def test_kvfsm_explore_reports_a_broken_users_machine_with_a_replayable_path(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["explore", "--machine",
+                 "tests.test_explore:PUBLISH_BEFORE_RELEASE"]) == 1
+    out = capsys.readouterr().out
+    assert "VIOLATION" in out
+    assert "replay it with: kvfsm explore --replay 'mode=1;release_xfer_handle:raise@1'" in out
+    assert main(["explore", "--machine", "tests.test_explore:PUBLISH_BEFORE_RELEASE",
+                 "--replay", "mode=1;release_xfer_handle:raise@1"]) == 1
+    assert "RELEASE_BEFORE_PUBLISH" in capsys.readouterr().out
+
+
+def test_kvfsm_replay_checks_a_demo_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                          ) -> None:
+    traces = tmp_path / "t.jsonl"
+    assert main(["demo", "--fake", *SMALL, "--trace", str(traces)]) == 0
+    assert main(["replay", str(traces)]) == 0
+    assert "16 traces (80 steps) replay clean" in capsys.readouterr().out
+    tampered = traces.read_text().replace('"DONE","XFER_RELEASED"', '"DONE","CLEANED"', 1)
+    traces.write_text(tampered)
+    assert main(["replay", str(traces)]) == 1
+    assert "diverges from transfer at line 1" in capsys.readouterr().out

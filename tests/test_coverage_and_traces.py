@@ -95,7 +95,8 @@ def test_stuck_while_off():
 def test_a_machine_that_is_not_a_declaration_is_refused(lamp_project: pytest.Pytester) -> None:
     result = lamp_project.runpytest("--kvfsm-coverage", "--kvfsm-machine", "lamp:Record")
     assert result.ret != 0
-    result.stderr.fnmatch_lines(["*lamp:Record is a type, not a kvfsm Declaration*"])
+    result.stderr.fnmatch_lines(
+        ["*--kvfsm-machine: 'lamp:Record' is not a kvfsm Declaration (found type)*"])
 
 
 # -- traces ---------------------------------------------------------------------------------

@@ -100,3 +100,6 @@ def test_a_bad_path_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="names its call number"):
         parse_path("mode=1;release_xfer_handle:raise")
     assert TRANSFER_MACHINE.name == "transfer"
+
+#: a broken variant by name, for ``kvfsm explore --machine tests.test_explore:...``
+PUBLISH_BEFORE_RELEASE = BROKEN["publish_before_release"][0]

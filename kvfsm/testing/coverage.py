@@ -93,7 +93,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if not (config.getoption("kvfsm_coverage") or config.getoption("kvfsm_coverage_fail")):
         return
     named = config.getoption("kvfsm_machine")
-    machines = {m.name: m for m in map(load_machine, named)} if named else kvfsm_machines()
+    try:
+        machines = {m.name: m for m in map(load_machine, named)} if named else kvfsm_machines()
+    except ValueError as error:
+        raise pytest.UsageError(f"--kvfsm-machine: {error}") from None
     coverage = TransitionCoverage(machines)
     coverage.start()
     config.stash[_KEY] = coverage

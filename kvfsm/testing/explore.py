@@ -453,3 +453,44 @@ def replay(path: Path, machine: Declaration[TransferState, Answer] = TRANSFER_MA
              for e, n in tier.driver.machine.transition_counts().items() if n}
     return calls, violations, taken
 
+
+
+def add_arguments(parser: Any) -> None:
+    """The ``kvfsm explore`` options."""
+    parser.add_argument("--machine", default="transfer", metavar="SPEC",
+                        help="the lifecycle to explore: module:ATTRIBUTE of a Declaration over "
+                             "kvfsm's TransferState (default: kvfsm's transfer machine)")
+    parser.add_argument("--max-faults", type=int, default=2,
+                        help="the most faults on one path (2)")
+    parser.add_argument("--max-stall", type=int, default=2,
+                        help="the most extra PROC answers one stall adds (2)")
+    parser.add_argument("--all", action="store_true",
+                        help="go on past the first violation, counting every path")
+    parser.add_argument("--replay", metavar="PATH",
+                        help="run one path again, as printed: 'mode=1;release_xfer_handle:raise@1'")
+
+
+def run(args: Any) -> int:
+    """``kvfsm explore``: 0 when no path violates an invariant, 1 when one does."""
+    from kvfsm.machines import load_machine  # noqa: PLC0415 - the CLI's own import
+
+    machine = load_machine(args.machine)
+    if args.max_faults < 0 or args.max_stall < 1:
+        raise ValueError("--max-faults must be at least 0 and --max-stall at least 1")
+    if args.replay:
+        path = parse_path(args.replay)
+        calls, violations, taken = replay(path, machine)
+        print(f"path {path}: {len(calls)} NIXL calls")
+        print("  calls: " + " ".join(calls))
+        print("  transitions taken:")
+        for edge, count in taken.items():
+            print(f"    {edge}  x{count}")
+        for violation in violations:
+            print(f"  {violation}")
+        print("0 violations" if not violations else f"{len(violations)} violation(s)")
+        return 1 if violations else 0
+    found = explore(machine, max_faults=args.max_faults, max_stall=args.max_stall,
+                    stop_at_first=not args.all)
+    print(f"kvfsm explore: machine {machine.name}, up to {args.max_faults} fault(s) a path")
+    print(found.report())
+    return 0 if found.ok else 1
