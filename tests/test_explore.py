@@ -101,5 +101,18 @@ def test_a_bad_path_is_refused_by_name() -> None:
         parse_path("mode=1;release_xfer_handle:raise")
     assert TRANSFER_MACHINE.name == "transfer"
 
+def test_through_the_parent_every_pin_returns_to_zero_on_every_path() -> None:
+    found = explore(parent=True, max_faults=2, stop_at_first=False)
+    assert found.ok, found.report()
+    assert found.paths > 1000
+
+
+def test_a_dropped_transfer_leaves_its_block_pinned_and_the_explorer_says_so() -> None:
+    machine, _ = BROKEN["drop_on_failed_release"]
+    found = explore(machine, parent=True)
+    assert {Invariant.PINS, Invariant.LIVENESS} <= {v.invariant for v in found.violations}
+    assert "has count 1" in found.report()
+
+
 #: a broken variant by name, for ``kvfsm explore --machine tests.test_explore:...``
 PUBLISH_BEFORE_RELEASE = BROKEN["publish_before_release"][0]

@@ -23,6 +23,7 @@ A violating path prints as a fault spec (``mode=1;check_xfer_state:raise@1,...``
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -64,6 +65,7 @@ class Invariant(enum.Enum):
     OUTCOME = "a job published a result other than its transfer's outcome"
     NO_MISUSE = "the agent saw a call that would crash real NIXL"
     NO_ESCAPE = "an exception escaped the tier"
+    PINS = "a primary block was left pinned or half-written (with the parent)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,17 +289,7 @@ def _run(path: Path, machine: Declaration[TransferState, Answer],
         if not tier.has_pending_work():
             break
         collect()
-    for job_id, seen in agent.jobs.items():
-        if not seen.results:
-            violations.append(Violation(Invariant.LIVENESS, job_id,
-                                        f"still {_state(tier, job_id)} after {max_polls} polls"))
-        elif seen.xfer is not None and not seen.released:
-            violations.append(Violation(Invariant.HANDLE_LEAK, job_id,
-                                        "published, and its transfer handle is still held"))
-    if not tier.has_pending_work():
-        tier.shutdown(timeout=0)
-    for misuse in agent.misuses:
-        violations.append(Violation(Invariant.NO_MISUSE, None, misuse))
+    _check_end(agent, tier, max_polls, busy=tier.has_pending_work())
     return list(agent.calls), violations, tier
 
 
@@ -327,10 +319,107 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
 
 
 class _NoProbes:
-    """The explorer's scenario never looks blocks up."""
+    """Lookups the tier has no answer for say MISS at once (no thread timing on any path)."""
 
-    def query_memory(self, *args: Any, **kwargs: Any) -> list[None]:
-        return []
+    def query_memory(self, reg_list: Sequence[Any], *args: Any) -> list[None]:
+        return [None] * len(reg_list)
+
+
+def _run_with_parent(path: Path, machine: Declaration[TransferState, Answer],
+                     max_polls: int) -> tuple[list[str], list[Violation], SecondaryTier]:
+    """The scenario through the parent: a CPU primary tier whose blocks the stores pin.
+
+    Two stores cascade three ready blocks; once the first is finalized, block "a" is freed and
+    loaded back while the other store may still run. At the end every pin must be 0 and no
+    block half-written, besides the invariants of the tier's own scenario.
+    """
+    from kvfsm.tiering import BookkeepingError, CPUPrimaryTier, TieringManager  # noqa: PLC0415
+
+    agent = _WatchedAgent(path.polls)
+    for choice in path.choices:
+        agent.inject(choice.call, choice.fault, at=choice.occurrence)
+    primary = CPUPrimaryTier(4, 8, torch.float32)
+    tier = _WatchedTier(primary.cache, agent=agent, machine=machine, probe_agent=_NoProbes())
+    violations = agent.violations
+    manager = TieringManager(primary, [tier])
+    blocks = primary.allocate(["a", "b", "c"])
+    primary.complete_write(blocks, True)
+
+    def step() -> None:
+        try:
+            manager.step()
+        except BookkeepingError as error:
+            violations.append(Violation(Invariant.ONE_RESULT, None, str(error)))
+        except Exception as error:
+            violations.append(Violation(Invariant.NO_ESCAPE, None, f"step raised {error!r}"))
+
+    try:
+        first = manager.store(blocks[:2])
+        manager.store(blocks[2:])
+        for _ in range(max_polls):
+            step()
+            if not any(s.job_id in first for s in manager.outstanding()):
+                break
+        if primary.pin_count(blocks[0]) == 0:
+            primary.free([blocks[0]])
+            manager.load(["a"])
+        for _ in range(max_polls):
+            if not manager.has_pending_work():
+                break
+            step()
+    except Exception as error:
+        violations.append(Violation(Invariant.NO_ESCAPE, None, f"the parent raised {error!r}"))
+    for block in range(primary.num_blocks):
+        if primary.key_of(block) is not None and primary.pin_count(block) != 0:
+            violations.append(Violation(Invariant.PINS, None,
+                                        f"block {block} has count {primary.pin_count(block)}"))
+    _check_end(agent, tier, max_polls, busy=manager.has_pending_work())
+    return list(agent.calls), violations, tier
+
+
+class _WatchedTier(ObjectStoreTier):
+    """The object-store tier, telling the watched agent which job each submit is for, and
+    checking every result it hands to the parent."""
+
+    agent: _WatchedAgent
+
+    def submit_store(self, job: TransferJob) -> None:
+        with self._for(job):
+            super().submit_store(job)
+
+    def submit_load(self, job: TransferJob) -> None:
+        with self._for(job):
+            super().submit_load(job)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        results = super().get_finished_jobs()
+        for result in results:
+            _published(self.agent, result, self.agent.violations)
+        return results
+
+    @contextlib.contextmanager
+    def _for(self, job: TransferJob) -> Iterator[None]:
+        self.agent.jobs[job.job_id], self.agent.current = _Job(), job.job_id
+        try:
+            yield
+        finally:
+            self.agent.current = None
+
+
+def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
+               busy: bool) -> None:
+    """After the scenario: liveness, held handles, misuse; shut the tier down when idle."""
+    violations = agent.violations
+    for job_id, seen in agent.jobs.items():
+        if not seen.results:
+            violations.append(Violation(Invariant.LIVENESS, job_id,
+                                        f"still {_state(tier, job_id)} after {max_polls} polls"))
+        elif seen.xfer is not None and not seen.released:
+            violations.append(Violation(Invariant.HANDLE_LEAK, job_id,
+                                        "published, and its transfer handle is still held"))
+    if not busy:
+        tier.shutdown(timeout=0)
+    violations += [Violation(Invariant.NO_MISUSE, None, misuse) for misuse in agent.misuses]
 
 
 #: building the tier registers and preps the primary cache; no fault goes into those two calls
@@ -378,6 +467,7 @@ class Exploration:
 def explore(
     machine: Declaration[TransferState, Answer] = TRANSFER_MACHINE,
     *,
+    parent: bool = False,
     max_faults: int = 2,
     max_stall: int = 2,
     max_calls: int = 80,
@@ -388,6 +478,8 @@ def explore(
 
     Args:
         machine: the lifecycle under test.
+        parent: run the scenario through :class:`kvfsm.tiering.TieringManager` and its CPU
+            primary tier, and check that every pin returns to 0.
         max_faults: the most faults on one path (a "PROC for k polls" counts as one).
         max_stall: the most extra "PROC" answers one stall fault adds.
         max_calls: calls past this position in a run get no faults (bounds the depth).
@@ -402,7 +494,8 @@ def explore(
         for depth in range(max_faults + 1):
             children: list[tuple[Path, int]] = []
             for path, last in level:
-                calls, violations, _ = _run(path, machine, max_polls)
+                calls, violations, _ = (_run_with_parent if parent else _run)(
+                    path, machine, max_polls)
                 found.paths += 1
                 found.calls += len(calls)
                 if violations and found.counterexample is None:
@@ -446,9 +539,10 @@ def parse_path(text: str) -> Path:
 
 
 def replay(path: Path, machine: Declaration[TransferState, Answer] = TRANSFER_MACHINE,
-           max_polls: int = 40) -> tuple[list[str], list[Violation], dict[str, int]]:
+           max_polls: int = 40, *, parent: bool = False,
+           ) -> tuple[list[str], list[Violation], dict[str, int]]:
     """Run one path again: the calls made, the violations, and the transitions taken."""
-    calls, violations, tier = _run(path, machine, max_polls)
+    calls, violations, tier = (_run_with_parent if parent else _run)(path, machine, max_polls)
     taken = {f"{e.source} -{e.event}[{e.guard_label}]-> {e.dest}": n
              for e, n in tier.driver.machine.transition_counts().items() if n}
     return calls, violations, taken
@@ -464,6 +558,9 @@ def add_arguments(parser: Any) -> None:
                         help="the most faults on one path (2)")
     parser.add_argument("--max-stall", type=int, default=2,
                         help="the most extra PROC answers one stall adds (2)")
+    parser.add_argument("--parent", action="store_true",
+                        help="run the scenario through the tiering manager and its CPU primary "
+                             "tier, and check that every pin returns to 0")
     parser.add_argument("--all", action="store_true",
                         help="go on past the first violation, counting every path")
     parser.add_argument("--replay", metavar="PATH",
@@ -479,7 +576,7 @@ def run(args: Any) -> int:
         raise ValueError("--max-faults must be at least 0 and --max-stall at least 1")
     if args.replay:
         path = parse_path(args.replay)
-        calls, violations, taken = replay(path, machine)
+        calls, violations, taken = replay(path, machine, parent=args.parent)
         print(f"path {path}: {len(calls)} NIXL calls")
         print("  calls: " + " ".join(calls))
         print("  transitions taken:")
@@ -489,8 +586,9 @@ def run(args: Any) -> int:
             print(f"  {violation}")
         print("0 violations" if not violations else f"{len(violations)} violation(s)")
         return 1 if violations else 0
-    found = explore(machine, max_faults=args.max_faults, max_stall=args.max_stall,
-                    stop_at_first=not args.all)
-    print(f"kvfsm explore: machine {machine.name}, up to {args.max_faults} fault(s) a path")
+    found = explore(machine, parent=args.parent, max_faults=args.max_faults,
+                    max_stall=args.max_stall, stop_at_first=not args.all)
+    print(f"kvfsm explore: machine {machine.name}, up to {args.max_faults} fault(s) a path"
+          + (", through the tiering manager" if args.parent else ""))
     print(found.report())
     return 0 if found.ok else 1
