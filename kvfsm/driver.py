@@ -14,17 +14,21 @@ opening or committing is that call's error, and an error while closing is a leak
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
 from kvfsm.engine import CompiledMachine
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
+from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import Leak, Transfer
 
 __all__ = ["RemoteSide", "TransferDriver"]
 
 _STATUS = {"PROC": Answer.PROC, "DONE": Answer.DONE}
+_FINAL = frozenset({TransferState.PUBLISHED, TransferState.QUARANTINED})
+_RUNNING = frozenset({TransferState.PROCESSING, TransferState.CANCELLING})
 logger = logging.getLogger("kvfsm")
 
 
@@ -63,9 +67,11 @@ class TransferDriver:
         agent: NixlAgent,
         remote: RemoteSide,
         machine: CompiledMachine[TransferState, Answer] | None = None,
+        policy: RetryPolicy | None = None,
     ) -> None:
         self.agent = agent
         self.remote = remote
+        self.policy = policy if policy is not None else RetryPolicy()
         self.machine = machine if machine is not None else TRANSFER_MACHINE.compile()
         self._calls: dict[TransferState, Callable[[Transfer], None]] = {
             TransferState.PROCESSING: self.poll,
@@ -73,6 +79,7 @@ class TransferDriver:
             TransferState.FAILED: self.release,
             TransferState.XFER_RELEASED: self.clean,
             TransferState.CLEANED: self.publish,
+            TransferState.CANCELLING: self.poll,
         }
 
     def post(self, transfer: Transfer, local: Any, local_indices: Sequence[int]) -> None:
@@ -131,10 +138,23 @@ class TransferDriver:
     def release(self, transfer: Transfer) -> None:
         """Release the transfer handle (a transfer that never got one has nothing to release)."""
         if transfer.xfer is not None:
+            if transfer.retry_at and time.monotonic() < transfer.retry_at:
+                return  # backing off: no call this poll
             try:
                 self.agent.release_xfer_handle(transfer.xfer)
-            except Exception as error:  # stay and retry on the next poll (F1)
+            except Exception as error:  # stay and retry on the next poll (F1), within bounds
+                now = time.monotonic()
+                failures = transfer.retries + 1
+                if self.policy.spent(failures, transfer.finished_at, now):
+                    self.machine.fire(transfer, TransferEvent.RELEASE, Answer.EXHAUSTED, error)
+                    logger.error("job %d quarantined after %d failed release(s): %s",
+                                 transfer.job_id, failures, transfer.error,
+                                 extra={"kvfsm_job_id": transfer.job_id,
+                                        "kvfsm_state": transfer.state.name,
+                                        "kvfsm_nixl_error": transfer.error})
+                    return
                 self.machine.fire(transfer, TransferEvent.RELEASE, Answer.RAISED, error)
+                transfer.retry_at = self.policy.next_attempt(failures, now)
                 retries = transfer.retries
                 if retries & (retries - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every poll
                     logger.warning("job %d: release_xfer_handle raised (retry %d): %s",
@@ -172,11 +192,25 @@ class TransferDriver:
         """Hand the result out: the last step, taken once."""
         self.machine.fire(transfer, TransferEvent.PUBLISH, Answer.OK)
 
+    def cancel(self, transfer: Transfer) -> None:
+        """The caller cancelled the job; the machine says what that means in its state."""
+        self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK)
+
+    def give_up(self, transfer: Transfer, why: str) -> None:
+        """The retry policy's bound is spent for a transfer still waiting on NIXL: fire the
+        call it waits on with EXHAUSTED (a release, or a poll of a transfer still running)."""
+        was = transfer.state
+        event = (TransferEvent.POLL if was in _RUNNING else TransferEvent.RELEASE)
+        self.machine.fire(transfer, event, Answer.EXHAUSTED, why)
+        logger.error("job %d quarantined in %s: %s", transfer.job_id, was.name, why,
+                     extra={"kvfsm_job_id": transfer.job_id, "kvfsm_state": transfer.state.name,
+                            "kvfsm_nixl_error": transfer.error})
+
     def advance(self, transfer: Transfer) -> bool:
         """Make calls for ``transfer`` until it waits on NIXL or is published.
 
         Returns:
-            True when the transfer reached PUBLISHED in this call.
+            True when the transfer reached a final state (PUBLISHED, QUARANTINED) in this call.
         """
         calls = self._calls
         while True:
@@ -185,7 +219,7 @@ class TransferDriver:
             if call is None:  # SUBMITTED waits on post(); PUBLISHED has nothing left
                 return False
             call(transfer)
-            if transfer.state is TransferState.PUBLISHED:
+            if transfer.state in _FINAL:
                 return True
             if transfer.state is before:  # still running, or a release to retry next poll
                 return False

@@ -345,6 +345,7 @@ class CompiledMachine(Generic[S, A]):
 
     def _refusal(self, state: S, event: str, answer: Any) -> InvalidTransition:
         """Say precisely why ``event`` with ``answer`` cannot be fired in ``state``."""
+        event = str(event)  # a StrEnum member reads as its trigger name
         declared = self.declaration.answers.get(event)
         if declared is None:
             reason = f"there is no event {event!r}"

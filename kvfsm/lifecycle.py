@@ -13,6 +13,9 @@ So a transfer moves through seven states, and only forward::
 
     SUBMITTED -> PROCESSING -> DONE | FAILED -> XFER_RELEASED -> CLEANED -> PUBLISHED
 
+with two side states: CANCELLING (cancelled while running, waiting for NIXL) and QUARANTINED
+(a retry bound spent: handles held for good, a failure handed out).
+
 Every event is one NIXL call, and carries what NIXL answered (an :class:`Answer`). The driver
 (:mod:`kvfsm.driver`) makes the call and fires the event; this table alone decides what follows:
 
@@ -29,7 +32,13 @@ Every event is one NIXL call, and carries what NIXL answered (an :class:`Answer`
   recorded as leaks and never hold the transfer back (F7). It is only declared from
   XFER_RELEASED, so descriptors are never torn down under a live transfer (F8).
 * ``publish``: CLEANED -> PUBLISHED, entered exactly once; the transfer leaves the tier's table
-  only here, and its one result is handed out (F6).
+  only here or in QUARANTINED, and its one result is handed out (F6).
+* ``cancel``: from PROCESSING, CANCELLING latches failure; it still waits for ``poll`` to answer
+  DONE or an error before FAILED lets the handle go (F10). A transfer already over keeps its
+  outcome.
+* ``EXHAUSTED`` (the tier's :class:`~kvfsm.policy.RetryPolicy` says a bound is spent) moves a
+  release that keeps raising, or a transfer still running at the shutdown deadline, to
+  QUARANTINED: its handles are never released, and its result is a failure (F9).
 
 Any (state, event) pair not in the table raises :class:`kvfsm.engine.InvalidTransition` naming
 both, and leaves the transfer unchanged. The table is declared with ``transitions`` and compiled
@@ -71,6 +80,12 @@ class TransferState(enum.Enum):
     CLEANED = "cleaned"
     #: the one result was handed out; the transfer left the table
     PUBLISHED = "published"
+    #: cancelled while NIXL may still run it: the outcome is failure, the handles wait for
+    #: NIXL to answer DONE or an error before they may be released
+    CANCELLING = "cancelling"
+    #: past its retry bound: its handles are held for good (never released while the transfer
+    #: may run), and its one result, a failure, was handed out
+    QUARANTINED = "quarantined"
 
 
 class TransferEvent(enum.StrEnum):
@@ -86,6 +101,8 @@ class TransferEvent(enum.StrEnum):
     CLEAN = "clean"
     #: hand the result to the tier's caller
     PUBLISH = "publish"
+    #: the tier's caller cancelled the job (cancel() or shutdown())
+    CANCEL = "cancel"
 
 
 class Answer(enum.Enum):
@@ -103,6 +120,9 @@ class Answer(enum.Enum):
     OK = "OK"
     #: a best-effort cleanup call raised; its resources may have leaked
     LEAKED = "LEAKED"
+    #: the retry policy's bound is spent: a release that raised once too often, or a
+    #: transfer still running at its deadline
+    EXHAUSTED = "EXHAUSTED"
 
 
 class OutcomeAlreadyLatched(RuntimeError):
@@ -115,10 +135,11 @@ E = TransferEvent
 #: what each event can carry
 ANSWERS: dict[str, tuple[Answer, ...]] = {
     E.POST: (Answer.PROC, Answer.DONE, Answer.ERR, Answer.RAISED),
-    E.POLL: (Answer.PROC, Answer.DONE, Answer.ERR, Answer.RAISED),
-    E.RELEASE: (Answer.OK, Answer.RAISED),
+    E.POLL: (Answer.PROC, Answer.DONE, Answer.ERR, Answer.RAISED, Answer.EXHAUSTED),
+    E.RELEASE: (Answer.OK, Answer.RAISED, Answer.EXHAUSTED),
     E.CLEAN: (Answer.OK, Answer.LEAKED),
     E.PUBLISH: (Answer.OK,),
+    E.CANCEL: (Answer.OK,),
 }
 
 #: named guards: the answers each accepts
@@ -130,6 +151,7 @@ GUARDS: dict[str, tuple[Answer, ...]] = {
     "release_raised": (Answer.RAISED,),
     "cleaned": (Answer.OK,),
     "leaked": (Answer.LEAKED,),
+    "exhausted": (Answer.EXHAUSTED,),
 }
 
 
@@ -163,11 +185,33 @@ def record_leaks(transfer: Any, answer: Answer, detail: Any) -> None:
     transfer.leaks = tuple(detail or ())
 
 
+def latch_cancelled(transfer: Any, answer: Answer, detail: Any) -> None:
+    """Latch the outcome of a transfer cancelled while running: failure."""
+    latch_failure(transfer, answer, detail or "cancelled")
+
+
+def note_error(transfer: Any, answer: Answer, detail: Any) -> None:
+    """Keep NIXL's error of a transfer whose outcome is already latched."""
+    if detail is not None:
+        transfer.error = _describe(answer, detail)
+
+
+def quarantine(transfer: Any, answer: Answer, detail: Any) -> None:
+    """Hold the transfer's handles for good; its result will be a failure."""
+    if transfer.success is None:
+        transfer.success = False
+        transfer.finished_at = time.monotonic()
+    transfer.error = _describe(answer, detail or "retry bound spent")
+
+
 ACTIONS = {
     "latch_success": latch_success,
     "latch_failure": latch_failure,
+    "latch_cancelled": latch_cancelled,
     "count_retry": count_retry,
     "record_leaks": record_leaks,
+    "note_error": note_error,
+    "quarantine": quarantine,
 }
 
 #: The table, grouped by source state; edges of one (state, event) are tried in this order.
@@ -184,14 +228,32 @@ TRANSITIONS: list[dict[str, Any]] = [
      "after": "latch_success"},
     {"trigger": E.POLL, "source": S.PROCESSING, "dest": S.FAILED, "conditions": "errored",
      "after": "latch_failure"},
+    {"trigger": E.POLL, "source": S.PROCESSING, "dest": S.QUARANTINED, "conditions": "exhausted",
+     "after": "quarantine"},
+    {"trigger": E.CANCEL, "source": S.PROCESSING, "dest": S.CANCELLING,
+     "after": "latch_cancelled"},
+    # CANCELLING: cancelled while running; NIXL must still say the transfer is over
+    {"trigger": E.POLL, "source": S.CANCELLING, "dest": S.CANCELLING, "conditions": "running"},
+    {"trigger": E.POLL, "source": S.CANCELLING, "dest": S.FAILED, "conditions": "finished"},
+    {"trigger": E.POLL, "source": S.CANCELLING, "dest": S.FAILED, "conditions": "errored",
+     "after": "note_error"},
+    {"trigger": E.POLL, "source": S.CANCELLING, "dest": S.QUARANTINED,
+     "conditions": "exhausted", "after": "quarantine"},
+    {"trigger": E.CANCEL, "source": S.CANCELLING, "dest": S.CANCELLING},
     # DONE: release_xfer_handle answered
     {"trigger": E.RELEASE, "source": S.DONE, "dest": S.XFER_RELEASED, "conditions": "released"},
     {"trigger": E.RELEASE, "source": S.DONE, "dest": S.DONE, "conditions": "release_raised",
      "after": "count_retry"},
+    {"trigger": E.RELEASE, "source": S.DONE, "dest": S.QUARANTINED, "conditions": "exhausted",
+     "after": "quarantine"},
+    {"trigger": E.CANCEL, "source": S.DONE, "dest": S.DONE},
     # FAILED: release_xfer_handle answered
     {"trigger": E.RELEASE, "source": S.FAILED, "dest": S.XFER_RELEASED, "conditions": "released"},
     {"trigger": E.RELEASE, "source": S.FAILED, "dest": S.FAILED, "conditions": "release_raised",
      "after": "count_retry"},
+    {"trigger": E.RELEASE, "source": S.FAILED, "dest": S.QUARANTINED, "conditions": "exhausted",
+     "after": "quarantine"},
+    {"trigger": E.CANCEL, "source": S.FAILED, "dest": S.FAILED},
     # XFER_RELEASED: release_dlist_handle and deregister_memory answered
     {"trigger": E.CLEAN, "source": S.XFER_RELEASED, "dest": S.CLEANED, "conditions": "cleaned"},
     {"trigger": E.CLEAN, "source": S.XFER_RELEASED, "dest": S.CLEANED, "conditions": "leaked",
@@ -209,8 +271,8 @@ TRANSFER_MACHINE: Declaration[TransferState, Answer] = Declaration(
     guards=GUARDS,
     actions=ACTIONS,
     transitions=TRANSITIONS,
-    final=(TransferState.PUBLISHED,),
-    failure_states=(TransferState.FAILED,),
+    final=(TransferState.PUBLISHED, TransferState.QUARANTINED),
+    failure_states=(TransferState.FAILED, TransferState.CANCELLING, TransferState.QUARANTINED),
 )
 
 

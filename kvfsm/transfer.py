@@ -64,6 +64,7 @@ class Transfer:
         "opened",
         "remote",
         "retries",
+        "retry_at",
         "started_at",
         "state",
         "success",
@@ -81,6 +82,8 @@ class Transfer:
         self.success: bool | None = None
         #: how many times releasing the transfer handle raised and was retried
         self.retries = 0
+        #: monotonic time before which a failed release is not retried (0: at once)
+        self.retry_at = 0.0
         #: the last NIXL error this transfer saw, as text
         self.error: str | None = None
         self.leaks: tuple[Leak, ...] = ()
@@ -101,8 +104,9 @@ class Transfer:
         return self.job.job_id
 
     def result(self) -> JobResult:
-        """The job's result; only meaningful once the outcome is latched."""
-        success = bool(self.success)
+        """The job's result; only meaningful once the outcome is latched. A quarantined
+        transfer's result is a failure, whatever NIXL answered."""
+        success = bool(self.success) and self.state is not TransferState.QUARANTINED
         return JobResult(
             job_id=self.job.job_id,
             success=success,

@@ -30,6 +30,18 @@ EXPECTED: dict[tuple[TransferState, TransferEvent, Answer], TransferState] = {
     (S.PROCESSING, E.POLL, A.DONE): S.DONE,
     (S.PROCESSING, E.POLL, A.ERR): S.FAILED,
     (S.PROCESSING, E.POLL, A.RAISED): S.FAILED,
+    (S.PROCESSING, E.POLL, A.EXHAUSTED): S.QUARANTINED,
+    (S.PROCESSING, E.CANCEL, A.OK): S.CANCELLING,
+    (S.CANCELLING, E.POLL, A.PROC): S.CANCELLING,
+    (S.CANCELLING, E.POLL, A.DONE): S.FAILED,
+    (S.CANCELLING, E.POLL, A.ERR): S.FAILED,
+    (S.CANCELLING, E.POLL, A.RAISED): S.FAILED,
+    (S.CANCELLING, E.POLL, A.EXHAUSTED): S.QUARANTINED,
+    (S.CANCELLING, E.CANCEL, A.OK): S.CANCELLING,
+    (S.DONE, E.RELEASE, A.EXHAUSTED): S.QUARANTINED,
+    (S.DONE, E.CANCEL, A.OK): S.DONE,
+    (S.FAILED, E.RELEASE, A.EXHAUSTED): S.QUARANTINED,
+    (S.FAILED, E.CANCEL, A.OK): S.FAILED,
     (S.DONE, E.RELEASE, A.OK): S.XFER_RELEASED,
     (S.DONE, E.RELEASE, A.RAISED): S.DONE,
     (S.FAILED, E.RELEASE, A.OK): S.XFER_RELEASED,
@@ -48,7 +60,8 @@ def transfer_in(state: TransferState) -> Transfer:
 
 def test_the_states_are_exactly_the_lifecycle() -> None:
     assert [s.name for s in TransferState] == [
-        "SUBMITTED", "PROCESSING", "DONE", "FAILED", "XFER_RELEASED", "CLEANED", "PUBLISHED"]
+        "SUBMITTED", "PROCESSING", "DONE", "FAILED", "XFER_RELEASED", "CLEANED", "PUBLISHED",
+        "CANCELLING", "QUARANTINED"]
 
 
 @pytest.mark.parametrize(("state", "event", "answer"), [
@@ -96,9 +109,10 @@ def test_published_is_reachable_only_through_xfer_released() -> None:
 
 
 def test_every_state_reaches_published() -> None:
-    """No dead end: from every state some answers lead to the one result (F5, F6)."""
+    """No dead end: from every state but the other final one, QUARANTINED, some answers lead
+    to PUBLISHED (F5, F6)."""
     edges = {(step.source, step.dest) for step in TRANSFER_MACHINE.compile().steps()}
-    for start in TransferState:
+    for start in set(TransferState) - {S.QUARANTINED}:
         reachable, frontier = {start}, [start]
         while frontier:
             here = frontier.pop()
@@ -109,10 +123,34 @@ def test_every_state_reaches_published() -> None:
         assert S.PUBLISHED in reachable, start
 
 
-def test_published_is_terminal() -> None:
+def test_published_and_quarantined_are_terminal() -> None:
     machine = TRANSFER_MACHINE.compile()
     assert S.PUBLISHED not in machine.table
-    assert TRANSFER_MACHINE.final == {S.PUBLISHED}
+    assert S.QUARANTINED not in machine.table
+    assert TRANSFER_MACHINE.final == {S.PUBLISHED, S.QUARANTINED}
+
+
+def test_a_cancelled_transfer_fails_and_still_waits_for_nixl_before_release() -> None:
+    """F10 and the crash class: cancel latches failure, but only NIXL ends the transfer."""
+    machine = TRANSFER_MACHINE.compile()
+    transfer = transfer_in(S.PROCESSING)
+    machine.fire(transfer, E.CANCEL, A.OK)
+    assert (transfer.state, transfer.success, transfer.error) == (S.CANCELLING, False, "cancelled")
+    with pytest.raises(InvalidTransition, match="'release' is not declared in state CANCELLING"):
+        machine.fire(transfer, E.RELEASE, A.OK)
+    machine.fire(transfer, E.POLL, A.PROC)
+    machine.fire(transfer, E.POLL, A.DONE)
+    assert (transfer.state, transfer.success) == (S.FAILED, False), "DONE after cancel: failure"
+
+
+def test_quarantine_keeps_a_finished_outcome_but_publishes_failure() -> None:
+    machine = TRANSFER_MACHINE.compile()
+    transfer = transfer_in(S.PROCESSING)
+    machine.fire(transfer, E.POLL, A.DONE)
+    machine.fire(transfer, E.RELEASE, A.EXHAUSTED, RuntimeError("NIXL_ERR_BACKEND"))
+    assert transfer.state is S.QUARANTINED
+    assert transfer.success is True, "the latched outcome is never recomputed (F3)"
+    assert transfer.result().success is False, "but a quarantined job publishes failure"
 
 
 def test_the_outcome_latches_once_and_release_retries_do_not_touch_it() -> None:

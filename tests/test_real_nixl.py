@@ -186,8 +186,11 @@ def test_a_process_that_used_real_nixl_exits_cleanly(s3_server: S3Server, tmp_pa
                              access_key="kvfsm-access", secret_key="kvfsm-secret")
         for tier in (ObjectStoreTier(cache, store=config), FileTier(cache, {str(tmp_path)!r})):
             tier.submit_store(TransferJob(1, ["a", "b"], [0, 1]))
+            tier.drain_jobs(timeout=60)
+            tier.submit_store(TransferJob(2, ["c"], [2]))  # still running at shutdown
             tier.shutdown(timeout=60)
-            assert [r.success for r in tier.get_finished_jobs()] == [True]
+            results = {{r.job_id: r.success for r in tier.get_finished_jobs()}}
+            assert results == {{1: True, 2: False}}, results
         print("clean")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

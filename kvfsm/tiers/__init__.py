@@ -1,6 +1,13 @@
 """Secondary tiers with the offload-manager contract, built on the transfer lifecycle."""
 
-from kvfsm.tiers.base import DrainTimeout, InvalidJobError, Lookup, SecondaryTier, TierClosedError
+from kvfsm.tiers.base import (
+    DrainTimeout,
+    InvalidJobError,
+    Lookup,
+    SecondaryTier,
+    TierClosedError,
+    UnknownJobError,
+)
 from kvfsm.tiers.file import FileTier
 from kvfsm.tiers.object_store import ObjectStoreTier
 
@@ -12,4 +19,5 @@ __all__ = [
     "ObjectStoreTier",
     "SecondaryTier",
     "TierClosedError",
+    "UnknownJobError",
 ]

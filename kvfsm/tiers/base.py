@@ -27,6 +27,7 @@ from kvfsm.agent import LOCAL_AGENT, NixlAgent
 from kvfsm.driver import RemoteSide, TransferDriver
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
+from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "Lookup",
     "SecondaryTier",
     "TierClosedError",
+    "UnknownJobError",
     "key_text",
 ]
 
@@ -52,6 +54,10 @@ class Lookup(enum.Enum):
 
 class InvalidJobError(ValueError):
     """A submitted job was malformed; nothing was registered and no result will be published."""
+
+
+class UnknownJobError(ValueError):
+    """No unpublished job has that id."""
 
 
 class TierClosedError(RuntimeError):
@@ -79,19 +85,27 @@ class SecondaryTier:
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls while transfers run.
         machine: the lifecycle to run, by default :data:`~kvfsm.lifecycle.TRANSFER_MACHINE`
             (the explorer's tests run deliberately broken variants through the same tier).
+        policy: bounds on retrying failed releases and waiting for running transfers
+            (:class:`~kvfsm.policy.RetryPolicy`; by default a release is retried for 60 s).
     """
 
     def __init__(self, primary: torch.Tensor, *, agent: NixlAgent, remote: RemoteSide,
                  poll_interval: float = 0.0005,
-                 machine: Declaration[TransferState, Answer] | None = None) -> None:
+                 machine: Declaration[TransferState, Answer] | None = None,
+                 policy: RetryPolicy | None = None) -> None:
         _check_primary(primary)
         self.primary = primary
         self.agent = agent
         self.num_blocks = int(primary.shape[0])
         self.block_bytes = int(primary[0].nbytes)
         self.poll_interval = poll_interval
+        self.policy = policy if policy is not None else RetryPolicy()
         self.driver = TransferDriver(agent, remote,
-                                     (machine or TRANSFER_MACHINE).compile(trace=True))
+                                     (machine or TRANSFER_MACHINE).compile(trace=True),
+                                     self.policy)
+        #: transfers quarantined (handles held for good); ids of those that may still run
+        self._quarantine: list[Transfer] = []
+        self._may_run: set[int] = set()
         step = self.driver.machine.table.get(TransferState.PROCESSING, {}).get(
             TransferEvent.POLL, {}).get(Answer.PROC)
         self._proc_stay = step if step is not None and step.is_stay else None
@@ -163,24 +177,52 @@ class SecondaryTier:
         """True while a transfer is unpublished or a result is not yet handed out."""
         return bool(self._transfers) or bool(self._results)
 
-    def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Finish every transfer, then release the primary registration. Idempotent.
-
-        Unfinished transfers are polled to their end (never released while running); their
-        results stay available from :meth:`get_finished_jobs`.
+    def cancel(self, job_id: int) -> None:
+        """Cancel a job: it publishes a failure. A transfer NIXL still runs is waited for (to
+        DONE or its error, in CANCELLING) before its handles are released; one that already
+        ended keeps its outcome (it is never recomputed, F3) and is released as usual.
 
         Raises:
-            DrainTimeout: transfers were still running at the deadline; nothing was released
-                and the tier stays open, so shutdown can be called again.
+            UnknownJobError: no unpublished job has that id; nothing changed.
+        """
+        with self._lock:
+            transfer = self._transfers.get(job_id)
+            if transfer is None:
+                raise UnknownJobError(f"job {job_id} is not in flight on this tier "
+                                      "(never submitted, or already published)")
+            self.driver.cancel(transfer)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Cancel every unfinished job, wait for NIXL, release everything. Idempotent.
+
+        Every unfinished job publishes exactly one failure (F10), available from
+        :meth:`get_finished_jobs` afterwards; a job whose transfer had already ended keeps its
+        outcome. Transfers NIXL still runs are waited for up to ``timeout`` seconds (None: as
+        long as it takes), never released while running. At the deadline, what is left (a
+        transfer still running, a release still failing) is quarantined: it publishes its
+        failure and its handles stay held, and so does the primary cache's registration they
+        refer to, so NIXL never loses memory a handle may still use.
         """
         with self._lock:
             if self._closed:
                 return
-            self.drain_jobs(timeout)
+            for transfer in self.unpublished():
+                self.driver.cancel(transfer)
+            try:
+                self.drain_jobs(timeout)
+            except DrainTimeout:
+                for transfer in self.unpublished():
+                    self._give_up(transfer, "shutdown deadline passed")
             self._close()
 
     def _close(self) -> None:
         self._stop_probes()
+        self._closed = True
+        if self._quarantine:  # their handles still refer to the primary cache's registration
+            logger.error("shutdown: %d quarantined transfer(s) hold their handles (%d may still "
+                         "run); the primary cache stays registered", len(self._quarantine),
+                         len(self._may_run))
+            return
         # nothing runs any more: release the primary cache's handles, best effort
         for call, handle in (("release_dlist_handle", self._local),
                              ("deregister_memory", self._dram)):
@@ -188,7 +230,6 @@ class SecondaryTier:
                 getattr(self.agent, call)(handle)
             except Exception as error:
                 self._leaks.append((-1, Leak(call, f"{type(error).__name__}: {error}")))
-        self._closed = True
 
     def lookup(self, key: bytes | str) -> Lookup:
         """HIT, MISS, or RETRY while the answer is being found out; never blocks on I/O.
@@ -228,6 +269,8 @@ class SecondaryTier:
                 "retries": self._retries + sum(t.retries for t in self._transfers.values()),
                 "leaks": len(self._leaks),
                 "leaked": list(self._leaks),
+                "quarantined": len(self._quarantine),
+                "quarantined_running": len(self._may_run),
                 "latency": {name: latencies[min(len(latencies) - 1, int(q * len(latencies)))]
                             for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
                 if latencies else {},
@@ -321,31 +364,44 @@ class SecondaryTier:
                                   f"of range [0, {self.num_blocks})")
         return value
 
+    def _give_up(self, transfer: Transfer, why: str) -> None:
+        if transfer.state in (TransferState.PROCESSING, TransferState.CANCELLING):
+            self._may_run.add(transfer.job_id)
+        self.driver.give_up(transfer, why)
+        self._finish(transfer)
+
     def _advance(self, transfer: Transfer) -> None:
         if self.driver.advance(transfer):
-            del self._transfers[transfer.job_id]
-            self._results.append(transfer.result())
-            self._unreported.add(transfer.job_id)
-            self._published += 1
-            self._latencies.append(transfer.finished_at - transfer.started_at)
-            if not transfer.success:
-                self._failed += 1
-                _log_failure(transfer)
-            for leak in transfer.leaks:
-                logger.warning("job %d leaked: %s raised %s", transfer.job_id, leak.call,
-                               leak.error, extra=_fields(transfer, leak.error))
-            for listener in self.on_published:
-                listener(transfer)
-            self._retries += transfer.retries
-            self._leaks.extend((transfer.job_id, leak) for leak in transfer.leaks)
-            job = transfer.job
-            if transfer.success or job.is_promotion:
-                # a finished store or load shows the blocks are there; a failed load that
-                # they are not, so they are not loaded again and again (F11)
-                verdict = Lookup.HIT if transfer.success else Lookup.MISS
-                known = self._known
-                for key in job.keys:
-                    known[self.remote_name(key)] = verdict
+            self._finish(transfer)
+
+    def _finish(self, transfer: Transfer) -> None:
+        """A transfer reached a final state: hand its one result out."""
+        del self._transfers[transfer.job_id]
+        result = transfer.result()
+        self._results.append(result)
+        self._unreported.add(transfer.job_id)
+        self._published += 1
+        self._latencies.append(transfer.finished_at - transfer.started_at)
+        if not result.success:
+            self._failed += 1
+            _log_failure(transfer)
+        for leak in transfer.leaks:
+            logger.warning("job %d leaked: %s raised %s", transfer.job_id, leak.call,
+                           leak.error, extra=_fields(transfer, leak.error))
+        for listener in self.on_published:
+            listener(transfer)
+        self._retries += transfer.retries
+        self._leaks.extend((transfer.job_id, leak) for leak in transfer.leaks)
+        if transfer.state is TransferState.QUARANTINED:
+            self._quarantine.append(transfer)
+        job = transfer.job
+        if transfer.success or job.is_promotion:
+            # a finished store or load shows the blocks are there; a failed load that
+            # they are not, so they are not loaded again and again (F11)
+            verdict = Lookup.HIT if transfer.success else Lookup.MISS
+            known = self._known
+            for key in job.keys:
+                known[self.remote_name(key)] = verdict
 
     def _poll(self) -> None:
         """Advance every unpublished transfer once.
@@ -359,6 +415,8 @@ class SecondaryTier:
         check = self.agent.check_xfer_state
         processing = TransferState.PROCESSING
         stay = self._proc_stay
+        limit = self.policy.max_running_seconds
+        started_after = -1.0 if limit is None else time.monotonic() - limit
         stays = 0
         others: list[tuple[Transfer, str | Exception | None]] = []
         for transfer in self._transfers.values():
@@ -367,7 +425,7 @@ class SecondaryTier:
                     status: str | Exception = check(transfer.xfer)
                 except Exception as error:  # the machine hears of it: poll(RAISED)
                     status = error
-                if status == "PROC" and stay is not None:
+                if status == "PROC" and stay is not None and transfer.started_at > started_after:
                     stays += 1
                     continue
                 others.append((transfer, status))
@@ -377,6 +435,9 @@ class SecondaryTier:
             stay.count += stays
         polled = self.driver.polled
         for transfer, answered in others:
+            if answered == "PROC" and transfer.started_at <= started_after:
+                self._give_up(transfer, f"still running after {limit} s")
+                continue
             if answered is not None:
                 polled(transfer, answered)
                 if transfer.state is processing:  # a stay this machine fires: done this round

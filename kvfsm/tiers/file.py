@@ -20,6 +20,7 @@ import torch
 from kvfsm.agent import NixlAgent
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import Answer, TransferState
+from kvfsm.policy import RetryPolicy
 from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
 from kvfsm.transfer import Leak, Transfer
 
@@ -107,6 +108,7 @@ class FileTier(SecondaryTier):
             survives a power loss too (a process crash never needs it).
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls.
         machine: the lifecycle to run (see :class:`~kvfsm.tiers.base.SecondaryTier`).
+        policy: retry bounds (:class:`~kvfsm.policy.RetryPolicy`).
     """
 
     def __init__(
@@ -118,6 +120,7 @@ class FileTier(SecondaryTier):
         durable: bool = True,
         poll_interval: float = 0.0005,
         machine: Declaration[TransferState, Answer] | None = None,
+        policy: RetryPolicy | None = None,
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -127,7 +130,7 @@ class FileTier(SecondaryTier):
 
             agent = make_agent(f"kvfsm-file-{id(self):x}", "POSIX")
         super().__init__(primary, agent=agent, remote=_Files(self), poll_interval=poll_interval,
-                         machine=machine)
+                         machine=machine, policy=policy)
 
     def path_of(self, key: bytes | str) -> Path:
         """The file block ``key`` is stored in."""

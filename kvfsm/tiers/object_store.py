@@ -12,6 +12,7 @@ import torch
 from kvfsm.agent import NixlAgent
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import Answer, TransferState
+from kvfsm.policy import RetryPolicy
 from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
 from kvfsm.transfer import Leak, Transfer
 
@@ -120,6 +121,7 @@ class ObjectStoreTier(SecondaryTier):
         probe_batch: at most this many keys per ``query_memory`` call.
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls.
         machine: the lifecycle to run (see :class:`~kvfsm.tiers.base.SecondaryTier`).
+        policy: retry bounds (:class:`~kvfsm.policy.RetryPolicy`).
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class ObjectStoreTier(SecondaryTier):
         probe_batch: int = 256,
         poll_interval: float = 0.0005,
         machine: Declaration[TransferState, Answer] | None = None,
+        policy: RetryPolicy | None = None,
     ) -> None:
         if key_prefix is None:
             key_prefix = store.key_prefix if store is not None else ""
@@ -145,7 +148,7 @@ class ObjectStoreTier(SecondaryTier):
                                  "(a kvfsm.nixl_agents.StoreConfig)")
             agent, probe_agent = _agents_for(store, probe_agent)
         super().__init__(primary, agent=agent, remote=_Objects(self), poll_interval=poll_interval,
-                         machine=machine)
+                         machine=machine, policy=policy)
         self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,
                                probe_batch, None if probe_agent is not None else self._lock)
 

@@ -1,0 +1,67 @@
+"""How long a tier keeps trying: the retry policy behind the QUARANTINED state.
+
+A release that raises is retried on later polls (the transfer stays in DONE or FAILED, F1). Kept
+up forever, one stuck release keeps the engine stepping forever and ``drain_jobs`` waiting
+forever (F9). A :class:`RetryPolicy` bounds it: past ``max_attempts`` failed releases, or
+``max_seconds`` after the transfer ended, the next failed release answers EXHAUSTED and the
+transfer moves to QUARANTINED, publishing a failure.
+
+What the bound means for memory: a quarantined transfer *had ended* (NIXL answered DONE or an
+error) before its release was retried, so the memory it read or wrote is no longer in use and
+the failure result lets the engine reuse it safely; only the transfer handle (and its
+descriptors) stay held for good. ``max_running_seconds`` is different: it quarantines a transfer
+NIXL still reports as running. Its handles are never released, but the failure result lets the
+engine reuse blocks a running transfer may still read (a store: the object may end up holding
+whatever the block holds by then) or write (a load: the block may be overwritten after the
+engine reused it). So ``max_running_seconds`` is off by default; set it only where a stuck
+transfer is worse than that risk, and never below the longest time a transfer can take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RetryPolicy"]
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Bounds on retrying a failed release, and on waiting for a running transfer.
+
+    Args:
+        max_attempts: failed releases after which the next failure quarantines (None: no bound).
+        max_seconds: seconds after the transfer ended after which a failed release quarantines
+            (None: no bound).
+        backoff: seconds to wait before retrying the first failed release; doubled after each
+            further failure up to ``max_backoff``. 0 retries on every poll.
+        max_backoff: the longest wait between two attempts.
+        max_running_seconds: a transfer NIXL still answers PROC for this long after submit is
+            quarantined (None: waits as long as NIXL runs it; see the module's notes first).
+    """
+
+    max_attempts: int | None = None
+    max_seconds: float | None = 60.0
+    backoff: float = 0.0
+    max_backoff: float = 1.0
+    max_running_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_attempts", "max_seconds", "max_running_seconds"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value <= 0):
+                raise ValueError(f"RetryPolicy.{name} must be positive or None, got {value!r}")
+        if self.backoff < 0 or self.max_backoff < self.backoff:
+            raise ValueError(f"RetryPolicy: need 0 <= backoff <= max_backoff, got "
+                             f"{self.backoff} and {self.max_backoff}")
+
+    def spent(self, failures: int, ended_at: float, now: float) -> bool:
+        """True when a release that just failed for the ``failures``-th time must not be retried."""
+        if self.max_attempts is not None and failures >= self.max_attempts:
+            return True
+        return self.max_seconds is not None and now - ended_at >= self.max_seconds
+
+    def next_attempt(self, failures: int, now: float) -> float:
+        """When to try again after the ``failures``-th failed release."""
+        if not self.backoff:
+            return 0.0
+        return now + float(min(self.max_backoff, self.backoff * 2.0 ** (failures - 1)))

@@ -1,0 +1,234 @@
+"""Operations under faults and load: bounded retries, quarantine, cancel, threads, stats, logs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from kvfsm import TransferJob, TransferState
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent, Raise, StayProc
+from kvfsm.tiers import DrainTimeout, Lookup, ObjectStoreTier, UnknownJobError
+
+FOREVER = 10**6
+
+
+@pytest.fixture
+def primary() -> torch.Tensor:
+    return torch.arange(16 * 32, dtype=torch.float32).view(16, 32)
+
+
+def store(job_id: int, block: int) -> TransferJob:
+    return TransferJob(job_id, [f"key-{block}"], [block])
+
+
+# -- F9: a release that never succeeds ------------------------------------------------------------
+
+def test_f9_past_its_attempts_a_stuck_release_is_quarantined_and_the_engine_goes_idle(
+    primary: torch.Tensor,
+) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(max_attempts=3))
+    agent.inject("release_xfer_handle", Raise("NIXL_ERR_NOT_ALLOWED"), times=FOREVER)
+    tier.submit_store(store(1, 0))
+    assert tier.get_finished_jobs() == []  # release failure 1: retried
+    assert tier.get_finished_jobs() == []  # failure 2: retried
+    (result,) = tier.get_finished_jobs()  # failure 3: the bound is spent
+    assert (result.job_id, result.success) == (1, False)
+    assert not tier.has_pending_work(), "the engine can go idle"
+    tier.drain_jobs(timeout=1)  # returns at once: nothing left to wait for
+    stats = tier.stats()
+    assert (stats["quarantined"], stats["quarantined_running"], stats["retries"]) == (1, 0, 2)
+    assert agent.call_count("release_xfer_handle") == 3
+    assert agent.live_xfer_handles() == 1, "a quarantined handle is never released"
+
+
+def test_f9_a_time_bound_with_backoff_spaces_the_attempts_out(primary: torch.Tensor) -> None:
+    agent = FakeNixlAgent()
+    policy = RetryPolicy(max_seconds=0.2, backoff=0.02, max_backoff=0.05)
+    tier = ObjectStoreTier(primary, agent=agent, policy=policy)
+    agent.inject("release_xfer_handle", Raise(), times=FOREVER)
+    tier.submit_store(store(1, 0))
+    tier.drain_jobs(timeout=10)  # polls every 0.5 ms; the backoff decides when to call
+    (result,) = tier.get_finished_jobs()
+    assert not result.success
+    attempts = agent.call_count("release_xfer_handle")
+    assert 3 <= attempts <= 10, f"{attempts} attempts in 0.2 s with a 20-50 ms backoff"
+    transfer_state = tier.stats()["quarantined"]
+    assert transfer_state == 1
+
+
+def test_f9_without_a_bound_drain_stops_at_its_deadline_and_names_the_stuck_job(
+    primary: torch.Tensor,
+) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(max_seconds=None))
+    agent.inject("release_xfer_handle", Raise("NIXL_ERR_NOT_ALLOWED"), times=FOREVER)
+    tier.submit_store(store(7, 0))
+    started = time.monotonic()
+    with pytest.raises(DrainTimeout, match=r"job 7: DONE, retries=\d+, last error: "
+                                           r"FakeNixlError: NIXL_ERR_NOT_ALLOWED"):
+        tier.drain_jobs(timeout=0.05)
+    assert time.monotonic() - started < 5
+    assert tier.state_of(7) is TransferState.DONE, "a drain that gives up changes nothing"
+
+
+def test_a_bad_retry_policy_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="max_attempts must be positive"):
+        RetryPolicy(max_attempts=0)
+    with pytest.raises(ValueError, match="backoff <= max_backoff"):
+        RetryPolicy(backoff=2.0, max_backoff=1.0)
+
+
+# -- F10: cancel and shutdown ----------------------------------------------------------------------
+
+def test_f10_a_cancelled_job_fails_once_and_its_transfer_is_waited_for(
+    primary: torch.Tensor,
+) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent)
+    agent.inject("check_xfer_state", StayProc(3))
+    tier.submit_store(store(1, 0))
+    tier.cancel(1)
+    assert tier.state_of(1) is TransferState.CANCELLING
+    tier.cancel(1)  # again: nothing more happens
+    for _ in range(3):
+        assert tier.get_finished_jobs() == [], "NIXL still runs it: the handle is kept"
+        assert agent.live_xfer_handles() == 1
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success) == (1, False)
+    assert agent.live_xfer_handles() == 0
+    assert tier.get_finished_jobs() == []
+    with pytest.raises(UnknownJobError, match="job 1 is not in flight"):
+        tier.cancel(1)
+    tier.shutdown()
+
+
+def test_f10_cancelling_a_finished_transfer_keeps_its_outcome(primary: torch.Tensor) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent)
+    agent.inject("release_xfer_handle", Raise())
+    tier.submit_store(store(1, 0))
+    assert tier.get_finished_jobs() == []
+    assert tier.state_of(1) is TransferState.DONE
+    tier.cancel(1)
+    (result,) = tier.get_finished_jobs()
+    assert result.success, "the data is stored; the outcome is never recomputed (F3)"
+    tier.shutdown()
+
+
+def test_f10_a_transfer_still_running_at_the_shutdown_deadline_is_quarantined(
+    primary: torch.Tensor,
+) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent)
+    agent.inject("check_xfer_state", StayProc(FOREVER))
+    tier.submit_store(store(1, 0))
+    tier.submit_store(store(2, 1))
+    tier.shutdown(timeout=0.02)
+    results = tier.get_finished_jobs()
+    assert sorted((r.job_id, r.success) for r in results) == [(1, False), (2, False)]
+    stats = tier.stats()
+    assert (stats["quarantined"], stats["quarantined_running"]) == (1, 1)
+    assert agent.running_transfers() == 1
+    assert agent.live_registrations("DRAM") == 1, "memory a running transfer uses stays put"
+    assert agent.misuses == []
+
+
+def test_a_running_bound_quarantines_a_stuck_transfer_when_a_user_asks_for_it(
+    primary: torch.Tensor,
+) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(max_running_seconds=0.02))
+    agent.inject("check_xfer_state", StayProc(FOREVER))
+    tier.submit_store(store(1, 0))
+    assert tier.get_finished_jobs() == []
+    time.sleep(0.03)
+    (result,) = tier.get_finished_jobs()
+    assert not result.success
+    assert tier.stats()["quarantined_running"] == 1
+    assert agent.live_xfer_handles() == 1, "never released while it may run"
+
+
+# -- threads -------------------------------------------------------------------------------------
+
+def test_submit_collect_and_lookup_from_three_threads_lose_and_duplicate_nothing(
+    primary: torch.Tensor,
+) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent)
+    jobs = 400
+    results: list[int] = []
+    lookups: list[Lookup] = []
+    submitted = threading.Event()
+
+    def submit() -> None:
+        for job_id in range(jobs):
+            tier.submit_store(TransferJob(job_id, [f"key-{job_id}"], [job_id % 16]))
+        submitted.set()
+
+    def collect() -> None:
+        deadline = time.monotonic() + 30
+        while len(results) < jobs and time.monotonic() < deadline:
+            results.extend(r.job_id for r in tier.get_finished_jobs())
+
+    def look() -> None:
+        while not submitted.is_set() or len(lookups) < 200:
+            lookups.append(tier.lookup(f"key-{len(lookups) % jobs}"))
+
+    threads = [threading.Thread(target=f) for f in (submit, collect, look)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(results) == list(range(jobs)), "every job exactly once"
+    assert lookups and set(lookups) <= {Lookup.HIT, Lookup.MISS, Lookup.RETRY}
+    assert agent.misuses == []
+    tier.shutdown()
+
+
+# -- stats and logs -------------------------------------------------------------------------------
+
+def test_stats_count_states_failures_and_latency(primary: torch.Tensor) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent)
+    agent.inject("check_xfer_state", StayProc(2), at=1)
+    agent.inject("check_xfer_state", Raise(), at=4)
+    for job_id in range(3):
+        tier.submit_store(store(job_id, job_id))
+    tier.get_finished_jobs()
+    assert tier.stats()["in_flight"] == {"PROCESSING": 1}
+    tier.drain_jobs(timeout=5)
+    stats = tier.stats()
+    assert (stats["published"], stats["failed"], stats["in_flight"]) == (3, 1, {})
+    assert set(stats["latency"]) == {"p50", "p90", "p99"}
+    assert 0 <= stats["latency"]["p50"] <= stats["latency"]["p99"] < 5
+    tier.shutdown()
+
+
+def test_log_lines_carry_job_state_and_nixl_error_and_nothing_is_logged_per_poll(
+    primary: torch.Tensor, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent)
+    caplog.set_level(logging.DEBUG, logger="kvfsm")
+    agent.inject("check_xfer_state", StayProc(500))
+    tier.submit_store(store(1, 0))
+    for _ in range(500):
+        tier.get_finished_jobs()
+    assert caplog.records == [], "500 polls answered PROC: not one log line"
+    tier.drain_jobs(timeout=5)
+
+    agent.inject("check_xfer_state", Raise("NIXL_ERR_BACKEND"))
+    tier.submit_store(store(2, 1))
+    tier.drain_jobs(timeout=5)
+    (line,) = [r for r in caplog.records if getattr(r, "kvfsm_job_id", None) == 2]
+    assert line.levelno == logging.WARNING
+    assert (line.kvfsm_state, line.kvfsm_nixl_error) == (  # type: ignore[attr-defined]
+        "PUBLISHED", "FakeNixlError: NIXL_ERR_BACKEND")
+    assert "job 2: store of 1 block(s) failed" in line.getMessage()
+    tier.shutdown()
