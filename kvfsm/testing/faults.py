@@ -8,7 +8,9 @@ included. :meth:`FaultPlan.inject` arms a :data:`Fault` for numbered calls, and 
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -108,6 +110,24 @@ class FaultPlan:
         self.calls: list[str] = []
         self._counts: Counter[str] = Counter()
         self._armed: list[_Armed] = []
+        self._chaos: tuple[dict[str, float], random.Random, int] | None = None
+        #: how many faults chaos mode injected, by call
+        self.chaos_faults: Counter[str] = Counter()
+
+    def chaos(self, rate: float | Mapping[str, float], *, seed: int = 0,
+              max_stall: int = 3) -> None:
+        """Fail calls at random, reproducibly from ``seed``: each call with probability ``rate``
+        (one rate for every call, or a rate per call name). Status calls raise, answer "ERR"
+        or stall for up to ``max_stall`` polls; other calls raise. Armed faults come first.
+        A rate of 0 (or an empty mapping) turns chaos off."""
+        rates = (dict(rate) if isinstance(rate, Mapping)
+                 else dict.fromkeys(FAULTABLE_CALLS, float(rate)))
+        bad = {call: r for call, r in rates.items()
+               if call not in FAULTABLE_CALLS or not 0 <= r <= 1}
+        if bad:
+            raise ValueError(f"chaos: rates must be in [0, 1] for NIXL calls; got {bad}")
+        rates = {call: r for call, r in rates.items() if r}
+        self._chaos = (rates, random.Random(seed), max_stall) if rates else None
 
     def inject(self, call: str, fault: Fault, *, at: int | None = None, times: int = 1) -> None:
         """Arm ``fault`` for ``times`` calls of ``call``.
@@ -164,6 +184,14 @@ class FaultPlan:
                 if armed.first > armed.last:
                     self._armed.remove(armed)
                 return armed.fault
+        if self._chaos is not None:
+            rates, rng, max_stall = self._chaos
+            if rng.random() < rates.get(call, 0.0):
+                self.chaos_faults[call] += 1
+                if call not in STATUS_CALLS:
+                    return Raise()
+                kinds: list[Fault] = [Raise(), ReturnErr(), StayProc(rng.randint(1, max_stall))]
+                return kinds[rng.randrange(3)]
         return None
 
     def clear(self) -> None:

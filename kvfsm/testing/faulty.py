@@ -38,10 +38,18 @@ class FaultyAgent:
         self.faults = FaultPlan(f"FaultyAgent({type(agent).__name__})")
         self._held: dict[int, int] = {}  # id(handle) -> checks still to answer PROC
         self._failing: dict[int, Fault] = {}  # id(handle) -> failure waiting for the end
+        self._released: set[int] = set()  # ids of transfer handles released, while alive
+        self._keep: list[Any] = []  # released handles, so their ids are not reused
+        #: what would crash real NIXL, caught before it reached it (a handle released twice)
+        self.misuses: list[str] = []
 
     def inject(self, call: str, fault: Fault, *, at: int | None = None, times: int = 1) -> None:
         """Arm ``fault`` for ``times`` calls of ``call`` (see :meth:`FaultPlan.inject`)."""
         self.faults.inject(call, fault, at=at, times=times)
+
+    def chaos(self, rate: float, *, seed: int = 0, **options: Any) -> None:
+        """Fail calls at random (see :meth:`FaultPlan.chaos`)."""
+        self.faults.chaos(rate, seed=seed, **options)
 
     def call_count(self, name: str) -> int:
         """How many calls of ``name`` were made, failed ones included."""
@@ -81,10 +89,15 @@ class FaultyAgent:
         self._plain("release_dlist_handle", handle)
 
     def release_xfer_handle(self, handle: Any) -> None:
-        """release_xfer_handle, unless a fault is armed."""
+        """release_xfer_handle, unless a fault is armed; a second release is refused."""
+        if id(handle) in self._released:
+            self.misuses.append(f"release_xfer_handle: {handle!r} released twice")
+            raise RuntimeError(f"kvfsm FaultyAgent: {handle!r} was already released")
         self._plain("release_xfer_handle", handle)
         self._held.pop(id(handle), None)
         self._failing.pop(id(handle), None)
+        self._released.add(id(handle))
+        self._keep.append(handle)
 
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> str:
         """Post, unless a Raise or ReturnErr fault is armed; StayProc holds its answers."""
