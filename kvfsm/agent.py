@@ -40,6 +40,7 @@ class NixlAgent(Protocol):
         local_indices: Sequence[int],
         remote_xfer_side: Any,
         remote_indices: Sequence[int],
+        notif_msg: bytes = ...,
     ) -> Any:
         """Make a WRITE or READ transfer between two prepped lists; returns a transfer handle."""
 

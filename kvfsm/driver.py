@@ -35,8 +35,14 @@ logger = logging.getLogger("kvfsm")
 class RemoteSide(Protocol):
     """How a tier names the remote side of its transfers."""
 
-    #: the NIXL memory type of the remote descriptors ("OBJ", "FILE")
+    #: the NIXL memory type of the remote descriptors ("OBJ", "FILE", "DRAM")
     mem_type: str
+    @property
+    def peer(self) -> str | None:
+        """The remote agent's name for a peer's memory; None for storage this agent registers."""
+
+    def notification(self, transfer: Transfer) -> bytes:
+        """The message NIXL delivers to the peer when the transfer is done (b"": none)."""
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         """The remote descriptors of ``transfer``; keep what was opened on the transfer."""
@@ -94,12 +100,18 @@ class TransferDriver:
         answer = Answer.DONE
         if local_indices:
             try:
-                descs = self.remote.open(transfer)
-                transfer.files = agent.register_memory(descs, self.remote.mem_type)
-                transfer.remote = agent.prep_xfer_dlist(agent.name, transfer.files.trim())
+                remote = self.remote
+                descs = remote.open(transfer)
+                if remote.peer is None:  # storage: register the remote side, prep it locally
+                    transfer.files = agent.register_memory(descs, remote.mem_type)
+                    transfer.remote = agent.prep_xfer_dlist(agent.name, transfer.files.trim())
+                else:  # another agent's memory, known from its metadata
+                    transfer.remote = agent.prep_xfer_dlist(
+                        remote.peer, [d[:3] for d in descs], remote.mem_type)
                 transfer.xfer = agent.make_prepped_xfer(
                     "READ" if transfer.job.is_promotion else "WRITE",
-                    local, list(local_indices), transfer.remote, list(range(len(descs))))
+                    local, list(local_indices), transfer.remote, list(range(len(descs))),
+                    remote.notification(transfer))
                 status = agent.transfer(transfer.xfer)
                 answer = _STATUS.get(status, Answer.ERR)
                 if answer is Answer.ERR:

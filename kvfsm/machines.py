@@ -20,6 +20,7 @@ __all__ = ["KVFSM_MACHINES", "kvfsm_machines", "load_machine"]
 #: kvfsm's own machines: name -> ``module:ATTRIBUTE`` of the declaration
 KVFSM_MACHINES = {
     "transfer": "kvfsm.lifecycle:TRANSFER_MACHINE",
+    "peer_receive": "kvfsm.peer:PEER_RECEIVE",
 }
 
 

@@ -24,7 +24,8 @@ def variant(name: str, replace: dict[tuple[TransferState, str, str], dict[str, A
     assert not replace, f"no such edges: {list(replace)}"
     return Declaration(name, states=TransferState, initial=S.SUBMITTED, answers=ANSWERS,
                        guards=GUARDS, actions={**ACTIONS, **(actions or {})},
-                       transitions=transitions, final=(S.PUBLISHED,))
+                       transitions=transitions, final=TRANSFER_MACHINE.final,
+                       failure_states=TRANSFER_MACHINE.failure_states)
 
 
 def overwrite_outcome(success: bool) -> Any:

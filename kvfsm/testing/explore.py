@@ -47,6 +47,7 @@ __all__ = [
     "Path",
     "Violation",
     "explore",
+    "explore_table",
     "parse_path",
     "replay",
 ]
@@ -66,6 +67,9 @@ class Invariant(enum.Enum):
     NO_MISUSE = "the agent saw a call that would crash real NIXL"
     NO_ESCAPE = "an exception escaped the tier"
     PINS = "a primary block was left pinned or half-written (with the parent)"
+    ACTION_RAISED = "firing a declared event raised (an outcome latched twice: F3)"
+    DEAD_END = "a reachable state from which no final state can be reached"
+    FINAL_MOVES = "a final state declares events (a second result could follow)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -549,11 +553,107 @@ def replay(path: Path, machine: Declaration[TransferState, Answer] = TRANSFER_MA
 
 
 
+class _Record:
+    """A bare record for exploring any machine's table: state, latched outcome, and the
+    fields the shipped actions write."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.success: bool | None = None
+        self.error: str | None = None
+        self.retries = 0
+        self.leaks: tuple[Any, ...] = ()
+        self.finished_at = 0.0
+        self.job = TransferJob(0, (), ())
+        self.trace: list[Any] = []
+
+    def key(self) -> tuple[Any, bool | None]:
+        return self.state, self.success
+
+
+def explore_table(machine: Declaration[Any, Any]) -> Exploration:
+    """Explore any declared machine at the level of its table: every (event, answer) from
+    every reachable (state, latched outcome), running the declared actions.
+
+    Checked: firing never raises (an outcome latched twice, F3); every reachable state can
+    still reach a final state (liveness); a final state declares no event (its result is
+    handed out once, F6).
+    """
+    import copy  # noqa: PLC0415 - only this mode copies records
+
+    found = Exploration()
+    started = time.perf_counter()
+    compiled = machine.compile()
+    events = [(event, answer) for event, answers in machine.answers.items()
+              for answer in sorted(answers, key=lambda a: a.name)]
+    start = _Record(machine.initial)
+    seen = {start.key()}
+    frontier = [start]
+    edges: set[tuple[Any, Any]] = set()
+    while frontier:
+        record = frontier.pop()
+        for event, answer in events:
+            if event not in compiled.table.get(record.state, {}):
+                continue
+            after = copy.copy(record)
+            found.paths += 1
+            try:
+                compiled.fire(after, event, answer)
+            except Exception as error:
+                found.violations.append(Violation(
+                    Invariant.ACTION_RAISED, None,
+                    f"{record.state.name} -{event}({answer.name})-> raised {error!r}"))
+                continue
+            edges.add((record.state, after.state))
+            if after.key() not in seen:
+                seen.add(after.key())
+                frontier.append(after)
+    found.violations += _dead_ends(machine, {state for state, _ in seen}, edges)
+    found.violations += [Violation(Invariant.FINAL_MOVES, None,
+                                   f"final state {state.name} declares events")
+                         for state in machine.final if compiled.table.get(state)]
+    found.calls = len(seen)
+    found.seconds = time.perf_counter() - started
+    if found.violations:
+        found.counterexample = Path(0)
+    return found
+
+
+def _dead_ends(machine: Declaration[Any, Any], reachable: set[Any],
+               edges: set[tuple[Any, Any]]) -> list[Violation]:
+    """The reachable states from which no final state can be reached."""
+    dead = []
+    for state in reachable - set(machine.final):
+        ahead, todo = {state}, [state]
+        while todo:
+            here = todo.pop()
+            for source, dest in edges:
+                if source is here and dest not in ahead:
+                    ahead.add(dest)
+                    todo.append(dest)
+        if not ahead & set(machine.final):
+            dead.append(Violation(Invariant.DEAD_END, None,
+                                  f"from {state.name} no final state can be reached"))
+    return dead
+
+
+def _run_table(machine: Declaration[Any, Any]) -> int:
+    found = explore_table(machine)
+    print(f"kvfsm explore: machine {machine.name}, every event and answer from every reachable "
+          f"state: {found.paths} transitions fired over {found.calls} (state, outcome) pairs, "
+          + ("0 violations" if found.ok else "VIOLATION"))
+    for violation in found.violations:
+        print(f"  {violation}")
+    return 0 if found.ok else 1
+
+
 def add_arguments(parser: Any) -> None:
     """The ``kvfsm explore`` options."""
     parser.add_argument("--machine", default="transfer", metavar="SPEC",
-                        help="the lifecycle to explore: module:ATTRIBUTE of a Declaration over "
-                             "kvfsm's TransferState (default: kvfsm's transfer machine)")
+                        help="the machine to explore: a name of kvfsm's (transfer, "
+                             "peer_receive) or module:ATTRIBUTE of a Declaration. A lifecycle "
+                             "over kvfsm's TransferState runs through the real tier with NIXL "
+                             "faults; any other machine is explored at the level of its table")
     parser.add_argument("--max-faults", type=int, default=2,
                         help="the most faults on one path (2)")
     parser.add_argument("--max-stall", type=int, default=2,
@@ -572,6 +672,8 @@ def run(args: Any) -> int:
     from kvfsm.machines import load_machine  # noqa: PLC0415 - the CLI's own import
 
     machine = load_machine(args.machine)
+    if machine.states is not TransferState:  # not a transfer lifecycle: explore its table
+        return _run_table(machine)
     if args.max_faults < 0 or args.max_stall < 1:
         raise ValueError("--max-faults must be at least 0 and --max-stall at least 1")
     if args.replay:

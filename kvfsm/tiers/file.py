@@ -45,6 +45,10 @@ class _Files:
     """The remote side: one file per block; stores go to temporary files renamed on commit."""
 
     mem_type = "FILE"
+    peer: str | None = None
+
+    def notification(self, transfer: Transfer) -> bytes:
+        return b""
 
     def __init__(self, tier: FileTier) -> None:
         self._tier = tier

@@ -29,6 +29,10 @@ class _Objects:
     """The remote side: one object descriptor per block, nothing to open or close."""
 
     mem_type = "OBJ"
+    peer: str | None = None
+
+    def notification(self, transfer: Transfer) -> bytes:
+        return b""
 
     def __init__(self, tier: ObjectStoreTier) -> None:
         self._tier = tier
