@@ -98,6 +98,7 @@ class TransferDriver:
         agent = self.agent
         detail: Any = None
         answer = Answer.DONE
+        posting = False
         if local_indices:
             try:
                 remote = self.remote
@@ -112,6 +113,7 @@ class TransferDriver:
                     "READ" if transfer.job.is_promotion else "WRITE",
                     local, list(local_indices), transfer.remote, list(range(len(descs))),
                     remote.notification(transfer))
+                posting = True
                 status = agent.transfer(transfer.xfer)
                 answer = _STATUS.get(status, Answer.ERR)
                 if answer is Answer.ERR:
@@ -120,8 +122,10 @@ class TransferDriver:
                     answer, detail = self._commit(transfer)
             except Exception as error:  # every failure is an answer, not an escape (F5)
                 answer, detail = Answer.RAISED, error
-            except BaseException as interrupt:  # an interrupt: still a published failure
-                self.machine.fire(transfer, TransferEvent.POST, Answer.RAISED, interrupt)
+            except BaseException as interrupt:  # an interrupt: the job still gets its result
+                # once transfer() was called NIXL may run it: only a poll can say it is over
+                self.machine.fire(transfer, TransferEvent.POST,
+                                  Answer.PROC if posting else Answer.RAISED, interrupt)
                 raise
         self.machine.fire(transfer, TransferEvent.POST, answer, detail)
 

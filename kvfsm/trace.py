@@ -105,7 +105,7 @@ class Divergence:
 
 def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Divergence | None:
     """Run ``trace`` against ``declaration``; the first divergence, or None when it replays."""
-    machine = declaration.compile()
+    machine = declaration.compile(listen=False)
     answer_types = {event: type(next(iter(answers)))
                     for event, answers in declaration.answers.items()}
     state = declaration.initial

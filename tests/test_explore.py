@@ -57,6 +57,14 @@ BROKEN = {
         variant("deregister_before_release", {
             (S.DONE, "release", "release_raised"): {"dest": S.XFER_RELEASED, "after": []}}),
         Invariant.RELEASE_BEFORE_CLEANUP),
+    "release_on_cancel": (
+        variant("release_on_cancel", {
+            (S.PROCESSING, "cancel", ""): {"dest": S.FAILED, "after": "latch_failure"}}),
+        Invariant.RELEASE_WHEN_OVER),
+    "clean_past_the_retry_bound": (
+        variant("clean_past_the_retry_bound", {
+            (S.DONE, "release", "exhausted"): {"dest": S.XFER_RELEASED, "after": []}}),
+        Invariant.RELEASE_BEFORE_CLEANUP),
     "swallow_submit_error": (
         variant("swallow_submit_error", {
             (S.SUBMITTED, "post", "errored"): {"dest": S.SUBMITTED, "after": []}}),

@@ -71,7 +71,7 @@ def test_the_states_are_exactly_the_lifecycle() -> None:
 def test_every_state_against_every_event_and_answer(
     state: TransferState, event: TransferEvent, answer: Answer
 ) -> None:
-    machine = TRANSFER_MACHINE.compile()
+    machine = TRANSFER_MACHINE.compile(listen=False)
     transfer = transfer_in(state)
     expected = EXPECTED.get((state, event, answer))
     if expected is None:
@@ -88,7 +88,7 @@ def test_every_state_against_every_event_and_answer(
 
 
 def test_the_declared_table_is_exactly_the_expected_one() -> None:
-    machine = TRANSFER_MACHINE.compile()
+    machine = TRANSFER_MACHINE.compile(listen=False)
     compiled = {(step.source, TransferEvent(step.edge.event), step.answer): step.dest
                 for step in machine.steps()}
     assert compiled == EXPECTED
@@ -96,7 +96,7 @@ def test_the_declared_table_is_exactly_the_expected_one() -> None:
 
 def test_published_is_reachable_only_through_xfer_released() -> None:
     """F2: no path from SUBMITTED to PUBLISHED avoids XFER_RELEASED."""
-    edges = {(step.source, step.dest) for step in TRANSFER_MACHINE.compile().steps()}
+    edges = {(step.source, step.dest) for step in TRANSFER_MACHINE.compile(listen=False).steps()}
     reachable, frontier = {S.SUBMITTED}, [S.SUBMITTED]
     while frontier:
         here = frontier.pop()
@@ -111,7 +111,7 @@ def test_published_is_reachable_only_through_xfer_released() -> None:
 def test_every_state_reaches_published() -> None:
     """No dead end: from every state but the other final one, QUARANTINED, some answers lead
     to PUBLISHED (F5, F6)."""
-    edges = {(step.source, step.dest) for step in TRANSFER_MACHINE.compile().steps()}
+    edges = {(step.source, step.dest) for step in TRANSFER_MACHINE.compile(listen=False).steps()}
     for start in set(TransferState) - {S.QUARANTINED}:
         reachable, frontier = {start}, [start]
         while frontier:
@@ -124,7 +124,7 @@ def test_every_state_reaches_published() -> None:
 
 
 def test_published_and_quarantined_are_terminal() -> None:
-    machine = TRANSFER_MACHINE.compile()
+    machine = TRANSFER_MACHINE.compile(listen=False)
     assert S.PUBLISHED not in machine.table
     assert S.QUARANTINED not in machine.table
     assert TRANSFER_MACHINE.final == {S.PUBLISHED, S.QUARANTINED}
@@ -132,7 +132,7 @@ def test_published_and_quarantined_are_terminal() -> None:
 
 def test_a_cancelled_transfer_fails_and_still_waits_for_nixl_before_release() -> None:
     """F10 and the crash class: cancel latches failure, but only NIXL ends the transfer."""
-    machine = TRANSFER_MACHINE.compile()
+    machine = TRANSFER_MACHINE.compile(listen=False)
     transfer = transfer_in(S.PROCESSING)
     machine.fire(transfer, E.CANCEL, A.OK)
     assert (transfer.state, transfer.success, transfer.error) == (S.CANCELLING, False, "cancelled")
@@ -144,7 +144,7 @@ def test_a_cancelled_transfer_fails_and_still_waits_for_nixl_before_release() ->
 
 
 def test_quarantine_keeps_a_finished_outcome_but_publishes_failure() -> None:
-    machine = TRANSFER_MACHINE.compile()
+    machine = TRANSFER_MACHINE.compile(listen=False)
     transfer = transfer_in(S.PROCESSING)
     machine.fire(transfer, E.POLL, A.DONE)
     machine.fire(transfer, E.RELEASE, A.EXHAUSTED, RuntimeError("NIXL_ERR_BACKEND"))
@@ -155,7 +155,7 @@ def test_quarantine_keeps_a_finished_outcome_but_publishes_failure() -> None:
 
 def test_the_outcome_latches_once_and_release_retries_do_not_touch_it() -> None:
     """F3: a DONE transfer stays a success through any number of failed releases."""
-    machine = TRANSFER_MACHINE.compile()
+    machine = TRANSFER_MACHINE.compile(listen=False)
     transfer = transfer_in(S.PROCESSING)
     machine.fire(transfer, E.POLL, A.DONE)
     for _ in range(3):
@@ -169,7 +169,7 @@ def test_the_outcome_latches_once_and_release_retries_do_not_touch_it() -> None:
 
 
 def test_latching_an_outcome_twice_is_an_invariant_violation() -> None:
-    machine = TRANSFER_MACHINE.compile()
+    machine = TRANSFER_MACHINE.compile(listen=False)
     transfer = transfer_in(S.PROCESSING)
     transfer.success = True  # as if a broken machine had already latched it
     with pytest.raises(OutcomeAlreadyLatched):
@@ -177,7 +177,7 @@ def test_latching_an_outcome_twice_is_an_invariant_violation() -> None:
 
 
 def test_a_failure_keeps_nixls_error_text() -> None:
-    machine = TRANSFER_MACHINE.compile()
+    machine = TRANSFER_MACHINE.compile(listen=False)
     transfer = transfer_in(S.PROCESSING)
     machine.fire(transfer, E.POLL, A.RAISED, RuntimeError("NIXL_ERR_BACKEND"))
     assert transfer.success is False

@@ -34,6 +34,7 @@ import torch
 
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferState
+from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_agent import FakeNixlAgent
 from kvfsm.testing.faults import STATUS_CALLS, Fault, Raise, ReturnErr, StayProc
 from kvfsm.tiers.base import SecondaryTier
@@ -125,6 +126,10 @@ class _Job:
     outcome: bool | None = None  # the first end NIXL answered: True DONE, False failed
     released: bool = False
     results: list[JobResult] = field(default_factory=list)
+    #: cancelled while NIXL still ran it: its outcome must be failure
+    cancelled_running: bool = False
+    #: the final state it was published from (PUBLISHED, or QUARANTINED)
+    final: TransferState | None = None
 
 
 class _WatchedAgent(FakeNixlAgent):
@@ -263,7 +268,9 @@ def _run(path: Path, machine: Declaration[TransferState, Answer],
     for choice in path.choices:
         agent.inject(choice.call, choice.fault, at=choice.occurrence)
     cache = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
-    tier = ObjectStoreTier(cache, agent=agent, machine=machine, probe_agent=_NoProbes())
+    tier = ObjectStoreTier(cache, agent=agent, machine=machine, probe_agent=_NoProbes(),
+                           policy=_POLICY)
+    tier.on_published.append(lambda transfer: _final(agent, transfer))
     violations = agent.violations
 
     def collect() -> None:
@@ -279,6 +286,7 @@ def _run(path: Path, machine: Declaration[TransferState, Answer],
     for index, (job_id, keys, blocks, load) in enumerate(_SCENARIO):
         if load and index:
             collect()
+            _cancel(agent, tier, 1)  # a job cancelled while the others go on
         agent.jobs[job_id] = _Job()
         agent.current = job_id
         try:
@@ -297,6 +305,27 @@ def _run(path: Path, machine: Declaration[TransferState, Answer],
     return list(agent.calls), violations, tier
 
 
+#: a finite retry bound, so that paths reach QUARANTINED too
+_POLICY = RetryPolicy(max_attempts=2, max_seconds=None)
+
+
+def _final(agent: _WatchedAgent, transfer: Any) -> None:
+    seen = agent.jobs.get(transfer.job_id)
+    if seen is not None:
+        seen.final = transfer.state
+
+
+def _cancel(agent: _WatchedAgent, tier: SecondaryTier, job_id: int) -> None:
+    if tier.state_of(job_id) is None:
+        return  # published already: nothing to cancel
+    seen = agent.jobs[job_id]
+    seen.cancelled_running = seen.status in {None, "PROC"} and seen.outcome is None
+    try:
+        tier.cancel(job_id)
+    except Exception as error:
+        agent.violations.append(Violation(Invariant.NO_ESCAPE, job_id, f"cancel raised {error!r}"))
+
+
 def _state(tier: SecondaryTier, job_id: int) -> str:
     state = tier.state_of(job_id)
     return "unknown to the tier" if state is None else f"in {state.name}"
@@ -311,12 +340,18 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
     if len(job.results) > 1:
         violations.append(Violation(Invariant.ONE_RESULT, result.job_id,
                                     f"{len(job.results)} results"))
-    if job.xfer is not None and not job.released:
+    quarantined_over = job.final is TransferState.QUARANTINED and job.status not in {None, "PROC"}
+    if job.xfer is not None and not job.released and not quarantined_over:
         violations.append(Violation(Invariant.RELEASE_BEFORE_PUBLISH, result.job_id,
                                     "its transfer handle was still held"))
-    expected = bool(job.outcome)
+    expected = (bool(job.outcome) and not job.cancelled_running
+                and job.final is not TransferState.QUARANTINED)
     if result.success != expected:
         what = "finished (DONE)" if expected else "failed"
+        if job.cancelled_running:
+            what += ", after it was cancelled while running"
+        elif job.final is TransferState.QUARANTINED:
+            what += ", then it was quarantined"
         violations.append(Violation(
             Invariant.OUTCOME, result.job_id,
             f"NIXL said the transfer {what}, the job published success={result.success}"))
@@ -343,7 +378,9 @@ def _run_with_parent(path: Path, machine: Declaration[TransferState, Answer],
     for choice in path.choices:
         agent.inject(choice.call, choice.fault, at=choice.occurrence)
     primary = CPUPrimaryTier(4, 8, torch.float32)
-    tier = _WatchedTier(primary.cache, agent=agent, machine=machine, probe_agent=_NoProbes())
+    tier = _WatchedTier(primary.cache, agent=agent, machine=machine, probe_agent=_NoProbes(),
+                        policy=_POLICY)
+    tier.on_published.append(lambda transfer: _final(agent, transfer))
     violations = agent.violations
     manager = TieringManager(primary, [tier])
     blocks = primary.allocate(["a", "b", "c"])
@@ -418,7 +455,8 @@ def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
         if not seen.results:
             violations.append(Violation(Invariant.LIVENESS, job_id,
                                         f"still {_state(tier, job_id)} after {max_polls} polls"))
-        elif seen.xfer is not None and not seen.released:
+        elif (seen.xfer is not None and not seen.released
+              and seen.final is not TransferState.QUARANTINED):
             violations.append(Violation(Invariant.HANDLE_LEAK, job_id,
                                         "published, and its transfer handle is still held"))
     if not busy:
@@ -583,7 +621,7 @@ def explore_table(machine: Declaration[Any, Any]) -> Exploration:
 
     found = Exploration()
     started = time.perf_counter()
-    compiled = machine.compile()
+    compiled = machine.compile(listen=False)
     events = [(event, answer) for event, answers in machine.answers.items()
               for answer in sorted(answers, key=lambda a: a.name)]
     start = _Record(machine.initial)

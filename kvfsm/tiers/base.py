@@ -117,6 +117,7 @@ class SecondaryTier:
         self._results: list[JobResult] = []
         self._unreported: set[int] = set()  # job ids published but not yet handed out
         self._closed = False
+        self._closing = False
         self._published = 0
         self._failed = 0
         self._latencies: collections.deque[float] = collections.deque(maxlen=4096)
@@ -197,23 +198,37 @@ class SecondaryTier:
 
         Every unfinished job publishes exactly one failure (F10), available from
         :meth:`get_finished_jobs` afterwards; a job whose transfer had already ended keeps its
-        outcome. Transfers NIXL still runs are waited for up to ``timeout`` seconds (None: as
-        long as it takes), never released while running. At the deadline, what is left (a
-        transfer still running, a release still failing) is quarantined: it publishes its
-        failure and its handles stay held, and so does the primary cache's registration they
-        refer to, so NIXL never loses memory a handle may still use.
+        outcome. New submits are refused from the start. Transfers NIXL still runs are waited
+        for up to ``timeout`` seconds (None: as long as it takes), never released while
+        running. At the deadline, a transfer whose release still fails is quarantined: it is
+        over, so its failure is published and only its handles (and the primary cache's
+        registration they refer to) stay held.
+
+        Raises:
+            DrainTimeout: transfers NIXL still ran at the deadline. They are not published, so
+                their blocks are not reused under a running transfer, and the tier stays open:
+                call shutdown again to go on waiting.
         """
         with self._lock:
             if self._closed:
                 return
+            self._closing = True
             for transfer in self.unpublished():
                 self.driver.cancel(transfer)
-            try:
-                self.drain_jobs(timeout)
-            except DrainTimeout:
+        try:
+            self.drain_jobs(timeout)  # takes the lock a poll at a time
+        except DrainTimeout:
+            with self._lock:
                 for transfer in self.unpublished():
-                    self._give_up(transfer, "shutdown deadline passed")
-            self._close()
+                    if transfer.state not in _MAY_RUN:
+                        self._give_up(transfer, "shutdown deadline passed")
+                running = self.unpublished()
+                if running:
+                    raise DrainTimeout("shutdown (NIXL still runs these; call shutdown again "
+                                       "to wait longer)", running) from None
+        with self._lock:
+            if not self._closed:
+                self._close()
 
     def _close(self) -> None:
         self._stop_probes()
@@ -301,7 +316,7 @@ class SecondaryTier:
     # -- internals --------------------------------------------------------------------------
 
     def _submit(self, job: TransferJob, *, load: bool) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             raise TierClosedError(f"{type(self).__name__} is shut down; job {job.job_id} refused")
         keys, block_ids = self._validate(job, load=load)
         job = TransferJob(job.job_id, keys, block_ids, is_promotion=job.is_promotion)
@@ -365,7 +380,7 @@ class SecondaryTier:
         return value
 
     def _give_up(self, transfer: Transfer, why: str) -> None:
-        if transfer.state in (TransferState.PROCESSING, TransferState.CANCELLING):
+        if transfer.state in _MAY_RUN:
             self._may_run.add(transfer.job_id)
         self.driver.give_up(transfer, why)
         self._finish(transfer)
@@ -388,8 +403,6 @@ class SecondaryTier:
         for leak in transfer.leaks:
             logger.warning("job %d leaked: %s raised %s", transfer.job_id, leak.call,
                            leak.error, extra=_fields(transfer, leak.error))
-        for listener in self.on_published:
-            listener(transfer)
         self._retries += transfer.retries
         self._leaks.extend((transfer.job_id, leak) for leak in transfer.leaks)
         if transfer.state is TransferState.QUARANTINED:
@@ -402,6 +415,12 @@ class SecondaryTier:
             known = self._known
             for key in job.keys:
                 known[self.remote_name(key)] = verdict
+        for listener in self.on_published:  # best effort: a listener never costs a result (F7)
+            try:
+                listener(transfer)
+            except Exception:
+                logger.exception("job %d: an on_published listener raised", transfer.job_id,
+                                 extra=_fields(transfer, None))
 
     def _poll(self) -> None:
         """Advance every unpublished transfer once.
@@ -429,6 +448,9 @@ class SecondaryTier:
                     stays += 1
                     continue
                 others.append((transfer, status))
+            elif (transfer.state is TransferState.CANCELLING
+                  and transfer.started_at <= started_after):
+                others.append((transfer, "PROC"))  # bounded like a running one, below
             else:
                 others.append((transfer, None))
         if stay is not None:
@@ -446,6 +468,8 @@ class SecondaryTier:
 
 
 logger = logging.getLogger("kvfsm")
+#: the states in which NIXL may still run a transfer
+_MAY_RUN = frozenset({TransferState.PROCESSING, TransferState.CANCELLING})
 
 
 def _fields(transfer: Transfer, error: str | None) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from typing import Any
@@ -89,13 +88,20 @@ class _Prober:
                 if self._stopping:
                     return
                 names = list(itertools.islice(self._wanted, self._batch))
+            if self._shared is not None:
+                # wait for the tier's lock, but never past stop(): shutdown may hold it
+                while not self._shared.acquire(timeout=0.05):
+                    if self._stopping:
+                        return
             try:
-                with self._shared or contextlib.nullcontext():
-                    answers = self._agent.query_memory([(0, 1, 0, name) for name in names],
-                                                       "OBJ", "OBJ")
+                answers = self._agent.query_memory([(0, 1, 0, name) for name in names],
+                                                   "OBJ", "OBJ")
             except Exception:  # the store did not answer: leave the names to be asked again
                 self.errors += 1
                 answers = None
+            finally:
+                if self._shared is not None:
+                    self._shared.release()
             with self._ready:
                 for index, name in enumerate(names):
                     self._wanted.pop(name, None)
