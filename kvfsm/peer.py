@@ -17,9 +17,13 @@ compiled engine, diagram, explorer and coverage as the first):
     EXPECTING --watch[gone]--> PEER_LOST --publish--> PUBLISHED (failure)
 
 A receiver block is written by the sender's NIXL, so the receiver may reuse it only when the
-write is over: when the notification arrived (NIXL sends it after the data), or when the sender
-is gone *and cut off*: :meth:`PeerReceiver.forget_peer` removes the sender's metadata before
-any expected job fails, so no later write of that sender can reach the memory.
+write is over: when the notification arrived (NIXL sends it after the data; it names the job
+*and* the receiver blocks, so a write into other blocks never counts), or when the sender is
+gone. :meth:`PeerReceiver.forget_peer` removes the sender's metadata before any job it owed
+fails, but that does not revoke the access a live sender already has: a one-sided UCX write of
+a sender that is still running can still land. So call it only when the sender is really gone
+(its process ended, its connection broke), and the same goes for :meth:`PeerReceiver.shutdown`
+with senders still connected.
 """
 
 from __future__ import annotations
@@ -102,9 +106,9 @@ PEER_RECEIVE: Declaration[ReceiveState, PeerAnswer] = Declaration(
 )
 
 
-def notification_for(job_id: int) -> bytes:
-    """The notification message a peer write of ``job_id`` carries."""
-    return f"kvfsm-job:{job_id}".encode()
+def notification_for(job_id: int, blocks: Sequence[int]) -> bytes:
+    """The notification a peer write of ``job_id`` into the receiver's ``blocks`` carries."""
+    return f"kvfsm-job:{job_id}:{','.join(map(str, blocks))}".encode()
 
 
 def _peer_name(name: Any) -> str:
@@ -148,6 +152,8 @@ class PeerReceiver:
             [(primary.data_ptr(), self.num_blocks * self.block_bytes, 0, "")], "DRAM")
         self._expected: dict[int, _Expected] = {}
         self._by_message: dict[tuple[str, bytes], int] = {}
+        #: notifications no expected job claimed yet (one may arrive before its expect())
+        self._unclaimed: dict[tuple[str, bytes], None] = {}
         self._peers: set[str] = set()
         self._results: list[JobResult] = []
         self._lock = threading.RLock()
@@ -189,10 +195,18 @@ class PeerReceiver:
                     raise InvalidJobError(f"job {job.job_id}: block {block} is out of range "
                                           f"[0, {self.num_blocks})")
             self._expected[job.job_id] = _Expected(job, sender)
-            self._by_message[(sender, notification_for(job.job_id))] = job.job_id
+            message = (sender, notification_for(job.job_id, job.block_ids))
+            if message in self._unclaimed:  # it came first: it counts at the next poll
+                del self._unclaimed[message]
+                self.machine.fire(self._expected[job.job_id], "notified", PeerAnswer.ARRIVED)
+            else:
+                self._by_message[message] = job.job_id
 
     def forget_peer(self, sender: str) -> None:
-        """The sender disappeared: cut it off (remove its metadata), then fail what it owed."""
+        """The sender is gone: remove its metadata, then fail what it owed (at the next poll).
+
+        Only for a sender that is really gone: a live sender's writes are not revoked.
+        """
         with self._lock:
             if sender in self._peers:
                 self.agent.remove_remote_agent(sender)
@@ -201,13 +215,15 @@ class PeerReceiver:
     def get_finished_jobs(self) -> list[JobResult]:
         """Take NIXL's new notifications, watch the senders; the results published since."""
         with self._lock:
+            for sender, messages in self.agent.get_new_notifs().items():
+                for message in messages:
+                    key = (_peer_name(sender), bytes(message))
+                    job_id = self._by_message.pop(key, None)
+                    if job_id is not None:
+                        self.machine.fire(self._expected[job_id], "notified", PeerAnswer.ARRIVED)
+                    elif len(self._unclaimed) < 65536:
+                        self._unclaimed[key] = None
             if self._expected:
-                for sender, messages in self.agent.get_new_notifs().items():
-                    for message in messages:
-                        job_id = self._by_message.pop((_peer_name(sender), bytes(message)), None)
-                        if job_id is not None:
-                            self.machine.fire(self._expected[job_id], "notified",
-                                              PeerAnswer.ARRIVED)
                 for expected in list(self._expected.values()):
                     if expected.state is ReceiveState.EXPECTING:
                         answer = (PeerAnswer.PRESENT if expected.peer in self._peers
@@ -258,7 +274,8 @@ class PeerReceiver:
     def _publish(self, expected: _Expected) -> None:
         self.machine.fire(expected, "publish", PeerAnswer.OK)
         del self._expected[expected.job.job_id]
-        self._by_message.pop((expected.peer, notification_for(expected.job.job_id)), None)
+        self._by_message.pop(
+            (expected.peer, notification_for(expected.job.job_id, expected.job.block_ids)), None)
         success = bool(expected.success)
         self._results.append(JobResult(
             expected.job.job_id, success,
@@ -285,7 +302,8 @@ class _PeerMemory:
         return [(*tier.receiver_blocks[tier.remote_index(key)], "") for key in transfer.job.keys]
 
     def notification(self, transfer: Transfer) -> bytes:
-        return notification_for(transfer.job.job_id)
+        keys = transfer.job.keys
+        return notification_for(transfer.job.job_id, [self._tier.remote_index(k) for k in keys])
 
     def commit(self, transfer: Transfer) -> None:
         """The receiver learns of the write from the notification; nothing to commit."""

@@ -79,7 +79,7 @@ def test_two_real_agents_move_torch_blocks_and_both_sides_publish_once(pair: Pai
     assert pair.sender.stats()["leaks"] == 0
 
 
-def test_a_disappearing_peer_publishes_failures_on_both_sides_and_leaks_nothing(
+def test_peers_that_lose_each_other_publish_failures_on_both_sides_and_leak_nothing(
     pair: Pair,
 ) -> None:
     pair.receiver.expect(TransferJob(1, ["0"], [0], is_promotion=True), pair.sender_name)
@@ -152,15 +152,28 @@ def test_the_receiver_publishes_on_its_notification_and_fails_what_a_lost_peer_o
     assert receiver.get_finished_jobs() == []
     assert receiver.state_of(1) is ReceiveState.EXPECTING
 
-    agent.inbox = {"engine-a": [b"unrelated", notification_for(1)]}
+    agent.inbox = {"engine-a": [b"unrelated", notification_for(1, [5]),  # other blocks: no
+                                notification_for(1, [0])]}
     assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(1, True)]
     receiver.forget_peer(sender)
     assert "engine-a" not in agent.peers, "cut off before anything it owed fails"
     assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(2, False)]
-    agent.inbox = {"engine-a": [notification_for(2)]}  # too late: already published
+    agent.inbox = {"engine-a": [notification_for(2, [1])]}  # too late: already published
     assert receiver.get_finished_jobs() == []
     receiver.shutdown()
     assert agent.registered == 0
+
+
+def test_a_notification_that_comes_before_its_expect_still_counts() -> None:
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    sender = receiver.connect(b"engine-a")
+    receiver.expect(TransferJob(1, ["0"], [0], is_promotion=True), sender)
+    agent.inbox = {"engine-a": [notification_for(2, [3])]}  # job 2 is faster than its expect
+    assert receiver.get_finished_jobs() == []
+    receiver.expect(TransferJob(2, ["3"], [3], is_promotion=True), sender)
+    assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(2, True)]
+    assert receiver.state_of(1) is ReceiveState.EXPECTING
 
 
 def test_the_receiver_refuses_what_it_cannot_expect() -> None:
