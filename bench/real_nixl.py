@@ -1,0 +1,358 @@
+"""kvfsm on real NIXL against a bare script making the same NIXL calls.
+
+Two workloads, each a 256 x 64 KiB KV cache (16 MiB) stored out and loaded back in jobs of 16
+blocks (and, for files, of 1 block too, where per-transfer cost weighs most):
+
+* files: :class:`kvfsm.tiers.FileTier` (``durable=False``, as ``kvfsm demo`` runs it) on NIXL's
+  POSIX backend, against a bare script that opens the same temporary files, makes the same
+  NIXL calls (register, prep, make, post, poll, release, release the list, deregister), renames
+  each finished store into place and closes the files;
+* object store: :class:`kvfsm.tiers.ObjectStoreTier` on NIXL's OBJ backend against an S3 server
+  (moto) this script starts on a free 127.0.0.1 port and stops at the end, against the bare
+  script's OBJ calls, and the hand-written loop (``handloop.py``) on the same agent.
+
+Every contender submits all jobs of a phase, then polls until every job finished, sleeping the
+tier's ``poll_interval`` (0.5 ms) between polls; the loads are checked byte for byte (untimed).
+Runs alternate between contenders so drift hits all alike. Prints the median throughput of
+each phase and the ratio to the bare script.
+
+Usage: ``.venv/bin/python bench/real_nixl.py [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import RESULTS, machine, median, print_machine, ratio, table
+from handloop import HandTier
+
+from kvfsm.agent import LOCAL_AGENT
+from kvfsm.nixl_agents import StoreConfig, make_agent, nixl_available
+from kvfsm.tiers import FileTier, ObjectStoreTier
+from kvfsm.transfer import TransferJob
+
+BLOCK_BYTES = 64 * 1024
+POLL_INTERVAL = 0.0005
+ACCESS_KEY, SECRET_KEY = "bench-access", "bench-secret"
+_names = itertools.count()
+
+
+def _agent_name(what: str) -> str:
+    return f"bench-{what}-{os.getpid()}-{next(_names)}"
+
+
+def groups(blocks: int, per_job: int) -> list[list[int]]:
+    return [list(range(s, min(s + per_job, blocks))) for s in range(0, blocks, per_job)]
+
+
+# -- the bare scripts: the NIXL calls a transfer needs, and nothing else -----------------------
+
+class BareFiles:
+    """Files: the same files, NIXL calls and renames as the file tier, without the tier."""
+
+    def __init__(self, cache: torch.Tensor, root: Path, agent: Any) -> None:
+        self.cache, self.root, self.agent = cache, root, agent
+        blocks, size = cache.shape[0], cache[0].nbytes
+        base = cache.data_ptr()
+        self.size = size
+        self.dram = agent.register_memory([(base, blocks * size, 0, "")], "DRAM")
+        self.local = agent.prep_xfer_dlist(
+            LOCAL_AGENT, [(base + i * size, size, 0) for i in range(blocks)], "DRAM")
+
+    def phase(self, jobs: list[list[int]], load: bool) -> None:
+        agent = self.agent
+        pending = []
+        for blocks in jobs:
+            fds, renames = [], []
+            for block in blocks:
+                final = self.root / f"block-{block}"
+                if load:
+                    fds.append(os.open(final, os.O_RDONLY | os.O_CLOEXEC))
+                else:
+                    partial = final.with_name(final.name + ".partial")
+                    fds.append(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                                       | os.O_CLOEXEC, 0o644))
+                    renames.append((partial, final))
+            files = agent.register_memory([(0, self.size, fd, "") for fd in fds], "FILE")
+            remote = agent.prep_xfer_dlist(agent.name, files.trim())
+            xfer = agent.make_prepped_xfer("READ" if load else "WRITE", self.local, blocks,
+                                           remote, list(range(len(blocks))))
+            status = agent.transfer(xfer)
+            if status not in ("PROC", "DONE"):
+                raise RuntimeError(f"transfer() answered {status}")
+            pending.append((xfer, remote, files, fds, renames))
+        while pending:
+            still = []
+            for entry in pending:
+                xfer, remote, files, fds, renames = entry
+                status = agent.check_xfer_state(xfer)
+                if status == "PROC":
+                    still.append(entry)
+                    continue
+                if status != "DONE":
+                    raise RuntimeError(f"check_xfer_state answered {status}")
+                for partial, final in renames:
+                    os.replace(partial, final)
+                agent.release_xfer_handle(xfer)
+                agent.release_dlist_handle(remote)
+                agent.deregister_memory(files)
+                for fd in fds:
+                    os.close(fd)
+            pending = still
+            if pending:
+                time.sleep(POLL_INTERVAL)
+
+    def close(self) -> None:
+        self.agent.release_dlist_handle(self.local)
+        self.agent.deregister_memory(self.dram)
+
+
+class BareObjects(BareFiles):
+    """Objects: the object tier's NIXL calls, without the tier."""
+
+    def __init__(self, cache: torch.Tensor, agent: Any, prefix: str) -> None:
+        super().__init__(cache, Path(), agent)
+        self.prefix = prefix
+        self.dev_ids = itertools.count(1 << 30)  # apart from the tiers' ids
+
+    def phase(self, jobs: list[list[int]], load: bool) -> None:
+        agent = self.agent
+        pending = []
+        for blocks in jobs:
+            files = agent.register_memory(
+                [(0, self.size, next(self.dev_ids), f"{self.prefix}block-{b}") for b in blocks],
+                "OBJ")
+            remote = agent.prep_xfer_dlist(agent.name, files.trim())
+            xfer = agent.make_prepped_xfer("READ" if load else "WRITE", self.local, blocks,
+                                           remote, list(range(len(blocks))))
+            status = agent.transfer(xfer)
+            if status not in ("PROC", "DONE"):
+                raise RuntimeError(f"transfer() answered {status}")
+            pending.append((xfer, remote, files))
+        while pending:
+            still = []
+            for entry in pending:
+                xfer, remote, files = entry
+                status = agent.check_xfer_state(xfer)
+                if status == "PROC":
+                    still.append(entry)
+                    continue
+                if status != "DONE":
+                    raise RuntimeError(f"check_xfer_state answered {status}")
+                agent.release_xfer_handle(xfer)
+                agent.release_dlist_handle(remote)
+                agent.deregister_memory(files)
+            pending = still
+            if pending:
+                time.sleep(POLL_INTERVAL)
+
+
+# -- the tiers, driven the way an engine drives them -------------------------------------------
+
+def tier_phase(tier: Any, jobs: list[list[int]], load: bool, first_id: int) -> None:
+    submit = tier.submit_load if load else tier.submit_store
+    for offset, blocks in enumerate(jobs):
+        submit(TransferJob(first_id + offset, [f"block-{b}" for b in blocks], blocks,
+                           is_promotion=load))
+    published = 0
+    while True:
+        results = tier.get_finished_jobs()
+        for result in results:
+            if not result.success:
+                raise RuntimeError(f"job {result.job_id} failed")
+        published += len(results)
+        if published == len(jobs):
+            return
+        time.sleep(POLL_INTERVAL)
+
+
+# -- one run: store, wipe, load, verify --------------------------------------------------------
+
+Phase = Callable[[list[list[int]], bool], None]
+
+
+def one_run(cache: torch.Tensor, original: torch.Tensor, jobs: list[list[int]],
+            phase: Phase) -> tuple[float, float]:
+    """Seconds to store every block and to load every block back (verified)."""
+    cache.copy_(original)
+    started = time.perf_counter()
+    phase(jobs, False)
+    stored = time.perf_counter() - started
+    cache.zero_()
+    started = time.perf_counter()
+    phase(list(reversed(jobs)), True)
+    loaded = time.perf_counter() - started
+    if not torch.equal(cache, original):
+        raise RuntimeError("loaded blocks differ from the stored ones")
+    return stored, loaded
+
+
+def run_files(blocks: int, per_job: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
+    cache = torch.zeros(blocks, BLOCK_BYTES, dtype=torch.uint8)
+    original = torch.randint(0, 256, cache.shape, dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(1))
+    jobs = groups(blocks, per_job)
+    samples: dict[str, list[tuple[float, float]]] = {"kvfsm FileTier": [], "bare script": []}
+    for repeat in range(repeats):
+        order = list(samples) if repeat % 2 == 0 else list(reversed(samples))
+        for name in order:
+            with tempfile.TemporaryDirectory(prefix="kvfsm-bench-") as root:
+                agent = make_agent(_agent_name("posix"), "POSIX")
+                if name == "bare script":
+                    bare = BareFiles(cache, Path(root), agent)
+                    samples[name].append(one_run(cache, original, jobs, bare.phase))
+                    bare.close()
+                else:
+                    tier = FileTier(cache, root, agent=agent, durable=False)
+                    ids = itertools.count()
+
+                    def phase(jobs: list[list[int]], load: bool, tier: Any = tier,
+                              ids: Any = ids) -> None:
+                        tier_phase(tier, jobs, load, next(ids) * len(jobs))
+
+                    samples[name].append(one_run(cache, original, jobs, phase))
+                    tier.shutdown()
+    return samples
+
+
+class S3Server:
+    """A moto S3 server on a free 127.0.0.1 port, started and stopped by this script."""
+
+    def __init__(self) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"moto server exited with {self.process.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("moto server did not listen within 30 s") from None
+                time.sleep(0.05)
+
+    def new_bucket(self) -> str:
+        import boto3  # noqa: PLC0415 - only this workload needs it
+
+        bucket = f"kvfsm-bench-{uuid.uuid4().hex[:10]}"
+        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+                     aws_secret_access_key=SECRET_KEY,
+                     region_name="us-east-1").create_bucket(Bucket=bucket)
+        return bucket
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+
+
+def run_objects(blocks: int, per_job: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
+    cache = torch.zeros(blocks, BLOCK_BYTES, dtype=torch.uint8)
+    original = torch.randint(0, 256, cache.shape, dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(2))
+    jobs = groups(blocks, per_job)
+    samples: dict[str, list[tuple[float, float]]] = {
+        "kvfsm ObjectStoreTier": [], "hand-written loop (b)": [], "bare script": []}
+    server = S3Server()
+    try:
+        store = StoreConfig(server.new_bucket(), endpoint=server.endpoint,
+                            access_key=ACCESS_KEY, secret_key=SECRET_KEY)
+        for repeat in range(repeats):
+            order = list(samples)[repeat % 3:] + list(samples)[:repeat % 3]
+            for name in order:
+                prefix = f"r{repeat}/{name.split()[0]}/"
+                agent = make_agent(_agent_name("obj"), "OBJ", store.backend_params())
+                if name == "bare script":
+                    bare = BareObjects(cache, agent, prefix)
+                    samples[name].append(one_run(cache, original, jobs, bare.phase))
+                    bare.close()
+                    continue
+                tier: Any = (ObjectStoreTier(cache, agent=agent, key_prefix=prefix)
+                             if name.startswith("kvfsm") else
+                             HandTier(cache, agent=agent, key_prefix=prefix))
+                ids = itertools.count()
+
+                def phase(jobs: list[list[int]], load: bool, tier: Any = tier,
+                          ids: Any = ids) -> None:
+                    tier_phase(tier, jobs, load, next(ids) * len(jobs))
+
+                samples[name].append(one_run(cache, original, jobs, phase))
+                tier.shutdown()
+    finally:
+        server.stop()
+    return samples
+
+
+def summarize(title: str, nbytes: int, samples: dict[str, list[tuple[float, float]]]) -> str:
+    mib = nbytes / 2**20
+    medians = {name: (median([s for s, _ in runs]), median([ld for _, ld in runs]))
+               for name, runs in samples.items()}
+    bare = medians["bare script"]
+    rows = []
+    for name, (stored, loaded) in medians.items():
+        rows.append([name, f"{mib / stored:,.0f}", ratio(bare[0], stored), f"{mib / loaded:,.0f}",
+                     ratio(bare[1], loaded), f"{stored * 1e3:,.1f}", f"{loaded * 1e3:,.1f}",
+                     str(len(samples[name]))])
+    return table(["contender", "store MiB/s", "vs bare", "load MiB/s", "vs bare", "store ms",
+                  "load ms", "runs"], rows, title)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a run of seconds: fewer blocks "
+                        "and repeats (writes *-quick files)")
+    args = parser.parse_args()
+    logging.getLogger("kvfsm").setLevel(logging.ERROR)
+    if not nixl_available():
+        print("NIXL is not installed (scripts/setup installs nixl-cu12==1.5.1)", file=sys.stderr)
+        return 2
+    info = machine()
+    print_machine(info)
+    blocks = 256
+    file_repeats, object_repeats, object_blocks = (3, 1, 32) if args.quick else (15, 5, 256)
+    suffix = "-quick" if args.quick else ""
+    out = ["machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), ""]
+    raw: dict[str, Any] = {"machine": info}
+    for per_job in (16, 1):
+        samples = run_files(blocks, per_job, file_repeats)
+        title = (f"Files, NIXL POSIX: {blocks} x 64 KiB in jobs of {per_job} block(s), "
+                 "store then load (medians)")
+        out.append(summarize(title, blocks * BLOCK_BYTES, samples))
+        raw[f"files_{per_job}"] = samples
+        print(out[-1], flush=True)
+    samples = run_objects(object_blocks, 16, object_repeats)
+    title = (f"Object store, NIXL OBJ on a local S3 server (moto): {object_blocks} x 64 KiB in "
+             "jobs of 16 blocks (medians)")
+    out.append(summarize(title, object_blocks * BLOCK_BYTES, samples))
+    raw["objects_16"] = samples
+    print(out[-1], flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"real_nixl{suffix}.md").write_text("\n".join(out))
+    (RESULTS / f"real_nixl{suffix}.json").write_text(json.dumps(raw, indent=1))
+    print(f"wrote {RESULTS / f'real_nixl{suffix}.md'} and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
