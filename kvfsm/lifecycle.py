@@ -66,6 +66,10 @@ __all__ = [
 class TransferState(enum.Enum):
     """Where a transfer is in its lifecycle."""
 
+    # members are singletons: hash them by identity, in C, not by name in Python (the table is
+    # a dict keyed by state and answer, looked up several times per transfer)
+    __hash__ = object.__hash__
+
     #: the submit calls are being made; no answer from NIXL yet
     SUBMITTED = "submitted"
     #: posted; NIXL answered PROC and the transfer may be touching memory
@@ -107,6 +111,8 @@ class TransferEvent(enum.StrEnum):
 
 class Answer(enum.Enum):
     """What a NIXL call answered."""
+
+    __hash__ = object.__hash__  # see TransferState
 
     #: the transfer is still running
     PROC = "PROC"

@@ -60,6 +60,7 @@ class Transfer:
         "finished_at",
         "job",
         "leaks",
+        "names",
         "nbytes",
         "opened",
         "remote",
@@ -95,6 +96,8 @@ class Transfer:
         self.xfer: Any = None
         #: what the tier's remote side opened for this transfer (files), or None
         self.opened: Any = None
+        #: the remote name of each key (object names, file names), as the tier checked them
+        self.names: tuple[str, ...] = ()
         #: the steps taken, flat: step, time, step, time... (see :mod:`kvfsm.trace`)
         self.trace: list[Any] = []
 

@@ -113,7 +113,9 @@ class SecondaryTier:
         self.on_published: list[Callable[[Transfer], None]] = []
         #: what the tier knows of each remote name: set by results, filled in by probes
         self._known: dict[str, Lookup] = {}
-        self._transfers: dict[int, Transfer] = {}
+        self._transfers: dict[int, Transfer] = {}  # every unpublished transfer, by job id
+        self._running: dict[Transfer, Any] = {}  # those in PROCESSING -> their xfer handle
+        self._waiting: dict[int, Transfer] = {}  # the others (a release to retry, cancelling)
         self._results: list[JobResult] = []
         self._unreported: set[int] = set()  # job ids published but not yet handed out
         self._closed = False
@@ -192,6 +194,7 @@ class SecondaryTier:
                 raise UnknownJobError(f"job {job_id} is not in flight on this tier "
                                       "(never submitted, or already published)")
             self.driver.cancel(transfer)
+            self._refile(transfer)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Cancel every unfinished job, wait for NIXL, release everything. Idempotent.
@@ -215,6 +218,7 @@ class SecondaryTier:
             self._closing = True
             for transfer in self.unpublished():
                 self.driver.cancel(transfer)
+                self._refile(transfer)
         try:
             self.drain_jobs(timeout)  # takes the lock a poll at a time
         except DrainTimeout:
@@ -318,16 +322,52 @@ class SecondaryTier:
     def _submit(self, job: TransferJob, *, load: bool) -> None:
         if self._closed or self._closing:
             raise TierClosedError(f"{type(self).__name__} is shut down; job {job.job_id} refused")
-        keys, block_ids = self._validate(job, load=load)
-        job = TransferJob(job.job_id, keys, block_ids, is_promotion=job.is_promotion)
+        keys, block_ids, names = self._validate(job, load=load)
+        if keys is not job.keys or block_ids is not job.block_ids:  # keep the checked copies
+            job = TransferJob(job.job_id, keys, block_ids, is_promotion=job.is_promotion)
         transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic())
+        transfer.names = names
         self._transfers[job.job_id] = transfer
         self.driver.post(transfer, self._local, block_ids)
         if transfer.state is not TransferState.PROCESSING:  # over at once: DONE or FAILED
             self._advance(transfer)
+        self._refile(transfer)
 
-    def _validate(self, job: Any, *, load: bool) -> tuple[tuple[bytes | str, ...], tuple[int, ...]]:
-        """Check a job against this tier; returns its keys and block ids as tuples."""
+    def _validate(self, job: Any, *, load: bool
+                  ) -> tuple[tuple[bytes | str, ...], tuple[int, ...], tuple[str, ...]]:
+        """Check a job against this tier; returns its keys, block ids and remote names."""
+        job_id = self._check_job_id(job)
+        if job.is_promotion != load:
+            wanted = "submit_load" if job.is_promotion else "submit_store"
+            raise InvalidJobError(f"job {job_id} has is_promotion={job.is_promotion}; "
+                                  f"submit it with {wanted}")
+        for field in ("keys", "block_ids"):
+            value = getattr(job, field)
+            if type(value) is not tuple and type(value) is not list and (
+                    isinstance(value, str | bytes) or not isinstance(value, Sequence)):
+                raise InvalidJobError(f"job {job_id}: {field} must be a list or tuple, got "
+                                      f"{type(value).__name__} {value!r}")
+        keys, raw_ids = tuple(job.keys), tuple(job.block_ids)
+        if len(keys) != len(raw_ids):
+            raise InvalidJobError(f"job {job_id} has {len(keys)} keys but "
+                                  f"{len(raw_ids)} block ids")
+        try:
+            names = tuple(map(self.remote_name, keys))
+        except ValueError:
+            names = ()
+        if len(names) != len(keys) or len(set(names)) != len(names):
+            self._explain_keys(job_id, keys)
+        limit = self.num_blocks
+        if all(type(b) is int and 0 <= b < limit for b in raw_ids):
+            block_ids = raw_ids  # the common case: plain ints in range
+        else:
+            block_ids = tuple(self._block_id(job_id, index, b) for index, b in enumerate(raw_ids))
+        if load and len(set(block_ids)) != len(block_ids):
+            raise InvalidJobError(f"job {job_id} loads into the same block twice")
+        return keys, block_ids, names
+
+    def _check_job_id(self, job: Any) -> int:
+        """Raise InvalidJobError unless ``job`` is a TransferJob with a new int id."""
         if not isinstance(job, TransferJob):
             raise InvalidJobError(f"expected a TransferJob, got {type(job).__name__}")
         job_id = job.job_id
@@ -338,33 +378,20 @@ class SecondaryTier:
                                   f"({self._transfers[job_id].state.name})")
         if job_id in self._unreported:
             raise InvalidJobError(f"job {job_id} has a result not yet collected")
-        if job.is_promotion != load:
-            wanted = "submit_load" if job.is_promotion else "submit_store"
-            raise InvalidJobError(f"job {job_id} has is_promotion={job.is_promotion}; "
-                                  f"submit it with {wanted}")
-        for field in ("keys", "block_ids"):
-            value = getattr(job, field)
-            if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-                raise InvalidJobError(f"job {job_id}: {field} must be a list or tuple, got "
-                                      f"{type(value).__name__} {value!r}")
-        keys, raw_ids = tuple(job.keys), tuple(job.block_ids)
-        if len(keys) != len(raw_ids):
-            raise InvalidJobError(f"job {job_id} has {len(keys)} keys but "
-                                  f"{len(raw_ids)} block ids")
-        names: dict[str, int] = {}
+        return job_id
+
+    def _explain_keys(self, job_id: int, keys: tuple[Any, ...]) -> None:
+        """Raise the InvalidJobError that names the first bad or repeated key."""
+        seen: dict[str, int] = {}
         for index, key in enumerate(keys):
             try:
                 name = self.remote_name(key)
             except ValueError as error:
                 raise InvalidJobError(f"job {job_id}: keys[{index}]: {error}") from None
-            if name in names:
-                raise InvalidJobError(f"job {job_id}: keys[{names[name]}] and keys[{index}] "
+            if name in seen:
+                raise InvalidJobError(f"job {job_id}: keys[{seen[name]}] and keys[{index}] "
                                       f"name the same block {name!r}")
-            names[name] = index
-        block_ids = tuple(self._block_id(job_id, index, b) for index, b in enumerate(raw_ids))
-        if load and len(set(block_ids)) != len(block_ids):
-            raise InvalidJobError(f"job {job_id} loads into the same block twice")
-        return keys, block_ids
+            seen[name] = index
 
     def _block_id(self, job_id: int, index: int, block_id: object) -> int:
         if isinstance(block_id, bool):
@@ -392,6 +419,8 @@ class SecondaryTier:
     def _finish(self, transfer: Transfer) -> None:
         """A transfer reached a final state: hand its one result out."""
         del self._transfers[transfer.job_id]
+        self._running.pop(transfer, None)
+        self._waiting.pop(transfer.job_id, None)
         result = transfer.result()
         self._results.append(result)
         self._unreported.add(transfer.job_id)
@@ -404,7 +433,8 @@ class SecondaryTier:
             logger.warning("job %d leaked: %s raised %s", transfer.job_id, leak.call,
                            leak.error, extra=_fields(transfer, leak.error))
         self._retries += transfer.retries
-        self._leaks.extend((transfer.job_id, leak) for leak in transfer.leaks)
+        if transfer.leaks:
+            self._leaks.extend((transfer.job_id, leak) for leak in transfer.leaks)
         if transfer.state is TransferState.QUARANTINED:
             self._quarantine.append(transfer)
         job = transfer.job
@@ -413,14 +443,26 @@ class SecondaryTier:
             # they are not, so they are not loaded again and again (F11)
             verdict = Lookup.HIT if transfer.success else Lookup.MISS
             known = self._known
-            for key in job.keys:
-                known[self.remote_name(key)] = verdict
+            for name in transfer.names:
+                known[name] = verdict
         for listener in self.on_published:  # best effort: a listener never costs a result (F7)
             try:
                 listener(transfer)
             except Exception:
                 logger.exception("job %d: an on_published listener raised", transfer.job_id,
                                  extra=_fields(transfer, None))
+
+    def _refile(self, transfer: Transfer) -> None:
+        """Keep a transfer in the right poll list after its state changed (or drop it once
+        published)."""
+        if transfer.job_id not in self._transfers:
+            return
+        if transfer.state is TransferState.PROCESSING:
+            self._waiting.pop(transfer.job_id, None)
+            self._running[transfer] = transfer.xfer
+        else:
+            self._running.pop(transfer, None)
+            self._waiting[transfer.job_id] = transfer
 
     def _poll(self) -> None:
         """Advance every unpublished transfer once.
@@ -429,23 +471,50 @@ class SecondaryTier:
         else while NIXL answers PROC, because the table declares that answer a stay (a
         self-loop without actions, :attr:`~kvfsm.engine.Step.is_stay`); its step is counted
         once per poll round, not fired. A user's machine that declares anything else for that
-        answer gets every answer fired.
+        answer, or a running bound (``max_running_seconds``), takes the general path.
         """
+        stay = self._proc_stay
+        if stay is None or self.policy.max_running_seconds is not None:
+            self._poll_each()
+            return
+        running = self._running
+        waiting = list(self._waiting.values())  # those in it now: one call each this round
+        check = self.agent.check_xfer_state
+        answered: list[tuple[Transfer, str | Exception]] = []
+        for transfer, xfer in running.items():
+            try:
+                status: str | Exception = check(xfer)
+            except Exception as error:  # the machine hears of it: poll(RAISED)
+                status = error
+            if status == "PROC":
+                continue
+            answered.append((transfer, status))
+        stay.count += len(running) - len(answered)
+        polled = self.driver.polled
+        for transfer, status in answered:
+            polled(transfer, status)
+            self._advance(transfer)
+            self._refile(transfer)
+        for transfer in waiting:
+            self._advance(transfer)
+            self._refile(transfer)
+
+    def _poll_each(self) -> None:
+        """The general path: every transfer through the driver and the machine, each poll."""
         check = self.agent.check_xfer_state
         processing = TransferState.PROCESSING
         stay = self._proc_stay
         limit = self.policy.max_running_seconds
         started_after = -1.0 if limit is None else time.monotonic() - limit
-        stays = 0
         others: list[tuple[Transfer, str | Exception | None]] = []
-        for transfer in self._transfers.values():
+        for transfer in list(self._transfers.values()):
             if transfer.state is processing:
                 try:
                     status: str | Exception = check(transfer.xfer)
                 except Exception as error:  # the machine hears of it: poll(RAISED)
                     status = error
                 if status == "PROC" and stay is not None and transfer.started_at > started_after:
-                    stays += 1
+                    stay.count += 1
                     continue
                 others.append((transfer, status))
             elif (transfer.state is TransferState.CANCELLING
@@ -453,8 +522,6 @@ class SecondaryTier:
                 others.append((transfer, "PROC"))  # bounded like a running one, below
             else:
                 others.append((transfer, None))
-        if stay is not None:
-            stay.count += stays
         polled = self.driver.polled
         for transfer, answered in others:
             if answered == "PROC" and transfer.started_at <= started_after:
@@ -462,9 +529,9 @@ class SecondaryTier:
                 continue
             if answered is not None:
                 polled(transfer, answered)
-                if transfer.state is processing:  # a stay this machine fires: done this round
-                    continue
-            self._advance(transfer)
+            if transfer.state is not processing:  # a stay this machine fires: done this round
+                self._advance(transfer)
+            self._refile(transfer)
 
 
 logger = logging.getLogger("kvfsm")

@@ -57,8 +57,8 @@ class _Files:
         tier = self._tier
         opened = transfer.opened = _OpenFiles()
         descs = []
-        for key in transfer.job.keys:
-            final = tier.path_of(key)
+        for name in transfer.names:
+            final = tier.root / name
             if transfer.job.is_promotion:
                 fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
             else:

@@ -37,8 +37,8 @@ class _Objects:
         self._tier = tier
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
-        size, name, dev_ids = self._tier.block_bytes, self._tier.object_key, _dev_ids
-        return [(0, size, next(dev_ids) % _DEV_ID_SPACE, name(key)) for key in transfer.job.keys]
+        size, dev_ids = self._tier.block_bytes, _dev_ids
+        return [(0, size, next(dev_ids) % _DEV_ID_SPACE, name) for name in transfer.names]
 
     def commit(self, transfer: Transfer) -> None:
         """An object is visible once its PUT finished."""
