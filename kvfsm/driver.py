@@ -165,9 +165,7 @@ class TransferDriver:
                     self.machine.fire(transfer, TransferEvent.RELEASE, Answer.EXHAUSTED, error)
                     logger.error("job %d quarantined after %d failed release(s): %s",
                                  transfer.job_id, failures, transfer.error,
-                                 extra={"kvfsm_job_id": transfer.job_id,
-                                        "kvfsm_state": transfer.state.name,
-                                        "kvfsm_nixl_error": transfer.error})
+                                 extra=transfer.log_fields())
                     return
                 self.machine.fire(transfer, TransferEvent.RELEASE, Answer.RAISED, error)
                 transfer.retry_at = self.policy.next_attempt(failures, now)
@@ -175,9 +173,7 @@ class TransferDriver:
                 if retries & (retries - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every poll
                     logger.warning("job %d: release_xfer_handle raised (retry %d): %s",
                                    transfer.job_id, retries, transfer.error,
-                                   extra={"kvfsm_job_id": transfer.job_id,
-                                          "kvfsm_state": transfer.state.name,
-                                          "kvfsm_nixl_error": transfer.error})
+                                   extra=transfer.log_fields())
                 return
             transfer.xfer = None  # released: never handed to NIXL again
         self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
@@ -219,8 +215,7 @@ class TransferDriver:
         event = (TransferEvent.POLL if was in _RUNNING else TransferEvent.RELEASE)
         self.machine.fire(transfer, event, Answer.EXHAUSTED, why)
         logger.error("job %d quarantined in %s: %s", transfer.job_id, was.name, why,
-                     extra={"kvfsm_job_id": transfer.job_id, "kvfsm_state": transfer.state.name,
-                            "kvfsm_nixl_error": transfer.error})
+                     extra=transfer.log_fields())
 
     def advance(self, transfer: Transfer) -> bool:
         """Make calls for ``transfer`` until it waits on NIXL or is published.

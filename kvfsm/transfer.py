@@ -117,6 +117,11 @@ class Transfer:
             transfer_time=self.finished_at - self.started_at,
         )
 
+    def log_fields(self, error: str | None = None) -> dict[str, Any]:
+        """The structured fields of a log line about this transfer (``extra=`` of logging)."""
+        return {"kvfsm_job_id": self.job.job_id, "kvfsm_state": self.state.name,
+                "kvfsm_nixl_error": self.error if error is None else error}
+
     def __repr__(self) -> str:
         outcome = {None: "pending", True: "success", False: "failure"}[self.success]
         return (f"<Transfer job={self.job.job_id} {self.state.name} {outcome} "

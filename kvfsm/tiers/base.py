@@ -431,7 +431,7 @@ class SecondaryTier:
             _log_failure(transfer)
         for leak in transfer.leaks:
             logger.warning("job %d leaked: %s raised %s", transfer.job_id, leak.call,
-                           leak.error, extra=_fields(transfer, leak.error))
+                           leak.error, extra=transfer.log_fields(leak.error))
         self._retries += transfer.retries
         if transfer.leaks:
             self._leaks.extend((transfer.job_id, leak) for leak in transfer.leaks)
@@ -450,7 +450,7 @@ class SecondaryTier:
                 listener(transfer)
             except Exception:
                 logger.exception("job %d: an on_published listener raised", transfer.job_id,
-                                 extra=_fields(transfer, None))
+                                 extra=transfer.log_fields())
 
     def _refile(self, transfer: Transfer) -> None:
         """Keep a transfer in the right poll list after its state changed (or drop it once
@@ -539,17 +539,11 @@ logger = logging.getLogger("kvfsm")
 _MAY_RUN = frozenset({TransferState.PROCESSING, TransferState.CANCELLING})
 
 
-def _fields(transfer: Transfer, error: str | None) -> dict[str, Any]:
-    """The structured fields of a log line about a transfer."""
-    return {"kvfsm_job_id": transfer.job_id, "kvfsm_state": transfer.state.name,
-            "kvfsm_nixl_error": error}
-
-
 def _log_failure(transfer: Transfer) -> None:
     job = transfer.job
     logger.warning("job %d: %s of %d block(s) failed: %s", job.job_id,
                    "load" if job.is_promotion else "store", len(job.block_ids), transfer.error,
-                   extra=_fields(transfer, transfer.error))
+                   extra=transfer.log_fields())
 
 
 def key_text(key: object) -> str:
