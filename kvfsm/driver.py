@@ -24,7 +24,7 @@ from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferSta
 from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import Leak, Transfer
 
-__all__ = ["RemoteSide", "TransferDriver"]
+__all__ = ["RemoteSide", "StorageSide", "TransferDriver"]
 
 _STATUS = {"PROC": Answer.PROC, "DONE": Answer.DONE}
 _FINAL = frozenset({TransferState.PUBLISHED, TransferState.QUARANTINED})
@@ -52,6 +52,29 @@ class RemoteSide(Protocol):
 
     def close(self, transfer: Transfer) -> list[Leak]:
         """Release what :meth:`open` kept, after NIXL let go of it; report what could not be."""
+
+
+class StorageSide:
+    """What most remote sides share: storage this agent registers itself, no notification,
+    nothing to commit or close. Subclasses say ``mem_type`` and how to ``open``."""
+
+    mem_type: str
+    peer: str | None = None
+
+    def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
+        """The remote descriptors of ``transfer``."""
+        raise NotImplementedError
+
+    def notification(self, transfer: Transfer) -> bytes:
+        """No notification: storage has nobody to tell."""
+        return b""
+
+    def commit(self, transfer: Transfer) -> None:
+        """Nothing to commit: the data is visible once NIXL finished."""
+
+    def close(self, transfer: Transfer) -> list[Leak]:
+        """Nothing opened, nothing to close."""
+        return []
 
 
 def _describe(error: BaseException) -> str:

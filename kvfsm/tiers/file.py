@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvfsm.agent import NixlAgent
+from kvfsm.driver import StorageSide
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import Answer, TransferState
 from kvfsm.policy import RetryPolicy
@@ -41,14 +42,10 @@ class _OpenFiles:
         self.committed = False
 
 
-class _Files:
+class _Files(StorageSide):
     """The remote side: one file per block; stores go to temporary files renamed on commit."""
 
     mem_type = "FILE"
-    peer: str | None = None
-
-    def notification(self, transfer: Transfer) -> bytes:
-        return b""
 
     def __init__(self, tier: FileTier) -> None:
         self._tier = tier

@@ -9,11 +9,12 @@ from typing import Any
 import torch
 
 from kvfsm.agent import NixlAgent
+from kvfsm.driver import StorageSide
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import Answer, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
-from kvfsm.transfer import Leak, Transfer
+from kvfsm.transfer import Transfer
 
 __all__ = ["ObjectStoreTier"]
 
@@ -24,14 +25,10 @@ _DEV_ID_SPACE = 2**31
 _dev_ids = itertools.count()
 
 
-class _Objects:
+class _Objects(StorageSide):
     """The remote side: one object descriptor per block, nothing to open or close."""
 
     mem_type = "OBJ"
-    peer: str | None = None
-
-    def notification(self, transfer: Transfer) -> bytes:
-        return b""
 
     def __init__(self, tier: ObjectStoreTier) -> None:
         self._tier = tier
@@ -39,12 +36,6 @@ class _Objects:
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         size, dev_ids = self._tier.block_bytes, _dev_ids
         return [(0, size, next(dev_ids) % _DEV_ID_SPACE, name) for name in transfer.names]
-
-    def commit(self, transfer: Transfer) -> None:
-        """An object is visible once its PUT finished."""
-
-    def close(self, transfer: Transfer) -> list[Leak]:
-        return []
 
 
 class _Prober:
