@@ -103,8 +103,7 @@ class Edge:
 class Step(Generic[S]):
     """What firing one event with one answer does in one state: go to ``dest``, run ``actions``."""
 
-    __slots__ = ("action_names", "actions", "answer", "count", "dest", "edge", "is_stay",
-                 "source")
+    __slots__ = ("actions", "answer", "count", "dest", "edge", "is_stay", "source")
 
     def __init__(
         self, source: S, answer: enum.Enum, dest: S, edge: Edge, actions: tuple[Action, ...]
@@ -114,10 +113,9 @@ class Step(Generic[S]):
         self.dest = dest
         self.edge = edge
         self.actions = actions
-        self.action_names = edge.actions
         #: a self-loop without actions: taking it changes nothing at all
         self.is_stay = source is dest and not actions
-        #: how many times this step was taken since compilation (or the last reset)
+        #: how many times this step was taken since compilation
         self.count = 0
 
     def __repr__(self) -> str:
@@ -231,11 +229,6 @@ class Declaration(Generic[S, A]):
     def edges_from(self, source: S, event: str) -> list[Edge]:
         """The edges leaving ``source`` on ``event``, in the order their guards are tried."""
         return [e for e in self.edges if e.source == source.name and e.event == event]
-
-    @property
-    def events(self) -> list[str]:
-        """The declared events, in declaration order."""
-        return list(self.answers)
 
     def _check_names(self) -> None:
         for transition in self.transitions:
@@ -394,11 +387,6 @@ class CompiledMachine(Generic[S, A]):
         for step in self.steps():
             counts[step.edge] += step.count
         return counts
-
-    def reset_counts(self) -> None:
-        """Set every step's count back to zero."""
-        for step in self.steps():
-            step.count = 0
 
 
 class _Inert:

@@ -471,8 +471,6 @@ _CONSTRUCTION_CALLS = 2
 def _alternatives(call: str, max_stall: int) -> list[Fault]:
     if call in STATUS_CALLS:
         return [Raise(), ReturnErr(), *(StayProc(k) for k in range(1, max_stall + 1))]
-    if call == "query_memory":
-        return []
     return [Raise()]
 
 
@@ -486,8 +484,6 @@ class Exploration:
     #: the shortest violating path, and what it violated
     counterexample: Path | None = None
     violations: list[Violation] = field(default_factory=list)
-    #: how many paths ended with each job outcome pattern, for the report
-    outcomes: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
