@@ -58,8 +58,7 @@ def test_f9_a_time_bound_with_backoff_spaces_the_attempts_out(primary: torch.Ten
     assert not result.success
     attempts = agent.call_count("release_xfer_handle")
     assert 3 <= attempts <= 10, f"{attempts} attempts in 0.2 s with a 20-50 ms backoff"
-    transfer_state = tier.stats()["quarantined"]
-    assert transfer_state == 1
+    assert tier.stats()["quarantined"] == 1
 
 
 def test_f9_without_a_bound_drain_stops_at_its_deadline_and_names_the_stuck_job(
