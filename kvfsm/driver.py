@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
-from kvfsm.engine import CompiledMachine
+from kvfsm.engine import Chain, CompiledMachine
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import Leak, Transfer
@@ -42,7 +42,8 @@ class RemoteSide(Protocol):
         """The remote agent's name for a peer's memory; None for storage this agent registers."""
 
     def notification(self, transfer: Transfer) -> bytes:
-        """The message NIXL delivers to the peer when the transfer is done (b"": none)."""
+        """The message NIXL delivers to the peer when the transfer is done (b"": none); asked
+        only of a peer's memory (``peer`` set)."""
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         """The remote descriptors of ``transfer``; keep what was opened on the transfer."""
@@ -66,7 +67,7 @@ class StorageSide:
         raise NotImplementedError
 
     def notification(self, transfer: Transfer) -> bytes:
-        """No notification: storage has nobody to tell."""
+        """Never asked: storage has nobody to tell."""
         return b""
 
     def commit(self, transfer: Transfer) -> None:
@@ -110,6 +111,16 @@ class TransferDriver:
             TransferState.CLEANED: self.publish,
             TransferState.CANCELLING: self.poll,
         }
+        # a remote side that keeps StorageSide's commit or close has nothing to do there
+        self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
+        self._closes = getattr(type(remote), "close", None) is not StorageSide.close
+        #: per state whose call is the release: the chain release, clean, publish take when
+        #: each answers OK, read from the table (a machine that declares another way has none)
+        self._ending: dict[TransferState, Chain[TransferState]] = {}
+        for state, call in self._calls.items():
+            ending = self._ending_chain(state) if call == self.release else None
+            if ending is not None:
+                self._ending[state] = ending
 
     def post(self, transfer: Transfer, local: Any, local_indices: Sequence[int]) -> None:
         """Open, register, prep, make and post ``transfer``; fire ``post`` with the answer.
@@ -126,16 +137,19 @@ class TransferDriver:
             try:
                 remote = self.remote
                 descs = remote.open(transfer)
-                if remote.peer is None:  # storage: register the remote side, prep it locally
+                peer = remote.peer
+                if peer is None:  # storage: register the remote side, prep it locally
                     transfer.files = agent.register_memory(descs, remote.mem_type)
                     transfer.remote = agent.prep_xfer_dlist(agent.name, transfer.files.trim())
+                    message = b""  # nobody to notify
                 else:  # another agent's memory, known from its metadata
                     transfer.remote = agent.prep_xfer_dlist(
-                        remote.peer, [d[:3] for d in descs], remote.mem_type)
+                        peer, [d[:3] for d in descs], remote.mem_type)
+                    message = remote.notification(transfer)
                 transfer.xfer = agent.make_prepped_xfer(
                     "READ" if transfer.job.is_promotion else "WRITE",
                     local, list(local_indices), transfer.remote, list(range(len(descs))),
-                    remote.notification(transfer))
+                    message)
                 posting = True
                 status = agent.transfer(transfer.xfer)
                 answer = _STATUS.get(status, Answer.ERR)
@@ -168,7 +182,7 @@ class TransferDriver:
             return
         answer = _STATUS.get(status, Answer.ERR)
         detail: Any = None
-        if answer is Answer.DONE:
+        if answer is Answer.DONE and self._commits:
             answer, detail = self._commit(transfer)
         elif answer is Answer.ERR:
             detail = f"check_xfer_state answered {status!r}"
@@ -176,33 +190,47 @@ class TransferDriver:
 
     def release(self, transfer: Transfer) -> None:
         """Release the transfer handle (a transfer that never got one has nothing to release)."""
-        if transfer.xfer is not None:
-            if transfer.retry_at and time.monotonic() < transfer.retry_at:
-                return  # backing off: no call this poll
-            try:
-                self.agent.release_xfer_handle(transfer.xfer)
-            except Exception as error:  # stay and retry on the next poll (F1), within bounds
-                now = time.monotonic()
-                failures = transfer.retries + 1
-                if self.policy.spent(failures, transfer.finished_at, now):
-                    self.machine.fire(transfer, TransferEvent.RELEASE, Answer.EXHAUSTED, error)
-                    logger.error("job %d quarantined after %d failed release(s): %s",
-                                 transfer.job_id, failures, transfer.error,
-                                 extra=transfer.log_fields())
-                    return
-                self.machine.fire(transfer, TransferEvent.RELEASE, Answer.RAISED, error)
-                transfer.retry_at = self.policy.next_attempt(failures, now)
-                retries = transfer.retries
-                if retries & (retries - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every poll
-                    logger.warning("job %d: release_xfer_handle raised (retry %d): %s",
-                                   transfer.job_id, retries, transfer.error,
-                                   extra=transfer.log_fields())
-                return
-            transfer.xfer = None  # released: never handed to NIXL again
-        self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
+        if self._released(transfer):
+            self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
+
+    def _released(self, transfer: Transfer) -> bool:
+        """Make the release call; True when the handle is released (or there was none), the
+        answer OK not fired yet. A release that raised is fired here (it stays, or is
+        quarantined past the bound), as is nothing while backing off: both return False."""
+        if transfer.xfer is None:
+            return True
+        if transfer.retry_at and time.monotonic() < transfer.retry_at:
+            return False  # backing off: no call this poll
+        try:
+            self.agent.release_xfer_handle(transfer.xfer)
+        except Exception as error:  # stay and retry on the next poll (F1), within bounds
+            now = time.monotonic()
+            failures = transfer.retries + 1
+            if self.policy.spent(failures, transfer.finished_at, now):
+                self.machine.fire(transfer, TransferEvent.RELEASE, Answer.EXHAUSTED, error)
+                logger.error("job %d quarantined after %d failed release(s): %s",
+                             transfer.job_id, failures, transfer.error,
+                             extra=transfer.log_fields())
+                return False
+            self.machine.fire(transfer, TransferEvent.RELEASE, Answer.RAISED, error)
+            transfer.retry_at = self.policy.next_attempt(failures, now)
+            retries = transfer.retries
+            if retries & (retries - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every poll
+                logger.warning("job %d: release_xfer_handle raised (retry %d): %s",
+                               transfer.job_id, retries, transfer.error,
+                               extra=transfer.log_fields())
+            return False
+        transfer.xfer = None  # released: never handed to NIXL again
+        return True
 
     def clean(self, transfer: Transfer) -> None:
         """Release the remote descriptor list, deregister, close; each failure is a leak."""
+        leaks = self._cleanup(transfer)
+        self.machine.fire(transfer, TransferEvent.CLEAN,
+                          Answer.LEAKED if leaks else Answer.OK, tuple(leaks))
+
+    def _cleanup(self, transfer: Transfer) -> list[Leak]:
+        """The cleanup calls, best effort; what could not be released."""
         leaks: list[Leak] = []
         if transfer.remote is not None:
             try:
@@ -216,12 +244,12 @@ class TransferDriver:
             except Exception as error:
                 leaks.append(Leak("deregister_memory", _describe(error)))
             transfer.files = None
-        try:
-            leaks += self.remote.close(transfer)
-        except Exception as error:
-            leaks.append(Leak("close", _describe(error)))
-        self.machine.fire(transfer, TransferEvent.CLEAN,
-                          Answer.LEAKED if leaks else Answer.OK, tuple(leaks))
+        if self._closes:
+            try:
+                leaks += self.remote.close(transfer)
+            except Exception as error:
+                leaks.append(Leak("close", _describe(error)))
+        return leaks
 
     def publish(self, transfer: Transfer) -> None:
         """Hand the result out: the last step, taken once."""
@@ -243,24 +271,56 @@ class TransferDriver:
     def advance(self, transfer: Transfer) -> bool:
         """Make calls for ``transfer`` until it waits on NIXL or is published.
 
+        A transfer that is over (in a state whose call is the release, DONE or FAILED in the
+        lifecycle) takes the rest of its way, release, clean and publish, as one
+        :class:`~kvfsm.engine.Chain` when each call answers OK; the first call that does not
+        is fired on its own, where the chain had got to, and the calls go on one by one.
+
         Returns:
             True when the transfer reached a final state (PUBLISHED, QUARANTINED) in this call.
         """
-        calls = self._calls
+        calls, endings = self._calls, self._ending
         while True:
             before = transfer.state
-            call = calls.get(before)
-            if call is None:  # SUBMITTED waits on post(); PUBLISHED has nothing left
-                return False
-            call(transfer)
+            ending = endings.get(before)
+            if ending is None:
+                call = calls.get(before)
+                if call is None:  # SUBMITTED waits on post(); PUBLISHED has nothing left
+                    return False
+                call(transfer)
+            elif self._released(transfer):  # else it was fired: a raise, or backing off
+                leaks = self._cleanup(transfer)
+                if not leaks:
+                    self.machine.run(transfer, ending)
+                    return True
+                self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
+                self.machine.fire(transfer, TransferEvent.CLEAN, Answer.LEAKED, tuple(leaks))
             if transfer.state in _FINAL:
                 return True
             if transfer.state is before:  # still running, or a release to retry next poll
                 return False
 
+    def _ending_chain(self, state: TransferState) -> Chain[TransferState] | None:
+        """Release, clean and publish, each answering OK, from ``state``: the chain, when the
+        table leads them through states whose calls are exactly those, to a final state."""
+        moves = ((self.release, TransferEvent.RELEASE, None),
+                 (self.clean, TransferEvent.CLEAN, ()),
+                 (self.publish, TransferEvent.PUBLISH, None))
+        table = self.machine.table
+        at = state
+        for call, event, _ in moves:
+            step = table.get(at, {}).get(event, {}).get(Answer.OK)
+            if self._calls.get(at) != call or step is None or step.dest is at:
+                return None
+            at = step.dest
+        if at not in _FINAL:
+            return None
+        return self.machine.chain(state, [(event, Answer.OK, detail)
+                                          for _, event, detail in moves])
+
     def _commit(self, transfer: Transfer) -> tuple[Answer, Any]:
         """NIXL answered DONE: commit a store; a commit that raises makes the answer RAISED."""
-        if transfer.job.is_promotion:
+        if transfer.job.is_promotion or not self._commits:
             return Answer.DONE, None
         try:
             self.remote.commit(transfer)

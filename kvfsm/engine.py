@@ -36,6 +36,7 @@ from transitions import Machine
 __all__ = [
     "COMPILE_LISTENERS",
     "Action",
+    "Chain",
     "CompiledMachine",
     "Declaration",
     "DeclarationError",
@@ -121,6 +122,31 @@ class Step(Generic[S]):
     def __repr__(self) -> str:
         return (f"<Step {self.source.name} -{self.edge.event}({self.answer.name})-> "
                 f"{self.dest.name} x{self.count}>")
+
+
+class Chain(Generic[S]):
+    """Steps taken in one go: what firing several events in a row, each with the answer its
+    call gave, does from one state. Built from the table by :meth:`CompiledMachine.chain`, so
+    running it (:meth:`CompiledMachine.run`) is exactly firing its steps one by one, minus the
+    lookups. A driver that made several calls and got the expected answer from each takes them
+    as one chain; a trace keeps the chain, with the time, as it would keep one step.
+    """
+
+    __slots__ = ("dest", "moves", "source", "steps", "traced")
+
+    def __init__(self, moves: Sequence[tuple[Step[S], Any]]) -> None:
+        #: (step, the detail its actions get), in the order they are taken
+        self.moves = tuple(moves)
+        self.steps = tuple(step for step, _ in self.moves)
+        self.source = self.steps[0].source
+        self.dest = self.steps[-1].dest
+        #: the steps a trace keeps (stays change nothing and are not kept)
+        self.traced = tuple(step for step in self.steps if not step.is_stay)
+
+    def __repr__(self) -> str:
+        return "<Chain " + " ".join(
+            f"-{step.edge.event}({step.answer.name})-> {step.dest.name}"
+            for step in self.steps) + ">"
 
 
 class Declaration(Generic[S, A]):
@@ -371,6 +397,43 @@ class CompiledMachine(Generic[S, A]):
         for action in step.actions:
             action(record, answer, detail)
         return step.dest
+
+    def chain(self, state: S, moves: Sequence[tuple[str, A, Any]]) -> Chain[S]:
+        """The chain of steps ``moves`` (event, answer, detail for its actions) takes from
+        ``state``, each from where the one before left off.
+
+        Raises:
+            InvalidTransition: a move is not declared where the moves before it lead.
+        """
+        if not moves:
+            raise ValueError(f"{self.name}: a chain needs at least one move")
+        steps: list[tuple[Step[S], Any]] = []
+        for event, answer, detail in moves:
+            step = self.step(state, event, answer)
+            steps.append((step, detail))
+            state = step.dest
+        return Chain(steps)
+
+    def run(self, record: Record[S], chain: Chain[S]) -> S:
+        """Take every step of ``chain``, as firing them one by one would.
+
+        Raises:
+            InvalidTransition: the record is not in the state the chain starts from; the
+                record is left unchanged.
+        """
+        if record.state is not chain.source:
+            raise InvalidTransition(self.name, record.state, chain.steps[0].edge.event,
+                                    chain.steps[0].answer,
+                                    f"a chain from {chain.source.name} cannot run in "
+                                    f"state {record.state.name}")
+        for step, detail in chain.moves:
+            step.count += 1
+            record.state = step.dest
+            for action in step.actions:
+                action(record, step.answer, detail)
+        if self.trace and chain.traced:
+            record.trace += (chain, time.monotonic())  # type: ignore[attr-defined]
+        return chain.dest
 
     def steps(self) -> list[Step[S]]:
         """Every compiled step, in a stable order (by source, event, answer)."""

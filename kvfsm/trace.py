@@ -1,8 +1,9 @@
 """Transfer traces: recorded as transfers run, written as JSON lines, replayed against a machine.
 
 Every transfer keeps its trace (:attr:`kvfsm.transfer.Transfer.trace`): each step the compiled
-machine took, with the time. A :class:`TraceRecorder` attached to a tier writes one JSON line a
-transfer as it is published::
+machine took, with the time (a :class:`~kvfsm.engine.Chain` of steps taken in one go is kept
+once, and read back as its steps, all at that time). A :class:`TraceRecorder` attached to a
+tier writes one JSON line a transfer as it is published::
 
     {"machine": "transfer", "job_id": 3,
      "steps": [["post", "PROC", "SUBMITTED", "PROCESSING", 0.0], ...]}
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from kvfsm.engine import Declaration, InvalidTransition
+from kvfsm.engine import Chain, Declaration, InvalidTransition
 from kvfsm.transfer import Transfer
 
 __all__ = ["Divergence", "TraceRecorder", "read_traces", "replay", "trace_steps"]
@@ -35,7 +36,8 @@ def trace_steps(transfer: Transfer) -> list[list[Any]]:
     start = trace[1]
     return [[step.edge.event, step.answer.name, step.source.name, step.dest.name,
              round(moment - start, 6)]
-            for step, moment in zip(trace[::2], trace[1::2], strict=True)]
+            for entry, moment in zip(trace[::2], trace[1::2], strict=True)
+            for step in (entry.traced if isinstance(entry, Chain) else (entry,))]
 
 
 class TraceRecorder:

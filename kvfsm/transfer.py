@@ -59,6 +59,7 @@ class Transfer:
         "files",
         "finished_at",
         "job",
+        "job_id",
         "leaks",
         "names",
         "nbytes",
@@ -75,6 +76,8 @@ class Transfer:
 
     def __init__(self, job: TransferJob, nbytes: int, started_at: float) -> None:
         self.job = job
+        #: the job this transfer carries
+        self.job_id: int = job.job_id
         self.state = TransferState.SUBMITTED
         self.nbytes = nbytes
         self.started_at = started_at
@@ -101,28 +104,19 @@ class Transfer:
         #: the steps taken, flat: step, time, step, time... (see :mod:`kvfsm.trace`)
         self.trace: list[Any] = []
 
-    @property
-    def job_id(self) -> int:
-        """The job this transfer carries."""
-        return self.job.job_id
-
     def result(self) -> JobResult:
         """The job's result; only meaningful once the outcome is latched. A quarantined
         transfer's result is a failure, whatever NIXL answered."""
-        success = bool(self.success) and self.state is not TransferState.QUARANTINED
-        return JobResult(
-            job_id=self.job.job_id,
-            success=success,
-            transfer_size=self.nbytes if success else 0,
-            transfer_time=self.finished_at - self.started_at,
-        )
+        success = self.success is True and self.state is not TransferState.QUARANTINED
+        return JobResult(self.job_id, success, self.nbytes if success else 0,
+                         self.finished_at - self.started_at)
 
     def log_fields(self, error: str | None = None) -> dict[str, Any]:
         """The structured fields of a log line about this transfer (``extra=`` of logging)."""
-        return {"kvfsm_job_id": self.job.job_id, "kvfsm_state": self.state.name,
+        return {"kvfsm_job_id": self.job_id, "kvfsm_state": self.state.name,
                 "kvfsm_nixl_error": self.error if error is None else error}
 
     def __repr__(self) -> str:
         outcome = {None: "pending", True: "success", False: "failure"}[self.success]
-        return (f"<Transfer job={self.job.job_id} {self.state.name} {outcome} "
+        return (f"<Transfer job={self.job_id} {self.state.name} {outcome} "
                 f"retries={self.retries} leaks={len(self.leaks)}>")

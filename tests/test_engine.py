@@ -167,6 +167,36 @@ def test_compiled_actions_run_on_the_record_and_steps_are_counted() -> None:
     assert len(counts) == len(machine.declaration.edges)
 
 
+def test_a_chain_does_what_firing_its_steps_one_by_one_does() -> None:
+    moves = [("push", Push.HARD, None), ("push", Push.NONE, None), ("push", Push.HARD, None),
+             ("push", Push.HARD, None), ("remove", Push.NONE, None)]
+    one_by_one, chained = door_declaration().compile(trace=True), door_declaration().compile(
+        trace=True)
+    fired, ran = DoorRecord(), DoorRecord()
+    fired.trace, ran.trace = [], []  # type: ignore[attr-defined]
+    for event_name, answer, detail in moves:
+        one_by_one.fire(fired, event_name, answer, detail)
+    chain = chained.chain(Door.CLOSED, moves)
+    assert chained.run(ran, chain) is Door.GONE
+    assert (ran.state, ran.jams) == (fired.state, fired.jams) == (Door.GONE, 2)
+    assert [s.count for s in chained.steps()] == [s.count for s in one_by_one.steps()]
+    # the stay (JAMMED, push NONE) is counted but, as when fired, not kept in the trace
+    assert len(fired.trace) == 8 and ran.trace[0] is chain  # type: ignore[attr-defined]
+    assert list(map(repr, chain.traced)) == list(map(repr, fired.trace[::2]))  # type: ignore
+
+
+def test_a_chain_is_refused_where_it_does_not_start_and_where_it_is_not_declared() -> None:
+    machine = door_declaration().compile()
+    chain = machine.chain(Door.CLOSED, [("push", Push.GENTLE, None)])
+    door = DoorRecord()
+    door.state = Door.JAMMED
+    with pytest.raises(InvalidTransition, match="from CLOSED cannot run in state JAMMED"):
+        machine.run(door, chain)
+    assert door.state is Door.JAMMED and all(step.count == 0 for step in machine.steps())
+    with pytest.raises(InvalidTransition, match=r"'remove'.*CLOSED"):
+        machine.chain(Door.CLOSED, [("push", Push.NONE, None), ("remove", Push.NONE, None)])
+
+
 def test_an_undeclared_event_names_state_and_event_and_changes_nothing() -> None:
     machine = door_declaration().compile()
     door = DoorRecord()

@@ -322,56 +322,65 @@ class SecondaryTier:
     def _submit(self, job: TransferJob, *, load: bool) -> None:
         if self._closed or self._closing:
             raise TierClosedError(f"{type(self).__name__} is shut down; job {job.job_id} refused")
-        keys, block_ids, names = self._validate(job, load=load)
-        if keys is not job.keys or block_ids is not job.block_ids:  # keep the checked copies
-            job = TransferJob(job.job_id, keys, block_ids, is_promotion=job.is_promotion)
+        names, block_ids = self._validate(job, load=load)
         transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic())
         transfer.names = names
-        self._transfers[job.job_id] = transfer
+        self._transfers[transfer.job_id] = transfer
         self.driver.post(transfer, self._local, block_ids)
-        if transfer.state is not TransferState.PROCESSING:  # over at once: DONE or FAILED
-            self._advance(transfer)
-        self._refile(transfer)
+        if transfer.state is TransferState.PROCESSING:
+            self._running[transfer] = transfer.xfer
+        elif self.driver.advance(transfer):  # over at once: DONE or FAILED
+            self._finish(transfer)
+        else:
+            self._refile(transfer)
 
-    def _validate(self, job: Any, *, load: bool
-                  ) -> tuple[tuple[bytes | str, ...], tuple[int, ...], tuple[str, ...]]:
-        """Check a job against this tier; returns its keys, block ids and remote names."""
+    def _validate(self, job: Any, *, load: bool) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Check a job against this tier; returns its remote names and block ids.
+
+        Raises:
+            InvalidJobError: names what is wrong with the job; nothing was registered.
+        """
         job_id = self._check_job_id(job)
-        if job.is_promotion != load:
+        if job.is_promotion is not load and job.is_promotion != load:
             wanted = "submit_load" if job.is_promotion else "submit_store"
             raise InvalidJobError(f"job {job_id} has is_promotion={job.is_promotion}; "
                                   f"submit it with {wanted}")
-        for field in ("keys", "block_ids"):
-            value = getattr(job, field)
+        keys, raw_ids = job.keys, job.block_ids
+        for field, value in (("keys", keys), ("block_ids", raw_ids)):
             if type(value) is not tuple and type(value) is not list and (
                     isinstance(value, str | bytes) or not isinstance(value, Sequence)):
                 raise InvalidJobError(f"job {job_id}: {field} must be a list or tuple, got "
                                       f"{type(value).__name__} {value!r}")
-        keys, raw_ids = tuple(job.keys), tuple(job.block_ids)
         if len(keys) != len(raw_ids):
             raise InvalidJobError(f"job {job_id} has {len(keys)} keys but "
                                   f"{len(raw_ids)} block ids")
         try:
-            names = tuple(map(self.remote_name, keys))
+            names = self._remote_names(keys)
         except ValueError:
             names = ()
         if len(names) != len(keys) or len(set(names)) != len(names):
-            self._explain_keys(job_id, keys)
+            self._explain_keys(job_id, tuple(keys))
+        block_ids = tuple(raw_ids)
         limit = self.num_blocks
-        if all(type(b) is int and 0 <= b < limit for b in raw_ids):
-            block_ids = raw_ids  # the common case: plain ints in range
-        else:
-            block_ids = tuple(self._block_id(job_id, index, b) for index, b in enumerate(raw_ids))
+        for block_id in block_ids:  # the common case: plain ints in range
+            if type(block_id) is not int or not 0 <= block_id < limit:
+                block_ids = tuple(self._block_id(job_id, index, b)
+                                  for index, b in enumerate(raw_ids))
+                break
         if load and len(set(block_ids)) != len(block_ids):
             raise InvalidJobError(f"job {job_id} loads into the same block twice")
-        return keys, block_ids, names
+        return names, block_ids
+
+    def _remote_names(self, keys: Sequence[Any]) -> tuple[str, ...]:
+        """The remote name of each key (:meth:`remote_name`); raises ValueError on a bad key."""
+        return tuple(map(self.remote_name, keys))
 
     def _check_job_id(self, job: Any) -> int:
         """Raise InvalidJobError unless ``job`` is a TransferJob with a new int id."""
-        if not isinstance(job, TransferJob):
+        if type(job) is not TransferJob and not isinstance(job, TransferJob):
             raise InvalidJobError(f"expected a TransferJob, got {type(job).__name__}")
         job_id = job.job_id
-        if not isinstance(job_id, int) or isinstance(job_id, bool):
+        if type(job_id) is not int and (not isinstance(job_id, int) or isinstance(job_id, bool)):
             raise InvalidJobError(f"job_id must be an int, got {job_id!r}")
         if job_id in self._transfers:
             raise InvalidJobError(f"job {job_id} is already in flight "
@@ -413,32 +422,38 @@ class SecondaryTier:
         self._finish(transfer)
 
     def _advance(self, transfer: Transfer) -> None:
+        """Make the calls a transfer waits on; hand its result out once it is final, else keep
+        it where its state says."""
         if self.driver.advance(transfer):
             self._finish(transfer)
+        else:
+            self._refile(transfer)
 
     def _finish(self, transfer: Transfer) -> None:
         """A transfer reached a final state: hand its one result out."""
-        del self._transfers[transfer.job_id]
-        self._running.pop(transfer, None)
-        self._waiting.pop(transfer.job_id, None)
+        job_id = transfer.job_id
+        del self._transfers[job_id]
+        if self._running:
+            self._running.pop(transfer, None)
+        if self._waiting:
+            self._waiting.pop(job_id, None)
         result = transfer.result()
         self._results.append(result)
-        self._unreported.add(transfer.job_id)
+        self._unreported.add(job_id)
         self._published += 1
-        self._latencies.append(transfer.finished_at - transfer.started_at)
+        self._latencies.append(result.transfer_time)
         if not result.success:
             self._failed += 1
             _log_failure(transfer)
-        for leak in transfer.leaks:
-            logger.warning("job %d leaked: %s raised %s", transfer.job_id, leak.call,
-                           leak.error, extra=transfer.log_fields(leak.error))
-        self._retries += transfer.retries
         if transfer.leaks:
-            self._leaks.extend((transfer.job_id, leak) for leak in transfer.leaks)
+            for leak in transfer.leaks:
+                logger.warning("job %d leaked: %s raised %s", job_id, leak.call,
+                               leak.error, extra=transfer.log_fields(leak.error))
+            self._leaks.extend((job_id, leak) for leak in transfer.leaks)
+        self._retries += transfer.retries
         if transfer.state is TransferState.QUARANTINED:
             self._quarantine.append(transfer)
-        job = transfer.job
-        if transfer.success or job.is_promotion:
+        if transfer.success or transfer.job.is_promotion:
             # a finished store or load shows the blocks are there; a failed load that
             # they are not, so they are not loaded again and again (F11)
             verdict = Lookup.HIT if transfer.success else Lookup.MISS
@@ -449,7 +464,7 @@ class SecondaryTier:
             try:
                 listener(transfer)
             except Exception:
-                logger.exception("job %d: an on_published listener raised", transfer.job_id,
+                logger.exception("job %d: an on_published listener raised", job_id,
                                  extra=transfer.log_fields())
 
     def _refile(self, transfer: Transfer) -> None:
@@ -491,13 +506,12 @@ class SecondaryTier:
             answered.append((transfer, status))
         stay.count += len(running) - len(answered)
         polled = self.driver.polled
+        advance = self._advance
         for transfer, status in answered:
             polled(transfer, status)
-            self._advance(transfer)
-            self._refile(transfer)
+            advance(transfer)
         for transfer in waiting:
-            self._advance(transfer)
-            self._refile(transfer)
+            advance(transfer)
 
     def _poll_each(self) -> None:
         """The general path: every transfer through the driver and the machine, each poll."""
@@ -531,7 +545,8 @@ class SecondaryTier:
                 polled(transfer, answered)
             if transfer.state is not processing:  # a stay this machine fires: done this round
                 self._advance(transfer)
-            self._refile(transfer)
+            else:
+                self._refile(transfer)
 
 
 logger = logging.getLogger("kvfsm")
@@ -542,7 +557,7 @@ _MAY_RUN = frozenset({TransferState.PROCESSING, TransferState.CANCELLING})
 def _log_failure(transfer: Transfer) -> None:
     job = transfer.job
     logger.warning("job %d: %s of %d block(s) failed: %s", job.job_id,
-                   "load" if job.is_promotion else "store", len(job.block_ids), transfer.error,
+                   "load" if job.is_promotion else "store", len(transfer.names), transfer.error,
                    extra=transfer.log_fields())
 
 

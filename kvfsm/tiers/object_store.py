@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -159,6 +160,11 @@ class ObjectStoreTier(SecondaryTier):
         return self.key_prefix + key_text(key)
 
     remote_name = object_key
+
+    def _remote_names(self, keys: Sequence[Any]) -> tuple[str, ...]:
+        prefix = self.key_prefix  # a non-empty str key is its own text: no call for it
+        return tuple([prefix + key if type(key) is str and key else prefix + key_text(key)
+                      for key in keys])
 
     @property
     def probe_errors(self) -> int:
