@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
-from kvfsm.engine import Chain, CompiledMachine
+from kvfsm.engine import Chain, CompiledMachine, Step
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import Leak, Transfer
@@ -103,7 +103,8 @@ class TransferDriver:
         self.remote = remote
         self.policy = policy if policy is not None else RetryPolicy()
         self.machine = machine if machine is not None else TRANSFER_MACHINE.compile()
-        self._calls: dict[TransferState, Callable[[Transfer], None]] = {
+        # each call fires what it got; True: the release was already tried this round
+        self._calls: dict[TransferState, Callable[[Transfer], bool | None]] = {
             TransferState.PROCESSING: self.poll,
             TransferState.DONE: self.release,
             TransferState.FAILED: self.release,
@@ -121,9 +122,21 @@ class TransferDriver:
             ending = self._ending_chain(state) if call == self.release else None
             if ending is not None:
                 self._ending[state] = ending
+        #: per step a post or poll answering DONE takes into such a state: that step and the
+        #: ending, as one chain (a failure's detail varies: those are fired step by step)
+        self._finishing: dict[Step[TransferState], Chain[TransferState]] = {}
+        for source, events in self.machine.table.items():
+            for event in (TransferEvent.POST, TransferEvent.POLL):
+                step = events.get(event, {}).get(Answer.DONE)
+                ending = self._ending.get(step.dest) if step is not None else None
+                if step is not None and ending is not None and not step.is_stay:
+                    moves: list[tuple[str, Answer, Any]] = [(event, Answer.DONE, None)]
+                    moves += ((s.edge.event, Answer(s.answer), d) for s, d in ending.moves)
+                    self._finishing[step] = self.machine.chain(source, moves)
 
-    def post(self, transfer: Transfer, local: Any, local_indices: Sequence[int]) -> None:
+    def post(self, transfer: Transfer, local: Any, local_indices: Sequence[int]) -> bool:
         """Open, register, prep, make and post ``transfer``; fire ``post`` with the answer.
+        Returns True when the release was tried too and must wait for the next poll.
 
         Each resource is stored on the transfer as soon as it exists, so a failure at any step
         leaves the transfer holding exactly what was created (F5). A job with no blocks makes
@@ -164,64 +177,106 @@ class TransferDriver:
                 self.machine.fire(transfer, TransferEvent.POST,
                                   Answer.PROC if posting else Answer.RAISED, interrupt)
                 raise
-        self.machine.fire(transfer, TransferEvent.POST, answer, detail)
+        return self._answer(transfer, TransferEvent.POST, answer, detail)
 
-    def poll(self, transfer: Transfer) -> None:
+    def poll(self, transfer: Transfer) -> bool:
         """Ask NIXL whether the transfer is still running; fire ``poll`` with the answer."""
         try:
             status = self.agent.check_xfer_state(transfer.xfer)
         except Exception as error:  # a raised state check is the transfer's failure (F4)
-            self.polled(transfer, error)
-            return
-        self.polled(transfer, status)
+            return self.polled(transfer, error)
+        return self.polled(transfer, status)
 
-    def polled(self, transfer: Transfer, status: str | Exception) -> None:
-        """Fire ``poll`` with what ``check_xfer_state`` answered (a status, or what it raised)."""
+    def polled(self, transfer: Transfer, status: str | Exception) -> bool:
+        """Fire ``poll`` with what ``check_xfer_state`` answered (a status, or what it raised).
+        Returns True when the release was tried too and must wait for the next poll."""
         if isinstance(status, Exception):
             self.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED, status)
-            return
+            return False
         answer = _STATUS.get(status, Answer.ERR)
         detail: Any = None
         if answer is Answer.DONE and self._commits:
             answer, detail = self._commit(transfer)
         elif answer is Answer.ERR:
             detail = f"check_xfer_state answered {status!r}"
-        self.machine.fire(transfer, TransferEvent.POLL, answer, detail)
+        return self._answer(transfer, TransferEvent.POLL, answer, detail)
+
+    def settle(self, transfer: Transfer, held: bool) -> bool:
+        """After a post or poll: go on with the calls the transfer waits on (unless ``held``,
+        its release already tried this round); True once it is in a final state."""
+        if transfer.state in _FINAL:
+            return True
+        return False if held else self.advance(transfer)
+
+    def _answer(self, transfer: Transfer, event: str, answer: Answer, detail: Any) -> bool:
+        """Fire ``event`` with NIXL's answer. Where the table leads a DONE on to the release
+        (the copy is over), the release, clean and publish calls are made at once and, when
+        each answers OK, all four steps are taken as one :class:`~kvfsm.engine.Chain`; else
+        the steps are fired one by one, in the same order, each with what its call answered.
+        Returns True when the release raised and the transfer stays to retry it (or backs
+        off): it waits for the next poll.
+        """
+        machine = self.machine
+        step = machine.table.get(transfer.state, {}).get(event, {}).get(answer)
+        finish = self._finishing.get(step) if step is not None else None
+        if finish is None:
+            machine.fire(transfer, event, answer, detail)  # raises if not declared
+            return False
+        released = self._release_call(transfer)
+        if released is True:
+            leaks = self._cleanup(transfer)
+            if not leaks:
+                machine.run(transfer, finish)
+                return False
+            machine.fire(transfer, event, answer, detail)
+            machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
+            machine.fire(transfer, TransferEvent.CLEAN, Answer.LEAKED, tuple(leaks))
+            return False
+        machine.fire(transfer, event, answer, detail)
+        if released is False:  # backing off: no call made
+            return True
+        waiting = transfer.state
+        self._release_failed(transfer, released)
+        return transfer.state is waiting  # a retry waits for the next poll, as in advance()
 
     def release(self, transfer: Transfer) -> None:
         """Release the transfer handle (a transfer that never got one has nothing to release)."""
-        if self._released(transfer):
+        released = self._release_call(transfer)
+        if released is True:
             self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
+        elif released is not False:
+            self._release_failed(transfer, released)
 
-    def _released(self, transfer: Transfer) -> bool:
-        """Make the release call; True when the handle is released (or there was none), the
-        answer OK not fired yet. A release that raised is fired here (it stays, or is
-        quarantined past the bound), as is nothing while backing off: both return False."""
+    def _release_call(self, transfer: Transfer) -> bool | Exception:
+        """Make the release call, firing nothing: True when the handle is released (or there
+        was none), False while backing off (no call), or what the call raised."""
         if transfer.xfer is None:
             return True
         if transfer.retry_at and time.monotonic() < transfer.retry_at:
             return False  # backing off: no call this poll
         try:
             self.agent.release_xfer_handle(transfer.xfer)
-        except Exception as error:  # stay and retry on the next poll (F1), within bounds
-            now = time.monotonic()
-            failures = transfer.retries + 1
-            if self.policy.spent(failures, transfer.finished_at, now):
-                self.machine.fire(transfer, TransferEvent.RELEASE, Answer.EXHAUSTED, error)
-                logger.error("job %d quarantined after %d failed release(s): %s",
-                             transfer.job_id, failures, transfer.error,
-                             extra=transfer.log_fields())
-                return False
-            self.machine.fire(transfer, TransferEvent.RELEASE, Answer.RAISED, error)
-            transfer.retry_at = self.policy.next_attempt(failures, now)
-            retries = transfer.retries
-            if retries & (retries - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every poll
-                logger.warning("job %d: release_xfer_handle raised (retry %d): %s",
-                               transfer.job_id, retries, transfer.error,
-                               extra=transfer.log_fields())
-            return False
+        except Exception as error:
+            return error
         transfer.xfer = None  # released: never handed to NIXL again
         return True
+
+    def _release_failed(self, transfer: Transfer, error: Exception) -> None:
+        """Fire a release that raised: it stays and is retried on the next poll (F1), or is
+        quarantined once the retry policy's bound is spent."""
+        now = time.monotonic()
+        failures = transfer.retries + 1
+        if self.policy.spent(failures, transfer.finished_at, now):
+            self.machine.fire(transfer, TransferEvent.RELEASE, Answer.EXHAUSTED, error)
+            logger.error("job %d quarantined after %d failed release(s): %s",
+                         transfer.job_id, failures, transfer.error, extra=transfer.log_fields())
+            return
+        self.machine.fire(transfer, TransferEvent.RELEASE, Answer.RAISED, error)
+        transfer.retry_at = self.policy.next_attempt(failures, now)
+        retries = transfer.retries
+        if retries & (retries - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every poll
+            logger.warning("job %d: release_xfer_handle raised (retry %d): %s",
+                           transfer.job_id, retries, transfer.error, extra=transfer.log_fields())
 
     def clean(self, transfer: Transfer) -> None:
         """Release the remote descriptor list, deregister, close; each failure is a leak."""
@@ -277,9 +332,12 @@ class TransferDriver:
         is fired on its own, where the chain had got to, and the calls go on one by one.
 
         Returns:
-            True when the transfer reached a final state (PUBLISHED, QUARANTINED) in this call.
+            True when the transfer is in a final state (PUBLISHED, QUARANTINED): reached in
+            this call, or by the answer fired just before it.
         """
         calls, endings = self._calls, self._ending
+        if transfer.state in _FINAL:  # the answer fired before took it all the way
+            return True
         while True:
             before = transfer.state
             ending = endings.get(before)
@@ -287,14 +345,20 @@ class TransferDriver:
                 call = calls.get(before)
                 if call is None:  # SUBMITTED waits on post(); PUBLISHED has nothing left
                     return False
-                call(transfer)
-            elif self._released(transfer):  # else it was fired: a raise, or backing off
-                leaks = self._cleanup(transfer)
-                if not leaks:
-                    self.machine.run(transfer, ending)
-                    return True
-                self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
-                self.machine.fire(transfer, TransferEvent.CLEAN, Answer.LEAKED, tuple(leaks))
+                if call(transfer):  # a release tried already: it waits for the next poll
+                    return transfer.state in _FINAL
+            else:
+                released = self._release_call(transfer)
+                if released is True:
+                    leaks = self._cleanup(transfer)
+                    if not leaks:
+                        self.machine.run(transfer, ending)
+                        return True
+                    self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
+                    self.machine.fire(transfer, TransferEvent.CLEAN, Answer.LEAKED,
+                                      tuple(leaks))
+                elif released is not False:  # False: backing off, no call this poll
+                    self._release_failed(transfer, released)
             if transfer.state in _FINAL:
                 return True
             if transfer.state is before:  # still running, or a release to retry next poll

@@ -67,6 +67,7 @@ class Transfer:
         "remote",
         "retries",
         "retry_at",
+        "slot",
         "started_at",
         "state",
         "success",
@@ -101,6 +102,8 @@ class Transfer:
         self.opened: Any = None
         #: the remote name of each key (object names, file names), as the tier checked them
         self.names: tuple[str, ...] = ()
+        #: where the tier's poll list keeps the transfer while NIXL runs it (-1: not there)
+        self.slot = -1
         #: the steps taken, flat: step, time, step, time... (see :mod:`kvfsm.trace`)
         self.trace: list[Any] = []
 

@@ -19,6 +19,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
+from itertools import compress, islice, repeat
 from typing import Any
 
 import torch
@@ -114,7 +115,7 @@ class SecondaryTier:
         #: what the tier knows of each remote name: set by results, filled in by probes
         self._known: dict[str, Lookup] = {}
         self._transfers: dict[int, Transfer] = {}  # every unpublished transfer, by job id
-        self._running: dict[Transfer, Any] = {}  # those in PROCESSING -> their xfer handle
+        self._running = _Running()  # those in PROCESSING, and their transfer handles
         self._waiting: dict[int, Transfer] = {}  # the others (a release to retry, cancelling)
         self._results: list[JobResult] = []
         self._unreported: set[int] = set()  # job ids published but not yet handed out
@@ -326,10 +327,10 @@ class SecondaryTier:
         transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic())
         transfer.names = names
         self._transfers[transfer.job_id] = transfer
-        self.driver.post(transfer, self._local, block_ids)
+        held = self.driver.post(transfer, self._local, block_ids)
         if transfer.state is TransferState.PROCESSING:
-            self._running[transfer] = transfer.xfer
-        elif self.driver.advance(transfer):  # over at once: DONE or FAILED
+            self._running.add(transfer)
+        elif self.driver.settle(transfer, held):  # over at once: DONE or FAILED
             self._finish(transfer)
         else:
             self._refile(transfer)
@@ -433,8 +434,8 @@ class SecondaryTier:
         """A transfer reached a final state: hand its one result out."""
         job_id = transfer.job_id
         del self._transfers[job_id]
-        if self._running:
-            self._running.pop(transfer, None)
+        if transfer.slot >= 0:
+            self._running.discard(transfer)
         if self._waiting:
             self._waiting.pop(job_id, None)
         result = transfer.result()
@@ -474,9 +475,10 @@ class SecondaryTier:
             return
         if transfer.state is TransferState.PROCESSING:
             self._waiting.pop(transfer.job_id, None)
-            self._running[transfer] = transfer.xfer
+            if transfer.slot < 0:
+                self._running.add(transfer)
         else:
-            self._running.pop(transfer, None)
+            self._running.discard(transfer)
             self._waiting[transfer.job_id] = transfer
 
     def _poll(self) -> None:
@@ -494,22 +496,16 @@ class SecondaryTier:
             return
         running = self._running
         waiting = list(self._waiting.values())  # those in it now: one call each this round
-        check = self.agent.check_xfer_state
-        answered: list[tuple[Transfer, str | Exception]] = []
-        for transfer, xfer in running.items():
-            try:
-                status: str | Exception = check(xfer)
-            except Exception as error:  # the machine hears of it: poll(RAISED)
-                status = error
-            if status == "PROC":
-                continue
-            answered.append((transfer, status))
-        stay.count += len(running) - len(answered)
-        polled = self.driver.polled
-        advance = self._advance
+        answered = running.check(self.agent.check_xfer_state)
+        stay.count += len(running.transfers) - len(answered)
+        polled, settle = self.driver.polled, self.driver.settle
         for transfer, status in answered:
-            polled(transfer, status)
-            advance(transfer)
+            running.discard(transfer)
+            if settle(transfer, polled(transfer, status)):
+                self._finish(transfer)
+            else:
+                self._refile(transfer)
+        advance = self._advance
         for transfer in waiting:
             advance(transfer)
 
@@ -541,12 +537,70 @@ class SecondaryTier:
             if answered == "PROC" and transfer.started_at <= started_after:
                 self._give_up(transfer, f"still running after {limit} s")
                 continue
-            if answered is not None:
-                polled(transfer, answered)
-            if transfer.state is not processing:  # a stay this machine fires: done this round
+            if answered is None:
                 self._advance(transfer)
-            else:
+                continue
+            held = polled(transfer, answered)
+            if transfer.state is not processing and self.driver.settle(transfer, held):
+                self._finish(transfer)
+            else:  # still running (a stay this machine fires), or waiting for a next poll
                 self._refile(transfer)
+
+
+class _Running:
+    """The transfers NIXL runs (in PROCESSING) and their handles, in two parallel lists.
+
+    A poll step is then one ``map`` of ``check_xfer_state`` over the handles, a loop in C, and
+    a count of the answers that are still PROC: nothing else is touched for a transfer whose
+    answer did not change. Each transfer knows its slot, and one that leaves has the last one
+    moved into its place, so joining and leaving cost the same at any number in flight.
+    """
+
+    __slots__ = ("handles", "transfers")
+
+    def __init__(self) -> None:
+        self.transfers: list[Transfer] = []
+        self.handles: list[Any] = []
+
+    def add(self, transfer: Transfer) -> None:
+        transfer.slot = len(self.transfers)
+        self.transfers.append(transfer)
+        self.handles.append(transfer.xfer)
+
+    def discard(self, transfer: Transfer) -> None:
+        slot = transfer.slot
+        if slot < 0:
+            return
+        transfer.slot = -1
+        last, handle = self.transfers.pop(), self.handles.pop()
+        if last is not transfer:
+            self.transfers[slot] = last
+            self.handles[slot] = handle
+            last.slot = slot
+
+    def check(self, check: Callable[[Any], str]) -> list[tuple[Transfer, str | Exception]]:
+        """Call ``check`` once on every handle; the transfers whose answer was not PROC (a
+        status, or what the call raised), in submission order."""
+        handles = self.handles
+        statuses: list[str | Exception] = []
+        while True:
+            try:  # list.extend keeps what map produced before a call raised
+                statuses.extend(map(check, islice(handles, len(statuses), None))
+                                if statuses else map(check, handles))
+                break
+            except Exception as error:  # that handle's answer: the machine hears poll(RAISED)
+                statuses.append(error)
+        if statuses.count("PROC") == len(statuses):
+            return []
+        answered = list(compress(zip(self.transfers, statuses, strict=True),
+                                 map(operator.ne, statuses, repeat("PROC"))))
+        if len(answered) > 1:
+            answered.sort(key=_started)
+        return answered
+
+
+def _started(answered: tuple[Transfer, Any]) -> float:
+    return answered[0].started_at
 
 
 logger = logging.getLogger("kvfsm")
