@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
-from kvfsm.engine import Chain, CompiledMachine, Step
+from kvfsm.engine import Chain, CompiledMachine
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import Leak, Transfer
@@ -122,17 +122,19 @@ class TransferDriver:
             ending = self._ending_chain(state) if call == self.release else None
             if ending is not None:
                 self._ending[state] = ending
-        #: per step a post or poll answering DONE takes into such a state: that step and the
-        #: ending, as one chain (a failure's detail varies: those are fired step by step)
-        self._finishing: dict[Step[TransferState], Chain[TransferState]] = {}
-        for source, events in self.machine.table.items():
-            for event in (TransferEvent.POST, TransferEvent.POLL):
+        #: per event (post, poll) and state: where the table leads a DONE on to such a state,
+        #: that step and the ending as one chain (a failure's detail varies: those are fired
+        #: step by step)
+        self._finishing: dict[str, dict[TransferState, Chain[TransferState]]] = {}
+        for event in (TransferEvent.POST, TransferEvent.POLL):
+            chains = self._finishing[event] = {}
+            for source, events in self.machine.table.items():
                 step = events.get(event, {}).get(Answer.DONE)
                 ending = self._ending.get(step.dest) if step is not None else None
                 if step is not None and ending is not None and not step.is_stay:
                     moves: list[tuple[str, Answer, Any]] = [(event, Answer.DONE, None)]
                     moves += ((s.edge.event, Answer(s.answer), d) for s, d in ending.moves)
-                    self._finishing[step] = self.machine.chain(source, moves)
+                    chains[source] = self.machine.chain(source, moves)
 
     def post(self, transfer: Transfer, local: Any, local_indices: Sequence[int]) -> bool:
         """Open, register, prep, make and post ``transfer``; fire ``post`` with the answer.
@@ -217,8 +219,7 @@ class TransferDriver:
         off): it waits for the next poll.
         """
         machine = self.machine
-        step = machine.table.get(transfer.state, {}).get(event, {}).get(answer)
-        finish = self._finishing.get(step) if step is not None else None
+        finish = self._finishing[event].get(transfer.state) if answer is Answer.DONE else None
         if finish is None:
             machine.fire(transfer, event, answer, detail)  # raises if not declared
             return False

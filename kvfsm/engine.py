@@ -104,7 +104,7 @@ class Edge:
 class Step(Generic[S]):
     """What firing one event with one answer does in one state: go to ``dest``, run ``actions``."""
 
-    __slots__ = ("actions", "answer", "count", "dest", "edge", "is_stay", "source")
+    __slots__ = ("actions", "answer", "chains", "dest", "edge", "is_stay", "source", "taken")
 
     def __init__(
         self, source: S, answer: enum.Enum, dest: S, edge: Edge, actions: tuple[Action, ...]
@@ -116,8 +116,15 @@ class Step(Generic[S]):
         self.actions = actions
         #: a self-loop without actions: taking it changes nothing at all
         self.is_stay = source is dest and not actions
-        #: how many times this step was taken since compilation
-        self.count = 0
+        #: how many times this step was taken on its own (fired, or counted as a stay)
+        self.taken = 0
+        #: the chains this step is part of, once per time it is taken in each
+        self.chains: tuple[Chain[S], ...] = ()
+
+    @property
+    def count(self) -> int:
+        """How many times this step was taken since compilation: on its own or in a chain."""
+        return self.taken + sum(chain.runs for chain in self.chains)
 
     def __repr__(self) -> str:
         return (f"<Step {self.source.name} -{self.edge.event}({self.answer.name})-> "
@@ -132,7 +139,7 @@ class Chain(Generic[S]):
     as one chain; a trace keeps the chain, with the time, as it would keep one step.
     """
 
-    __slots__ = ("dest", "moves", "source", "steps", "traced")
+    __slots__ = ("acting", "dest", "moves", "runs", "source", "steps", "traced")
 
     def __init__(self, moves: Sequence[tuple[Step[S], Any]]) -> None:
         #: (step, the detail its actions get), in the order they are taken
@@ -140,8 +147,14 @@ class Chain(Generic[S]):
         self.steps = tuple(step for step, _ in self.moves)
         self.source = self.steps[0].source
         self.dest = self.steps[-1].dest
+        #: the moves whose steps have actions: only they need the state set on the way
+        self.acting = tuple((step, detail) for step, detail in self.moves if step.actions)
         #: the steps a trace keeps (stays change nothing and are not kept)
         self.traced = tuple(step for step in self.steps if not step.is_stay)
+        #: how many times the chain was run (each of its steps counts it as taken)
+        self.runs = 0
+        for step in self.steps:  # once per time it is taken in the chain
+            step.chains += (self,)
 
     def __repr__(self) -> str:
         return "<Chain " + " ".join(
@@ -390,7 +403,7 @@ class CompiledMachine(Generic[S, A]):
             step = self.table[record.state][event][answer]
         except (KeyError, TypeError):
             raise self._refusal(record.state, event, answer) from None
-        step.count += 1
+        step.taken += 1
         record.state = step.dest
         if self.trace and not step.is_stay:
             record.trace += (step, time.monotonic())  # type: ignore[attr-defined]
@@ -426,11 +439,12 @@ class CompiledMachine(Generic[S, A]):
                                     chain.steps[0].answer,
                                     f"a chain from {chain.source.name} cannot run in "
                                     f"state {record.state.name}")
-        for step, detail in chain.moves:
-            step.count += 1
+        chain.runs += 1
+        for step, detail in chain.acting:
             record.state = step.dest
             for action in step.actions:
                 action(record, step.answer, detail)
+        record.state = chain.dest
         if self.trace and chain.traced:
             record.trace += (chain, time.monotonic())  # type: ignore[attr-defined]
         return chain.dest

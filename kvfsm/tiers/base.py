@@ -497,7 +497,7 @@ class SecondaryTier:
         running = self._running
         waiting = list(self._waiting.values())  # those in it now: one call each this round
         answered = running.check(self.agent.check_xfer_state)
-        stay.count += len(running.transfers) - len(answered)
+        stay.taken += len(running.transfers) - len(answered)
         polled, settle = self.driver.polled, self.driver.settle
         for transfer, status in answered:
             running.discard(transfer)
@@ -524,7 +524,7 @@ class SecondaryTier:
                 except Exception as error:  # the machine hears of it: poll(RAISED)
                     status = error
                 if status == "PROC" and stay is not None and transfer.started_at > started_after:
-                    stay.count += 1
+                    stay.taken += 1
                     continue
                 others.append((transfer, status))
             elif (transfer.state is TransferState.CANCELLING
@@ -580,7 +580,7 @@ class _Running:
 
     def check(self, check: Callable[[Any], str]) -> list[tuple[Transfer, str | Exception]]:
         """Call ``check`` once on every handle; the transfers whose answer was not PROC (a
-        status, or what the call raised), in submission order."""
+        status, or what the call raised), in the order they are kept."""
         handles = self.handles
         statuses: list[str | Exception] = []
         while True:
@@ -592,15 +592,8 @@ class _Running:
                 statuses.append(error)
         if statuses.count("PROC") == len(statuses):
             return []
-        answered = list(compress(zip(self.transfers, statuses, strict=True),
-                                 map(operator.ne, statuses, repeat("PROC"))))
-        if len(answered) > 1:
-            answered.sort(key=_started)
-        return answered
-
-
-def _started(answered: tuple[Transfer, Any]) -> float:
-    return answered[0].started_at
+        return list(compress(zip(self.transfers, statuses, strict=True),
+                             map(operator.ne, statuses, repeat("PROC"))))
 
 
 logger = logging.getLogger("kvfsm")

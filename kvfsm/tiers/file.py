@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import urllib.parse
 from pathlib import Path
 
@@ -29,6 +30,8 @@ __all__ = ["FileTier"]
 
 _PARTIAL = ".partial-"
 _MAX_NAME = 200  # longer names are hashed (file systems allow 255 bytes)
+#: a key that quoting leaves as it is and that does not start with a dot
+_PLAIN = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9_.~-]*").fullmatch
 
 
 class _OpenFiles:
@@ -38,7 +41,7 @@ class _OpenFiles:
 
     def __init__(self) -> None:
         self.fds: list[int] = []
-        self.partial: list[tuple[Path, Path]] = []  # (temporary, final), for a store
+        self.partial: list[tuple[str, str]] = []  # (temporary, final) paths, for a store
         self.committed = False
 
 
@@ -54,17 +57,18 @@ class _Files(StorageSide):
         tier = self._tier
         opened = transfer.opened = _OpenFiles()
         descs = []
+        directory, size, fds = tier.directory, tier.block_bytes, opened.fds
         for name in transfer.names:
-            final = tier.root / name
+            final = directory + name
             if transfer.job.is_promotion:
                 fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
             else:
-                partial = final.with_name(f"{final.name}{_PARTIAL}{transfer.job.job_id}")
+                partial = f"{final}{_PARTIAL}{transfer.job_id}"
                 fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
                              0o644)
                 opened.partial.append((partial, final))
-            opened.fds.append(fd)
-            descs.append((0, tier.block_bytes, fd, ""))
+            fds.append(fd)
+            descs.append((0, size, fd, ""))
         return descs
 
     def commit(self, transfer: Transfer) -> None:
@@ -91,7 +95,9 @@ class _Files(StorageSide):
         if not opened.committed:
             for partial, _ in opened.partial:
                 try:
-                    partial.unlink(missing_ok=True)
+                    os.unlink(partial)
+                except FileNotFoundError:
+                    pass
                 except OSError as error:
                     leaks.append(Leak("unlink", f"{partial}: {error}"))
         transfer.opened = None
@@ -125,6 +131,8 @@ class FileTier(SecondaryTier):
     ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        #: the root as text, ending in a separator: a block's path is this and its name
+        self.directory = os.path.join(self.root, "")
         self.durable = durable
         if agent is None:
             from kvfsm.nixl_agents import make_agent  # noqa: PLC0415 - NIXL is optional
@@ -140,6 +148,8 @@ class FileTier(SecondaryTier):
     def remote_name(self, key: bytes | str) -> str:
         """The file name of block ``key``: its text (:func:`~kvfsm.tiers.base.key_text`) quoted
         for a file name; long names hashed."""
+        if type(key) is str and len(key) <= _MAX_NAME and _PLAIN(key):
+            return key  # nothing to quote, not hidden, not too long: the name as it is
         name = urllib.parse.quote(key_text(key), safe="")
         if len(name) > _MAX_NAME or name.startswith("."):
             name = "h-" + hashlib.sha256(name.encode()).hexdigest()
@@ -151,7 +161,7 @@ class FileTier(SecondaryTier):
                      for p, _ in t.opened.partial}
         removed = 0
         for path in self.root.glob(f"*{_PARTIAL}*"):
-            if path not in in_flight:
+            if self.directory + path.name not in in_flight:
                 path.unlink(missing_ok=True)
                 removed += 1
         return removed
