@@ -13,6 +13,8 @@ blocks (and, for files, of 1 block too, where per-transfer cost weighs most):
 
 Every contender submits all jobs of a phase, then polls until every job finished, sleeping the
 tier's ``poll_interval`` (0.5 ms) between polls; the loads are checked byte for byte (untimed).
+The inputs are built before the clock starts: the bare script's block lists, and the tiers'
+``TransferJob`` requests (an engine has them before it calls a tier).
 Runs alternate between contenders so drift hits all alike. Prints the median throughput of
 each phase and the ratio to the bare script.
 
@@ -163,38 +165,53 @@ class BareObjects(BareFiles):
 
 # -- the tiers, driven the way an engine drives them -------------------------------------------
 
-def tier_phase(tier: Any, jobs: list[list[int]], load: bool, first_id: int) -> None:
+def tier_phase(tier: Any, jobs: list[list[int]], load: bool,
+               first_id: int) -> Callable[[], None]:
+    """The phase, ready to run: its jobs are the engine's input, built before the clock starts
+    (as the bare script's block lists are)."""
     submit = tier.submit_load if load else tier.submit_store
-    for offset, blocks in enumerate(jobs):
-        submit(TransferJob(first_id + offset, [f"block-{b}" for b in blocks], blocks,
-                           is_promotion=load))
-    published = 0
-    while True:
-        results = tier.get_finished_jobs()
-        for result in results:
-            if not result.success:
-                raise RuntimeError(f"job {result.job_id} failed")
-        published += len(results)
-        if published == len(jobs):
-            return
-        time.sleep(POLL_INTERVAL)
+    requests = [TransferJob(first_id + offset, [f"block-{b}" for b in blocks], blocks,
+                            is_promotion=load) for offset, blocks in enumerate(jobs)]
+
+    def run() -> None:
+        for request in requests:
+            submit(request)
+        published = 0
+        while True:
+            results = tier.get_finished_jobs()
+            for result in results:
+                if not result.success:
+                    raise RuntimeError(f"job {result.job_id} failed")
+            published += len(results)
+            if published == len(jobs):
+                return
+            time.sleep(POLL_INTERVAL)
+
+    return run
+
+
+def bare_phase(bare: BareFiles) -> Phase:
+    return lambda jobs, load: lambda: bare.phase(jobs, load)
 
 
 # -- one run: store, wipe, load, verify --------------------------------------------------------
 
-Phase = Callable[[list[list[int]], bool], None]
+#: makes a phase ready to run: (jobs, load) -> run
+Phase = Callable[[list[list[int]], bool], Callable[[], None]]
 
 
 def one_run(cache: torch.Tensor, original: torch.Tensor, jobs: list[list[int]],
             phase: Phase) -> tuple[float, float]:
     """Seconds to store every block and to load every block back (verified)."""
     cache.copy_(original)
+    run = phase(jobs, False)
     started = time.perf_counter()
-    phase(jobs, False)
+    run()
     stored = time.perf_counter() - started
     cache.zero_()
+    run = phase(list(reversed(jobs)), True)
     started = time.perf_counter()
-    phase(list(reversed(jobs)), True)
+    run()
     loaded = time.perf_counter() - started
     if not torch.equal(cache, original):
         raise RuntimeError("loaded blocks differ from the stored ones")
@@ -214,15 +231,15 @@ def run_files(blocks: int, per_job: int, repeats: int) -> dict[str, list[tuple[f
                 agent = make_agent(_agent_name("posix"), "POSIX")
                 if name == "bare script":
                     bare = BareFiles(cache, Path(root), agent)
-                    samples[name].append(one_run(cache, original, jobs, bare.phase))
+                    samples[name].append(one_run(cache, original, jobs, bare_phase(bare)))
                     bare.close()
                 else:
                     tier = FileTier(cache, root, agent=agent, durable=False)
                     ids = itertools.count()
 
                     def phase(jobs: list[list[int]], load: bool, tier: Any = tier,
-                              ids: Any = ids) -> None:
-                        tier_phase(tier, jobs, load, next(ids) * len(jobs))
+                              ids: Any = ids) -> Callable[[], None]:
+                        return tier_phase(tier, jobs, load, next(ids) * len(jobs))
 
                     samples[name].append(one_run(cache, original, jobs, phase))
                     tier.shutdown()
@@ -285,7 +302,7 @@ def run_objects(blocks: int, per_job: int, repeats: int) -> dict[str, list[tuple
                 agent = make_agent(_agent_name("obj"), "OBJ", store.backend_params())
                 if name == "bare script":
                     bare = BareObjects(cache, agent, prefix)
-                    samples[name].append(one_run(cache, original, jobs, bare.phase))
+                    samples[name].append(one_run(cache, original, jobs, bare_phase(bare)))
                     bare.close()
                     continue
                 tier: Any = (ObjectStoreTier(cache, agent=agent, key_prefix=prefix)
@@ -294,8 +311,8 @@ def run_objects(blocks: int, per_job: int, repeats: int) -> dict[str, list[tuple
                 ids = itertools.count()
 
                 def phase(jobs: list[list[int]], load: bool, tier: Any = tier,
-                          ids: Any = ids) -> None:
-                    tier_phase(tier, jobs, load, next(ids) * len(jobs))
+                          ids: Any = ids) -> Callable[[], None]:
+                    return tier_phase(tier, jobs, load, next(ids) * len(jobs))
 
                 samples[name].append(one_run(cache, original, jobs, phase))
                 tier.shutdown()
