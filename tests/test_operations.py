@@ -61,6 +61,23 @@ def test_f9_a_time_bound_with_backoff_spaces_the_attempts_out(primary: torch.Ten
     assert tier.stats()["quarantined"] == 1
 
 
+def test_at_the_shutdown_deadline_a_release_backing_off_gets_one_last_try(
+    primary: torch.Tensor,
+) -> None:
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(backoff=60, max_backoff=60))
+    agent.inject("release_xfer_handle", Raise("NIXL_ERR_BACKEND"))  # the first release only
+    tier.submit_store(store(1, 0))
+    assert tier.get_finished_jobs() == []  # the release raised; the next try is a minute away
+    assert tier.state_of(1) is TransferState.DONE
+    tier.shutdown(timeout=0.05)  # the deadline comes long before the backoff ends
+    (result,) = tier.get_finished_jobs()
+    assert result.success, "the last try released the handle: the store keeps its outcome"
+    assert tier.stats()["quarantined"] == 0 and tier.closed
+    assert agent.call_count("release_xfer_handle") == 2
+    assert agent.live_xfer_handles() == 0
+
+
 def test_f9_without_a_bound_drain_stops_at_its_deadline_and_names_the_stuck_job(
     primary: torch.Tensor,
 ) -> None:

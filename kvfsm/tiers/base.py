@@ -204,9 +204,10 @@ class SecondaryTier:
         :meth:`get_finished_jobs` afterwards; a job whose transfer had already ended keeps its
         outcome. New submits are refused from the start. Transfers NIXL still runs are waited
         for up to ``timeout`` seconds (None: as long as it takes), never released while
-        running. At the deadline, a transfer whose release still fails is quarantined: it is
-        over, so its failure is published and only its handles (and the primary cache's
-        registration they refer to) stay held.
+        running. At the deadline, a transfer that is over gets one last release attempt (a
+        retry backing off is not waited for); one whose release still fails is quarantined:
+        it is over, so its failure is published and only its handles (and the primary
+        cache's registration they refer to) stay held.
 
         Raises:
             DrainTimeout: transfers NIXL still ran at the deadline. They are not published, so
@@ -225,8 +226,11 @@ class SecondaryTier:
         except DrainTimeout:
             with self._lock:
                 for transfer in self.unpublished():
-                    if transfer.state not in _MAY_RUN:
-                        self._give_up(transfer, "shutdown deadline passed")
+                    if transfer.state not in _MAY_RUN:  # over: one last try, then give up
+                        transfer.retry_at = 0.0
+                        self._advance(transfer)
+                        if transfer.job_id in self._transfers:
+                            self._give_up(transfer, "shutdown deadline passed")
                 running = self.unpublished()
                 if running:
                     raise DrainTimeout("shutdown (NIXL still runs these; call shutdown again "
