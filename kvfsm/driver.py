@@ -179,6 +179,9 @@ class TransferDriver:
                 self.machine.fire(transfer, TransferEvent.POST,
                                   Answer.PROC if posting else Answer.RAISED, interrupt)
                 raise
+        if answer is Answer.PROC:  # posted and running: the common case, one step
+            self.machine.fire(transfer, TransferEvent.POST, answer)
+            return False
         return self._answer(transfer, TransferEvent.POST, answer, detail)
 
     def poll(self, transfer: Transfer) -> bool:
