@@ -18,9 +18,13 @@ Compilation also rejects two kinds of mistakes that ``transitions`` accepts sile
   ``transitions`` would silently refuse and leave the machine where it was. A stay must be a
   declared self-loop.
 
-At run time :meth:`CompiledMachine.fire` is two dict lookups, an attribute store and the step's
-actions. Each step counts how often it was taken, which gives per-transition counts and
-transition coverage for free.
+At run time :meth:`CompiledMachine.fire` is three dict lookups, an attribute store and the
+step's actions. Each step counts how often it was taken, which gives per-transition counts and
+transition coverage for free. A driver that knows which calls follow one another can also take
+several steps at once: :meth:`CompiledMachine.chain` reads a :class:`Chain` out of the table
+(each step from where the one before left off, so it is exactly what firing them one by one
+would do), and :meth:`CompiledMachine.run` takes it with one state change, one count and one
+trace entry.
 """
 
 from __future__ import annotations
