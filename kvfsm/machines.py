@@ -21,6 +21,7 @@ __all__ = ["KVFSM_MACHINES", "kvfsm_machines", "load_machine"]
 KVFSM_MACHINES = {
     "transfer": "kvfsm.lifecycle:TRANSFER_MACHINE",
     "peer_receive": "kvfsm.peer:PEER_RECEIVE",
+    "peer_link": "kvfsm.peer_link:PEER_LINK",
 }
 
 

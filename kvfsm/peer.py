@@ -24,11 +24,37 @@ fails, but that does not revoke the access a live sender already has: a one-side
 a sender that is still running can still land. So call it only when the sender is really gone
 (its process ended, its connection broke), and the same goes for :meth:`PeerReceiver.shutdown`
 with senders still connected.
+
+Both sides keep a link per peer, a third machine (:data:`kvfsm.peer_link.PEER_LINK`): metadata
+exchange and a peer that disappears go through it. A sender posts only to a CONNECTED receiver,
+and a receiver expects jobs only from a CONNECTED sender.
+
+How a receiver learns a sender is gone, without being told (``peer_timeout``)
+-----------------------------------------------------------------------------
+
+A sender that owes jobs and has sent nothing for ``peer_timeout`` seconds is *probed*: the
+receiver sends it a small notification (:data:`~kvfsm.peer_link.PROBE_MESSAGE`), and again every
+``peer_timeout`` seconds while it stays silent. Only a probe that fails with NIXL's
+``NIXL_ERR_REMOTE_DISCONNECT`` loses the link; then the sender's metadata is removed and every job
+it owed publishes a failure. A probe that goes through, or fails in another way, changes nothing:
+the jobs stay expected, however late. That is deliberate. A receiver cannot revoke a one-sided
+write: a sender that is still connected may still write into those blocks, so publishing a
+failure for them (and letting the engine reuse the blocks) on a clock alone could let a late
+write land in memory that holds something else. A timeout only decides *when to ask*; NIXL's
+answer decides. A sender that is connected but never writes keeps its jobs expected until the
+engine decides otherwise (``forget_peer``, when it knows the sender is really gone).
+
+Measured on NIXL 1.5.1 (UCX, two processes on one host): after the sender process was killed,
+the first probe on a connection never used before was accepted (UCX learns of the loss
+asynchronously) and the next one, 7 ms later, raised ``nixlRemoteDisconnectError``; on a
+connection already used, the first probe raised. So a dead sender is found within two
+``peer_timeout`` periods of silence.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +64,16 @@ import torch
 
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import latch_failure, latch_success
+from kvfsm.peer_link import (
+    PEER_LINK,
+    PROBE_MESSAGE,
+    LinkState,
+    PeerLink,
+    PeerLinkError,
+    PeerLinks,
+    PeerNotConnected,
+    is_disconnect,
+)
 from kvfsm.policy import RetryPolicy
 from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier, _check_primary
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
@@ -45,6 +81,7 @@ from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 __all__ = [
     "PEER_RECEIVE",
     "PeerAnswer",
+    "PeerNotConnected",
     "PeerReceiver",
     "PeerSender",
     "ReceiveState",
@@ -106,6 +143,9 @@ PEER_RECEIVE: Declaration[ReceiveState, PeerAnswer] = Declaration(
 )
 
 
+logger = logging.getLogger("kvfsm")
+
+
 def notification_for(job_id: int, blocks: Sequence[int]) -> bytes:
     """The notification a peer write of ``job_id`` into the receiver's ``blocks`` carries."""
     return f"kvfsm-job:{job_id}:{','.join(map(str, blocks))}".encode()
@@ -118,12 +158,14 @@ def _peer_name(name: Any) -> str:
 class _Expected:
     """One job the receiver expects: the record its machine moves."""
 
-    __slots__ = ("error", "finished_at", "job", "peer", "started_at", "state", "success",
-                 "trace")
+    __slots__ = ("error", "finished_at", "job", "link", "peer", "started_at", "state",
+                 "success", "trace")
 
-    def __init__(self, job: TransferJob, peer: str) -> None:
+    def __init__(self, job: TransferJob, peer: str, link: PeerLink) -> None:
         self.job = job
         self.peer = peer
+        #: the link the job is owed over (a later connect of the same sender is another link)
+        self.link = link
         self.state = ReceiveState.EXPECTING
         self.success: bool | None = None
         self.error: str | None = None
@@ -138,23 +180,33 @@ class PeerReceiver:
     Args:
         primary: the receiver's KV cache (contiguous CPU tensor, blocks on the first dimension).
         agent: a NIXL agent with the UCX backend.
+        peer_timeout: seconds a sender that owes jobs may stay silent (no notification) before
+            it is probed, and between probes while it stays silent; None: never probe (a
+            sender is then only found gone by :meth:`forget_peer`). A probe never fails a job
+            by itself: only NIXL answering that the sender is gone does (module docstring).
     """
 
-    def __init__(self, primary: torch.Tensor, *, agent: Any) -> None:
+    def __init__(self, primary: torch.Tensor, *, agent: Any,
+                 peer_timeout: float | None = 30.0) -> None:
         _check_primary(primary)
+        if peer_timeout is not None and not peer_timeout > 0:
+            raise ValueError(f"peer_timeout must be > 0 seconds or None, got {peer_timeout!r}")
         self.primary = primary
         self.agent = agent
         self.name = _peer_name(agent.name)
         self.block_bytes = int(primary[0].nbytes)
         self.num_blocks = int(primary.shape[0])
+        self.peer_timeout = peer_timeout
         self.machine = PEER_RECEIVE.compile(trace=True)
+        self.links = PeerLinks(agent)
         self._registration = agent.register_memory(
             [(primary.data_ptr(), self.num_blocks * self.block_bytes, 0, "")], "DRAM")
         self._expected: dict[int, _Expected] = {}
         self._by_message: dict[tuple[str, bytes], int] = {}
         #: notifications no expected job claimed yet (one may arrive before its expect())
         self._unclaimed: dict[tuple[str, bytes], None] = {}
-        self._peers: set[str] = set()
+        #: how many unpublished jobs each link owes
+        self._owed: dict[PeerLink, int] = {}
         self._results: list[JobResult] = []
         self._lock = threading.RLock()
         self._closed = False
@@ -170,31 +222,46 @@ class PeerReceiver:
         return [(base + i * self.block_bytes, self.block_bytes, 0) for i in range(self.num_blocks)]
 
     def connect(self, sender_metadata: bytes) -> str:
-        """Load a sender's metadata (so its notifications are accepted); returns its name."""
+        """Load a sender's metadata (so its notifications are accepted); returns its name.
+
+        The link is CONNECTED when NIXL says it holds the metadata; if not yet, it is
+        CONNECTING and checked again at each :meth:`get_finished_jobs`.
+
+        Raises:
+            kvfsm.peer_link.PeerLinkError: NIXL refused the metadata, or lost it at once; or
+                a link to that sender is still open.
+        """
         with self._lock:
-            name = _peer_name(self.agent.add_remote_agent(sender_metadata))
-            self._peers.add(name)
-            return name
+            link = self.links.connect(sender_metadata)
+            return str(link.name)
+
+    def link_state(self, sender: str) -> LinkState:
+        """The state of the link to ``sender`` (UNKNOWN if never connected)."""
+        return self.links.state_of(sender)
 
     def expect(self, job: TransferJob, sender: str) -> None:
         """Expect ``sender``'s write of ``job`` into ``job.block_ids`` (allocated, being
         written, by the receiver's parent).
 
         Raises:
-            InvalidJobError: the job id is already expected, the sender is unknown, or a block
-                id is out of range; nothing changed.
+            InvalidJobError: the job id is already expected, the sender's link is not CONNECTED
+                (:class:`PeerNotConnected`), or a block id is out of range; nothing changed.
         """
         with self._lock:
             if job.job_id in self._expected:
                 raise InvalidJobError(f"job {job.job_id} is already expected")
-            if sender not in self._peers:
-                raise InvalidJobError(f"job {job.job_id}: unknown sender {sender!r}; "
-                                      "connect() it first")
+            link = self.links.get(sender)
+            if link is None or link.state is not LinkState.CONNECTED:
+                state = "unknown; connect() it first" if link is None else link.state.name
+                raise PeerNotConnected(f"job {job.job_id}: sender {sender!r} is {state}")
             for block in job.block_ids:
                 if not 0 <= block < self.num_blocks:
                     raise InvalidJobError(f"job {job.job_id}: block {block} is out of range "
                                           f"[0, {self.num_blocks})")
-            self._expected[job.job_id] = _Expected(job, sender)
+            if not self._owes(link):  # silence counts from when something is owed
+                link.quiet_since = time.monotonic()
+            self._expected[job.job_id] = _Expected(job, sender, link)
+            self._owed[link] = self._owed.get(link, 0) + 1
             message = (sender, notification_for(job.job_id, job.block_ids))
             if message in self._unclaimed:  # it came first: it counts at the next poll
                 del self._unclaimed[message]
@@ -208,33 +275,56 @@ class PeerReceiver:
         Only for a sender that is really gone: a live sender's writes are not revoked.
         """
         with self._lock:
-            if sender in self._peers:
-                self.agent.remove_remote_agent(sender)
-                self._peers.discard(sender)
+            link = self.links.get(sender)
+            if link is not None and link.state not in PEER_LINK.final:
+                self.links.close(link)
 
     def get_finished_jobs(self) -> list[JobResult]:
         """Take NIXL's new notifications, watch the senders; the results published since."""
         with self._lock:
+            now = time.monotonic()
             for sender, messages in self.agent.get_new_notifs().items():
+                name = _peer_name(sender)
+                link = self.links.get(name)
+                if link is not None:
+                    link.quiet_since = now  # heard from: it is there
                 for message in messages:
-                    key = (_peer_name(sender), bytes(message))
+                    key = (name, bytes(message))
                     job_id = self._by_message.pop(key, None)
                     if job_id is not None:
                         self.machine.fire(self._expected[job_id], "notified", PeerAnswer.ARRIVED)
-                    elif len(self._unclaimed) < 65536:
+                    elif key[1] != PROBE_MESSAGE and len(self._unclaimed) < 65536:
                         self._unclaimed[key] = None
+            self._watch_links(now)
             if self._expected:
                 for expected in list(self._expected.values()):
                     if expected.state is ReceiveState.EXPECTING:
-                        answer = (PeerAnswer.PRESENT if expected.peer in self._peers
-                                  else PeerAnswer.GONE)
-                        self.machine.fire(expected, "watch", answer,
-                                          None if answer is PeerAnswer.PRESENT
-                                          else f"sender {expected.peer} is gone")
+                        link = expected.link
+                        if link.state in _GONE:
+                            self.machine.fire(expected, "watch", PeerAnswer.GONE,
+                                              f"sender {expected.peer} is gone: "
+                                              f"{link.error or 'forgotten'}")
+                        else:
+                            self.machine.fire(expected, "watch", PeerAnswer.PRESENT)
                     if expected.state is not ReceiveState.EXPECTING:
                         self._publish(expected)
             results, self._results = self._results, []
             return results
+
+    def _owes(self, link: PeerLink) -> bool:
+        return self._owed.get(link, 0) > 0
+
+    def _watch_links(self, now: float) -> None:
+        """Check links still connecting; probe silent senders that owe jobs; close lost ones."""
+        for link in self.links.open_links():
+            if link.state is LinkState.CONNECTING:
+                self.links.recheck(link)
+            if (link.state is LinkState.CONNECTED and self.peer_timeout is not None
+                    and now - max(link.quiet_since, link.probed_at) >= self.peer_timeout
+                    and self._owes(link)):
+                self.links.probe(link)
+            if link.state is LinkState.LOST:
+                self.links.close(link)
 
     def has_pending_work(self) -> bool:
         """True while a job is expected or a result not handed out."""
@@ -260,9 +350,9 @@ class PeerReceiver:
         with self._lock:
             if self._closed:
                 return
-            for sender in list(self._peers):
-                self.forget_peer(sender)
-            self._results += self.get_finished_jobs()
+            for link in self.links.open_links():
+                self.links.close(link)
+            self._results += self.get_finished_jobs()  # also lets UCX retire a lost sender
             self.agent.deregister_memory(self._registration)
             self._closed = True
 
@@ -274,6 +364,11 @@ class PeerReceiver:
     def _publish(self, expected: _Expected) -> None:
         self.machine.fire(expected, "publish", PeerAnswer.OK)
         del self._expected[expected.job.job_id]
+        owed = self._owed[expected.link] - 1
+        if owed:
+            self._owed[expected.link] = owed
+        else:
+            del self._owed[expected.link]
         self._by_message.pop(
             (expected.peer, notification_for(expected.job.job_id, expected.job.block_ids)), None)
         success = bool(expected.success)
@@ -281,6 +376,10 @@ class PeerReceiver:
             expected.job.job_id, success,
             len(expected.job.block_ids) * self.block_bytes if success else 0,
             expected.finished_at - expected.started_at))
+
+
+#: link states in which a peer owes nothing any more: what it owed fails
+_GONE = frozenset({LinkState.LOST, LinkState.CLOSED})
 
 
 class _PeerMemory:
@@ -319,6 +418,21 @@ class PeerSender(SecondaryTier):
     ``block_ids`` are the sender's primary blocks, pinned by its parent. The notification names
     the job id, which the receiver :meth:`~PeerReceiver.expect`\\ s.
 
+    The link to the receiver (:data:`~kvfsm.peer_link.PEER_LINK`) decides what may be posted:
+    only a CONNECTED receiver is written to. A write that fails with NIXL's
+    ``NIXL_ERR_REMOTE_DISCONNECT`` loses the link: its job publishes its failure as any failed
+    transfer does, later jobs are refused (:class:`~kvfsm.peer_link.PeerNotConnected`), and once
+    no transfer to the receiver is unpublished its metadata is removed (CLOSED).
+
+    Before a receiver's metadata is removed, and at shutdown, the sender lets its UCX worker
+    progress once (``get_new_notifs``). Measured on NIXL 1.5.1: a sender whose receiver was
+    killed before taking the notification of a write, and which then posted a write that failed
+    with the disconnect, aborted when its agent was destroyed (UCX assertion
+    ``ucs_arbiter_group_is_empty``), whether or not its handles were released and the receiver
+    removed first; one ``get_new_notifs`` call after the failed write avoided it in every trial.
+    The sender expects no notifications (a receiver's probes are the only ones it gets), so it
+    drops what that call returns: give a sender an agent of its own, not a receiver's.
+
     Args:
         primary: the sender's KV cache.
         agent: a NIXL agent with the UCX backend.
@@ -327,25 +441,81 @@ class PeerSender(SecondaryTier):
 
     def __init__(self, primary: torch.Tensor, *, agent: Any,
                  policy: RetryPolicy | None = None, poll_interval: float = 0.0002) -> None:
-        self.peer: str | None = None
         self.receiver_blocks: list[tuple[int, int, int]] = []
+        self.links = PeerLinks(agent)
+        #: the link to the receiver (the last one connected)
+        self.link: PeerLink | None = None
         super().__init__(primary, agent=agent, remote=_PeerMemory(self),
                          poll_interval=poll_interval, policy=policy)
+        self.on_published.append(self._heard)
+
+    @property
+    def peer(self) -> str | None:
+        """The receiver's agent name, while its link is not over; else None."""
+        link = self.link
+        return None if link is None or link.state in PEER_LINK.final else link.name
 
     def connect(self, receiver_metadata: bytes, receiver_blocks: Sequence[tuple[int, int, int]]
                 ) -> str:
-        """Load the receiver's metadata and the descriptors of its blocks; returns its name."""
+        """Load the receiver's metadata and the descriptors of its blocks; returns its name.
+
+        Raises:
+            kvfsm.peer_link.PeerLinkError: NIXL refused the metadata, or lost it at once; or
+                the link to the previous receiver is not over yet (forget it first).
+        """
         with self._lock:
-            self.peer = _peer_name(self.agent.add_remote_agent(receiver_metadata))  # type: ignore[attr-defined]
+            if self.link is not None and self.link.state not in PEER_LINK.final:
+                raise PeerLinkError(f"already linked to receiver {self.link.name!r} "
+                                    f"({self.link.state.name}); forget_peer() first")
+            self.link = self.links.connect(receiver_metadata)
             self.receiver_blocks = [tuple(d) for d in receiver_blocks]  # type: ignore[misc]
-            return self.peer
+            return str(self.link.name)
+
+    def link_state(self) -> LinkState:
+        """The state of the link to the receiver (UNKNOWN before the first connect)."""
+        return LinkState.UNKNOWN if self.link is None else self.link.state
 
     def forget_peer(self) -> None:
-        """The receiver disappeared: remove its metadata; later writes fail at once."""
+        """Close the link to the receiver: remove its metadata. Later jobs are refused.
+
+        Raises:
+            RuntimeError: transfers to it are not yet published (drain or cancel them first:
+                its metadata is never removed under a transfer that may still run).
+        """
         with self._lock:
-            if self.peer is not None:
-                self.agent.remove_remote_agent(self.peer)  # type: ignore[attr-defined]
-                self.peer = None
+            link = self.link
+            if link is None or link.state in PEER_LINK.final:
+                return
+            if self._transfers:
+                raise RuntimeError(f"receiver {link.name!r}: {len(self._transfers)} transfer(s) "
+                                   "not yet published; drain_jobs() or cancel() them first")
+            self._close_link(link)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Advance every transfer once; settle the link; the results published since."""
+        with self._lock:
+            results = super().get_finished_jobs()
+            self._settle_link()
+            return results
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Fail every unfinished job, wait for NIXL, release everything, close the link."""
+        super().shutdown(timeout)  # raises DrainTimeout while NIXL still runs a transfer
+        with self._lock:
+            link = self.link
+            if link is not None and link.state not in PEER_LINK.final:
+                self._close_link(link)
+            else:
+                self._progress()
+
+    def stats(self) -> dict[str, Any]:
+        """The tier's stats, with the link's state and its leaks counted among the leaks."""
+        stats = super().stats()
+        link_leaks = self.links.leaks()
+        stats["leaks"] += len(link_leaks)
+        stats["leaked"] += [(-1, leak) for _, leak in link_leaks]
+        stats["link"] = self.link_state().name
+        return stats
 
     def remote_index(self, key: bytes | str) -> int:
         """The receiver block a key names."""
@@ -369,5 +539,39 @@ class PeerSender(SecondaryTier):
         if load:
             raise InvalidJobError(f"job {job.job_id}: a peer sender only writes; the receiver "
                                   "expects the job instead")
+        link = self.link
+        if link is None or link.state is not LinkState.CONNECTED:
+            why = ("no receiver is connected" if link is None
+                   else f"receiver {link.name!r} is {link.state.name}"
+                   + (f" ({link.error})" if link.error else ""))
+            raise PeerNotConnected(f"job {getattr(job, 'job_id', job)!r} refused: {why}; "
+                                   "nothing was posted")
         super()._submit(job, load=load)
 
+    def _heard(self, transfer: Transfer) -> None:
+        """A transfer was published: one that failed with a disconnect loses the link."""
+        link = self.link
+        if (transfer.success is False and link is not None and is_disconnect(transfer.error)
+                and link.state in (LinkState.CONNECTED, LinkState.LOST)):
+            self.links.disconnected(link, transfer.error)
+
+    def _settle_link(self) -> None:
+        """A connecting link is checked again; a lost one is closed once nothing runs to it."""
+        link = self.link
+        if link is None:
+            return
+        if link.state is LinkState.CONNECTING:
+            self.links.recheck(link)
+        if link.state is LinkState.LOST and not self._transfers:
+            self._close_link(link)
+
+    def _close_link(self, link: PeerLink) -> None:
+        self._progress()
+        self.links.close(link)
+
+    def _progress(self) -> None:
+        """Let the UCX worker progress once (see the class docstring); best effort."""
+        try:
+            self.agent.get_new_notifs()  # type: ignore[attr-defined]
+        except Exception as error:
+            logger.warning("get_new_notifs raised while closing a peer link: %s", error)

@@ -501,7 +501,8 @@ def test_the_committed_diagrams_pass_the_check(
 ) -> None:
     monkeypatch.chdir(REPO)
     assert main(["diagrams", "--check"]) == 0
-    assert "transfer, peer_receive up to date in diagrams/" in capsys.readouterr().out
+    assert ("transfer, peer_receive, peer_link up to date in diagrams/"
+            in capsys.readouterr().out)
 
 
 def test_the_committed_dot_is_what_the_declaration_gives_now() -> None:
@@ -581,11 +582,11 @@ def test_a_users_machine_named_on_the_command_line_is_drawn_and_checked(tmp_path
     drawn = kvfsm(tmp_path, "--out", "pictures", "door_machine:DOOR")
     assert drawn.returncode == 0, drawn.stderr
     assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
-        "door.dot", "door.svg", "peer_receive.dot", "peer_receive.svg", "transfer.dot",
-        "transfer.svg"]
+        "door.dot", "door.svg", "peer_link.dot", "peer_link.svg", "peer_receive.dot",
+        "peer_receive.svg", "transfer.dot", "transfer.svg"]
     checked = kvfsm(tmp_path, "--check", "--out", "pictures", "door_machine:DOOR")
     assert checked.returncode == 0, checked.stderr
-    assert "transfer, peer_receive, door up to date in pictures/" in checked.stdout
+    assert "transfer, peer_receive, peer_link, door up to date in pictures/" in checked.stdout
 
     # the user changes the machine and forgets to redraw it
     (tmp_path / "door_machine.py").write_text(textwrap.dedent(DOOR_MODULE).format(dest="CLOSED"))
@@ -687,10 +688,11 @@ def test_drawing_again_rewrites_nothing_and_a_stale_svg_is_rendered_again(
     assert main(["diagrams", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines() == [
         f"wrote {tmp_path / name}" for name in (
-            "transfer.dot", "peer_receive.dot", "transfer.svg", "peer_receive.svg")]
+            "transfer.dot", "peer_receive.dot", "peer_link.dot", "transfer.svg",
+            "peer_receive.svg", "peer_link.svg")]
     assert main(["diagrams", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out == (
-        f"kvfsm diagrams: transfer, peer_receive up to date in {tmp_path}/\n")
+        f"kvfsm diagrams: transfer, peer_receive, peer_link up to date in {tmp_path}/\n")
     (tmp_path / "transfer.svg").write_text("<svg/>")
     assert main(["diagrams", "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"wrote {tmp_path / 'transfer.svg'}\n"

@@ -11,11 +11,14 @@ from kvfsm import JobResult, TransferJob
 from kvfsm.nixl_agents import make_agent
 from kvfsm.peer import (
     PEER_RECEIVE,
+    PeerNotConnected,
     PeerReceiver,
     PeerSender,
     ReceiveState,
     notification_for,
 )
+from kvfsm.peer_link import DISCONNECTED, LinkState
+from kvfsm.testing import FakeNixlError
 from kvfsm.testing.explore import explore_table
 from kvfsm.tiers import InvalidJobError
 
@@ -79,7 +82,7 @@ def test_two_real_agents_move_torch_blocks_and_both_sides_publish_once(pair: Pai
     assert pair.sender.stats()["leaks"] == 0
 
 
-def test_peers_that_lose_each_other_publish_failures_on_both_sides_and_leak_nothing(
+def test_peers_that_forget_each_other_refuse_new_jobs_and_fail_what_was_owed(
     pair: Pair,
 ) -> None:
     pair.receiver.expect(TransferJob(1, ["0"], [0], is_promotion=True), pair.sender_name)
@@ -91,15 +94,18 @@ def test_peers_that_lose_each_other_publish_failures_on_both_sides_and_leak_noth
     # the engines lose each other before job 2 was sent
     pair.sender.forget_peer()
     pair.receiver.forget_peer(pair.sender_name)
-    pair.sender.submit_store(TransferJob(2, ["1"], [5]))
-    sent, received = pair.step_until(1, 1)
-    assert [(r.job_id, r.success) for r in sent] == [(2, False)]
+    assert pair.sender.link_state() is LinkState.CLOSED
+    with pytest.raises(PeerNotConnected, match="job 2 refused: receiver 'engine-b' is CLOSED"):
+        pair.sender.submit_store(TransferJob(2, ["1"], [5]))
+    sent, received = pair.step_until(0, 1)
+    assert sent == []
     assert [(r.job_id, r.success) for r in received] == [(2, False)]
     assert torch.count_nonzero(pair.target[1]) == 0, "the lost write never landed"
     stats = pair.sender.stats()
     assert (stats["leaks"], stats["quarantined"], stats["in_flight"]) == (0, 0, {})
     assert not pair.sender.has_pending_work()
     assert not pair.receiver.has_pending_work()
+    assert not pair.sender_agent.check_remote_metadata("engine-b"), "its metadata is removed"
 
 
 def test_the_sender_refuses_loads_and_keys_that_are_not_receiver_blocks(pair: Pair) -> None:
@@ -115,14 +121,26 @@ def test_the_sender_refuses_loads_and_keys_that_are_not_receiver_blocks(pair: Pa
 # -- the receiving machine, on a stand-in for the receiver's agent ---------------------------------
 
 class NotifyingAgent:
-    """What a receiver calls on its agent: registration, peers, and delivered notifications."""
+    """What a receiver calls on its agent: registration, peers, delivered notifications, and
+    the notifications it sends (probes). A peer in ``gone`` ended: sending to it fails with a
+    disconnect; one in ``pending`` is loaded but not yet held; ``failing`` scripts errors for
+    the next calls of a method."""
 
     name = "receiver"
 
     def __init__(self) -> None:
         self.inbox: dict[str, list[bytes]] = {}
         self.peers: set[str] = set()
+        self.pending: set[str] = set()
+        self.gone: set[str] = set()
+        self.sent: list[tuple[str, bytes]] = []
+        self.failing: dict[str, list[Exception]] = {}
         self.registered = 0
+
+    def _fail(self, call: str) -> None:
+        errors = self.failing.get(call)
+        if errors:
+            raise errors.pop(0)
 
     def register_memory(self, descs: Any, mem_type: str) -> str:
         self.registered += 1
@@ -132,11 +150,23 @@ class NotifyingAgent:
         self.registered -= 1
 
     def add_remote_agent(self, metadata: bytes) -> bytes:
+        self._fail("add_remote_agent")
         self.peers.add(metadata.decode())
         return metadata
 
+    def check_remote_metadata(self, name: str) -> bool:
+        self._fail("check_remote_metadata")
+        return name in self.peers and name not in self.pending
+
     def remove_remote_agent(self, name: str) -> None:
+        self._fail("remove_remote_agent")
         self.peers.remove(name)
+
+    def send_notif(self, name: str, message: bytes) -> None:
+        self._fail("send_notif")
+        if name in self.gone:
+            raise FakeNixlError(DISCONNECTED)
+        self.sent.append((name, message))
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         inbox, self.inbox = self.inbox, {}
@@ -178,7 +208,7 @@ def test_a_notification_that_comes_before_its_expect_still_counts() -> None:
 
 def test_the_receiver_refuses_what_it_cannot_expect() -> None:
     receiver = PeerReceiver(torch.zeros(4, 16), agent=NotifyingAgent())
-    with pytest.raises(InvalidJobError, match="unknown sender 'nobody'"):
+    with pytest.raises(PeerNotConnected, match="sender 'nobody' is unknown"):
         receiver.expect(TransferJob(1, ["0"], [0], is_promotion=True), "nobody")
     sender = receiver.connect(b"engine-a")
     with pytest.raises(InvalidJobError, match="block 9 is out of range"):
