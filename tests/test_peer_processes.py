@@ -1,0 +1,172 @@
+"""Peers that disappear across processes: each engine in a child process, one of them killed.
+
+Each child is ``tests/peer_child.py``; this test process only carries metadata between them, sends
+commands and kills. So a UCX abort in an engine would show as that child's exit status, not take
+the test run down.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .real_nixl import require_nixl
+
+pytestmark = pytest.mark.nixl
+
+CHILD = Path(__file__).with_name("peer_child.py")
+
+
+class Engine:
+    """An engine in a child process, driven one JSON line at a time."""
+
+    def __init__(self, role: str, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(CHILD), role, *args], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=CHILD.parent.parent)
+        self._hello: dict[str, Any] | None = None
+
+    @property
+    def hello(self) -> dict[str, Any]:
+        """What the child said once its agent was up (children start in parallel)."""
+        if self._hello is None:
+            self._hello = self.read()
+        return self._hello
+
+    def read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise AssertionError(f"the child said nothing: exit {self.process.wait(10)}, "
+                                 f"stderr {self.stderr()}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def ask(self, **command: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self.read()
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def stderr(self) -> str:
+        assert self.process.stderr is not None
+        return self.process.stderr.read()[-2000:]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.kill()
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    require_nixl()
+    started: list[Engine] = []
+    yield started
+    for engine in started:
+        engine.close()
+
+
+def connect(sender: Engine, receiver: Engine) -> tuple[str, str]:
+    """Exchange metadata both ways; returns (the receiver's name, the sender's name)."""
+    assert sender.process.stdin is not None
+    sender.process.stdin.write(json.dumps({"do": "connect",
+                                           "metadata": receiver.hello["metadata"],
+                                           "blocks": receiver.hello["blocks"]}) + "\n")
+    sender.process.stdin.flush()
+    sender_name = receiver.ask(do="connect", metadata=sender.hello["metadata"])["connected"]
+    receiver_name = sender.read()["connected"]
+    return receiver_name, sender_name
+
+
+def test_a_sender_whose_receiver_is_killed_fails_what_it_owed_and_exits_cleanly(
+    engines: list[Engine],
+) -> None:
+    started = time.monotonic()
+    receiver, sender = Engine("receiver", "30"), Engine("sender")
+    engines += [receiver, sender]
+    receiver_name, sender_name = connect(sender, receiver)
+    receiver.ask(do="expect", job=1, keys=["2"], blocks=[2], sender=sender_name)
+    sender.ask(do="submit", job=1, keys=["2"], blocks=[0])
+    assert sender.ask(do="results", count=1, within=5)["results"] == [[1, True]]
+    assert receiver.ask(do="results", count=1, within=5,
+                        link=[sender_name])["results"] == [[1, True]]
+
+    # the receiver is killed the moment job 2's write is over, before it takes the
+    # notification; the sender does not know yet, and posts job 3 to it (measured: a sender
+    # that did this aborted at teardown, in a UCX assertion, unless its worker progressed)
+    sender.ask(do="submit", job=2, keys=["3"], blocks=[1], kill_when_done=receiver.process.pid)
+    assert receiver.process.wait(10) == -signal.SIGKILL
+    sender.ask(do="submit", job=3, keys=["4"], blocks=[2])
+    assert sender.ask(do="results", count=2, within=5) == {"results": [[2, True], [3, False]],
+                                                           "link": "CLOSED"}
+    refused = sender.ask(do="submit", job=4, keys=["5"], blocks=[3])
+    assert refused["error"].startswith("PeerNotConnected: job 4 refused: receiver "
+                                       f"{receiver_name!r} is CLOSED")
+    assert "NIXL_ERR_REMOTE_DISCONNECT" in refused["error"]
+
+    farewell = sender.ask(do="exit")
+    assert farewell == {"leaks": 0, "in_flight": {}, "pending": False, "link": "CLOSED",
+                        "closed": True}
+    assert sender.process.wait(10) == 0, sender.stderr()  # no UCX abort at teardown
+    assert time.monotonic() - started < 10
+
+
+def test_a_write_in_flight_to_a_receiver_that_hangs_and_is_killed_fails_only_once_over(
+    engines: list[Engine],
+) -> None:
+    receiver, sender = Engine("receiver", "30"), Engine("sender")
+    engines += [receiver, sender]
+    connect(sender, receiver)
+    receiver.ask(do="freeze")  # UCX needs the receiver to progress: NIXL holds the write
+    sender.ask(do="submit", job=1, keys=["6"], blocks=[4])
+    assert sender.ask(do="results", count=1, within=0.3) == {"results": [], "link": "CONNECTED"}
+
+    receiver.kill()
+    assert sender.ask(do="results", count=1, within=5) == {"results": [[1, False]],
+                                                           "link": "CLOSED"}
+    assert sender.ask(do="exit")["leaks"] == 0
+    assert sender.process.wait(10) == 0, sender.stderr()
+
+
+def test_a_receiver_finds_a_killed_sender_gone_and_fails_only_what_it_still_owed(
+    engines: list[Engine],
+) -> None:
+    receiver = Engine("receiver", "0.2")  # probe a sender silent for 0.2 s while it owes jobs
+    sender = Engine("sender")
+    engines += [receiver, sender]
+    _, sender_name = connect(sender, receiver)
+    for job, block in ((1, 5), (2, 6)):
+        receiver.ask(do="expect", job=job, keys=[str(block)], blocks=[block], sender=sender_name)
+    sender.ask(do="submit", job=1, keys=["5"], blocks=[0])
+    assert sender.ask(do="results", count=1, within=5)["results"] == [[1, True]]
+    heard = receiver.ask(do="results", count=1, within=5, link=[sender_name])
+    assert heard == {"results": [[1, True]], "link": "CONNECTED"}
+
+    # still connected and merely silent for longer than peer_timeout: job 2 stays expected
+    assert receiver.ask(do="results", count=1, within=0.5, link=[sender_name]) == {
+        "results": [], "link": "CONNECTED"}
+
+    sender.kill()
+    killed = time.monotonic()
+    lost = receiver.ask(do="results", count=1, within=5, link=[sender_name])
+    found_in = time.monotonic() - killed
+    assert lost == {"results": [[2, False]], "link": "CLOSED"}
+    assert found_in < 2 * 0.2 + 0.3, f"found gone after {found_in:.2f} s"
+    assert receiver.ask(do="exit")["pending"] is False
+    assert receiver.process.wait(10) == 0, receiver.stderr()
