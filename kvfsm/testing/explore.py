@@ -685,7 +685,8 @@ def add_arguments(parser: Any) -> None:
     """The ``kvfsm explore`` options."""
     parser.add_argument("--machine", default="transfer", metavar="SPEC",
                         help="the machine to explore: a name of kvfsm's (transfer, "
-                             "peer_receive) or module:ATTRIBUTE of a Declaration. A lifecycle "
+                             "peer_receive, peer_link) or module:ATTRIBUTE of a Declaration. "
+                             "A lifecycle "
                              "over kvfsm's TransferState runs through the real tier with NIXL "
                              "faults; any other machine is explored at the level of its table")
     parser.add_argument("--max-faults", type=int, default=2,
