@@ -4,19 +4,30 @@ Two workloads, each a 256 x 64 KiB KV cache (16 MiB) stored out and loaded back 
 blocks (and, for files, of 1 block too, where per-transfer cost weighs most):
 
 * files: :class:`kvfsm.tiers.FileTier` (``durable=False``, as ``kvfsm demo`` runs it) on NIXL's
-  POSIX backend, against a bare script that opens the same temporary files, makes the same
-  NIXL calls (register, prep, make, post, poll, release, release the list, deregister), renames
-  each finished store into place and closes the files;
+  POSIX backend, in a directory on ``/dev/shm`` (a tmpfs) when there is one, against a bare
+  script that opens the same temporary files, makes the same NIXL calls (register, prep, make,
+  post, poll, release, release the list, deregister), renames each finished store into place
+  and closes the files;
 * object store: :class:`kvfsm.tiers.ObjectStoreTier` on NIXL's OBJ backend against an S3 server
   (moto) this script starts on a free 127.0.0.1 port and stops at the end, against the bare
   script's OBJ calls, and the hand-written loop (``handloop.py``) on the same agent.
 
 Every contender submits all jobs of a phase, then polls until every job finished, sleeping the
-tier's ``poll_interval`` (0.5 ms) between polls; the loads are checked byte for byte (untimed).
+tier's ``poll_interval`` (0.5 ms) between polls. A poll asks NIXL about every pending transfer
+first and then finishes those that are done, as the tiers do: on POSIX, finishing one transfer
+(rename, release, deregister) between the state checks of the others made the bare script's
+16-block stores ~8x slower (37 ms against 4.4 ms to finish 16 jobs). The loads are checked
+byte for byte (untimed).
 The inputs are built before the clock starts: the bare script's block lists, and the tiers'
-``TransferJob`` requests (an engine has them before it calls a tier).
-Runs alternate between contenders so drift hits all alike. Prints the median throughput of
-each phase and the ratio to the bare script.
+``TransferJob`` requests (an engine has them before it calls a tier). Before each timed phase
+the script calls ``os.sync()``, so that no contender's stores wait for the kernel to write back
+the dirty pages of the run before it (without it, file stores varied by up to 3x between
+contenders making the same calls).
+Runs alternate between contenders so drift hits all alike, and between runs the garbage
+collector is run (untimed): a tier and its driver are in reference cycles, so a dropped NIXL
+agent is torn down by the collector, and a teardown that lands in the next contender's timed
+phase cost it up to 65 ms (the bare script's 16-block file stores measured 47 ms instead of
+12). Prints the median throughput of each phase and the ratio to the bare script.
 
 Usage: ``.venv/bin/python bench/real_nixl.py [--quick]``
 """
@@ -24,6 +35,7 @@ Usage: ``.venv/bin/python bench/real_nixl.py [--quick]``
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import logging
@@ -49,6 +61,10 @@ from kvfsm.transfer import TransferJob
 
 BLOCK_BYTES = 64 * 1024
 POLL_INTERVAL = 0.0005
+#: where the file workload's blocks go: a tmpfs when there is one, so that what is measured is
+#: kvfsm and NIXL, not the machine's disk (on this VM's disk, identical 16 MiB stores took
+#: anywhere from 11 to 70 ms as the kernel wrote dirty pages back)
+FILES_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 ACCESS_KEY, SECRET_KEY = "bench-access", "bench-secret"
 _names = itertools.count()
 
@@ -68,6 +84,7 @@ class BareFiles:
 
     def __init__(self, cache: torch.Tensor, root: Path, agent: Any) -> None:
         self.cache, self.root, self.agent = cache, root, agent
+        self.directory = os.path.join(root, "")
         blocks, size = cache.shape[0], cache[0].nbytes
         base = cache.data_ptr()
         self.size = size
@@ -81,11 +98,11 @@ class BareFiles:
         for blocks in jobs:
             fds, renames = [], []
             for block in blocks:
-                final = self.root / f"block-{block}"
+                final = f"{self.directory}block-{block}"  # text, not pathlib: ~1 us a file less
                 if load:
                     fds.append(os.open(final, os.O_RDONLY | os.O_CLOEXEC))
                 else:
-                    partial = final.with_name(final.name + ".partial")
+                    partial = final + ".partial"
                     fds.append(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
                                        | os.O_CLOEXEC, 0o644))
                     renames.append((partial, final))
@@ -98,10 +115,10 @@ class BareFiles:
                 raise RuntimeError(f"transfer() answered {status}")
             pending.append((xfer, remote, files, fds, renames))
         while pending:
+            answers = [agent.check_xfer_state(entry[0]) for entry in pending]  # all, then finish
             still = []
-            for entry in pending:
+            for entry, status in zip(pending, answers, strict=True):
                 xfer, remote, files, fds, renames = entry
-                status = agent.check_xfer_state(xfer)
                 if status == "PROC":
                     still.append(entry)
                     continue
@@ -146,10 +163,10 @@ class BareObjects(BareFiles):
                 raise RuntimeError(f"transfer() answered {status}")
             pending.append((xfer, remote, files))
         while pending:
+            answers = [agent.check_xfer_state(entry[0]) for entry in pending]  # all, then finish
             still = []
-            for entry in pending:
+            for entry, status in zip(pending, answers, strict=True):
                 xfer, remote, files = entry
-                status = agent.check_xfer_state(xfer)
                 if status == "PROC":
                     still.append(entry)
                     continue
@@ -205,11 +222,13 @@ def one_run(cache: torch.Tensor, original: torch.Tensor, jobs: list[list[int]],
     """Seconds to store every block and to load every block back (verified)."""
     cache.copy_(original)
     run = phase(jobs, False)
+    os.sync()  # untimed: no phase waits on another one's dirty pages being written back
     started = time.perf_counter()
     run()
     stored = time.perf_counter() - started
     cache.zero_()
     run = phase(list(reversed(jobs)), True)
+    os.sync()
     started = time.perf_counter()
     run()
     loaded = time.perf_counter() - started
@@ -227,23 +246,29 @@ def run_files(blocks: int, per_job: int, repeats: int) -> dict[str, list[tuple[f
     for repeat in range(repeats):
         order = list(samples) if repeat % 2 == 0 else list(reversed(samples))
         for name in order:
-            with tempfile.TemporaryDirectory(prefix="kvfsm-bench-") as root:
-                agent = make_agent(_agent_name("posix"), "POSIX")
-                if name == "bare script":
-                    bare = BareFiles(cache, Path(root), agent)
-                    samples[name].append(one_run(cache, original, jobs, bare_phase(bare)))
-                    bare.close()
-                else:
-                    tier = FileTier(cache, root, agent=agent, durable=False)
-                    ids = itertools.count()
-
-                    def phase(jobs: list[list[int]], load: bool, tier: Any = tier,
-                              ids: Any = ids) -> Callable[[], None]:
-                        return tier_phase(tier, jobs, load, next(ids) * len(jobs))
-
-                    samples[name].append(one_run(cache, original, jobs, phase))
-                    tier.shutdown()
+            with tempfile.TemporaryDirectory(prefix="kvfsm-bench-", dir=FILES_DIR) as root:
+                samples[name].append(_files_run(name, cache, original, jobs, root))
+            gc.collect()  # a dropped agent is torn down now, not in another contender's phase
     return samples
+
+
+def _files_run(name: str, cache: torch.Tensor, original: torch.Tensor, jobs: list[list[int]],
+               root: str) -> tuple[float, float]:
+    agent = make_agent(_agent_name("posix"), "POSIX")
+    if name == "bare script":
+        bare = BareFiles(cache, Path(root), agent)
+        sample = one_run(cache, original, jobs, bare_phase(bare))
+        bare.close()
+        return sample
+    tier = FileTier(cache, root, agent=agent, durable=False)
+    ids = itertools.count()
+
+    def phase(jobs: list[list[int]], load: bool) -> Callable[[], None]:
+        return tier_phase(tier, jobs, load, next(ids) * len(jobs))
+
+    sample = one_run(cache, original, jobs, phase)
+    tier.shutdown()
+    return sample
 
 
 class S3Server:
@@ -299,26 +324,31 @@ def run_objects(blocks: int, per_job: int, repeats: int) -> dict[str, list[tuple
             order = list(samples)[repeat % 3:] + list(samples)[:repeat % 3]
             for name in order:
                 prefix = f"r{repeat}/{name.split()[0]}/"
-                agent = make_agent(_agent_name("obj"), "OBJ", store.backend_params())
-                if name == "bare script":
-                    bare = BareObjects(cache, agent, prefix)
-                    samples[name].append(one_run(cache, original, jobs, bare_phase(bare)))
-                    bare.close()
-                    continue
-                tier: Any = (ObjectStoreTier(cache, agent=agent, key_prefix=prefix)
-                             if name.startswith("kvfsm") else
-                             HandTier(cache, agent=agent, key_prefix=prefix))
-                ids = itertools.count()
-
-                def phase(jobs: list[list[int]], load: bool, tier: Any = tier,
-                          ids: Any = ids) -> Callable[[], None]:
-                    return tier_phase(tier, jobs, load, next(ids) * len(jobs))
-
-                samples[name].append(one_run(cache, original, jobs, phase))
-                tier.shutdown()
+                samples[name].append(_objects_run(name, cache, original, jobs, store, prefix))
+                gc.collect()  # as for files: agents are torn down between runs, untimed
     finally:
         server.stop()
     return samples
+
+
+def _objects_run(name: str, cache: torch.Tensor, original: torch.Tensor,
+                 jobs: list[list[int]], store: StoreConfig, prefix: str) -> tuple[float, float]:
+    agent = make_agent(_agent_name("obj"), "OBJ", store.backend_params())
+    if name == "bare script":
+        bare = BareObjects(cache, agent, prefix)
+        sample = one_run(cache, original, jobs, bare_phase(bare))
+        bare.close()
+        return sample
+    tier: Any = (ObjectStoreTier(cache, agent=agent, key_prefix=prefix)
+                 if name.startswith("kvfsm") else HandTier(cache, agent=agent, key_prefix=prefix))
+    ids = itertools.count()
+
+    def phase(jobs: list[list[int]], load: bool) -> Callable[[], None]:
+        return tier_phase(tier, jobs, load, next(ids) * len(jobs))
+
+    sample = one_run(cache, original, jobs, phase)
+    tier.shutdown()
+    return sample
 
 
 def summarize(title: str, nbytes: int, samples: dict[str, list[tuple[float, float]]]) -> str:
@@ -353,8 +383,8 @@ def main() -> int:
     raw: dict[str, Any] = {"machine": info}
     for per_job in (16, 1):
         samples = run_files(blocks, per_job, file_repeats)
-        title = (f"Files, NIXL POSIX: {blocks} x 64 KiB in jobs of {per_job} block(s), "
-                 "store then load (medians)")
+        title = (f"Files, NIXL POSIX, in {FILES_DIR or tempfile.gettempdir()}: {blocks} x "
+                 f"64 KiB in jobs of {per_job} block(s), store then load (medians)")
         out.append(summarize(title, blocks * BLOCK_BYTES, samples))
         raw[f"files_{per_job}"] = samples
         print(out[-1], flush=True)
