@@ -13,11 +13,9 @@ blocks (and, for files, of 1 block too, where per-transfer cost weighs most):
   script's OBJ calls, and the hand-written loop (``handloop.py``) on the same agent.
 
 Every contender submits all jobs of a phase, then polls until every job finished, sleeping the
-tier's ``poll_interval`` (0.5 ms) between polls. A poll asks NIXL about every pending transfer
-first and then finishes those that are done, as the tiers do: on POSIX, finishing one transfer
-(rename, release, deregister) between the state checks of the others made the bare script's
-16-block stores ~8x slower (37 ms against 4.4 ms to finish 16 jobs). The loads are checked
-byte for byte (untimed).
+tier's ``poll_interval`` (0.5 ms) between polls; a poll asks NIXL about every pending transfer
+first and then finishes those that are done, as the tiers do. The loads are checked byte for
+byte (untimed).
 The inputs are built before the clock starts: the bare script's block lists, and the tiers'
 ``TransferJob`` requests (an engine has them before it calls a tier). Before each timed phase
 the script calls ``os.sync()``, so that no contender's stores wait for the kernel to write back
