@@ -103,14 +103,17 @@ class TransferDriver:
         self.remote = remote
         self.policy = policy if policy is not None else RetryPolicy()
         self.machine = machine if machine is not None else TRANSFER_MACHINE.compile()
-        # each call fires what it got; True: the release was already tried this round
-        self._calls: dict[TransferState, Callable[[Transfer], bool | None]] = {
-            TransferState.PROCESSING: self.poll,
-            TransferState.DONE: self.release,
-            TransferState.FAILED: self.release,
-            TransferState.XFER_RELEASED: self.clean,
-            TransferState.CLEANED: self.publish,
-            TransferState.CANCELLING: self.poll,
+        # each call fires what it got; True: the release was already tried this round. Kept
+        # as the class's functions, not bound methods: a driver that referred to itself would
+        # live (and keep its NIXL agent) until the garbage collector found the cycle
+        cls = TransferDriver
+        self._calls: dict[TransferState, Callable[[TransferDriver, Transfer], bool | None]] = {
+            TransferState.PROCESSING: cls.poll,
+            TransferState.DONE: cls.release,
+            TransferState.FAILED: cls.release,
+            TransferState.XFER_RELEASED: cls.clean,
+            TransferState.CLEANED: cls.publish,
+            TransferState.CANCELLING: cls.poll,
         }
         # a remote side that keeps StorageSide's commit or close has nothing to do there
         self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
@@ -119,7 +122,7 @@ class TransferDriver:
         #: each answers OK, read from the table (a machine that declares another way has none)
         self._ending: dict[TransferState, Chain[TransferState]] = {}
         for state, call in self._calls.items():
-            ending = self._ending_chain(state) if call == self.release else None
+            ending = self._ending_chain(state) if call is cls.release else None
             if ending is not None:
                 self._ending[state] = ending
         #: per event (post, poll) and state: where the table leads a DONE on to such a state,
@@ -182,7 +185,10 @@ class TransferDriver:
         if answer is Answer.PROC:  # posted and running: the common case, one step
             self.machine.fire(transfer, TransferEvent.POST, answer)
             return False
-        return self._answer(transfer, TransferEvent.POST, answer, detail)
+        try:
+            return self._answer(transfer, TransferEvent.POST, answer, detail)
+        finally:  # an exception kept here would hold this frame, and the agent, in a cycle
+            del detail
 
     def poll(self, transfer: Transfer) -> bool:
         """Ask NIXL whether the transfer is still running; fire ``poll`` with the answer."""
@@ -349,7 +355,7 @@ class TransferDriver:
                 call = calls.get(before)
                 if call is None:  # SUBMITTED waits on post(); PUBLISHED has nothing left
                     return False
-                if call(transfer):  # a release tried already: it waits for the next poll
+                if call(self, transfer):  # a release tried already: it waits for the next poll
                     return transfer.state in _FINAL
             else:
                 released = self._release_call(transfer)
@@ -371,14 +377,15 @@ class TransferDriver:
     def _ending_chain(self, state: TransferState) -> Chain[TransferState] | None:
         """Release, clean and publish, each answering OK, from ``state``: the chain, when the
         table leads them through states whose calls are exactly those, to a final state."""
-        moves = ((self.release, TransferEvent.RELEASE, None),
-                 (self.clean, TransferEvent.CLEAN, ()),
-                 (self.publish, TransferEvent.PUBLISH, None))
+        cls = TransferDriver
+        moves = ((cls.release, TransferEvent.RELEASE, None),
+                 (cls.clean, TransferEvent.CLEAN, ()),
+                 (cls.publish, TransferEvent.PUBLISH, None))
         table = self.machine.table
         at = state
         for call, event, _ in moves:
             step = table.get(at, {}).get(event, {}).get(Answer.OK)
-            if self._calls.get(at) != call or step is None or step.dest is at:
+            if self._calls.get(at) is not call or step is None or step.dest is at:
                 return None
             at = step.dest
         if at not in _FINAL:

@@ -57,6 +57,7 @@ import enum
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -388,7 +389,7 @@ class _PeerMemory:
     mem_type = "DRAM"
 
     def __init__(self, tier: PeerSender) -> None:
-        self._tier = tier
+        self._tier: PeerSender = weakref.proxy(tier)  # the tier holds this side: no cycle
 
     @property
     def peer(self) -> str | None:
@@ -447,7 +448,6 @@ class PeerSender(SecondaryTier):
         self.link: PeerLink | None = None
         super().__init__(primary, agent=agent, remote=_PeerMemory(self),
                          poll_interval=poll_interval, policy=policy)
-        self.on_published.append(self._heard)
 
     @property
     def peer(self) -> str | None:
@@ -547,6 +547,10 @@ class PeerSender(SecondaryTier):
             raise PeerNotConnected(f"job {getattr(job, 'job_id', job)!r} refused: {why}; "
                                    "nothing was posted")
         super()._submit(job, load=load)
+
+    def _finish(self, transfer: Transfer) -> None:
+        super()._finish(transfer)
+        self._heard(transfer)
 
     def _heard(self, transfer: Transfer) -> None:
         """A transfer was published: one that failed with a disconnect loses the link."""

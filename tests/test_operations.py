@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,14 @@ import torch
 from kvfsm import TransferJob, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
-from kvfsm.tiers import DrainTimeout, Lookup, ObjectStoreTier, TierClosedError, UnknownJobError
+from kvfsm.tiers import (
+    DrainTimeout,
+    FileTier,
+    Lookup,
+    ObjectStoreTier,
+    TierClosedError,
+    UnknownJobError,
+)
 
 FOREVER = 10**6
 
@@ -335,3 +345,30 @@ def test_log_lines_carry_job_state_and_nixl_error_and_nothing_is_logged_per_poll
         "PUBLISHED", "FakeNixlError: NIXL_ERR_BACKEND")
     assert "job 2: store of 1 block(s) failed" in line.getMessage()
     tier.shutdown()
+
+
+# -- teardown: a dropped tier lets go of its agent at once ----------------------------------------
+
+@pytest.mark.parametrize("kind", ["object store", "files"])
+def test_a_tier_that_is_shut_down_and_dropped_frees_its_agent_at_once(
+    kind: str, primary: torch.Tensor, tmp_path: Path,
+) -> None:
+    """A NIXL agent torn down by the garbage collector tears down in whatever code runs then
+    (a real agent's teardown took tens of ms); so nothing in a tier may hold it in a cycle."""
+    agent = FakeNixlAgent()
+    tier = (ObjectStoreTier(primary, agent=agent) if kind == "object store"
+            else FileTier(primary, tmp_path, agent=agent))
+    agent.inject("transfer", Raise())  # a failed post keeps NIXL's exception for a while
+    tier.submit_store(store(1, 0))
+    tier.submit_store(store(2, 1))
+    agent.inject("check_xfer_state", Raise())  # and so does a failed state check
+    tier.drain_jobs(timeout=5)
+    assert sorted(r.success for r in tier.get_finished_jobs()) == [False, False]
+    tier.shutdown()
+    gone = weakref.ref(agent)
+    gc.disable()
+    try:
+        del tier, agent
+        assert gone() is None, "the agent outlived its tier: something holds it in a cycle"
+    finally:
+        gc.enable()

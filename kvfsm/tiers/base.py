@@ -526,7 +526,7 @@ class SecondaryTier:
                 try:
                     status: str | Exception = check(transfer.xfer)
                 except Exception as error:  # the machine hears of it: poll(RAISED)
-                    status = error
+                    status = error.with_traceback(None)  # no cycle through this frame
                 if status == "PROC" and stay is not None and transfer.started_at > started_after:
                     stay.taken += 1
                     continue
@@ -593,7 +593,9 @@ class _Running:
                                 if statuses else map(check, handles))
                 break
             except Exception as error:  # that handle's answer: the machine hears poll(RAISED)
-                statuses.append(error)
+                # (its text is what is kept; its traceback would hold the poll's frames, and
+                # through them the agent, in a cycle only the garbage collector breaks)
+                statuses.append(error.with_traceback(None))
         if statuses.count("PROC") == len(statuses):
             return []
         return list(compress(zip(self.transfers, statuses, strict=True),

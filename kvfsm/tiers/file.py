@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import urllib.parse
+import weakref
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ class _Files(StorageSide):
     mem_type = "FILE"
 
     def __init__(self, tier: FileTier) -> None:
-        self._tier = tier
+        self._tier: FileTier = weakref.proxy(tier)  # the tier holds this side: no cycle
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         tier = self._tier

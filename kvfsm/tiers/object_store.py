@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ class _Objects(StorageSide):
     mem_type = "OBJ"
 
     def __init__(self, tier: ObjectStoreTier) -> None:
-        self._tier = tier
+        self._tier: ObjectStoreTier = weakref.proxy(tier)  # the tier holds this: no cycle
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         size, dev_ids = self._tier.block_bytes, _dev_ids
