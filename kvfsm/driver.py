@@ -232,9 +232,16 @@ class TransferDriver:
         if finish is None:
             machine.fire(transfer, event, answer, detail)  # raises if not declared
             return False
-        released = self._release_call(transfer)
+        released: bool | Exception = False
+        try:
+            released = self._release_call(transfer)
+            leaks = self._cleanup(transfer) if released is True else []
+        except BaseException:  # an interrupt: keep what NIXL answered and what was done
+            machine.fire(transfer, event, answer, detail)
+            if released is True:  # released; the cleanup goes on from where it stopped
+                machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
+            raise
         if released is True:
-            leaks = self._cleanup(transfer)
             if not leaks:
                 machine.run(transfer, finish)
                 return False

@@ -8,6 +8,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -372,3 +373,55 @@ def test_a_tier_that_is_shut_down_and_dropped_frees_its_agent_at_once(
         assert gone() is None, "the agent outlived its tier: something holds it in a cycle"
     finally:
         gc.enable()
+
+
+# -- interrupts: a Ctrl-C in the middle of a NIXL call loses nothing -----------------------------
+
+class InterruptedAgent(FakeNixlAgent):
+    """A fake agent whose ``call`` is interrupted once (KeyboardInterrupt), before or after NIXL
+    did its work."""
+
+    def __init__(self, call: str, *, after: bool) -> None:
+        super().__init__()
+        self.interrupt_call, self.after, self.interrupted = call, after, False
+
+    def _maybe_interrupt(self, call: str, work: Any) -> Any:
+        if call != self.interrupt_call or self.interrupted:
+            return work()
+        self.interrupted = True
+        if self.after:
+            work()
+        raise KeyboardInterrupt
+
+    def transfer(self, handle: Any, notif_msg: bytes | str = b"") -> str:
+        return str(self._maybe_interrupt("transfer", lambda: super(InterruptedAgent, self)
+                                         .transfer(handle, notif_msg)))
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        self._maybe_interrupt("release_xfer_handle",
+                              lambda: super(InterruptedAgent, self).release_xfer_handle(handle))
+
+    def deregister_memory(self, dereg_list: Any, backends: Any = ()) -> None:
+        self._maybe_interrupt("deregister_memory", lambda: super(
+            InterruptedAgent, self).deregister_memory(dereg_list, backends))
+
+
+@pytest.mark.parametrize(("call", "after"), [
+    ("transfer", True),               # posted, then interrupted: NIXL runs it
+    ("release_xfer_handle", False),   # the copy is done; interrupted before the release
+    ("deregister_memory", True),      # released, cleanup half done
+])
+def test_an_interrupt_during_a_nixl_call_leaves_the_transfer_to_finish_on_a_later_poll(
+    call: str, after: bool, primary: torch.Tensor,
+) -> None:
+    agent = InterruptedAgent(call, after=after)
+    tier = ObjectStoreTier(primary, agent=agent)
+    with pytest.raises(KeyboardInterrupt):
+        tier.submit_store(store(1, 0))
+        tier.get_finished_jobs()
+    assert agent.interrupted
+    assert tier.has_pending_work(), "the job still owes its result"
+    tier.drain_jobs(timeout=5)  # the next polls pick the transfer up where its calls got to
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    assert agent.live_xfer_handles() == 0
+    assert agent.misuses == [], "nothing released twice, nothing released while running"

@@ -331,7 +331,11 @@ class SecondaryTier:
         transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic())
         transfer.names = names
         self._transfers[transfer.job_id] = transfer
-        held = self.driver.post(transfer, self._local, block_ids)
+        try:
+            held = self.driver.post(transfer, self._local, block_ids)
+        except BaseException:  # an interrupt: the machine has the transfer's state, keep it
+            self._refile(transfer)
+            raise
         if transfer.state is TransferState.PROCESSING:
             self._running.add(transfer)
         elif self.driver.settle(transfer, held):  # over at once: DONE or FAILED
@@ -505,7 +509,12 @@ class SecondaryTier:
         polled, settle = self.driver.polled, self.driver.settle
         for transfer, status in answered:
             running.discard(transfer)
-            if settle(transfer, polled(transfer, status)):
+            try:
+                final = settle(transfer, polled(transfer, status))
+            except BaseException:  # an interrupt: keep the transfer where its state says
+                self._refile(transfer)
+                raise
+            if final:
                 self._finish(transfer)
             else:
                 self._refile(transfer)
