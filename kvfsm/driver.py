@@ -3,7 +3,9 @@
 The driver holds no rules. It knows which call a transfer in a given state is waiting on, makes
 that call, turns what NIXL answered (a string, a return, or an exception) into an
 :class:`~kvfsm.lifecycle.Answer`, and fires the matching event. Whether the transfer moves, stays
-or retries is the lifecycle table's decision (:mod:`kvfsm.lifecycle`).
+or retries is the lifecycle table's decision (:mod:`kvfsm.lifecycle`). Once a transfer is over,
+its release and cleanup calls are made one after the other and, when each answers OK, the steps
+they lead to are taken together as one chain read from the same table.
 
 What differs between tiers (object keys, files) is a :class:`RemoteSide`: it opens the remote
 descriptors of a transfer, commits a finished store (a file tier renames its file into place),
@@ -103,11 +105,11 @@ class TransferDriver:
         self.remote = remote
         self.policy = policy if policy is not None else RetryPolicy()
         self.machine = machine if machine is not None else TRANSFER_MACHINE.compile()
-        # each call fires what it got; True: the release was already tried this round. Kept
-        # as the class's functions, not bound methods: a driver that referred to itself would
-        # live (and keep its NIXL agent) until the garbage collector found the cycle
-        cls = TransferDriver
-        self._calls: dict[TransferState, Callable[[TransferDriver, Transfer], bool | None]] = {
+        # each state's call, kept as the class's functions, not bound methods: a driver that
+        # referred to itself would live (and keep its NIXL agent) until the garbage collector
+        # found the cycle
+        cls = type(self)
+        self._calls: dict[TransferState, Callable[[TransferDriver, Transfer], None]] = {
             TransferState.PROCESSING: cls.poll,
             TransferState.DONE: cls.release,
             TransferState.FAILED: cls.release,
@@ -118,30 +120,17 @@ class TransferDriver:
         # a remote side that keeps StorageSide's commit or close has nothing to do there
         self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
         self._closes = getattr(type(remote), "close", None) is not StorageSide.close
-        #: per state whose call is the release: the chain release, clean, publish take when
-        #: each answers OK, read from the table (a machine that declares another way has none)
+        #: per state whose call is the release (DONE, FAILED): the chain release, clean and
+        #: publish take when each answers OK, read from the table (a machine that declares
+        #: another way has none, and runs step by step)
         self._ending: dict[TransferState, Chain[TransferState]] = {}
         for state, call in self._calls.items():
             ending = self._ending_chain(state) if call is cls.release else None
             if ending is not None:
                 self._ending[state] = ending
-        #: per event (post, poll) and state: where the table leads a DONE on to such a state,
-        #: that step and the ending as one chain (a failure's detail varies: those are fired
-        #: step by step)
-        self._finishing: dict[str, dict[TransferState, Chain[TransferState]]] = {}
-        for event in (TransferEvent.POST, TransferEvent.POLL):
-            chains = self._finishing[event] = {}
-            for source, events in self.machine.table.items():
-                step = events.get(event, {}).get(Answer.DONE)
-                ending = self._ending.get(step.dest) if step is not None else None
-                if step is not None and ending is not None and not step.is_stay:
-                    moves: list[tuple[str, Answer, Any]] = [(event, Answer.DONE, None)]
-                    moves += ((s.edge.event, Answer(s.answer), d) for s, d in ending.moves)
-                    chains[source] = self.machine.chain(source, moves)
 
-    def post(self, transfer: Transfer, local: Any, local_indices: Sequence[int]) -> bool:
+    def post(self, transfer: Transfer, local: Any, local_indices: Sequence[int]) -> None:
         """Open, register, prep, make and post ``transfer``; fire ``post`` with the answer.
-        Returns True when the release was tried too and must wait for the next poll.
 
         Each resource is stored on the transfer as soon as it exists, so a failure at any step
         leaves the transfer holding exactly what was created (F5). A job with no blocks makes
@@ -173,88 +162,45 @@ class TransferDriver:
                 answer = _STATUS.get(status, Answer.ERR)
                 if answer is Answer.ERR:
                     detail = f"transfer() answered {status!r}"
-                elif answer is Answer.DONE:
+                elif answer is Answer.DONE and self._commits:
                     answer, detail = self._commit(transfer)
             except Exception as error:  # every failure is an answer, not an escape (F5)
-                answer, detail = Answer.RAISED, error
+                # (its text is what is kept; its traceback would hold this frame, and through
+                # it the agent, in a cycle only the garbage collector breaks)
+                answer, detail = Answer.RAISED, error.with_traceback(None)
             except BaseException as interrupt:  # an interrupt: the job still gets its result
                 # once transfer() was called NIXL may run it: only a poll can say it is over
                 self.machine.fire(transfer, TransferEvent.POST,
                                   Answer.PROC if posting else Answer.RAISED, interrupt)
                 raise
-        if answer is Answer.PROC:  # posted and running: the common case, one step
-            self.machine.fire(transfer, TransferEvent.POST, answer)
-            return False
-        try:
-            return self._answer(transfer, TransferEvent.POST, answer, detail)
-        finally:  # an exception kept here would hold this frame, and the agent, in a cycle
-            del detail
+        self.machine.fire(transfer, TransferEvent.POST, answer, detail)
 
-    def poll(self, transfer: Transfer) -> bool:
+    def poll(self, transfer: Transfer) -> None:
         """Ask NIXL whether the transfer is still running; fire ``poll`` with the answer."""
         try:
             status = self.agent.check_xfer_state(transfer.xfer)
         except Exception as error:  # a raised state check is the transfer's failure (F4)
-            return self.polled(transfer, error)
-        return self.polled(transfer, status)
+            self.polled(transfer, error.with_traceback(None))
+            return
+        self.polled(transfer, status)
 
-    def polled(self, transfer: Transfer, status: str | Exception) -> bool:
-        """Fire ``poll`` with what ``check_xfer_state`` answered (a status, or what it raised).
-        Returns True when the release was tried too and must wait for the next poll."""
+    def polled(self, transfer: Transfer, status: str | Exception) -> None:
+        """Fire ``poll`` with what ``check_xfer_state`` answered (a status, or what it raised)."""
         if isinstance(status, Exception):
             self.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED, status)
-            return False
+            return
         answer = _STATUS.get(status, Answer.ERR)
         detail: Any = None
         if answer is Answer.DONE and self._commits:
             answer, detail = self._commit(transfer)
         elif answer is Answer.ERR:
             detail = f"check_xfer_state answered {status!r}"
-        return self._answer(transfer, TransferEvent.POLL, answer, detail)
+        self.machine.fire(transfer, TransferEvent.POLL, answer, detail)
 
-    def settle(self, transfer: Transfer, held: bool) -> bool:
-        """After a post or poll: go on with the calls the transfer waits on (unless ``held``,
-        its release already tried this round); True once it is in a final state."""
-        if transfer.state in _FINAL:
-            return True
-        return False if held else self.advance(transfer)
-
-    def _answer(self, transfer: Transfer, event: str, answer: Answer, detail: Any) -> bool:
-        """Fire ``event`` with NIXL's answer. Where the table leads a DONE on to the release
-        (the copy is over), the release, clean and publish calls are made at once and, when
-        each answers OK, all four steps are taken as one :class:`~kvfsm.engine.Chain`; else
-        the steps are fired one by one, in the same order, each with what its call answered.
-        Returns True when the release raised and the transfer stays to retry it (or backs
-        off): it waits for the next poll.
-        """
-        machine = self.machine
-        finish = self._finishing[event].get(transfer.state) if answer is Answer.DONE else None
-        if finish is None:
-            machine.fire(transfer, event, answer, detail)  # raises if not declared
-            return False
-        released: bool | Exception = False
-        try:
-            released = self._release_call(transfer)
-            leaks = self._cleanup(transfer) if released is True else []
-        except BaseException:  # an interrupt: keep what NIXL answered and what was done
-            machine.fire(transfer, event, answer, detail)
-            if released is True:  # released; the cleanup goes on from where it stopped
-                machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
-            raise
-        if released is True:
-            if not leaks:
-                machine.run(transfer, finish)
-                return False
-            machine.fire(transfer, event, answer, detail)
-            machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
-            machine.fire(transfer, TransferEvent.CLEAN, Answer.LEAKED, tuple(leaks))
-            return False
-        machine.fire(transfer, event, answer, detail)
-        if released is False:  # backing off: no call made
-            return True
-        waiting = transfer.state
-        self._release_failed(transfer, released)
-        return transfer.state is waiting  # a retry waits for the next poll, as in advance()
+    def settle(self, transfer: Transfer) -> bool:
+        """After a post or poll fired: make the calls the transfer waits on now; True once it
+        is in a final state."""
+        return transfer.state in _FINAL or self.advance(transfer)
 
     def release(self, transfer: Transfer) -> None:
         """Release the transfer handle (a transfer that never got one has nothing to release)."""
@@ -266,15 +212,23 @@ class TransferDriver:
 
     def _release_call(self, transfer: Transfer) -> bool | Exception:
         """Make the release call, firing nothing: True when the handle is released (or there
-        was none), False while backing off (no call), or what the call raised."""
-        if transfer.xfer is None:
+        was none), False while backing off (no call), or what the call raised.
+
+        An interrupt during the call leaves the handle on the transfer, and a later poll
+        releases it: leaving its descriptors registered under a handle that may still hold them
+        would be worse. (One that lands after NIXL released it but before this method noted it
+        makes that later call a second one, which NIXL's Python wrapper ignores: its handle
+        keeps a released flag.)
+        """
+        xfer = transfer.xfer
+        if xfer is None:
             return True
         if transfer.retry_at and time.monotonic() < transfer.retry_at:
             return False  # backing off: no call this poll
         try:
-            self.agent.release_xfer_handle(transfer.xfer)
-        except Exception as error:
-            return error
+            self.agent.release_xfer_handle(xfer)
+        except Exception as error:  # still held: retried on a later poll
+            return error.with_traceback(None)  # no cycle through the caller's frame
         transfer.xfer = None  # released: never handed to NIXL again
         return True
 
@@ -344,47 +298,54 @@ class TransferDriver:
         """Make calls for ``transfer`` until it waits on NIXL or is published.
 
         A transfer that is over (in a state whose call is the release, DONE or FAILED in the
-        lifecycle) takes the rest of its way, release, clean and publish, as one
-        :class:`~kvfsm.engine.Chain` when each call answers OK; the first call that does not
-        is fired on its own, where the chain had got to, and the calls go on one by one.
+        lifecycle) makes its release and cleanup calls and, when each answers OK, takes the
+        rest of its way (release, clean, publish) as one :class:`~kvfsm.engine.Chain`; else
+        each step is fired on its own with what its call answered, in the same order.
 
         Returns:
-            True when the transfer is in a final state (PUBLISHED, QUARANTINED): reached in
-            this call, or by the answer fired just before it.
+            True when the transfer is in a final state (PUBLISHED, QUARANTINED).
         """
         calls, endings = self._calls, self._ending
-        if transfer.state in _FINAL:  # the answer fired before took it all the way
-            return True
         while True:
             before = transfer.state
-            ending = endings.get(before)
-            if ending is None:
-                call = calls.get(before)
-                if call is None:  # SUBMITTED waits on post(); PUBLISHED has nothing left
-                    return False
-                if call(self, transfer):  # a release tried already: it waits for the next poll
-                    return transfer.state in _FINAL
-            else:
-                released = self._release_call(transfer)
-                if released is True:
-                    leaks = self._cleanup(transfer)
-                    if not leaks:
-                        self.machine.run(transfer, ending)
-                        return True
-                    self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
-                    self.machine.fire(transfer, TransferEvent.CLEAN, Answer.LEAKED,
-                                      tuple(leaks))
-                elif released is not False:  # False: backing off, no call this poll
-                    self._release_failed(transfer, released)
-            if transfer.state in _FINAL:
+            if before in _FINAL:
                 return True
+            ending = endings.get(before)
+            if ending is not None:
+                self._end(transfer, ending)
+            else:
+                call = calls.get(before)
+                if call is None:  # SUBMITTED waits on post()
+                    return False
+                call(self, transfer)
             if transfer.state is before:  # still running, or a release to retry next poll
-                return False
+                return transfer.state in _FINAL
+
+    def _end(self, transfer: Transfer, ending: Chain[TransferState]) -> None:
+        """Release and clean up a transfer that is over; publish it as one chain if every call
+        answered OK, else fire what each answered."""
+        machine = self.machine
+        released: bool | Exception = False
+        try:
+            released = self._release_call(transfer)
+            leaks = self._cleanup(transfer) if released is True else []
+        except BaseException:  # an interrupt: record the release if it was made, and go
+            if released is True:  # the cleanup goes on from where it stopped
+                machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
+            raise
+        if released is True:
+            if not leaks:
+                machine.run(transfer, ending)
+                return
+            machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
+            machine.fire(transfer, TransferEvent.CLEAN, Answer.LEAKED, tuple(leaks))
+        elif released is not False:  # False: backing off, no call this poll
+            self._release_failed(transfer, released)
 
     def _ending_chain(self, state: TransferState) -> Chain[TransferState] | None:
         """Release, clean and publish, each answering OK, from ``state``: the chain, when the
         table leads them through states whose calls are exactly those, to a final state."""
-        cls = TransferDriver
+        cls = type(self)
         moves = ((cls.release, TransferEvent.RELEASE, None),
                  (cls.clean, TransferEvent.CLEAN, ()),
                  (cls.publish, TransferEvent.PUBLISH, None))
@@ -402,10 +363,10 @@ class TransferDriver:
 
     def _commit(self, transfer: Transfer) -> tuple[Answer, Any]:
         """NIXL answered DONE: commit a store; a commit that raises makes the answer RAISED."""
-        if transfer.job.is_promotion or not self._commits:
+        if transfer.job.is_promotion:
             return Answer.DONE, None
         try:
             self.remote.commit(transfer)
         except Exception as error:
-            return Answer.RAISED, error
+            return Answer.RAISED, error.with_traceback(None)  # no cycle through this frame
         return Answer.DONE, None

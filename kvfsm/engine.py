@@ -138,9 +138,10 @@ class Step(Generic[S]):
 class Chain(Generic[S]):
     """Steps taken in one go: what firing several events in a row, each with the answer its
     call gave, does from one state. Built from the table by :meth:`CompiledMachine.chain`, so
-    running it (:meth:`CompiledMachine.run`) is exactly firing its steps one by one, minus the
-    lookups. A driver that made several calls and got the expected answer from each takes them
-    as one chain; a trace keeps the chain, with the time, as it would keep one step.
+    running it (:meth:`CompiledMachine.run`) takes the same states, actions and counts as
+    firing its steps one by one, minus the lookups. A driver that made several calls and got
+    the expected answer from each takes them as one chain; a trace keeps the chain, with the
+    time, as it would keep one step.
     """
 
     __slots__ = ("acting", "dest", "moves", "runs", "source", "steps", "traced")
@@ -364,7 +365,7 @@ COMPILE_LISTENERS: list[Callable[[CompiledMachine[Any, Any]], None]] = []
 class CompiledMachine(Generic[S, A]):
     """The dispatch table compiled from a :class:`Declaration`; what runs on the hot path."""
 
-    __slots__ = ("declaration", "name", "table", "trace")
+    __slots__ = ("_chains", "declaration", "name", "table", "trace")
 
     def __init__(
         self, declaration: Declaration[S, A], table: dict[S, dict[str, dict[A, Step[S]]]],
@@ -374,6 +375,7 @@ class CompiledMachine(Generic[S, A]):
         self.name = declaration.name
         self.table = table
         self.trace = trace
+        self._chains: dict[tuple[Any, ...], Chain[S]] = {}
 
     def step(self, state: S, event: str, answer: A) -> Step[S]:
         """The step firing ``event`` with ``answer`` takes in ``state``; raises if undeclared."""
@@ -417,22 +419,30 @@ class CompiledMachine(Generic[S, A]):
 
     def chain(self, state: S, moves: Sequence[tuple[str, A, Any]]) -> Chain[S]:
         """The chain of steps ``moves`` (event, answer, detail for its actions) takes from
-        ``state``, each from where the one before left off.
+        ``state``, each from where the one before left off. Asking again for the same moves
+        gives the same chain (its steps count its runs once).
 
         Raises:
             InvalidTransition: a move is not declared where the moves before it lead.
         """
         if not moves:
             raise ValueError(f"{self.name}: a chain needs at least one move")
+        key = (state, tuple((str(event), answer, detail) for event, answer, detail in moves))
+        known = self._chains.get(key)
+        if known is not None:
+            return known
         steps: list[tuple[Step[S], Any]] = []
         for event, answer, detail in moves:
             step = self.step(state, event, answer)
             steps.append((step, detail))
             state = step.dest
-        return Chain(steps)
+        chain = self._chains[key] = Chain(steps)
+        return chain
 
     def run(self, record: Record[S], chain: Chain[S]) -> S:
-        """Take every step of ``chain``, as firing them one by one would.
+        """Take every step of ``chain``: the same states, actions and counts as firing them one
+        by one, with one trace entry (one time) for the whole chain. An action that raises
+        stops the run where it is; the chain is counted as run.
 
         Raises:
             InvalidTransition: the record is not in the state the chain starts from; the

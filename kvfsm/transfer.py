@@ -104,13 +104,14 @@ class Transfer:
         self.names: tuple[str, ...] = ()
         #: where the tier's poll list keeps the transfer while NIXL runs it (-1: not there)
         self.slot = -1
-        #: the steps taken, flat: step, time, step, time... (see :mod:`kvfsm.trace`)
+        #: the steps taken, flat: step, time, step, time... (a chain of steps taken at once
+        #: in place of a step; see :mod:`kvfsm.trace`)
         self.trace: list[Any] = []
 
     def result(self) -> JobResult:
         """The job's result; only meaningful once the outcome is latched. A quarantined
         transfer's result is a failure, whatever NIXL answered."""
-        success = self.success is True and self.state is not TransferState.QUARANTINED
+        success = bool(self.success) and self.state is not TransferState.QUARANTINED
         return JobResult(self.job_id, success, self.nbytes if success else 0,
                          self.finished_at - self.started_at)
 

@@ -363,8 +363,11 @@ def test_a_tier_that_is_shut_down_and_dropped_frees_its_agent_at_once(
     tier.submit_store(store(1, 0))
     tier.submit_store(store(2, 1))
     agent.inject("check_xfer_state", Raise())  # and so does a failed state check
+    agent.inject("release_xfer_handle", Raise())  # and a release that raised once
     tier.drain_jobs(timeout=5)
     assert sorted(r.success for r in tier.get_finished_jobs()) == [False, False]
+    if kind == "object store":  # (the fake agent has no FILE backend: posts fail earlier)
+        assert agent.pending_faults() == [], "every fault fired"
     tier.shutdown()
     gone = weakref.ref(agent)
     gc.disable()
@@ -425,3 +428,43 @@ def test_an_interrupt_during_a_nixl_call_leaves_the_transfer_to_finish_on_a_late
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
     assert agent.live_xfer_handles() == 0
     assert agent.misuses == [], "nothing released twice, nothing released while running"
+
+
+def test_an_interrupt_in_the_finish_of_a_failed_post_orphans_nothing(
+    primary: torch.Tensor,
+) -> None:
+    agent = InterruptedAgent("deregister_memory", after=True)
+    tier = ObjectStoreTier(primary, agent=agent)
+    agent.inject("transfer", ReturnErr())  # over at once: the finish runs inside submit
+    with pytest.raises(KeyboardInterrupt):
+        tier.submit_store(store(1, 0))
+    tier.drain_jobs(timeout=5)  # a later poll finds it: it was kept in the poll lists
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False)]
+    assert agent.misuses == [] and agent.live_xfer_handles() == 0
+
+
+class ReleaseClock(FakeNixlAgent):
+    """Notes when each release call starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release_started: list[float] = []
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        self.release_started.append(time.monotonic())
+        super().release_xfer_handle(handle)
+
+
+def test_a_transfer_counts_as_finished_when_nixl_says_so_not_when_its_handle_is_released(
+    primary: torch.Tensor,
+) -> None:
+    agent = ReleaseClock()
+    tier = ObjectStoreTier(primary, agent=agent)
+    finished: list[float] = []
+    tier.on_published.append(lambda transfer: finished.append(transfer.finished_at))
+    tier.submit_store(store(1, 0))
+    tier.drain_jobs(timeout=5)
+    (result,) = tier.get_finished_jobs()
+    assert result.success
+    (released,) = agent.release_started
+    assert finished[0] <= released, "DONE is latched before the release call is made"

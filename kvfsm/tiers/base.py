@@ -228,7 +228,7 @@ class SecondaryTier:
                 for transfer in self.unpublished():
                     if transfer.state not in _MAY_RUN:  # over: one last try, then give up
                         transfer.retry_at = 0.0
-                        self._advance(transfer)
+                        self._settle(transfer)
                         if transfer.job_id in self._transfers:
                             self._give_up(transfer, "shutdown deadline passed")
                 running = self.unpublished()
@@ -332,16 +332,14 @@ class SecondaryTier:
         transfer.names = names
         self._transfers[transfer.job_id] = transfer
         try:
-            held = self.driver.post(transfer, self._local, block_ids)
+            self.driver.post(transfer, self._local, block_ids)
         except BaseException:  # an interrupt: the machine has the transfer's state, keep it
             self._refile(transfer)
             raise
         if transfer.state is TransferState.PROCESSING:
             self._running.add(transfer)
-        elif self.driver.settle(transfer, held):  # over at once: DONE or FAILED
-            self._finish(transfer)
-        else:
-            self._refile(transfer)
+        else:  # over at once: DONE or FAILED
+            self._settle(transfer)
 
     def _validate(self, job: Any, *, load: bool) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """Check a job against this tier; returns its remote names and block ids.
@@ -430,10 +428,15 @@ class SecondaryTier:
         self.driver.give_up(transfer, why)
         self._finish(transfer)
 
-    def _advance(self, transfer: Transfer) -> None:
-        """Make the calls a transfer waits on; hand its result out once it is final, else keep
-        it where its state says."""
-        if self.driver.advance(transfer):
+    def _settle(self, transfer: Transfer) -> None:
+        """Make the calls a transfer waits on now; hand its result out once it is final, else
+        keep it in the poll list its state says (an interrupt included: nothing is orphaned)."""
+        try:
+            final = self.driver.settle(transfer)
+        except BaseException:
+            self._refile(transfer)
+            raise
+        if final:
             self._finish(transfer)
         else:
             self._refile(transfer)
@@ -441,7 +444,8 @@ class SecondaryTier:
     def _finish(self, transfer: Transfer) -> None:
         """A transfer reached a final state: hand its one result out."""
         job_id = transfer.job_id
-        del self._transfers[job_id]
+        if self._transfers.pop(job_id, None) is not transfer:
+            return  # handed out already (a listener that polled again got there first)
         if transfer.slot >= 0:
             self._running.discard(transfer)
         if self._waiting:
@@ -506,21 +510,17 @@ class SecondaryTier:
         waiting = list(self._waiting.values())  # those in it now: one call each this round
         answered = running.check(self.agent.check_xfer_state)
         stay.taken += len(running.transfers) - len(answered)
-        polled, settle = self.driver.polled, self.driver.settle
+        polled, settle = self.driver.polled, self._settle
         for transfer, status in answered:
             running.discard(transfer)
             try:
-                final = settle(transfer, polled(transfer, status))
+                polled(transfer, status)
             except BaseException:  # an interrupt: keep the transfer where its state says
                 self._refile(transfer)
                 raise
-            if final:
-                self._finish(transfer)
-            else:
-                self._refile(transfer)
-        advance = self._advance
+            settle(transfer)
         for transfer in waiting:
-            advance(transfer)
+            settle(transfer)
 
     def _poll_each(self) -> None:
         """The general path: every transfer through the driver and the machine, each poll."""
@@ -551,13 +551,17 @@ class SecondaryTier:
                 self._give_up(transfer, f"still running after {limit} s")
                 continue
             if answered is None:
-                self._advance(transfer)
+                self._settle(transfer)
                 continue
-            held = polled(transfer, answered)
-            if transfer.state is not processing and self.driver.settle(transfer, held):
-                self._finish(transfer)
-            else:  # still running (a stay this machine fires), or waiting for a next poll
+            try:
+                polled(transfer, answered)
+            except BaseException:  # an interrupt: keep the transfer where its state says
                 self._refile(transfer)
+                raise
+            if transfer.state is processing:  # a stay this machine fires: done this round
+                self._refile(transfer)
+            else:
+                self._settle(transfer)
 
 
 class _Running:
@@ -596,15 +600,17 @@ class _Running:
         status, or what the call raised), in the order they are kept."""
         handles = self.handles
         statuses: list[str | Exception] = []
-        while True:
-            try:  # list.extend keeps what map produced before a call raised
+        while len(statuses) < len(handles):
+            try:  # CPython's list.extend keeps what map produced before a call raised
                 statuses.extend(map(check, islice(handles, len(statuses), None))
                                 if statuses else map(check, handles))
-                break
             except Exception as error:  # that handle's answer: the machine hears poll(RAISED)
                 # (its text is what is kept; its traceback would hold the poll's frames, and
                 # through them the agent, in a cycle only the garbage collector breaks)
                 statuses.append(error.with_traceback(None))
+                continue
+            if len(statuses) < len(handles):  # a StopIteration ends map quietly: that call's
+                statuses.append(RuntimeError("check_xfer_state raised StopIteration"))
         if statuses.count("PROC") == len(statuses):
             return []
         return list(compress(zip(self.transfers, statuses, strict=True),

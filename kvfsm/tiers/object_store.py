@@ -163,6 +163,8 @@ class ObjectStoreTier(SecondaryTier):
     remote_name = object_key
 
     def _remote_names(self, keys: Sequence[Any]) -> tuple[str, ...]:
+        if type(self).object_key is not ObjectStoreTier.object_key:  # a subclass names them
+            return super()._remote_names(keys)
         prefix = self.key_prefix  # a non-empty str key is its own text: no call for it
         return tuple([prefix + key if type(key) is str and key else prefix + key_text(key)
                       for key in keys])
