@@ -468,3 +468,31 @@ def test_a_transfer_counts_as_finished_when_nixl_says_so_not_when_its_handle_is_
     assert result.success
     (released,) = agent.release_started
     assert finished[0] <= released, "DONE is latched before the release call is made"
+
+
+class StopIterationAgent(FakeNixlAgent):
+    """A check that raises StopIteration once (an exhausted iterator somewhere inside it)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.checks = 0
+
+    def check_xfer_state(self, handle: Any) -> str:
+        self.checks += 1
+        status = super().check_xfer_state(handle)
+        if self.checks == 2:  # the second check of the run: job 1's (NIXL has finished it)
+            raise StopIteration
+        return status
+
+
+def test_a_state_check_that_raises_stopiteration_fails_its_transfer_and_no_other(
+    primary: torch.Tensor,
+) -> None:
+    agent = StopIterationAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(primary, agent=agent)
+    for job_id in range(3):
+        tier.submit_store(store(job_id, job_id))
+    tier.drain_jobs(timeout=5)
+    results = {r.job_id: r.success for r in tier.get_finished_jobs()}
+    assert results == {0: True, 1: False, 2: True}, "the raise is that transfer's answer (F4)"
+    assert tier.transfer_of(1) is None and agent.live_xfer_handles() == 0
