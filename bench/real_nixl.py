@@ -253,19 +253,25 @@ def run_files(blocks: int, per_job: int, repeats: int) -> dict[str, list[tuple[f
 def _files_run(name: str, cache: torch.Tensor, original: torch.Tensor, jobs: list[list[int]],
                root: str) -> tuple[float, float]:
     agent = make_agent(_agent_name("posix"), "POSIX")
-    if name == "bare script":
-        bare = BareFiles(cache, Path(root), agent)
-        sample = one_run(cache, original, jobs, bare_phase(bare))
-        bare.close()
+    contender = (BareFiles(cache, Path(root), agent) if name == "bare script"
+                 else FileTier(cache, root, agent=agent, durable=False))
+    return _measure(contender, cache, original, jobs)
+
+
+def _measure(contender: Any, cache: torch.Tensor, original: torch.Tensor,
+             jobs: list[list[int]]) -> tuple[float, float]:
+    """One run of a bare script or a tier; closes it (shuts the tier down) after."""
+    if isinstance(contender, BareFiles):
+        sample = one_run(cache, original, jobs, bare_phase(contender))
+        contender.close()
         return sample
-    tier = FileTier(cache, root, agent=agent, durable=False)
     ids = itertools.count()
 
     def phase(jobs: list[list[int]], load: bool) -> Callable[[], None]:
-        return tier_phase(tier, jobs, load, next(ids) * len(jobs))
+        return tier_phase(contender, jobs, load, next(ids) * len(jobs))
 
     sample = one_run(cache, original, jobs, phase)
-    tier.shutdown()
+    contender.shutdown()
     return sample
 
 
@@ -332,21 +338,11 @@ def run_objects(blocks: int, per_job: int, repeats: int) -> dict[str, list[tuple
 def _objects_run(name: str, cache: torch.Tensor, original: torch.Tensor,
                  jobs: list[list[int]], store: StoreConfig, prefix: str) -> tuple[float, float]:
     agent = make_agent(_agent_name("obj"), "OBJ", store.backend_params())
-    if name == "bare script":
-        bare = BareObjects(cache, agent, prefix)
-        sample = one_run(cache, original, jobs, bare_phase(bare))
-        bare.close()
-        return sample
-    tier: Any = (ObjectStoreTier(cache, agent=agent, key_prefix=prefix)
-                 if name.startswith("kvfsm") else HandTier(cache, agent=agent, key_prefix=prefix))
-    ids = itertools.count()
-
-    def phase(jobs: list[list[int]], load: bool) -> Callable[[], None]:
-        return tier_phase(tier, jobs, load, next(ids) * len(jobs))
-
-    sample = one_run(cache, original, jobs, phase)
-    tier.shutdown()
-    return sample
+    contender: Any = (
+        BareObjects(cache, agent, prefix) if name == "bare script"
+        else ObjectStoreTier(cache, agent=agent, key_prefix=prefix) if name.startswith("kvfsm")
+        else HandTier(cache, agent=agent, key_prefix=prefix))
+    return _measure(contender, cache, original, jobs)
 
 
 def summarize(title: str, nbytes: int, samples: dict[str, list[tuple[float, float]]]) -> str:
