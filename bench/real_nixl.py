@@ -90,21 +90,29 @@ class BareFiles:
         self.local = agent.prep_xfer_dlist(
             LOCAL_AGENT, [(base + i * size, size, 0) for i in range(blocks)], "DRAM")
 
+    mem_type = "FILE"
+
+    def remote(self, blocks: list[int], load: bool
+               ) -> tuple[list[tuple[int, int, int, str]], list[int], list[tuple[str, str]]]:
+        """A job's remote descriptors, the files opened for them, and the renames of a store."""
+        fds, renames = [], []
+        for block in blocks:
+            final = f"{self.directory}block-{block}"  # text, not pathlib: ~1 us a file less
+            if load:
+                fds.append(os.open(final, os.O_RDONLY | os.O_CLOEXEC))
+            else:
+                partial = final + ".partial"
+                fds.append(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                                   | os.O_CLOEXEC, 0o644))
+                renames.append((partial, final))
+        return [(0, self.size, fd, "") for fd in fds], fds, renames
+
     def phase(self, jobs: list[list[int]], load: bool) -> None:
         agent = self.agent
         pending = []
         for blocks in jobs:
-            fds, renames = [], []
-            for block in blocks:
-                final = f"{self.directory}block-{block}"  # text, not pathlib: ~1 us a file less
-                if load:
-                    fds.append(os.open(final, os.O_RDONLY | os.O_CLOEXEC))
-                else:
-                    partial = final + ".partial"
-                    fds.append(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                                       | os.O_CLOEXEC, 0o644))
-                    renames.append((partial, final))
-            files = agent.register_memory([(0, self.size, fd, "") for fd in fds], "FILE")
+            descs, fds, renames = self.remote(blocks, load)
+            files = agent.register_memory(descs, self.mem_type)
             remote = agent.prep_xfer_dlist(agent.name, files.trim())
             xfer = agent.make_prepped_xfer("READ" if load else "WRITE", self.local, blocks,
                                            remote, list(range(len(blocks))))
@@ -141,41 +149,18 @@ class BareFiles:
 class BareObjects(BareFiles):
     """Objects: the object tier's NIXL calls, without the tier."""
 
+    mem_type = "OBJ"
+
     def __init__(self, cache: torch.Tensor, agent: Any, prefix: str) -> None:
         super().__init__(cache, Path(), agent)
         self.prefix = prefix
         self.dev_ids = itertools.count(1 << 30)  # apart from the tiers' ids
 
-    def phase(self, jobs: list[list[int]], load: bool) -> None:
-        agent = self.agent
-        pending = []
-        for blocks in jobs:
-            files = agent.register_memory(
-                [(0, self.size, next(self.dev_ids), f"{self.prefix}block-{b}") for b in blocks],
-                "OBJ")
-            remote = agent.prep_xfer_dlist(agent.name, files.trim())
-            xfer = agent.make_prepped_xfer("READ" if load else "WRITE", self.local, blocks,
-                                           remote, list(range(len(blocks))))
-            status = agent.transfer(xfer)
-            if status not in ("PROC", "DONE"):
-                raise RuntimeError(f"transfer() answered {status}")
-            pending.append((xfer, remote, files))
-        while pending:
-            answers = [agent.check_xfer_state(entry[0]) for entry in pending]  # all, then finish
-            still = []
-            for entry, status in zip(pending, answers, strict=True):
-                xfer, remote, files = entry
-                if status == "PROC":
-                    still.append(entry)
-                    continue
-                if status != "DONE":
-                    raise RuntimeError(f"check_xfer_state answered {status}")
-                agent.release_xfer_handle(xfer)
-                agent.release_dlist_handle(remote)
-                agent.deregister_memory(files)
-            pending = still
-            if pending:
-                time.sleep(POLL_INTERVAL)
+    def remote(self, blocks: list[int], load: bool
+               ) -> tuple[list[tuple[int, int, int, str]], list[int], list[tuple[str, str]]]:
+        """One object per block; nothing opened, nothing to rename."""
+        return ([(0, self.size, next(self.dev_ids), f"{self.prefix}block-{b}") for b in blocks],
+                [], [])
 
 
 # -- the tiers, driven the way an engine drives them -------------------------------------------

@@ -441,6 +441,19 @@ class SecondaryTier:
         else:
             self._refile(transfer)
 
+    def _answered(self, transfer: Transfer, status: str | Exception) -> None:
+        """Fire what ``check_xfer_state`` answered, then make the calls that follow this round;
+        a transfer still running (a stay its machine fires) waits for the next poll."""
+        try:
+            self.driver.polled(transfer, status)
+        except BaseException:  # an interrupt: keep the transfer where its state says
+            self._refile(transfer)
+            raise
+        if transfer.state is TransferState.PROCESSING:
+            self._refile(transfer)
+        else:
+            self._settle(transfer)
+
     def _finish(self, transfer: Transfer) -> None:
         """A transfer reached a final state: hand its one result out."""
         job_id = transfer.job_id
@@ -510,15 +523,10 @@ class SecondaryTier:
         waiting = list(self._waiting.values())  # those in it now: one call each this round
         answered = running.check(self.agent.check_xfer_state)
         stay.taken += len(running.transfers) - len(answered)
-        polled, settle = self.driver.polled, self._settle
         for transfer, status in answered:
             running.discard(transfer)
-            try:
-                polled(transfer, status)
-            except BaseException:  # an interrupt: keep the transfer where its state says
-                self._refile(transfer)
-                raise
-            settle(transfer)
+            self._answered(transfer, status)
+        settle = self._settle
         for transfer in waiting:
             settle(transfer)
 
@@ -545,23 +553,13 @@ class SecondaryTier:
                 others.append((transfer, "PROC"))  # bounded like a running one, below
             else:
                 others.append((transfer, None))
-        polled = self.driver.polled
         for transfer, answered in others:
             if answered == "PROC" and transfer.started_at <= started_after:
                 self._give_up(transfer, f"still running after {limit} s")
-                continue
-            if answered is None:
+            elif answered is None:
                 self._settle(transfer)
-                continue
-            try:
-                polled(transfer, answered)
-            except BaseException:  # an interrupt: keep the transfer where its state says
-                self._refile(transfer)
-                raise
-            if transfer.state is processing:  # a stay this machine fires: done this round
-                self._refile(transfer)
             else:
-                self._settle(transfer)
+                self._answered(transfer, answered)
 
 
 class _Running:
