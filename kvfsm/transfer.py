@@ -56,6 +56,7 @@ class Transfer:
 
     __slots__ = (
         "error",
+        "filed",
         "files",
         "finished_at",
         "job",
@@ -104,6 +105,8 @@ class Transfer:
         self.names: tuple[str, ...] = ()
         #: where the tier's poll list keeps the transfer while NIXL runs it (-1: not there)
         self.slot = -1
+        #: the state the tier's waiting list counts it under (None: not in that list)
+        self.filed: TransferState | None = None
         #: the steps taken, flat: step, time, step, time... (a chain of steps taken at once
         #: in place of a step; see :mod:`kvfsm.trace`)
         self.trace: list[Any] = []

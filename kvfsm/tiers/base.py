@@ -76,6 +76,57 @@ class DrainTimeout(TimeoutError):
                          + "\n  ".join(lines))
 
 
+class KnownNames:
+    """What a tier knows of the most recent ``limit`` remote names it saw: HIT or MISS.
+
+    Each verdict recorded makes its name the most recent; once more than ``limit`` are known,
+    the oldest are forgotten, so the cache stays bounded however many keys a tier ever
+    stored. A forgotten name is only asked about again (a probe), never answered wrongly. A
+    probe's answer never replaces a verdict recorded meanwhile (:meth:`offer`).
+
+    One thread records (under the tier's lock) while a probe thread may offer: each call is
+    made of single dictionary operations, which CPython performs whole.
+    """
+
+    __slots__ = ("_names", "limit")
+
+    def __init__(self, limit: int) -> None:
+        if type(limit) is not int or limit < 1:
+            raise ValueError(f"the lookup cache needs a limit of at least 1, got {limit!r}")
+        self.limit = limit
+        self._names: dict[str, Lookup] = {}
+
+    def get(self, name: str) -> Lookup | None:
+        """The verdict on ``name``, or None when it is not known (any more)."""
+        return self._names.get(name)
+
+    def record(self, names: Sequence[str], verdict: Lookup) -> None:
+        """A transfer's outcome: ``verdict`` on each of ``names``, now the most recent."""
+        known = self._names
+        for name in names:
+            known.pop(name, None)
+            known[name] = verdict
+        if len(known) > self.limit:
+            self._forget_oldest()
+
+    def offer(self, name: str, verdict: Lookup) -> None:
+        """A probe's answer: kept unless a verdict on ``name`` is known already."""
+        self._names.setdefault(name, verdict)
+        if len(self._names) > self.limit:
+            self._forget_oldest()
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def _forget_oldest(self) -> None:
+        known = self._names
+        while len(known) > self.limit:
+            try:
+                del known[next(iter(known))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread got there first
+                return
+
+
 class SecondaryTier:
     """A tier that copies primary KV blocks out and back with NIXL, one machine per transfer.
 
@@ -88,7 +139,16 @@ class SecondaryTier:
             (the explorer's tests run deliberately broken variants through the same tier).
         policy: bounds on retrying failed releases and waiting for running transfers
             (:class:`~kvfsm.policy.RetryPolicy`; by default a release is retried for 60 s).
+
+    Bounded memory: the lookup cache keeps the verdicts on the last :attr:`known_names`
+    names, and :meth:`stats` lists the last :attr:`leak_record` leaks (and counts them all).
+    Set either on the class or a subclass before a tier is made.
     """
+
+    #: how many remote names the lookup cache keeps a verdict on (about 150 bytes each)
+    known_names: int = 1 << 16
+    #: how many leaks stats() lists (the count of all of them is kept)
+    leak_record: int = 256
 
     def __init__(self, primary: torch.Tensor, *, agent: NixlAgent, remote: RemoteSide,
                  poll_interval: float = 0.0005,
@@ -112,21 +172,31 @@ class SecondaryTier:
         self._proc_stay = step if step is not None and step.is_stay else None
         #: called with each transfer as it is published (a trace recorder, for one)
         self.on_published: list[Callable[[Transfer], None]] = []
-        #: what the tier knows of each remote name: set by results, filled in by probes
-        self._known: dict[str, Lookup] = {}
+        #: what the tier knows of recent remote names: set by results, filled in by probes
+        self._known = KnownNames(self.known_names)
         self._transfers: dict[int, Transfer] = {}  # every unpublished transfer, by job id
         self._running = _Running()  # those in PROCESSING, and their transfer handles
         self._waiting: dict[int, Transfer] = {}  # the others (a release to retry, cancelling)
+        self._waiting_in: collections.Counter[TransferState] = collections.Counter()
         self._results: list[JobResult] = []
         self._unreported: set[int] = set()  # job ids published but not yet handed out
         self._closed = False
         self._closing = False
+        #: when shutdown() must return by (None: no deadline); background work is not waited
+        #: for past it
+        self._stop_by: float | None = None
         self._published = 0
         self._failed = 0
         self._latencies: collections.deque[float] = collections.deque(maxlen=4096)
         self._lock = threading.RLock()
-        self._retries = 0
-        self._leaks: list[tuple[int, Leak]] = []
+        #: the steps a release that raised and is retried takes (their counts are the retries)
+        self._retry_steps = [answers[Answer.RAISED]
+                             for events in self.driver.machine.table.values()
+                             if (answers := events.get(TransferEvent.RELEASE, {})).get(
+                                 Answer.RAISED) is not None]
+        self._leaks: collections.deque[tuple[int, Leak]] = collections.deque(
+            maxlen=self.leak_record)
+        self._leak_count = 0
         base = primary.data_ptr()
         self._dram = agent.register_memory(
             [(base, self.num_blocks * self.block_bytes, 0, "")], "DRAM")
@@ -187,10 +257,12 @@ class SecondaryTier:
         ended keeps its outcome (it is never recomputed, F3) and is released as usual.
 
         Raises:
+            InvalidJobError: ``job_id`` is not an int (``cancel(True)`` does not cancel job 1);
+                nothing changed.
             UnknownJobError: no unpublished job has that id; nothing changed.
         """
         with self._lock:
-            transfer = self._transfers.get(job_id)
+            transfer = self._transfers.get(_job_id(job_id))
             if transfer is None:
                 raise UnknownJobError(f"job {job_id} is not in flight on this tier "
                                       "(never submitted, or already published)")
@@ -218,6 +290,7 @@ class SecondaryTier:
             if self._closed:
                 return
             self._closing = True
+            self._stop_by = None if timeout is None else time.monotonic() + timeout
             for transfer in self.unpublished():
                 self.driver.cancel(transfer)
                 self._refile(transfer)
@@ -253,7 +326,7 @@ class SecondaryTier:
             try:
                 getattr(self.agent, call)(handle)
             except Exception as error:
-                self._leaks.append((-1, Leak(call, f"{type(error).__name__}: {error}")))
+                self._record_leaks(-1, (Leak(call, f"{type(error).__name__}: {error}"),))
 
     def lookup(self, key: bytes | str) -> Lookup:
         """HIT, MISS, or RETRY while the answer is being found out; never blocks on I/O.
@@ -265,8 +338,12 @@ class SecondaryTier:
         return known if known is not None else self._probe(name)
 
     def state_of(self, job_id: int) -> TransferState | None:
-        """The state of a job's transfer, or None when it is published or unknown."""
-        transfer = self._transfers.get(job_id)
+        """The state of a job's transfer, or None when it is published or unknown.
+
+        Raises:
+            InvalidJobError: ``job_id`` is not an int (a bool or a float is not taken as one).
+        """
+        transfer = self._transfers.get(_job_id(job_id))
         return None if transfer is None else transfer.state
 
     def unpublished(self) -> list[Transfer]:
@@ -274,26 +351,37 @@ class SecondaryTier:
         return list(self._transfers.values())
 
     def transfer_of(self, job_id: int) -> Transfer | None:
-        """The in-flight transfer record of a job (retries, leaks, last error), or None."""
-        return self._transfers.get(job_id)
+        """The in-flight transfer record of a job (retries, leaks, last error), or None.
+
+        Raises:
+            InvalidJobError: ``job_id`` is not an int.
+        """
+        return self._transfers.get(_job_id(job_id))
 
     def stats(self) -> dict[str, Any]:
         """What the tier did: transfers in flight per state, results published (and how many
-        failed), release retries, leaks, and the latency of recent transfers (seconds from
-        submit to finished, percentiles over the last 4096)."""
+        failed), release retries, leaks (all counted, the last :attr:`leak_record` kept), and
+        the latency of recent transfers (seconds from submit to finished, percentiles over the
+        last 4096).
+
+        Its cost does not grow with the transfers in flight or the jobs ever run: the counts
+        are kept as transfers move, and what is listed is bounded.
+        """
         with self._lock:
-            in_flight: dict[str, int] = {}
-            for transfer in self._transfers.values():
-                in_flight[transfer.state.name] = in_flight.get(transfer.state.name, 0) + 1
+            in_flight = {state.name: count for state, count in self._waiting_in.items()
+                         if count}
+            if self._running.transfers:
+                in_flight[TransferState.PROCESSING.name] = len(self._running.transfers)
             latencies = sorted(self._latencies)
             return {
                 "in_flight": in_flight,
                 "published": self._published,
                 "failed": self._failed,
-                "retries": self._retries + sum(t.retries for t in self._transfers.values()),
-                "leaks": len(self._leaks),
+                "retries": sum(step.count for step in self._retry_steps),
+                "leaks": self._leak_count,
                 "leaked": list(self._leaks),
                 "quarantined": len(self._quarantine),
+                "lookup_cache": len(self._known),
                 "quarantined_running": len(self._may_run),
                 "latency": {name: latencies[min(len(latencies) - 1, int(q * len(latencies)))]
                             for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
@@ -461,8 +549,8 @@ class SecondaryTier:
             return  # handed out already (a listener that polled again got there first)
         if transfer.slot >= 0:
             self._running.discard(transfer)
-        if self._waiting:
-            self._waiting.pop(job_id, None)
+        if transfer.filed is not None:
+            self._unfile(transfer)
         result = transfer.result()
         self._results.append(result)
         self._unreported.add(job_id)
@@ -475,17 +563,13 @@ class SecondaryTier:
             for leak in transfer.leaks:
                 logger.warning("job %d leaked: %s raised %s", job_id, leak.call,
                                leak.error, extra=transfer.log_fields(leak.error))
-            self._leaks.extend((job_id, leak) for leak in transfer.leaks)
-        self._retries += transfer.retries
+            self._record_leaks(job_id, transfer.leaks)
         if transfer.state is TransferState.QUARANTINED:
             self._quarantine.append(transfer)
         if transfer.success or transfer.job.is_promotion:
             # a finished store or load shows the blocks are there; a failed load that
             # they are not, so they are not loaded again and again (F11)
-            verdict = Lookup.HIT if transfer.success else Lookup.MISS
-            known = self._known
-            for name in transfer.names:
-                known[name] = verdict
+            self._known.record(transfer.names, Lookup.HIT if transfer.success else Lookup.MISS)
         for listener in self.on_published:  # best effort: a listener never costs a result (F7)
             try:
                 listener(transfer)
@@ -498,13 +582,33 @@ class SecondaryTier:
         published)."""
         if transfer.job_id not in self._transfers:
             return
-        if transfer.state is TransferState.PROCESSING:
-            self._waiting.pop(transfer.job_id, None)
+        state = transfer.state
+        if state is TransferState.PROCESSING:
+            self._unfile(transfer)
             if transfer.slot < 0:
                 self._running.add(transfer)
         else:
             self._running.discard(transfer)
-            self._waiting[transfer.job_id] = transfer
+            filed = transfer.filed
+            if filed is not state:  # counted under its state, for stats()
+                if filed is None:
+                    self._waiting[transfer.job_id] = transfer
+                else:
+                    self._waiting_in[filed] -= 1
+                self._waiting_in[state] += 1
+                transfer.filed = state
+
+    def _unfile(self, transfer: Transfer) -> None:
+        """Take a transfer out of the waiting list, if it is there."""
+        filed = transfer.filed
+        if filed is not None:
+            del self._waiting[transfer.job_id]
+            self._waiting_in[filed] -= 1
+            transfer.filed = None
+
+    def _record_leaks(self, job_id: int, leaks: Sequence[Leak]) -> None:
+        self._leak_count += len(leaks)
+        self._leaks.extend((job_id, leak) for leak in leaks)
 
     def _poll(self) -> None:
         """Advance every unpublished transfer once.
@@ -645,6 +749,15 @@ def key_text(key: object) -> str:
     if not text:
         raise ValueError("a key must not be empty")
     return text
+
+
+def _job_id(job_id: object) -> int:
+    """``job_id`` if it is an int (not a bool); else InvalidJobError naming it."""
+    if type(job_id) is int:
+        return job_id
+    if isinstance(job_id, int) and not isinstance(job_id, bool):
+        return int(job_id)  # an int subclass (a numpy integer is not one): its value
+    raise InvalidJobError(f"a job id is an int, got {type(job_id).__name__} {job_id!r}")
 
 
 def _check_primary(primary: object) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +16,7 @@ from kvfsm.driver import StorageSide
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import Answer, TransferState
 from kvfsm.policy import RetryPolicy
-from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
+from kvfsm.tiers.base import KnownNames, Lookup, SecondaryTier, key_text, logger
 from kvfsm.transfer import Transfer
 
 __all__ = ["ObjectStoreTier"]
@@ -25,6 +26,20 @@ __all__ = ["ObjectStoreTier"]
 # only after 2**31 registrations.
 _DEV_ID_SPACE = 2**31
 _dev_ids = itertools.count()
+
+#: probers whose thread may still run; told to stop when the interpreter exits
+_live_probers: weakref.WeakSet[_Prober] = weakref.WeakSet()
+
+
+def _stop_all_probers() -> None:
+    """At interpreter exit, before it waits for threads: drop every name not yet asked, so it
+    waits only for the queries in flight."""
+    for prober in list(_live_probers):
+        prober.stop(0.0)
+
+
+# runs before the interpreter joins its non-daemon threads (atexit handlers run after that)
+getattr(threading, "_register_atexit", lambda _: None)(_stop_all_probers)
 
 
 class _Objects(StorageSide):
@@ -45,63 +60,100 @@ class _Prober:
 
     On an agent of its own it runs freely; on the tier's agent (``shared``, a lock) each query
     holds the tier's lock, because a NIXL agent is driven by one thread at a time.
+
+    Its thread runs only while names wait to be probed, and is not a daemon: NIXL's OBJ backend
+    aborts the process (``terminate called without an active exception``) when the interpreter
+    exits under a daemon thread that is inside ``query_memory``, so an exit waits for the query
+    in flight instead. That wait is bounded by the batch: against a server that accepts
+    connections but never answers, NIXL 1.5.1 gives up on a batch's keys one after the other,
+    30 s each (measured: 1 key 30 s, 3 keys 90 s), so ``batch`` keys cost at most ``batch`` x
+    30 s. :meth:`stop`, interpreter exit and a dropped tier all drop the names still waiting,
+    so nothing past the query in flight is waited for.
     """
 
-    def __init__(self, agent: Any, known: dict[str, Lookup], batch: int,
+    def __init__(self, agent: Any, known: KnownNames, batch: int,
                  shared: threading.RLock | None) -> None:
         self._agent = agent
         self._shared = shared
         self._known = known
         self._batch = batch
         self._wanted: dict[str, None] = {}  # insertion-ordered set of names to probe
-        self._ready = threading.Condition()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
         self._stopping = False
         self.errors = 0
-        self._thread = threading.Thread(target=self._run, name="kvfsm-object-probe",
-                                        daemon=True)
-        self._thread.start()
+        _live_probers.add(self)
 
     def want(self, name: str) -> None:
-        with self._ready:
-            if name not in self._wanted:
-                self._wanted[name] = None
-                self._ready.notify()
+        with self._lock:
+            if self._stopping or name in self._wanted:
+                return
+            self._wanted[name] = None
+            if self._thread is None:  # none running: start one, which ends once all answered
+                self._thread = threading.Thread(target=self._run, name="kvfsm-object-probe")
+                self._thread.start()
 
-    def stop(self) -> None:
-        with self._ready:
+    def stop(self, timeout: float | None = None) -> bool:
+        """Drop the names not yet asked and wait up to ``timeout`` seconds (None: as long as
+        it takes) for the query in flight; True when no query runs any more."""
+        with self._lock:
             self._stopping = True
-            self._ready.notify()
-        self._thread.join()
+            self._wanted.clear()
+            thread = self._thread
+            if thread is None:
+                self._agent = None
+        _live_probers.discard(self)
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    @property
+    def busy(self) -> bool:
+        """True while a query may be in flight."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     def _run(self) -> None:
         while True:
-            with self._ready:
-                while not self._wanted and not self._stopping:
-                    self._ready.wait()
-                if self._stopping:
+            with self._lock:
+                if self._stopping or not self._wanted:
+                    self._thread = None
+                    if self._stopping:
+                        self._agent = None  # stopped: the agent goes with the tier
                     return
                 names = list(itertools.islice(self._wanted, self._batch))
-            if self._shared is not None:
-                # wait for the tier's lock, but never past stop(): shutdown may hold it
-                while not self._shared.acquire(timeout=0.05):
-                    if self._stopping:
-                        return
-            try:
-                answers = self._agent.query_memory([(0, 1, 0, name) for name in names],
-                                                   "OBJ", "OBJ")
-            except Exception:  # the store did not answer: leave the names to be asked again
-                self.errors += 1
-                answers = None
-            finally:
-                if self._shared is not None:
-                    self._shared.release()
-            with self._ready:
-                for index, name in enumerate(names):
-                    self._wanted.pop(name, None)
-                    if answers is not None:
-                        # a result the tier recorded meanwhile is newer than this probe
-                        self._known.setdefault(
-                            name, Lookup.MISS if answers[index] is None else Lookup.HIT)
+            if not self._query(names):
+                with self._lock:
+                    self._thread = None
+                    self._agent = None
+                    return
+
+    def _query(self, names: list[str]) -> bool:
+        """Ask for ``names``; False when stopped while waiting for the tier's lock."""
+        shared = self._shared
+        if shared is not None:
+            # wait for the tier's lock, but never past stop(): shutdown may hold it
+            while not shared.acquire(timeout=0.05):
+                if self._stopping:
+                    return False
+        try:
+            answers = self._agent.query_memory([(0, 1, 0, name) for name in names],
+                                               "OBJ", "OBJ")
+        except Exception:  # the store did not answer: leave the names to be asked again
+            self.errors += 1
+            answers = None
+        finally:
+            if shared is not None:
+                shared.release()
+        with self._lock:
+            for index, name in enumerate(names):
+                self._wanted.pop(name, None)
+                if answers is not None:
+                    # a result the tier recorded meanwhile is newer than this probe
+                    self._known.offer(
+                        name, Lookup.MISS if answers[index] is None else Lookup.HIT)
+        return True
 
 
 class ObjectStoreTier(SecondaryTier):
@@ -121,7 +173,10 @@ class ObjectStoreTier(SecondaryTier):
             real agent when built from ``store``, else ``agent`` itself, whose queries then
             hold the tier's lock (give real OBJ agents a probe agent of their own: a query of
             many keys takes a while, and would hold up submits and polls meanwhile).
-        probe_batch: at most this many keys per ``query_memory`` call.
+        probe_batch: at most this many keys per ``query_memory`` call. NIXL asks for a
+            batch's keys one after the other and, against a server that never answers, gives
+            each up after 30 s: a query in flight holds up the process's exit by up to
+            ``probe_batch`` x 30 s (shutdown does not wait for it past its deadline).
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls.
         machine: the lifecycle to run (see :class:`~kvfsm.tiers.base.SecondaryTier`).
         policy: retry bounds (:class:`~kvfsm.policy.RetryPolicy`).
@@ -135,7 +190,7 @@ class ObjectStoreTier(SecondaryTier):
         store: Any = None,
         key_prefix: str | None = None,
         probe_agent: Any = None,
-        probe_batch: int = 256,
+        probe_batch: int = 16,
         poll_interval: float = 0.0005,
         machine: Declaration[TransferState, Answer] | None = None,
         policy: RetryPolicy | None = None,
@@ -152,8 +207,12 @@ class ObjectStoreTier(SecondaryTier):
             agent, probe_agent = _agents_for(store, probe_agent)
         super().__init__(primary, agent=agent, remote=_Objects(self), poll_interval=poll_interval,
                          machine=machine, policy=policy)
+        if type(probe_batch) is not int or probe_batch < 1:
+            raise ValueError(f"probe_batch must be an int of at least 1, got {probe_batch!r}")
         self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,
                                probe_batch, None if probe_agent is not None else self._lock)
+        # a tier dropped without shutdown() stops its prober (never waiting for it)
+        weakref.finalize(self, self._prober.stop, 0.0)
 
     def object_key(self, key: bytes | str) -> str:
         """The object name block ``key`` is stored under: the prefix, then the key as text
@@ -179,7 +238,11 @@ class ObjectStoreTier(SecondaryTier):
         return Lookup.RETRY
 
     def _stop_probes(self) -> None:
-        self._prober.stop()
+        deadline = self._stop_by
+        if not self._prober.stop(None if deadline is None
+                                 else max(0.0, deadline - time.monotonic())):
+            logger.warning("shutdown: a lookup probe is still waiting for the object store; "
+                           "its agent is dropped when NIXL answers or gives up")
 
 
 def _agents_for(store: Any, probe_agent: Any) -> tuple[Any, Any]:

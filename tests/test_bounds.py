@@ -1,0 +1,250 @@
+"""What a tier keeps stays bounded, and its calls keep their bounds when the store stops answering.
+
+Each test here was written against a bug found by attacking kvfsm: a lookup cache holding one
+entry per key ever stored, a leak record copied whole by every ``stats()``, ids such as ``True``
+taken as job 1, and ``shutdown(timeout=2)`` waiting 30 s (or, with many keys, without end) for a
+lookup probe against an object store that had stopped answering.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import random
+import threading
+import weakref
+
+import pytest
+import torch
+
+from kvfsm import TransferJob
+from kvfsm.testing import FakeNixlAgent, Raise
+from kvfsm.tiers import InvalidJobError, Lookup, ObjectStoreTier, UnknownJobError
+
+from .conftest import NUM_BLOCKS
+
+
+def store(job_id: int, key: str, block: int = 0) -> TransferJob:
+    return TransferJob(job_id, [key], [block])
+
+
+def run_to_idle(tier: ObjectStoreTier) -> list[bool]:
+    outcomes = []
+    for _ in range(50):
+        outcomes += [r.success for r in tier.get_finished_jobs()]
+        if not tier.has_pending_work():
+            return outcomes
+    raise AssertionError(f"still pending: {tier.unpublished()}")
+
+
+# -- the lookup cache ----------------------------------------------------------------------------
+
+class SmallCacheTier(ObjectStoreTier):
+    known_names = 8
+
+
+def test_the_lookup_cache_keeps_the_most_recent_names_and_asks_again_for_the_others(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    tier = SmallCacheTier(primary, agent=agent)
+    for job in range(100):
+        tier.submit_store(store(job, f"key-{job}"))
+        assert run_to_idle(tier) == [True]
+    assert tier.stats()["lookup_cache"] == 8, "one entry per key ever stored, before the bound"
+
+    assert tier.lookup("key-99") is Lookup.HIT, "a recent store is known at once"
+    assert tier.lookup("key-0") is Lookup.RETRY, "a forgotten one is probed, never guessed"
+    for _ in range(1000):
+        if tier.lookup("key-0") is not Lookup.RETRY:
+            break
+        threading.Event().wait(0.001)
+    assert tier.lookup("key-0") is Lookup.HIT, "and the probe finds it in the store"
+    assert tier.stats()["lookup_cache"] == 8
+    tier.shutdown(timeout=5)
+
+
+def test_a_failed_load_is_remembered_as_a_miss_until_newer_names_push_it_out(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    tier = SmallCacheTier(primary, agent=agent)
+    tier.submit_store(store(1, "kept"))
+    assert run_to_idle(tier) == [True]
+    agent.inject("check_xfer_state", Raise())
+    tier.submit_load(TransferJob(2, ["kept"], [1], is_promotion=True))
+    assert run_to_idle(tier) == [False]
+    assert tier.lookup("kept") is Lookup.MISS, "F11 holds within the bound"
+    tier.shutdown(timeout=5)
+
+
+# -- the leak record and stats -------------------------------------------------------------------
+
+class SmallRecordTier(ObjectStoreTier):
+    leak_record = 4
+
+
+def test_every_leak_is_counted_and_the_last_few_are_listed(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    tier = SmallRecordTier(primary, agent=agent)
+    for job in range(10):
+        agent.inject("deregister_memory", Raise())
+        tier.submit_store(store(job, f"key-{job}"))
+        assert run_to_idle(tier) == [True], "a leak never costs the result"
+    stats = tier.stats()
+    assert stats["leaks"] == 10
+    assert [job for job, leak in stats["leaked"]] == [6, 7, 8, 9]
+    assert {leak.call for _, leak in stats["leaked"]} == {"deregister_memory"}
+    tier.shutdown(timeout=5)
+
+
+def test_the_counts_stats_keeps_as_transfers_move_match_a_recount_at_every_step(
+    primary: torch.Tensor,
+) -> None:
+    """stats() no longer walks the transfers: its per-state counts and retries are kept as
+    transfers move. Under random faults, cancels and releases that keep raising, they must
+    equal what walking the transfers gives after every call."""
+    rng = random.Random(13)
+    agent = FakeNixlAgent(name="recount")
+    tier = ObjectStoreTier(primary, agent=agent)
+    free = list(range(NUM_BLOCKS))
+    in_use: dict[int, int] = {}
+    published_retries: list[int] = []
+    tier.on_published.append(lambda transfer: published_retries.append(transfer.retries))
+    for job in range(400):
+        if free and rng.random() < 0.6:
+            fault = rng.choice(["none", "none", "check_xfer_state", "release_xfer_handle",
+                                "transfer", "deregister_memory"])
+            if fault != "none" and fault not in {call for call, _, _ in agent.pending_faults()}:
+                agent.inject(fault, Raise(), times=rng.choice([1, 2, 3]))
+            block = free.pop()
+            in_use[job] = block
+            tier.submit_store(store(job, f"key-{job}", block))
+        if in_use and rng.random() < 0.1:
+            victim = rng.choice(sorted(in_use))
+            if tier.state_of(victim) is not None:
+                tier.cancel(victim)
+        for result in tier.get_finished_jobs():
+            free.append(in_use.pop(result.job_id))
+        stats = tier.stats()
+        recount = collections.Counter(t.state.name for t in tier.unpublished())
+        assert stats["in_flight"] == dict(recount)
+        assert stats["retries"] == sum(published_retries) + sum(
+            t.retries for t in tier.unpublished())
+    agent.clear_faults()
+    tier.drain_jobs(timeout=5)
+    tier.get_finished_jobs()
+    stats = tier.stats()
+    assert stats["in_flight"] == {}
+    assert stats["retries"] == sum(published_retries) > 0, "the faults made releases retry"
+    tier.shutdown(timeout=5)
+    agent.close()
+
+
+# -- job ids -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [True, False, 1.0, 2.0, "1", [1], None, (1,)])
+def test_an_id_that_is_not_an_int_is_refused_by_name_and_changes_nothing(
+    tier: ObjectStoreTier, bad: object
+) -> None:
+    for job in (0, 1, 2):
+        tier.submit_store(store(job, f"key-{job}", job))
+    before = {job: tier.state_of(job) for job in (0, 1, 2)}
+    for call in (tier.cancel, tier.state_of, tier.transfer_of):
+        with pytest.raises(InvalidJobError, match="a job id is an int"):
+            call(bad)  # type: ignore[arg-type]
+    assert {job: tier.state_of(job) for job in (0, 1, 2)} == before
+    assert run_to_idle(tier) == [True, True, True], "no job was cancelled by a look-alike id"
+
+
+def test_cancelling_an_unknown_int_id_names_it(tier: ObjectStoreTier) -> None:
+    with pytest.raises(UnknownJobError, match="job 7 is not in flight"):
+        tier.cancel(7)
+
+
+# -- a lookup probe that does not come back ------------------------------------------------------
+
+class StalledStore(FakeNixlAgent):
+    """A probe agent whose store has stopped answering: query_memory waits until let go (or
+    ten seconds, so a tier that waits for it cannot hang the suite)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="stalled-probe")
+        self.go = threading.Event()
+        self.asked = threading.Event()
+        self.finished = threading.Event()
+
+    def query_memory(self, *args: object, **kwargs: object) -> list[dict[str, str] | None]:
+        self.asked.set()
+        self.go.wait(10)
+        answers = super().query_memory(*args, **kwargs)  # type: ignore[arg-type]
+        self.finished.set()
+        return answers
+
+
+def test_shutdown_returns_by_its_deadline_while_a_lookup_probe_waits_on_the_store(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    stalled = StalledStore()
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=stalled)
+    for index in range(40):
+        assert tier.lookup(f"key-{index}") is Lookup.RETRY
+    assert stalled.asked.wait(5)
+    tier.submit_store(store(1, "written-meanwhile"))
+    assert run_to_idle(tier) == [True], "submits and polls go on while a probe waits"
+
+    tier.shutdown(timeout=0.2)
+    assert tier.closed
+    assert not stalled.finished.is_set(), "shutdown waited for the probe past its deadline"
+    assert agent.live_registrations("DRAM") == 0, "the tier's own agent is released"
+
+    stalled.go.set()
+    assert stalled.finished.wait(5)
+    probe_threads = [t for t in threading.enumerate() if t.name == "kvfsm-object-probe"]
+    for thread in probe_threads:
+        thread.join(5)
+    assert stalled.call_count("query_memory") == 1, "the names not yet asked were dropped"
+    stalled.close()
+
+
+def test_a_tier_dropped_while_a_probe_waits_never_blocks_the_dropping_thread(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    stalled = StalledStore()
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=stalled)
+    for index in range(40):
+        tier.lookup(f"key-{index}")
+    assert stalled.asked.wait(5)
+    tier.shutdown(timeout=0)  # (so the fixture's agent ends clean); the prober still waits
+    gone = weakref.ref(tier)
+    del tier
+    gc.collect()
+    assert gone() is None
+    assert not stalled.finished.is_set(), "dropping the tier waited for the probe"
+    stalled.go.set()
+    assert stalled.finished.wait(5)
+    for thread in [t for t in threading.enumerate() if t.name == "kvfsm-object-probe"]:
+        thread.join(5)
+        assert not thread.is_alive()
+    assert stalled.call_count("query_memory") == 1
+    stalled.close()
+
+
+def test_the_probe_thread_runs_only_while_names_wait_and_is_not_a_daemon(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """An interpreter exiting under a daemon thread that is inside NIXL's query_memory aborts
+    (measured: 'terminate called without an active exception'); a non-daemon thread is waited
+    for instead, so it must not outlive the names it has to ask about."""
+    stalled = StalledStore()
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=stalled)
+    assert not [t for t in threading.enumerate() if t.name == "kvfsm-object-probe"]
+    tier.lookup("key-1")
+    assert stalled.asked.wait(5)
+    (thread,) = [t for t in threading.enumerate() if t.name == "kvfsm-object-probe"]
+    assert not thread.daemon
+    stalled.go.set()
+    thread.join(5)
+    assert not thread.is_alive(), "idle, the prober keeps no thread"
+    assert tier.lookup("key-1") is Lookup.MISS
+    tier.shutdown(timeout=5)
+    stalled.close()
