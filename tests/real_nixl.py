@@ -7,6 +7,7 @@ tests must never be silently skipped in CI.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -66,6 +67,16 @@ class S3Server:
                 time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"moto_server did not listen on {self.endpoint} within 30 s")
+
+    def freeze(self) -> None:
+        """Stop the server without closing its socket: connections are accepted (by the kernel)
+        and never answered, the way a hung store behaves."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
         if self.process is not None:
