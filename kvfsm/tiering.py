@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import operator
 import time
 from collections import OrderedDict
@@ -63,6 +64,7 @@ __all__ = [
     "OutOfBlocksError",
     "PrimaryTierError",
     "Submitted",
+    "TierInputRefusedError",
     "TierSubmitError",
     "TieringDrainTimeout",
     "TieringInputError",
@@ -100,7 +102,8 @@ class OutOfBlocksError(RuntimeError):
 
 
 class TieringInputError(ValueError):
-    """Bad input to the manager (an empty job, an unknown tier name); nothing changed."""
+    """Bad input to the manager (an empty job, an unknown tier name, a key a tier cannot name);
+    nothing changed."""
 
 
 class ManagerClosedError(RuntimeError):
@@ -158,6 +161,22 @@ class TierSubmitError(RuntimeError):
         lines = [f"tier {tier!r} refused job {job_id}: {type(error).__name__}: {error}"
                  for tier, job_id, error in self.refusals]
         super().__init__("\n".join(lines))
+
+
+class TierInputRefusedError(TierSubmitError, TieringInputError):
+    """Every tier the call submitted to refused its job as malformed (its submit raised a
+    ``ValueError``, such as :class:`~kvfsm.tiers.InvalidJobError`); the manager took back all
+    it did for the call.
+
+    The manager checks what it can before any change (keys against each tier's
+    ``remote_name``), so this is what a tier found beyond that, e.g. a job id it already has
+    from another user of the tier. Taken back are pins, a load's allocation and the job's
+    registration; what that allocation evicted stays evicted, which is why the checks come
+    first. It is a :class:`TierSubmitError` (the refusals, nothing
+    :attr:`~TierSubmitError.submitted`) and a ``ValueError`` naming each tier and its reason. A
+    store that another tier accepted raises a plain :class:`TierSubmitError` instead: that job
+    is in flight and cannot be taken back.
+    """
 
 
 class TieringDrainTimeout(TimeoutError):
@@ -241,7 +260,14 @@ class CPUPrimaryTier:
         return self._keys.get(self._block_id(block_id))
 
     def block_of(self, key: Key) -> int | None:
-        """The block holding ``key`` (being written, ready or pinned), or None."""
+        """The block holding ``key`` (being written, ready or pinned), or None.
+
+        Raises:
+            PrimaryTierError: ``key`` is not a non-empty str or bytes (so a typo such as a list
+                is not taken for a key nobody holds).
+        """
+        if not isinstance(key, str | bytes) or not key:
+            raise PrimaryTierError(f"a key must be a non-empty str or bytes, got {key!r}")
         return self._blocks.get(key)
 
     def is_ready(self, block_id: int) -> bool:
@@ -338,9 +364,14 @@ class CPUPrimaryTier:
         """End the writes of blocks: ready (most recently used) on success, else freed.
 
         Raises:
+            PrimaryTierError: ``success`` is not a bool (a truthy ``"False"`` would otherwise
+                make a failed write's block ready).
             UnknownBlockError: not a block of this cache.
             BlockStateError: a block that is not being written; or the same block twice.
         """
+        if not isinstance(success, bool):
+            raise PrimaryTierError(f"success must be a bool, got {type(success).__name__} "
+                                   f"{success!r}")
         blocks = self._check(block_ids, self._writing)
         for block in blocks:
             if success:
@@ -459,8 +490,14 @@ class OffloadTier(Protocol):
 
     :class:`kvfsm.tiers.ObjectStoreTier` and :class:`kvfsm.tiers.FileTier` have it; so may a
     user's own tier. Every call must return quickly. A submit either accepts the job, which
-    then has exactly one result from :meth:`get_finished_jobs`, or raises having taken nothing.
-    The manager drains a tier by stepping it, so ``drain_jobs`` is not needed here.
+    then has exactly one result from :meth:`get_finished_jobs`, or raises having taken nothing
+    (a ``ValueError`` when the job itself is malformed). The manager drains a tier by stepping
+    it, so ``drain_jobs`` is not needed here.
+
+    A tier may also have ``remote_name(key) -> str``, as kvfsm's tiers do: the name it stores a
+    block under, raising ``ValueError`` for a key it cannot name. The manager then checks every
+    job's keys with it before changing anything (a load's allocation may evict blocks, which
+    cannot be undone when the tier refuses the job afterwards).
     """
 
     def submit_store(self, job: TransferJob) -> None:
@@ -535,17 +572,23 @@ class TieringManager:
     job id and the tier, raised by :meth:`step` once everything else was finalized, and kept in
     :attr:`bookkeeping_errors`; it is never dropped silently.
 
-    When a tier's submit raises (the tier refused the job: bad input, or it is shut down), the
-    manager takes back what it did for that job (drops its pins, frees a load's blocks), forgets
-    its id, and raises :class:`TierSubmitError` naming the tier and job id; a store still
-    cascades to the other tiers first. Bad input to the manager itself (unknown or unready
-    blocks, keys already held) raises a ``ValueError`` before any tier sees the job.
+    Bad input to the manager (unknown or unready blocks, keys already held, a key a tier cannot
+    name or two keys it names alike, an unknown tier) raises a ``ValueError`` naming what was
+    wrong before anything changed: no block is evicted, allocated or pinned, no job id is used
+    and no tier sees a job. Only then are blocks allocated (evicting if need be) or pinned.
+
+    When a tier's submit raises all the same (the tier refused the job: it is shut down, or it
+    found the job malformed in a way the manager could not check), the manager takes back what
+    it did for that job (drops its pins, frees a load's blocks), forgets its id, and raises
+    :class:`TierSubmitError` naming the tier and job id; a store still cascades to the other
+    tiers first. When every tier refused with a ``ValueError`` and none took a job, that is a
+    :class:`TierInputRefusedError`, a ``ValueError`` too.
 
     Args:
         primary: the primary tier; every secondary tier must copy to and from ``primary.cache``.
         secondaries: the secondary tiers in order of preference for loads, as a sequence (named
             ``"ObjectStoreTier[0]"`` etc.) or a mapping of names to tiers.
-        poll_interval: seconds :meth:`drain` sleeps between steps.
+        poll_interval: seconds :meth:`drain` sleeps between steps (a number >= 0).
     """
 
     def __init__(
@@ -557,6 +600,8 @@ class TieringManager:
     ) -> None:
         if not isinstance(primary, CPUPrimaryTier):
             raise TypeError(f"primary must be a CPUPrimaryTier, got {type(primary).__name__}")
+        # checked now: time.sleep would refuse it only in drain, after a step had finalized jobs
+        _check_seconds("poll_interval", poll_interval)
         if isinstance(secondaries, Mapping):
             named = dict(secondaries)
         else:
@@ -607,14 +652,18 @@ class TieringManager:
 
         Raises:
             ManagerClosedError: after :meth:`shutdown`.
-            TieringInputError: no blocks.
+            TieringInputError: no blocks; a block whose key a tier cannot name, or two whose
+                keys it names alike; nothing was pinned or submitted.
             UnknownBlockError, BlockStateError: a block that is unknown, free or being written;
                 nothing was pinned or submitted.
+            TierInputRefusedError: every tier refused its job as malformed; nothing changed.
             TierSubmitError: a tier refused its job (see the class docstring).
         """
         self._check_open()
-        keys = self.primary.readable_keys(_block_list(block_ids))  # checks before any change
-        blocks = [operator.index(block) for block in block_ids]
+        listed = _block_list(block_ids)
+        keys = self.primary.readable_keys(listed)  # checks before any change
+        self._check_names(keys, self._tiers)  # every tier gets every key
+        blocks = [operator.index(block) for block in listed]
         submitted: list[int] = []
         refusals: list[tuple[str, int, BaseException]] = []
         for name, tier in self._tiers.items():
@@ -632,19 +681,33 @@ class TieringManager:
                 continue
             submitted.append(job.job_id)
         if refusals:
-            raise TierSubmitError(refusals, submitted) from refusals[0][2]
+            raise _refused(refusals, submitted) from refusals[0][2]
         return submitted
 
     def find(self, keys: Sequence[Key]) -> str | None:
-        """The first tier whose ``lookup`` answers HIT for every key, or None (yet)."""
-        for name, tier in self._tiers.items():
-            if all(tier.lookup(key) is Lookup.HIT for key in keys):
-                return name
-        return None
+        """The first tier whose ``lookup`` answers HIT for every key, or None (yet).
+
+        Raises:
+            TieringInputError: ``keys`` is not a non-empty list or tuple of non-empty str or
+                bytes (an empty one would be "found" in the first tier, a str looked up letter
+                by letter), or a tier cannot name a key; no tier was asked.
+        """
+        checked = _key_list(keys, "find")
+        self._check_names(checked, self._tiers, distinct=False)
+        return self._find(checked)
 
     def lookup(self, key: Key) -> Lookup:
         """Across the secondary tiers: HIT if one holds ``key``, RETRY if one does not know yet,
-        else MISS."""
+        else MISS.
+
+        Raises:
+            TieringInputError: ``key`` is not a non-empty str or bytes, or a tier cannot name
+                it; no tier was asked.
+        """
+        if not isinstance(key, str | bytes) or not key:
+            raise TieringInputError(f"lookup: a key must be a non-empty str or bytes, got "
+                                    f"{key!r}")
+        self._check_names((key,), self._tiers, distinct=False)
         answers = {tier.lookup(key) for tier in self._tiers.values()}
         for answer in (Lookup.HIT, Lookup.RETRY):
             if answer in answers:
@@ -655,7 +718,8 @@ class TieringManager:
         """Promote ``keys`` into newly allocated primary blocks, from one tier.
 
         Args:
-            keys: the blocks to load; none may be held by the primary tier.
+            keys: the blocks to load; none may be held by the primary tier, and the tier loaded
+                from (every tier, when ``tier`` is None) must name each one, no two alike.
             tier: the tier to load from; by default the first that answers HIT for every key.
 
         Returns:
@@ -664,9 +728,12 @@ class TieringManager:
 
         Raises:
             ManagerClosedError: after :meth:`shutdown`.
-            TieringInputError: no keys, or an unknown tier name.
+            TieringInputError: no keys, an unknown tier name, a key the tier cannot name or two
+                it names alike; nothing was evicted or allocated.
             PrimaryTierError: a malformed key, or one the primary tier already holds.
             OutOfBlocksError: not enough free or evictable blocks (nothing was evicted).
+            TierInputRefusedError: the tier refused the job as malformed all the same; its
+                blocks were freed (what their allocation evicted stays evicted).
             TierSubmitError: the tier refused the job; its blocks were freed.
         """
         self._check_open()
@@ -674,11 +741,15 @@ class TieringManager:
         if not checked:
             raise TieringInputError("a load needs at least one key")
         if tier is None:
-            tier = self.find(checked)
+            self._check_names(checked, self._tiers)  # before any lookup: each may raise
+            tier = self._find(checked)
             if tier is None:
                 return None
-        elif tier not in self._tiers:
+        elif not isinstance(tier, str) or tier not in self._tiers:
             raise TieringInputError(f"no tier named {tier!r}; tiers: {list(self._tiers)}")
+        else:
+            self._check_names(checked, (tier,))
+        # everything is checked: the allocation is the first change, and may evict
         blocks = self.primary.allocate(checked)
         job = TransferJob(next(self._ids), list(checked), blocks, is_promotion=True)
         self._jobs[job.job_id] = Submitted(job, tier)
@@ -689,7 +760,7 @@ class TieringManager:
             self.primary.complete_write(blocks, success=False)
             if not isinstance(error, Exception):
                 raise
-            raise TierSubmitError([(tier, job.job_id, error)], []) from error
+            raise _refused([(tier, job.job_id, error)], []) from error
         return job.job_id
 
     # -- results ---------------------------------------------------------------------------------
@@ -738,10 +809,14 @@ class TieringManager:
             every job finalized meanwhile.
 
         Raises:
+            TieringInputError: ``timeout`` is neither None nor a number >= 0 (NaN would never
+                pass); nothing was stepped.
             TieringDrainTimeout: ``timeout`` seconds passed with jobs outstanding; they stay
                 outstanding and later steps go on with them.
             BookkeepingError: as :meth:`step` (its ``finalized`` covers the whole drain).
         """
+        if timeout is not None:
+            _check_seconds("timeout", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         done: list[Finalized] = []
         while True:
@@ -763,11 +838,14 @@ class TieringManager:
             the jobs finalized while draining.
 
         Raises:
+            TieringInputError: ``timeout`` as :meth:`drain`; nothing was drained or shut down.
             TieringDrainTimeout: jobs were still outstanding at the deadline; no tier was shut
                 down and the manager stays open, so shutdown can be called again.
             Exception: the first error a tier's shutdown raised, after every other tier was
                 shut down; the manager stays open (tiers' shutdowns are idempotent).
         """
+        if timeout is not None:
+            _check_seconds("timeout", timeout)
         if self._closed:
             return []
         done = self.drain(timeout)
@@ -797,19 +875,58 @@ class TieringManager:
         if self._closed:
             raise ManagerClosedError("the TieringManager is shut down")
 
+    def _find(self, keys: Sequence[Key]) -> str | None:
+        for name, tier in self._tiers.items():
+            if all(tier.lookup(key) is Lookup.HIT for key in keys):
+                return name
+        return None
+
+    def _check_names(self, keys: Sequence[Key], tiers: Iterable[str], *,
+                     distinct: bool = True) -> None:
+        """Each tier that names its blocks (``remote_name``) can name every key, and (with
+        ``distinct``) names no two alike, or a TieringInputError naming tier and keys.
+
+        The primary tells keys apart by value, a tier by name: ``"6b"`` and ``b"k"`` are two
+        keys but one object (bytes are named in hex), so such a job would be refused by the
+        tier only after the manager had evicted, allocated or pinned for it.
+        """
+        for tier_name in tiers:
+            remote_name = getattr(self._tiers[tier_name], "remote_name", None)
+            if not callable(remote_name):
+                continue
+            seen: dict[str, int] = {}
+            for index, key in enumerate(keys):
+                try:
+                    name = remote_name(key)
+                except ValueError as error:
+                    raise TieringInputError(f"tier {tier_name!r} cannot name keys[{index}] = "
+                                            f"{key!r}: {error}") from None
+                first = seen.setdefault(name, index) if distinct else index
+                if first != index:
+                    raise TieringInputError(
+                        f"keys[{first}] = {keys[first]!r} and keys[{index}] = {key!r} name "
+                        f"the same block {name!r} in tier {tier_name!r}")
+
     def _finalize(self, name: str, result: JobResult,
                   finalized: list[Finalized]) -> BookkeepingIssue | None:
-        job_id = getattr(result, "job_id", None)
-        submitted = self._jobs.get(job_id) if isinstance(job_id, int) else None
+        raw_id = getattr(result, "job_id", None)
+        # True == 1 and hashes alike: a bool must not finalize job 1
+        job_id = raw_id if isinstance(raw_id, int) and not isinstance(raw_id, bool) else None
+        submitted = None if job_id is None else self._jobs.get(job_id)
         if submitted is None:
-            return BookkeepingIssue(job_id if isinstance(job_id, int) else None, name,
+            return BookkeepingIssue(job_id, name,
                                     f"result {result!r} is for no outstanding job (never "
                                     "submitted, or already finalized)")
         if submitted.tier != name:
             return BookkeepingIssue(job_id, name, f"the job was submitted to tier "
                                                   f"{submitted.tier!r}")
         del self._jobs[submitted.job_id]
-        job, success = submitted.job, bool(result.success)
+        job, success = submitted.job, getattr(result, "success", None)
+        issue = None
+        if not isinstance(success, bool):  # the tier did finish the job: finalize it, as failed
+            issue = BookkeepingIssue(job_id, name, f"result {result!r} has success={success!r}, "
+                                                   "not a bool; finalized as failed")
+            success = False
         try:
             if job.is_promotion:
                 self.primary.complete_write(job.block_ids, success)
@@ -820,7 +937,7 @@ class TieringManager:
         kind = "loads" if job.is_promotion else "stores"
         self._counts[f"{kind}_{'ok' if success else 'failed'}"] += 1
         finalized.append(Finalized(job, name, success))
-        return None
+        return issue
 
 
 def _block_list(block_ids: Sequence[int]) -> list[int]:
@@ -830,6 +947,37 @@ def _block_list(block_ids: Sequence[int]) -> list[int]:
     if not block_ids:
         raise TieringInputError("a store needs at least one block")
     return list(block_ids)
+
+
+def _key_list(keys: Sequence[Key], call: str) -> tuple[Key, ...]:
+    """``keys`` as a tuple, or a TieringInputError: a non-empty list or tuple of non-empty str or
+    bytes."""
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise TieringInputError(f"{call}: keys must be a list or tuple, got "
+                                f"{type(keys).__name__} {keys!r}")
+    checked = tuple(keys)
+    if not checked:
+        raise TieringInputError(f"{call} needs at least one key")
+    for index, key in enumerate(checked):
+        if not isinstance(key, str | bytes) or not key:
+            raise TieringInputError(f"{call}: keys[{index}] must be a non-empty str or bytes, "
+                                    f"got {key!r}")
+    return checked
+
+
+def _check_seconds(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) \
+            or value < 0:
+        raise TieringInputError(f"{what} must be a number of seconds >= 0, got {value!r}")
+
+
+def _refused(refusals: Sequence[tuple[str, int, BaseException]],
+             submitted: Sequence[int]) -> TierSubmitError:
+    """The error for tiers' refusals: a ValueError too when each refused the job as malformed
+    and none took one, so the call changed nothing."""
+    if not submitted and all(isinstance(error, ValueError) for _, _, error in refusals):
+        return TierInputRefusedError(refusals, submitted)
+    return TierSubmitError(refusals, submitted)
 
 
 def _check_same_cache(name: str, tier: object, cache: torch.Tensor) -> None:

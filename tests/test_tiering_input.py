@@ -1,0 +1,459 @@
+"""Bad input to the tiering manager and its primary tier changes nothing (issue 13).
+
+Each call given bad input raises a ``ValueError`` naming what was wrong, before any block is
+evicted, allocated or pinned, before a job id is used and before a tier sees a job. The stories
+run on an object-store tier and a file tier, both on fake NIXL agents (the fake has no FILE
+backend, so the file tier's transfers fail; no story here needs one to succeed), and on a
+user's own tier for what only a user's tier can report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfsm import JobResult, TransferJob
+from kvfsm.testing import FakeNixlAgent
+from kvfsm.tiering import (
+    BookkeepingError,
+    CPUPrimaryTier,
+    PrimaryTierError,
+    TieringInputError,
+    TieringManager,
+    TierInputRefusedError,
+    TierSubmitError,
+)
+from kvfsm.tiers import FileTier, InvalidJobError, Lookup, ObjectStoreTier
+
+BLOCK_BYTES = 256
+#: a key and a bytes key with the same text: two keys to the primary, one block to a tier
+ALIKE = ("6b", b"k")
+#: a str no file name can hold (a lone surrogate has no UTF-8), which an object store takes
+UNNAMEABLE = "\ud800"
+
+
+class DictTier:
+    """A user's own tier: blocks kept in a dict, copied at submit, results on the next poll
+    from ``pending`` (which a test may change). It has no ``remote_name``."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        self.cache = cache
+        self.blocks: dict[bytes | str, torch.Tensor] = {}
+        self.pending: list[JobResult] = []
+
+    def submit_store(self, job: TransferJob) -> None:
+        for key, block_id in zip(job.keys, job.block_ids, strict=True):
+            self.blocks[key] = self.cache[block_id].clone()
+        self.pending.append(JobResult(job.job_id, True))
+
+    def submit_load(self, job: TransferJob) -> None:
+        for key, block_id in zip(job.keys, job.block_ids, strict=True):
+            self.cache[block_id] = self.blocks[key]
+        self.pending.append(JobResult(job.job_id, True))
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        results, self.pending = self.pending, []
+        return results
+
+    def has_pending_work(self) -> bool:
+        return bool(self.pending)
+
+    def lookup(self, key: bytes | str) -> Lookup:
+        return Lookup.HIT if key in self.blocks else Lookup.MISS
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass
+class Stack:
+    """A full primary tier, and a manager over an object-store tier and a file tier."""
+
+    primary: CPUPrimaryTier
+    manager: TieringManager
+    tiers: dict[str, ObjectStoreTier | FileTier]
+    agents: dict[str, FakeNixlAgent]
+    root: Path
+
+    def snapshot(self) -> tuple[object, ...]:
+        """Everything observable: the primary's books, the manager's jobs, what NIXL saw."""
+        primary, blocks = self.primary, range(self.primary.num_blocks)
+        return (tuple(primary.pin_count(b) for b in blocks),
+                tuple(primary.key_of(b) for b in blocks), tuple(primary.evictable()),
+                primary.stats(), self.manager.outstanding(), self.manager.stats(),
+                self.manager.has_pending_work(), self.manager.closed,
+                {name: list(agent.calls) for name, agent in self.agents.items()},
+                {name: tier.unpublished() for name, tier in self.tiers.items()},
+                sorted(path.name for path in self.root.iterdir()))
+
+    def close(self) -> None:
+        self.manager.shutdown(timeout=5)
+        for agent in self.agents.values():
+            assert agent.misuses == [], agent.misuses
+            assert agent.live_xfer_handles() == 0
+            agent.close()
+        assert self.primary.stats()["pinned"] == 0
+
+
+def ready(primary: CPUPrimaryTier, *keys: str | bytes) -> list[int]:
+    blocks = primary.allocate(list(keys))
+    primary.complete_write(blocks, success=True)
+    return blocks
+
+
+def fill(primary: CPUPrimaryTier) -> None:
+    """Make every free block ready with a key of its own: a load then has to evict."""
+    ready(primary, *(f"filler{i}" for i in range(primary.free_blocks)))
+    assert primary.free_blocks == 0
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    """Seven blocks: "a", the two ALIKE keys and UNNAMEABLE ready (evictable), "w" being
+    written, "p" pinned by the engine, and one free."""
+    primary = CPUPrimaryTier(7, BLOCK_BYTES, torch.uint8)
+    agents = {name: FakeNixlAgent(f"{name}-agent") for name in ("objects", "files")}
+    probe = FakeNixlAgent("objects-probe", objects=agents["objects"].objects)
+    tiers: dict[str, ObjectStoreTier | FileTier] = {
+        "objects": ObjectStoreTier(primary.cache, agent=agents["objects"], probe_agent=probe),
+        "files": FileTier(primary.cache, tmp_path / "blocks", agent=agents["files"]),
+    }
+    ready(primary, "a", *ALIKE, UNNAMEABLE)
+    (writing,) = primary.allocate(["w"])
+    (pinned,) = ready(primary, "p")
+    primary.pin([pinned])
+    assert primary.free_blocks == 1
+    made = Stack(primary, TieringManager(primary, tiers), tiers, agents, tmp_path / "blocks")
+    yield made
+    primary.complete_read([pinned])
+    primary.complete_write([writing], success=False)
+    made.close()
+    probe.close()
+
+
+def block(stack: Stack, key: str | bytes) -> int:
+    found = stack.primary.block_of(key)
+    assert found is not None
+    return found
+
+
+# -- loads and stores a tier would refuse: refused before anything changes ------------------------
+
+@pytest.mark.parametrize(("keys", "tier", "message"), [
+    # the fuzzer's find: the tier saw one block twice, after two ready blocks were evicted
+    (list(ALIKE), "objects",
+     r"keys\[0\] = '6b' and keys\[1\] = b'k' name the same block '6b' in tier 'objects'"),
+    (["x", *ALIKE], "files",
+     r"keys\[1\] = '6b' and keys\[2\] = b'k' name the same block '6b' in tier 'files'"),
+    (list(ALIKE), None, "name the same block '6b' in tier 'objects'"),
+    ([UNNAMEABLE], "files",
+     r"tier 'files' cannot name keys\[0\] = '\\ud800': 'utf-8' codec can't encode"),
+    (["x", UNNAMEABLE], None, r"tier 'files' cannot name keys\[1\] = '\\ud800'"),
+], ids=["alike from objects", "alike from files", "alike from any", "unnameable from files",
+        "unnameable from any"])
+def test_a_load_a_tier_would_refuse_evicts_nothing_and_names_tier_and_keys(
+    stack: Stack, keys: list[str | bytes], tier: str | None, message: str
+) -> None:
+    stack.primary.free([block(stack, key) for key in (*ALIKE, UNNAMEABLE)])  # the keys are new
+    fill(stack.primary)
+    before = stack.snapshot()
+    with pytest.raises(TieringInputError, match=message):
+        stack.manager.load(keys, tier=tier)
+    assert stack.snapshot() == before
+    assert stack.primary.stats()["evictions"] == 0
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    (list(ALIKE), r"keys\[0\] = '6b' and keys\[1\] = b'k' name the same block '6b' in tier "
+                  "'objects'"),
+    # the object store takes this key, the file tier does not: nothing may reach either
+    ([UNNAMEABLE], r"tier 'files' cannot name keys\[0\] = '\\ud800'"),
+], ids=["alike", "unnameable by files"])
+def test_a_store_a_tier_would_refuse_pins_nothing_and_uses_no_job_id(
+    stack: Stack, keys: list[str | bytes], message: str
+) -> None:
+    before = stack.snapshot()
+    with pytest.raises(TieringInputError, match=message):
+        stack.manager.store([block(stack, key) for key in keys])
+    assert stack.snapshot() == before
+    assert stack.agents["objects"].call_count("transfer") == 0
+    assert stack.manager.store([block(stack, "a")]) == [1, 2], "job ids 1 and 2 are unused"
+
+
+# -- a tier refusing a job as malformed all the same ----------------------------------------------
+
+def test_a_load_the_tier_refuses_as_malformed_frees_its_block_and_is_a_value_error(
+    stack: Stack,
+) -> None:
+    """What the manager cannot check: its job id is one a user already gave the tier."""
+    primary, objects = stack.primary, stack.tiers["objects"]
+    objects.submit_store(TransferJob(1, ["theirs"], [block(stack, "p")]))
+    before = stack.snapshot()
+
+    with pytest.raises(TierInputRefusedError, match=r"tier 'objects' refused job 1: "
+                                                    "InvalidJobError: job 1 is already in "
+                                                    "flight") as raised:
+        stack.manager.load(["x"], tier="objects")
+    assert isinstance(raised.value, ValueError)
+    assert isinstance(raised.value, TierSubmitError)
+    assert isinstance(raised.value.__cause__, InvalidJobError)
+    assert raised.value.submitted == ()
+    assert stack.snapshot() == before, "the block is free again, no job is outstanding"
+    assert primary.block_of("x") is None
+
+    objects.drain_jobs(timeout=5)  # the user's job, collected by the user
+    assert [r.job_id for r in objects.get_finished_jobs()] == [1]
+    assert not stack.manager.has_pending_work()
+
+
+def test_a_store_every_tier_refuses_as_malformed_drops_its_pins_and_is_a_value_error(
+    tmp_path: Path,
+) -> None:
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    agents = [FakeNixlAgent(f"agent-{i}") for i in range(2)]
+    tiers = {name: ObjectStoreTier(primary.cache, agent=agent)
+             for name, agent in zip(("first", "second"), agents, strict=True)}
+    manager = TieringManager(primary, tiers)
+    mine, theirs = ready(primary, "k0", "theirs")
+    tiers["first"].submit_store(TransferJob(1, ["theirs"], [theirs]))  # the ids the manager
+    tiers["second"].submit_store(TransferJob(2, ["theirs"], [theirs]))  # gives its two jobs
+
+    with pytest.raises(TierInputRefusedError, match=r"(?s)tier 'first' refused job 1: "
+                                                    r"InvalidJobError.*tier 'second' refused "
+                                                    "job 2: InvalidJobError") as raised:
+        manager.store([mine])
+    assert isinstance(raised.value, ValueError)
+    assert raised.value.submitted == ()
+    assert primary.pin_count(mine) == 0
+    assert manager.outstanding() == []
+
+    for tier in tiers.values():  # the user's jobs, collected by the user
+        tier.drain_jobs(timeout=5)
+        assert len(tier.get_finished_jobs()) == 1
+
+    # one tier taking its job is a change no error can take back: a plain TierSubmitError
+    tiers["second"].submit_store(TransferJob(4, ["theirs"], [theirs]))
+    with pytest.raises(TierSubmitError, match="tier 'second' refused job 4") as partial:
+        manager.store([mine])
+    assert not isinstance(partial.value, ValueError)
+    assert partial.value.submitted == (3,)
+    assert primary.pin_count(mine) == 1, "only the first tier's pin"
+    tiers["second"].drain_jobs(timeout=5)
+    assert len(tiers["second"].get_finished_jobs()) == 1
+    assert [(done.job_id, done.success) for done in manager.drain(timeout=5)] == [(3, True)]
+    assert primary.pin_count(mine) == 0
+    manager.shutdown(timeout=5)
+    for agent in agents:
+        assert agent.misuses == []
+        agent.close()
+
+
+# -- the other calls ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda m: m.find([]), "find needs at least one key"),  # was "found" in the first tier
+    (lambda m: m.find("ab"), "find: keys must be a list or tuple, got str 'ab'"),
+    (lambda m: m.find(["x", 7]), r"find: keys\[1\] must be a non-empty str or bytes, got 7"),
+    (lambda m: m.find([UNNAMEABLE]), r"tier 'files' cannot name keys\[0\]"),
+    (lambda m: m.lookup(3), "lookup: a key must be a non-empty str or bytes, got 3"),
+    (lambda m: m.lookup([1]), r"lookup: a key must be a non-empty str or bytes, got \[1\]"),
+    (lambda m: m.lookup(b""), "lookup: a key must be a non-empty str or bytes, got b''"),
+    (lambda m: m.lookup(UNNAMEABLE), r"tier 'files' cannot name keys\[0\] = '\\ud800'"),
+    (lambda m: m.load(["x"], tier=["objects"]), r"no tier named \['objects'\]"),
+    (lambda m: m.drain(timeout="soon"), "timeout must be a number of seconds >= 0, got 'soon'"),
+    (lambda m: m.drain(timeout=math.nan), "got nan"),  # would never time out
+    (lambda m: m.drain(timeout=-1), "got -1"),
+    (lambda m: m.drain(timeout=True), "got True"),
+    (lambda m: m.shutdown(timeout="soon"), "got 'soon'"),
+])
+def test_bad_input_to_any_manager_call_is_a_tiering_input_error_and_changes_nothing(
+    stack: Stack, call: Callable[[TieringManager], object], message: str
+) -> None:
+    before = stack.snapshot()
+    with pytest.raises(TieringInputError, match=message):
+        call(stack.manager)
+    assert stack.snapshot() == before
+
+
+@pytest.mark.parametrize("poll_interval", [-0.001, math.nan, "fast", True, None])
+def test_a_manager_takes_only_a_poll_interval_time_sleep_takes(
+    poll_interval: Any, tmp_path: Path
+) -> None:
+    """Else drain would raise from ``time.sleep`` after a step, losing the jobs it finalized."""
+    primary = CPUPrimaryTier(2, BLOCK_BYTES, torch.uint8)
+    with pytest.raises(TieringInputError, match="poll_interval must be a number of seconds"):
+        TieringManager(primary, [DictTier(primary.cache)], poll_interval=poll_interval)
+
+
+# -- what a tier reports --------------------------------------------------------------------------
+
+def test_a_result_whose_job_id_is_true_finalizes_no_job() -> None:
+    """``True == 1`` and hashes alike: a dict lookup would take it for job 1."""
+    primary = CPUPrimaryTier(2, BLOCK_BYTES, torch.uint8)
+    tier = DictTier(primary.cache)
+    manager = TieringManager(primary, {"mine": tier})
+    (stored,) = ready(primary, "k0")
+    assert manager.store([stored]) == [1]
+    tier.pending = [JobResult(True, True)]  # type: ignore[arg-type]
+
+    with pytest.raises(BookkeepingError, match="job_id=True") as raised:
+        manager.step()
+    assert raised.value.finalized == ()
+    assert [job.job_id for job in manager.outstanding()] == [1]
+    assert primary.pin_count(stored) == 1, "job 1 still reads its block"
+
+    tier.pending = [JobResult(1, True)]
+    assert [done.job_id for done in manager.step()] == [1]
+    assert primary.pin_count(stored) == 0
+
+
+@pytest.mark.parametrize("result", [SimpleNamespace(job_id=1), JobResult(1, "False")],
+                         ids=["no success", "success 'False'"])
+def test_a_result_without_a_bool_success_finalizes_its_job_as_failed(result: object) -> None:
+    """A missing ``success`` raised from step with the job already forgotten (its block loaded
+    for ever); a truthy ``"False"`` published a failed load's block as ready."""
+    primary = CPUPrimaryTier(2, BLOCK_BYTES, torch.uint8)
+    tier = DictTier(primary.cache)
+    tier.blocks["k0"] = torch.zeros(BLOCK_BYTES, dtype=torch.uint8)
+    manager = TieringManager(primary, {"mine": tier})
+    assert manager.load(["k0"]) == 1
+    (loading,) = [job.job.block_ids[0] for job in manager.outstanding()]
+    tier.pending = [result]  # type: ignore[list-item]
+
+    with pytest.raises(BookkeepingError, match=r"job 1 from tier 'mine': .* not a bool; "
+                                               "finalized as failed") as raised:
+        manager.step()
+    assert [(done.job_id, done.success) for done in raised.value.finalized] == [(1, False)]
+    assert manager.outstanding() == []
+    assert primary.key_of(loading) is None, "the failed load's block is free"
+    assert manager.stats()["loads_failed"] == 1
+    assert not manager.has_pending_work()
+
+
+# -- the primary tier -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("operation", "message"), [
+    (lambda p, b: p.complete_write([b], "False"), "success must be a bool, got str 'False'"),
+    (lambda p, b: p.complete_write([b], None), "success must be a bool, got NoneType None"),
+    (lambda p, b: p.block_of([1]), r"a key must be a non-empty str or bytes, got \[1\]"),
+    (lambda p, b: p.block_of(""), "a key must be a non-empty str or bytes, got ''"),
+])
+def test_bad_input_to_the_primary_is_a_primary_tier_error_and_changes_nothing(
+    operation: Callable[[CPUPrimaryTier, int], object], message: str
+) -> None:
+    primary = CPUPrimaryTier(2, BLOCK_BYTES, torch.uint8)
+    (writing,) = primary.allocate(["w"])
+    before = primary.stats(), primary.pin_count(writing), primary.key_of(writing)
+    with pytest.raises(PrimaryTierError, match=message):
+        operation(primary, writing)
+    assert (primary.stats(), primary.pin_count(writing), primary.key_of(writing)) == before
+
+
+# -- any bad input, at random ---------------------------------------------------------------------
+
+#: keys no primary block holds, each good alone
+FRESH = ("x0", "x1", b"x2", "x3")
+
+
+@st.composite
+def bad_loads(draw: st.DrawFn) -> tuple[object, object]:
+    """``(keys, tier)`` of a load with at least one thing wrong."""
+    keys: list[object] = list(draw(st.lists(st.sampled_from(FRESH), unique=True, max_size=3)))
+    tier: object = draw(st.sampled_from([None, "objects", "files"]))
+    wrong = draw(st.sampled_from(["held", "malformed", "alike", "unnameable", "repeated",
+                                  "tier", "not a list", "empty"]))
+    if wrong == "not a list":
+        return draw(st.sampled_from(["x0", b"x0", 3, None, {"x0"}])), tier
+    if wrong == "empty":
+        return draw(st.sampled_from([[], ()])), tier
+    if wrong == "tier":
+        return keys or ["x0"], draw(st.sampled_from(["nope", ["objects"], 3, b"objects", ""]))
+    if wrong == "held":
+        poison = [draw(st.sampled_from(["a", "w", "p", *ALIKE, UNNAMEABLE]))]
+    elif wrong == "malformed":
+        poison = [draw(st.sampled_from(["", b"", 7, None, 1.5, True, ["x"]]))]
+    elif wrong == "alike":
+        poison = list(draw(st.permutations([b"y".hex(), b"y"])))
+    elif wrong == "unnameable":
+        poison, tier = [UNNAMEABLE + "x"], draw(st.sampled_from([None, "files"]))
+    elif keys:  # repeated: one of them again
+        poison = [draw(st.sampled_from(keys))]
+    else:
+        poison = ["x0", "x0"]
+    at = draw(st.integers(0, len(keys)))
+    return keys[:at] + poison + keys[at:], tier
+
+
+@st.composite
+def bad_stores(draw: st.DrawFn) -> object:
+    """Block ids for a store with at least one thing wrong (by key, resolved in the test)."""
+    good = list(draw(st.lists(st.sampled_from(["a", "p"]), unique=True, max_size=2)))
+    wrong = draw(st.sampled_from(["id", "state", "repeated", "alike", "unnameable",
+                                  "not a list"]))
+    if wrong == "not a list":
+        return draw(st.sampled_from([0, "0", None, b"\x00", iter([0])]))
+    if wrong == "id":
+        poison: list[object] = [draw(st.sampled_from([6, -1, 99, True, 1.0, "0", None]))]
+    elif wrong == "state":
+        poison = [draw(st.sampled_from([("key", "w"), "free"]))]  # being written; free
+    elif wrong == "repeated":
+        poison = [("key", draw(st.sampled_from(["a", "p", *ALIKE])))] * 2
+    elif wrong == "alike":
+        poison = [("key", key) for key in draw(st.permutations(list(ALIKE)))]
+    else:
+        poison = [("key", UNNAMEABLE)]
+    ids: list[object] = [("key", key) for key in good]
+    at = draw(st.integers(0, len(ids)))
+    return ids[:at] + poison + ids[at:]
+
+
+def test_random_bad_input_changes_nothing_and_is_a_value_error(stack: Stack) -> None:
+    """A load of one key would take the free block, of more keys evict too; a store would pin."""
+    manager = stack.manager
+    (free,) = [b for b in range(stack.primary.num_blocks) if stack.primary.key_of(b) is None]
+    before = stack.snapshot()
+
+    def resolve(ids: object) -> object:
+        """The block ids of a drawn store: ``("key", k)`` is the block holding ``k``."""
+        if not isinstance(ids, list):
+            return ids
+        return [block(stack, item[1]) if isinstance(item, tuple)
+                else free if item == "free" else item for item in ids]
+
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(st.one_of(
+        bad_loads().map(lambda kt: ("load", kt)),
+        bad_stores().map(lambda ids: ("store", ids)),
+        st.sampled_from([[], "ab", [None], [UNNAMEABLE]]).map(lambda keys: ("find", keys)),
+        st.sampled_from([3, None, "", b"", [1], UNNAMEABLE]).map(lambda key: ("lookup", key)),
+        st.sampled_from([-1, math.nan, "1", True]).map(lambda t: ("drain", t)),
+    ))
+    def bad_call(request: tuple[str, Any]) -> None:
+        call, argument = request
+        with pytest.raises(ValueError) as raised:
+            if call == "load":
+                manager.load(argument[0], tier=argument[1])
+            elif call == "store":
+                manager.store(resolve(argument))  # type: ignore[arg-type]
+            elif call == "find":
+                manager.find(argument)
+            elif call == "lookup":
+                manager.lookup(argument)
+            else:
+                manager.drain(timeout=argument)
+        assert isinstance(raised.value, TieringInputError | PrimaryTierError), raised.value
+        assert not isinstance(raised.value, TierSubmitError), "no tier saw a job"
+        assert stack.snapshot() == before, (request, raised.value)
+
+    bad_call()
+    assert stack.primary.stats()["evictions"] == 0
+    assert manager.store([block(stack, "a")]) == [1, 2], "no job id was used"
