@@ -19,7 +19,7 @@ import torch
 
 from kvfsm import TransferJob
 from kvfsm.testing import FakeNixlAgent, Raise
-from kvfsm.tiers import InvalidJobError, Lookup, ObjectStoreTier, UnknownJobError
+from kvfsm.tiers import DrainTimeout, InvalidJobError, Lookup, ObjectStoreTier, UnknownJobError
 
 from .conftest import NUM_BLOCKS
 
@@ -248,3 +248,30 @@ def test_the_probe_thread_runs_only_while_names_wait_and_is_not_a_daemon(
     assert tier.lookup("key-1") is Lookup.MISS
     tier.shutdown(timeout=5)
     stalled.close()
+
+
+def test_drain_keeps_its_deadline_while_another_thread_holds_the_tier(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """A poll on another thread that takes long (here a listener that blocks while a result
+    is published) must not hold drain_jobs past its deadline."""
+    tier = ObjectStoreTier(primary, agent=agent)
+    inside, let_go = threading.Event(), threading.Event()
+
+    def slow_listener(transfer: object) -> None:
+        inside.set()
+        let_go.wait(10)
+
+    tier.on_published.append(slow_listener)
+    tier.submit_store(store(1, "first"))
+    tier.submit_store(store(2, "second", 1))
+    poller = threading.Thread(target=tier.get_finished_jobs)
+    poller.start()
+    assert inside.wait(5)
+    with pytest.raises(DrainTimeout, match="drain_jobs"):
+        tier.drain_jobs(timeout=0.1)
+    assert not let_go.is_set() and poller.is_alive(), "drain waited for the other thread"
+    let_go.set()
+    poller.join(5)
+    tier.drain_jobs(timeout=5)
+    tier.shutdown(timeout=5)

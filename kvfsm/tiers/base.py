@@ -233,18 +233,30 @@ class SecondaryTier:
     def drain_jobs(self, timeout: float | None = None) -> None:
         """Block until every transfer is published; results surface in get_finished_jobs.
 
+        Returns or raises by the deadline, or at most one poll after it (a poll under way at
+        the deadline is finished, never cut short); waiting for another thread's call to let
+        go of the tier counts against the deadline.
+
         Raises:
             DrainTimeout: ``timeout`` seconds passed with transfers still unpublished; they
                 stay in the table, untouched, and a later poll goes on with them.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        lock = self._lock
         while True:
-            with self._lock:  # released while sleeping, so other threads can submit
+            # the lock is released while sleeping, so other threads can submit; waiting for it
+            # (behind another thread's poll) never runs past the deadline
+            if not lock.acquire(timeout=-1 if deadline is None
+                                else max(0.0, deadline - time.monotonic())):
+                raise DrainTimeout("drain_jobs", self.unpublished())
+            try:
                 self._poll()
                 if not self._transfers:
                     return
                 if deadline is not None and time.monotonic() >= deadline:
                     raise DrainTimeout("drain_jobs", self.unpublished())
+            finally:
+                lock.release()
             time.sleep(self.poll_interval)
 
     def has_pending_work(self) -> bool:
