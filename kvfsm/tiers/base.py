@@ -82,7 +82,9 @@ class KnownNames:
     Each verdict recorded makes its name the most recent; once more than ``limit`` are known,
     the oldest are forgotten, so the cache stays bounded however many keys a tier ever
     stored. A forgotten name is only asked about again (a probe), never answered wrongly. A
-    probe's answer never replaces a verdict recorded meanwhile (:meth:`offer`).
+    probe's answer never replaces a verdict recorded meanwhile (:meth:`offer`), and a MISS a
+    probe found may be given an age past which it is asked again: another process sharing
+    the store may write the block meanwhile.
 
     One thread records (under the tier's lock) while a probe thread may offer: each call is
     made of single dictionary operations, which CPython performs whole.
@@ -94,11 +96,19 @@ class KnownNames:
         if type(limit) is not int or limit < 1:
             raise ValueError(f"the lookup cache needs a limit of at least 1, got {limit!r}")
         self.limit = limit
-        self._names: dict[str, Lookup] = {}
+        #: a verdict, or (for a probed MISS with an age) the monotonic time it expires
+        self._names: dict[str, Lookup | float] = {}
 
     def get(self, name: str) -> Lookup | None:
         """The verdict on ``name``, or None when it is not known (any more)."""
-        return self._names.get(name)
+        verdict = self._names.get(name)
+        if type(verdict) is not float:
+            return verdict  # type: ignore[return-value]
+        if time.monotonic() < verdict:
+            return Lookup.MISS
+        if self._names.get(name) == verdict:  # expired: ask again (unless recorded meanwhile)
+            self._names.pop(name, None)
+        return None
 
     def record(self, names: Sequence[str], verdict: Lookup) -> None:
         """A transfer's outcome: ``verdict`` on each of ``names``, now the most recent."""
@@ -109,9 +119,11 @@ class KnownNames:
         if len(known) > self.limit:
             self._forget_oldest()
 
-    def offer(self, name: str, verdict: Lookup) -> None:
-        """A probe's answer: kept unless a verdict on ``name`` is known already."""
-        self._names.setdefault(name, verdict)
+    def offer(self, name: str, verdict: Lookup, miss_for: float | None = None) -> None:
+        """A probe's answer: kept unless a verdict on ``name`` is known already; a MISS only
+        for ``miss_for`` seconds when that is given."""
+        self._names.setdefault(name, verdict if verdict is not Lookup.MISS or miss_for is None
+                               else time.monotonic() + miss_for)
         if len(self._names) > self.limit:
             self._forget_oldest()
 

@@ -72,11 +72,12 @@ class _Prober:
     """
 
     def __init__(self, agent: Any, known: KnownNames, batch: int,
-                 shared: threading.RLock | None) -> None:
+                 shared: threading.RLock | None, miss_for: float) -> None:
         self._agent = agent
         self._shared = shared
         self._known = known
         self._batch = batch
+        self.miss_for = miss_for
         self._wanted: dict[str, None] = {}  # insertion-ordered set of names to probe
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -152,7 +153,8 @@ class _Prober:
                 if answers is not None:
                     # a result the tier recorded meanwhile is newer than this probe
                     self._known.offer(
-                        name, Lookup.MISS if answers[index] is None else Lookup.HIT)
+                        name, Lookup.MISS if answers[index] is None else Lookup.HIT,
+                        self.miss_for)
         return True
 
 
@@ -163,6 +165,12 @@ class ObjectStoreTier(SecondaryTier):
     :class:`kvfsm.testing.FakeNixlAgent`). Built with ``store=`` it creates its own real agents
     from the :class:`~kvfsm.nixl_agents.StoreConfig`, checks that the bucket is reachable, and
     releases them in :meth:`shutdown`.
+
+    A block a probe found absent is looked for again once the MISS is
+    :attr:`probed_miss_seconds` old, so a block another process (or tier) stores into the same
+    bucket is found; one whose load failed stays a MISS (F11) until newer names push it out of
+    the lookup cache. A process sees an object only once its upload completed: S3 makes a PUT
+    visible whole or not at all.
 
     Args:
         primary: the primary KV cache (contiguous CPU tensor, blocks on the first dimension).
@@ -210,9 +218,13 @@ class ObjectStoreTier(SecondaryTier):
         if type(probe_batch) is not int or probe_batch < 1:
             raise ValueError(f"probe_batch must be an int of at least 1, got {probe_batch!r}")
         self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,
-                               probe_batch, None if probe_agent is not None else self._lock)
+                               probe_batch, None if probe_agent is not None else self._lock,
+                               self.probed_miss_seconds)
         # a tier dropped without shutdown() stops its prober (never waiting for it)
         weakref.finalize(self, self._prober.stop, 0.0)
+
+    #: seconds a MISS found by a probe is believed before the store is asked again
+    probed_miss_seconds: float = 2.0
 
     def object_key(self, key: bytes | str) -> str:
         """The object name block ``key`` is stored under: the prefix, then the key as text
