@@ -17,17 +17,49 @@ compiled engine, diagram, explorer and coverage as the first):
     EXPECTING --watch[gone]--> PEER_LOST --publish--> PUBLISHED (failure)
 
 A receiver block is written by the sender's NIXL, so the receiver may reuse it only when the
-write is over: when the notification arrived (NIXL sends it after the data; it names the job
-*and* the receiver blocks, so a write into other blocks never counts), or when the sender is
-gone. :meth:`PeerReceiver.forget_peer` removes the sender's metadata before any job it owed
-fails, but that does not revoke the access a live sender already has: a one-sided UCX write of
-a sender that is still running can still land. So call it only when the sender is really gone
-(its process ended, its connection broke), and the same goes for :meth:`PeerReceiver.shutdown`
-with senders still connected.
+write is over: when the notification arrived (NIXL sends it after the data; it names the link,
+the job *and* the receiver blocks, so a write into other blocks never counts), or when the
+sender is gone. :meth:`PeerReceiver.forget_peer` removes the sender's metadata before any job
+it owed fails, but that does not revoke the access a live sender already has: a one-sided UCX
+write of a sender that is still running can still land. So call it only when the sender is
+really gone (its process ended, its connection broke), and the same goes for
+:meth:`PeerReceiver.shutdown` with senders still connected.
 
 Both sides keep a link per peer, a third machine (:data:`kvfsm.peer_link.PEER_LINK`): metadata
 exchange and a peer that disappears go through it. A sender posts only to a CONNECTED receiver,
 and a receiver expects jobs only from a CONNECTED sender.
+
+Which notification counts: the link's nonce
+--------------------------------------------
+
+A notification counts once, for the link it was sent over and the job it names; never for a
+later link of a sender with the same name. The agent name cannot tell links apart: a sender that
+reconnects, or a new process of the same engine, has the same name and restarts its job ids,
+and NIXL hands out notifications by name only. So every sender link has a *nonce*
+(:func:`~kvfsm.peer_link.new_nonce`, 128 random bits): the sender draws a new one whenever its
+link closes, :meth:`PeerSender.metadata` hands it to the receiver's :meth:`PeerReceiver.connect`
+with the agent metadata, and every notification the sender writes carries it
+(:func:`notification_for`). The receiver sorts what NIXL delivers by that nonce:
+
+* **An open link's notification is never dropped.** One that names a job expected on that link
+  (same nonce, same sender name, same job id and blocks) completes it; one that came first is
+  kept for that link until an :meth:`~PeerReceiver.expect` of its job claims it, or the link
+  closes. Each counts once: on one link the n-th expect of a job id is completed by the n-th
+  notification of it. (A sender writing notifications no expect ever claims grows this store;
+  ``stats()["early"]`` shows it, and forgetting the sender frees it.)
+* **A closed link's nonce is spent.** When a link closes (``forget_peer``, a lost sender,
+  ``shutdown``) what it kept is discarded, its jobs still expected fail, and its notifications,
+  arriving then or later, never count; ``connect`` refuses metadata that carries a spent nonce,
+  so a new link needs the sender's new metadata, taken after it connected again.
+* **A notification whose nonce no link has yet is kept, boundedly.** A sender may write before
+  the receiver connected it (it only needs the receiver's metadata, and NIXL delivers its
+  notifications anyway). Such notifications wait, oldest first, in a store of
+  :data:`MAX_UNKNOWN_NOTIFICATIONS`; ``connect`` hands that sender's to its new link. When the
+  store is full the oldest is dropped, counted (``stats()["dropped"]``) and logged. Only these
+  can be lost; a receiver that connects a sender before the sender gets the receiver's metadata
+  never has one of them.
+* **Anything else never counts:** not a kvfsm job notification, a nonce of another sender's
+  link, or of a closed link. It is discarded on arrival and counted (``stats()["discarded"]``).
 
 How a receiver learns a sender is gone, without being told (``peer_timeout``)
 -----------------------------------------------------------------------------
@@ -53,8 +85,10 @@ connection already used, the first probe raised. So a dead sender is found withi
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
+import re
 import threading
 import time
 import weakref
@@ -74,12 +108,14 @@ from kvfsm.peer_link import (
     PeerLinks,
     PeerNotConnected,
     is_disconnect,
+    new_nonce,
 )
 from kvfsm.policy import RetryPolicy
 from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier, _check_primary
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
+    "MAX_UNKNOWN_NOTIFICATIONS",
     "PEER_RECEIVE",
     "PeerAnswer",
     "PeerNotConnected",
@@ -147,13 +183,56 @@ PEER_RECEIVE: Declaration[ReceiveState, PeerAnswer] = Declaration(
 logger = logging.getLogger("kvfsm")
 
 
-def notification_for(job_id: int, blocks: Sequence[int]) -> bytes:
-    """The notification a peer write of ``job_id`` into the receiver's ``blocks`` carries."""
-    return f"kvfsm-job:{job_id}:{','.join(map(str, blocks))}".encode()
+#: how many notifications whose nonce no link has (yet) a receiver keeps, oldest dropped first
+#: (a few hundred bytes each: about 1 MiB in all)
+MAX_UNKNOWN_NOTIFICATIONS = 4096
+
+#: a kvfsm job notification, and the link nonce it carries
+_JOB_NOTIFICATION = re.compile(rb"kvfsm-job:([0-9a-f]{32}):")
+#: what :meth:`PeerSender.metadata` starts with: the nonce, then the agent's metadata
+_SENDER_METADATA = re.compile(rb"kvfsm-sender:([0-9a-f]{32}):")
+
+
+def notification_for(nonce: str, job_id: int, blocks: Sequence[int]) -> bytes:
+    """The notification a peer write of ``job_id`` into the receiver's ``blocks`` carries, over
+    the link whose nonce is ``nonce``."""
+    return f"kvfsm-job:{nonce}:{job_id}:{','.join(map(str, blocks))}".encode()
+
+
+def _parse_sender_metadata(metadata: object) -> tuple[str, bytes]:
+    """The nonce and the agent metadata in what :meth:`PeerSender.metadata` made."""
+    if not isinstance(metadata, bytes | bytearray | memoryview):
+        raise TypeError(f"sender metadata must be the bytes PeerSender.metadata() returns, "
+                        f"got {type(metadata).__name__}")
+    data = bytes(metadata)
+    if not data.startswith(b"kvfsm-sender:"):
+        raise ValueError(f"sender metadata must come from PeerSender.metadata() (it carries the "
+                         f"link nonce the sender's notifications name); got {len(data)} bytes "
+                         "that do not start with b'kvfsm-sender:' (an agent's own metadata?)")
+    found = _SENDER_METADATA.match(data)
+    if found is None:
+        raise ValueError("sender metadata: b'kvfsm-sender:' must be followed by a nonce of 32 "
+                         f"lowercase hex digits and ':', got {data[13:48]!r}")
+    if found.end() == len(data):
+        raise ValueError("sender metadata carries a nonce but no agent metadata after it")
+    return found.group(1).decode(), data[found.end():]
 
 
 def _peer_name(name: Any) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
+
+
+class _Inbox:
+    """One open link's notifications: the jobs waiting for theirs, and those that came first."""
+
+    __slots__ = ("early", "link", "waiting")
+
+    def __init__(self, link: PeerLink) -> None:
+        self.link = link
+        #: notification -> the expected job it completes
+        self.waiting: dict[bytes, int] = {}
+        #: notifications that came before their expect(), each with how many came
+        self.early: dict[bytes, int] = {}
 
 
 class _Expected:
@@ -177,6 +256,9 @@ class _Expected:
 class PeerReceiver:
     """The receiving engine's side: registers its KV cache once, expects jobs, publishes one
     result for each when its notification arrives or its sender is gone.
+
+    A notification counts only for the link whose nonce it carries, once (module docstring);
+    :meth:`stats` counts what was kept, dropped and discarded.
 
     Args:
         primary: the receiver's KV cache (contiguous CPU tensor, blocks on the first dimension).
@@ -203,9 +285,16 @@ class PeerReceiver:
         self._registration = agent.register_memory(
             [(primary.data_ptr(), self.num_blocks * self.block_bytes, 0, "")], "DRAM")
         self._expected: dict[int, _Expected] = {}
-        self._by_message: dict[tuple[str, bytes], int] = {}
-        #: notifications no expected job claimed yet (one may arrive before its expect())
-        self._unclaimed: dict[tuple[str, bytes], None] = {}
+        #: each open link's notifications, by its nonce
+        self._inboxes: dict[str, _Inbox] = {}
+        #: nonces of links that closed, with their sender: their notifications never count
+        self._spent: dict[str, str] = {}
+        #: (sender, nonce, notification) with a nonce no link has yet, oldest first
+        self._unknown: collections.deque[tuple[str, str, bytes]] = collections.deque(
+            maxlen=MAX_UNKNOWN_NOTIFICATIONS)
+        #: notifications pushed out of the unknown store; notifications that could never count
+        self._dropped = 0
+        self._discarded = 0
         #: how many unpublished jobs each link owes
         self._owed: dict[PeerLink, int] = {}
         self._results: list[JobResult] = []
@@ -213,7 +302,7 @@ class PeerReceiver:
         self._closed = False
 
     def metadata(self) -> bytes:
-        """This agent's metadata, for the sender's ``add_remote_agent``."""
+        """This agent's metadata, for the sender's :meth:`PeerSender.connect`."""
         metadata: bytes = self.agent.get_agent_metadata()
         return metadata
 
@@ -223,17 +312,37 @@ class PeerReceiver:
         return [(base + i * self.block_bytes, self.block_bytes, 0) for i in range(self.num_blocks)]
 
     def connect(self, sender_metadata: bytes) -> str:
-        """Load a sender's metadata (so its notifications are accepted); returns its name.
+        """Link a sender: load its agent metadata, and count from now on the notifications
+        carrying its link's nonce; returns its name.
 
-        The link is CONNECTED when NIXL says it holds the metadata; if not yet, it is
-        CONNECTING and checked again at each :meth:`get_finished_jobs`.
+        ``sender_metadata`` is what the sender's :meth:`PeerSender.metadata` returned for this
+        link. The link is CONNECTED when NIXL says it holds the metadata; if not yet, it is
+        CONNECTING and checked again at each :meth:`get_finished_jobs`. Notifications of this
+        link that came before it (kept in the unknown store) are now its own.
 
         Raises:
+            TypeError, ValueError: ``sender_metadata`` is not what :meth:`PeerSender.metadata`
+                makes (an agent's own metadata, say); nothing was loaded.
             kvfsm.peer_link.PeerLinkError: NIXL refused the metadata, or lost it at once; or
-                a link to that sender is still open.
+                a link to that sender is still open; or the metadata is that of a link that
+                closed (its nonce is spent: take the sender's metadata again after it
+                connected again).
         """
+        nonce, agent_metadata = _parse_sender_metadata(sender_metadata)
         with self._lock:
-            link = self.links.connect(sender_metadata)
+            inbox = self._inboxes.get(nonce)
+            if inbox is not None:
+                raise PeerLinkError(f"peer {inbox.link.name!r} is already linked "
+                                    f"({inbox.link.state.name}) with this metadata; "
+                                    "forget it first")
+            if nonce in self._spent:
+                raise PeerLinkError(
+                    f"sender {self._spent[nonce]!r}: this metadata is that of a link that "
+                    f"closed (nonce {nonce} is spent); a new link needs the sender's "
+                    "PeerSender.metadata() taken after its old link closed")
+            link = self.links.connect(agent_metadata, nonce)
+            inbox = self._inboxes[nonce] = _Inbox(link)
+            self._adopt(inbox)
             return str(link.name)
 
     def link_state(self, sender: str) -> LinkState:
@@ -261,41 +370,46 @@ class PeerReceiver:
                                           f"[0, {self.num_blocks})")
             if not self._owes(link):  # silence counts from when something is owed
                 link.quiet_since = time.monotonic()
-            self._expected[job.job_id] = _Expected(job, sender, link)
+            expected = self._expected[job.job_id] = _Expected(job, sender, link)
             self._owed[link] = self._owed.get(link, 0) + 1
-            message = (sender, notification_for(job.job_id, job.block_ids))
-            if message in self._unclaimed:  # it came first: it counts at the next poll
-                del self._unclaimed[message]
-                self.machine.fire(self._expected[job.job_id], "notified", PeerAnswer.ARRIVED)
+            inbox = self._inboxes[link.nonce]
+            message = notification_for(link.nonce, job.job_id, job.block_ids)
+            came = inbox.early.pop(message, 0)
+            if came:  # it came first: it counts (once), published at the next poll
+                if came > 1:
+                    inbox.early[message] = came - 1
+                self.machine.fire(expected, "notified", PeerAnswer.ARRIVED)
             else:
-                self._by_message[message] = job.job_id
+                inbox.waiting[message] = job.job_id
 
     def forget_peer(self, sender: str) -> None:
         """The sender is gone: remove its metadata, then fail what it owed (at the next poll).
 
-        Only for a sender that is really gone: a live sender's writes are not revoked.
+        Its link's notifications never count from now on, even for jobs it owed. Only for a
+        sender that is really gone: a live sender's writes are not revoked.
         """
         with self._lock:
             link = self.links.get(sender)
             if link is not None and link.state not in PEER_LINK.final:
-                self.links.close(link)
+                self._close(link)
 
     def get_finished_jobs(self) -> list[JobResult]:
         """Take NIXL's new notifications, watch the senders; the results published since."""
         with self._lock:
             now = time.monotonic()
+            dropped = self._dropped
             for sender, messages in self.agent.get_new_notifs().items():
                 name = _peer_name(sender)
                 link = self.links.get(name)
                 if link is not None:
                     link.quiet_since = now  # heard from: it is there
                 for message in messages:
-                    key = (name, bytes(message))
-                    job_id = self._by_message.pop(key, None)
-                    if job_id is not None:
-                        self.machine.fire(self._expected[job_id], "notified", PeerAnswer.ARRIVED)
-                    elif key[1] != PROBE_MESSAGE and len(self._unclaimed) < 65536:
-                        self._unclaimed[key] = None
+                    self._take(name, bytes(message))
+            if self._dropped > dropped:
+                logger.warning("dropped the %d oldest notification(s) carrying a nonce no link "
+                               "has: the store of %d was full (%d dropped in all)",
+                               self._dropped - dropped, MAX_UNKNOWN_NOTIFICATIONS,
+                               self._dropped)
             self._watch_links(now)
             if self._expected:
                 for expected in list(self._expected.values()):
@@ -312,6 +426,81 @@ class PeerReceiver:
             results, self._results = self._results, []
             return results
 
+    def stats(self) -> dict[str, int]:
+        """What the receiver holds and has thrown away.
+
+        ``expected``: jobs not yet published; ``early``: notifications of open links waiting
+        for their :meth:`expect`; ``unknown``: notifications whose nonce no link has yet (at
+        most :data:`MAX_UNKNOWN_NOTIFICATIONS`); ``dropped``: those pushed out of that store
+        since the receiver was made; ``discarded``: notifications that could never count (not
+        kvfsm's, another sender's nonce, a closed link's), since it was made.
+        """
+        with self._lock:
+            return {"expected": len(self._expected),
+                    "early": sum(sum(inbox.early.values()) for inbox in self._inboxes.values()),
+                    "unknown": len(self._unknown),
+                    "dropped": self._dropped,
+                    "discarded": self._discarded}
+
+    def _take(self, sender: str, message: bytes) -> None:
+        """One notification from NIXL: it completes a job, or is kept, dropped or discarded."""
+        found = _JOB_NOTIFICATION.match(message)
+        if found is None:
+            if message != PROBE_MESSAGE:
+                self._discard(sender, message, "not a kvfsm job notification")
+            return
+        nonce = found.group(1).decode()
+        inbox = self._inboxes.get(nonce)
+        if inbox is not None:
+            if inbox.link.name == sender:
+                self._arrived(inbox, message)
+            else:
+                self._discard(sender, message, f"its nonce is {inbox.link.name!r}'s link's")
+        elif nonce in self._spent:
+            self._discard(sender, message, "its link is closed")
+        else:  # a sender not connected yet, maybe: kept while there is room
+            if len(self._unknown) == self._unknown.maxlen:
+                self._dropped += 1
+            self._unknown.append((sender, nonce, message))
+
+    def _arrived(self, inbox: _Inbox, message: bytes) -> None:
+        """A notification of an open link: it completes the job waiting for it, or waits."""
+        job_id = inbox.waiting.pop(message, None)
+        if job_id is None:
+            inbox.early[message] = inbox.early.get(message, 0) + 1
+        else:
+            self.machine.fire(self._expected[job_id], "notified", PeerAnswer.ARRIVED)
+
+    def _adopt(self, inbox: _Inbox) -> None:
+        """A link was made: the notifications of it that came before are its own now."""
+        nonce = inbox.link.nonce
+        if all(entry[1] != nonce for entry in self._unknown):
+            return
+        unknown = list(self._unknown)
+        self._unknown.clear()
+        for sender, entry_nonce, message in unknown:
+            if entry_nonce != nonce:
+                self._unknown.append((sender, entry_nonce, message))
+            elif sender == inbox.link.name:
+                self._arrived(inbox, message)
+            else:
+                self._discard(sender, message, f"its nonce is {inbox.link.name!r}'s link's")
+
+    def _discard(self, sender: str, message: bytes, why: str) -> None:
+        self._discarded += 1
+        logger.debug("discarded notification %r from %s: %s", message[:80], sender, why)
+
+    def _close(self, link: PeerLink) -> None:
+        """Close a link: remove its metadata, discard what it kept, spend its nonce."""
+        self.links.close(link)
+        inbox = self._inboxes.pop(link.nonce, None)
+        self._spent[link.nonce] = str(link.name)
+        if inbox is not None and inbox.early:
+            count = sum(inbox.early.values())
+            self._discarded += count
+            logger.info("sender %s: %d notification(s) no job claimed were discarded with its "
+                        "link", link.name, count)
+
     def _owes(self, link: PeerLink) -> bool:
         return self._owed.get(link, 0) > 0
 
@@ -325,7 +514,7 @@ class PeerReceiver:
                     and self._owes(link)):
                 self.links.probe(link)
             if link.state is LinkState.LOST:
-                self.links.close(link)
+                self._close(link)
 
     def has_pending_work(self) -> bool:
         """True while a job is expected or a result not handed out."""
@@ -352,7 +541,7 @@ class PeerReceiver:
             if self._closed:
                 return
             for link in self.links.open_links():
-                self.links.close(link)
+                self._close(link)
             self._results += self.get_finished_jobs()  # also lets UCX retire a lost sender
             self.agent.deregister_memory(self._registration)
             self._closed = True
@@ -370,8 +559,10 @@ class PeerReceiver:
             self._owed[expected.link] = owed
         else:
             del self._owed[expected.link]
-        self._by_message.pop(
-            (expected.peer, notification_for(expected.job.job_id, expected.job.block_ids)), None)
+        inbox = self._inboxes.get(expected.link.nonce)
+        if inbox is not None:  # a later job of the same id must not inherit its wait
+            inbox.waiting.pop(notification_for(expected.link.nonce, expected.job.job_id,
+                                               expected.job.block_ids), None)
         success = bool(expected.success)
         self._results.append(JobResult(
             expected.job.job_id, success,
@@ -402,8 +593,11 @@ class _PeerMemory:
         return [(*tier.receiver_blocks[tier.remote_index(key)], "") for key in transfer.job.keys]
 
     def notification(self, transfer: Transfer) -> bytes:
-        keys = transfer.job.keys
-        return notification_for(transfer.job.job_id, [self._tier.remote_index(k) for k in keys])
+        tier, keys = self._tier, transfer.job.keys
+        if tier.link is None:
+            raise ConnectionError("no receiver is connected")
+        return notification_for(tier.link.nonce, transfer.job.job_id,
+                                [tier.remote_index(k) for k in keys])
 
     def commit(self, transfer: Transfer) -> None:
         """The receiver learns of the write from the notification; nothing to commit."""
@@ -417,7 +611,10 @@ class PeerSender(SecondaryTier):
 
     A job's ``keys`` name the receiver's block indices (``"3"`` is the receiver's block 3);
     ``block_ids`` are the sender's primary blocks, pinned by its parent. The notification names
-    the job id, which the receiver :meth:`~PeerReceiver.expect`\\ s.
+    the link's nonce and the job id, which the receiver :meth:`~PeerReceiver.expect`\\ s.
+
+    Each link has a nonce of its own, drawn when the previous link closed (module docstring):
+    give the receiver :meth:`metadata` for each link, taken after the previous link closed.
 
     The link to the receiver (:data:`~kvfsm.peer_link.PEER_LINK`) decides what may be posted:
     only a CONNECTED receiver is written to. A write that fails with NIXL's
@@ -446,6 +643,8 @@ class PeerSender(SecondaryTier):
         self.links = PeerLinks(agent)
         #: the link to the receiver (the last one connected)
         self.link: PeerLink | None = None
+        #: the nonce of the link being made, or open; a new one is drawn when it closes
+        self._nonce = new_nonce()
         super().__init__(primary, agent=agent, remote=_PeerMemory(self),
                          poll_interval=poll_interval, policy=policy)
 
@@ -454,6 +653,18 @@ class PeerSender(SecondaryTier):
         """The receiver's agent name, while its link is not over; else None."""
         link = self.link
         return None if link is None or link.state in PEER_LINK.final else link.name
+
+    def metadata(self) -> bytes:
+        """What the receiver's :meth:`PeerReceiver.connect` takes: this agent's metadata and the
+        nonce of this sender's link (the open one, or else the next one :meth:`connect`
+        makes).
+
+        The nonce changes when the link closes, so take this again for each link; the
+        receiver refuses the metadata of a link that closed.
+        """
+        with self._lock:
+            agent_metadata = self.agent.get_agent_metadata()  # type: ignore[attr-defined]
+            return b"kvfsm-sender:" + self._nonce.encode() + b":" + bytes(agent_metadata)
 
     def connect(self, receiver_metadata: bytes, receiver_blocks: Sequence[tuple[int, int, int]]
                 ) -> str:
@@ -467,7 +678,7 @@ class PeerSender(SecondaryTier):
             if self.link is not None and self.link.state not in PEER_LINK.final:
                 raise PeerLinkError(f"already linked to receiver {self.link.name!r} "
                                     f"({self.link.state.name}); forget_peer() first")
-            self.link = self.links.connect(receiver_metadata)
+            self.link = self.links.connect(receiver_metadata, self._nonce)
             self.receiver_blocks = [tuple(d) for d in receiver_blocks]  # type: ignore[misc]
             return str(self.link.name)
 
@@ -572,6 +783,7 @@ class PeerSender(SecondaryTier):
     def _close_link(self, link: PeerLink) -> None:
         self._progress()
         self.links.close(link)
+        self._nonce = new_nonce()  # the next link is told apart from this one
 
     def _progress(self) -> None:
         """Let the UCX worker progress once (see the class docstring); best effort."""

@@ -40,6 +40,12 @@ Decisions, and why:
   link, so a retry would protect nothing.
 * **REFUSED and CLOSED are final.** A peer that comes back is a new link, made by a new
   ``connect``.
+* **A link has a nonce, the sender's.** A sender draws a random one (:func:`new_nonce`, 128
+  bits from :mod:`secrets`) whenever its link closes, so each of its links has its own, and
+  writes it into every notification it sends over the link; the receiver learns it with the
+  sender's metadata. So a notification names the link it was sent over, not only the sender's
+  agent name, which a reconnecting sender or a new process keeps (:mod:`kvfsm.peer` says how
+  the receiver uses it).
 
 The machine never makes a NIXL call itself: :class:`PeerLinks` makes them and fires the events
 with what NIXL answered; the peer sender and receiver (:mod:`kvfsm.peer`) decide *when*
@@ -49,6 +55,7 @@ with what NIXL answered; the peer sender and receiver (:mod:`kvfsm.peer`) decide
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from typing import Any
 
@@ -67,6 +74,7 @@ __all__ = [
     "PeerLinks",
     "PeerNotConnected",
     "is_disconnect",
+    "new_nonce",
 ]
 
 #: the NIXL status a call to a peer that went away fails with
@@ -195,6 +203,12 @@ class PeerNotConnected(InvalidJobError):
     no result will be published for it."""
 
 
+def new_nonce() -> str:
+    """A fresh link nonce: 32 hex digits, drawn from :mod:`secrets` (never the same twice in
+    practice, across links, processes and hosts)."""
+    return secrets.token_hex(16)
+
+
 def is_disconnect(error: object) -> bool:
     """True when a NIXL error (an exception, or a transfer's recorded error) is a disconnect."""
     return DISCONNECTED in str(error)
@@ -203,13 +217,15 @@ def is_disconnect(error: object) -> bool:
 class PeerLink:
     """The record the link machine moves: one peer agent, as this agent knows it."""
 
-    __slots__ = ("error", "finished_at", "leaks", "name", "probed_at", "quiet_since",
+    __slots__ = ("error", "finished_at", "leaks", "name", "nonce", "probed_at", "quiet_since",
                  "started_at", "state", "success", "trace")
 
-    def __init__(self) -> None:
+    def __init__(self, nonce: str = "") -> None:
         self.state = LinkState.UNKNOWN
         #: the peer agent's name, once ``add_remote_agent`` answered it
         self.name: str | None = None
+        #: the sender's nonce for this link, carried in each notification sent over it
+        self.nonce = nonce
         #: False once the link failed (LOST, REFUSED); it never turns True
         self.success: bool | None = None
         #: what NIXL answered last, when it was an error
@@ -257,8 +273,9 @@ class PeerLinks:
         return [link for link in self.links.values()
                 if link.state not in PEER_LINK.final]
 
-    def connect(self, metadata: bytes) -> PeerLink:
-        """Load a peer's metadata, then ask NIXL once whether it holds it.
+    def connect(self, metadata: bytes, nonce: str) -> PeerLink:
+        """Load a peer's metadata, then ask NIXL once whether it holds it; the link carries
+        ``nonce`` (the sender's, see :func:`new_nonce`).
 
         Returns the link, CONNECTED or (when NIXL does not hold it yet) CONNECTING; a
         CONNECTING link is checked again by :meth:`recheck`.
@@ -268,7 +285,7 @@ class PeerLinks:
                 ``check_remote_metadata`` raised (LOST, and then CLOSED: its metadata removed);
                 or a link to that peer is still open.
         """
-        link = PeerLink()
+        link = PeerLink(nonce)
         try:
             name = _peer_name(self.agent.add_remote_agent(metadata))
         except Exception as error:

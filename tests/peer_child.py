@@ -2,10 +2,12 @@
 
 ``python tests/peer_child.py sender|receiver [peer_timeout]`` makes a real UCX agent and a
 :class:`~kvfsm.peer.PeerSender` or :class:`~kvfsm.peer.PeerReceiver` on an 8-block cache, prints
-``{"metadata": ..., "blocks": ...}``, then obeys one command a line and answers each with one
-line. Between commands it keeps stepping its side (``get_finished_jobs``): a UCX agent without a
-progress thread answers its peer only while it is stepped. ``{"do": "freeze"}`` stops that, as
-an engine that hangs would; ``{"do": "exit"}`` shuts the side down and ends the process with 0.
+``{"metadata": ..., "blocks": ...}`` (a sender's metadata carries the nonce of the link its
+first connect makes), then obeys one command a line and answers each with one line. Between
+commands it keeps stepping its side (``get_finished_jobs``): a UCX agent without a progress
+thread answers its peer only while it is stepped. ``{"do": "freeze"}`` stops that, as an engine
+that hangs would; ``{"do": "exit"}`` shuts the side down and ends the process with 0. A receiver
+also forgets a sender (``{"do": "forget", "sender": name}``) and says its ``stats``.
 A test may kill the process at any time instead, or have the sender kill the receiver the moment
 a write is over (``"kill_when_done": pid``), before the receiver can take its notification.
 """
@@ -51,7 +53,7 @@ class Child:
         self.side: Any
         if role == "sender":
             self.side = PeerSender(cache, agent=self.agent)
-            say(metadata=self.agent.get_agent_metadata().hex())
+            say(metadata=self.side.metadata().hex())
         else:
             self.side = PeerReceiver(cache, agent=self.agent, peer_timeout=peer_timeout)
             say(metadata=self.side.metadata().hex(), blocks=self.side.block_descs())
@@ -95,6 +97,14 @@ class Child:
             link=self.side.link_state(*(link or [])).name)
         self.results = []
 
+    def forget(self, sender: str) -> None:
+        """The receiver forgets a sender (the engine knows it is gone); say what it holds."""
+        self.side.forget_peer(sender)
+        say(stats=self.side.stats())
+
+    def stats(self) -> None:
+        say(stats=self.side.stats())
+
     def freeze(self) -> None:
         self.frozen = True
         say(frozen=True)
@@ -110,7 +120,8 @@ class Child:
 def main() -> int:
     child = Child(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 30.0)
     commands = {"connect": child.connect, "expect": child.expect, "submit": child.submit,
-                "results": child.report, "freeze": child.freeze, "exit": child.exit}
+                "results": child.report, "forget": child.forget, "stats": child.stats,
+                "freeze": child.freeze, "exit": child.exit}
     while True:
         if not child.frozen:
             child.step()

@@ -10,6 +10,7 @@ import torch
 from kvfsm import JobResult, TransferJob
 from kvfsm.nixl_agents import make_agent
 from kvfsm.peer import (
+    MAX_UNKNOWN_NOTIFICATIONS,
     PEER_RECEIVE,
     PeerNotConnected,
     PeerReceiver,
@@ -17,8 +18,8 @@ from kvfsm.peer import (
     ReceiveState,
     notification_for,
 )
-from kvfsm.peer_link import DISCONNECTED, LinkState
-from kvfsm.testing import FakeNixlError
+from kvfsm.peer_link import DISCONNECTED, LinkState, PeerLinkError
+from kvfsm.testing import FakeNixlAgent, FakeNixlError
 from kvfsm.testing.explore import explore_table
 from kvfsm.tiers import InvalidJobError
 
@@ -41,7 +42,7 @@ class Pair:
         self.receiver = PeerReceiver(self.target, agent=make_agent("engine-b", "UCX"))
         self.receiver_name = self.sender.connect(self.receiver.metadata(),
                                                  self.receiver.block_descs())
-        self.sender_name = self.receiver.connect(self.sender_agent.get_agent_metadata())
+        self.sender_name = self.receiver.connect(self.sender.metadata())
 
     def step_until(self, sent: int, received: int) -> tuple[list[JobResult], list[JobResult]]:
         """Both engines step (each progresses its own side) until the results are in."""
@@ -106,6 +107,114 @@ def test_peers_that_forget_each_other_refuse_new_jobs_and_fail_what_was_owed(
     assert not pair.sender.has_pending_work()
     assert not pair.receiver.has_pending_work()
     assert not pair.sender_agent.check_remote_metadata("engine-b"), "its metadata is removed"
+
+
+def step_receiver_until(receiver: PeerReceiver, early: int) -> None:
+    """Poll the receiver until it keeps ``early`` notifications no expect claimed yet."""
+    for _ in range(20_000):
+        if receiver.stats()["early"] + receiver.stats()["unknown"] >= early:
+            return
+        assert receiver.get_finished_jobs() == []
+    raise AssertionError(f"the receiver never kept {early} notification(s): {receiver.stats()}")
+
+
+def test_an_old_senders_early_write_never_completes_a_job_of_a_new_sender_of_the_same_name(
+    pair: Pair,
+) -> None:
+    # the old engine-a writes job 1 into block 2 before the receiver expects it...
+    pair.sender.submit_store(TransferJob(1, ["2"], [0]))
+    assert [(r.job_id, r.success) for r in pair.step_until(1, 0)[0]] == [(1, True)]
+    step_receiver_until(pair.receiver, early=1)
+    # ...then goes away; the receiver forgets it, and a new engine-a (a new process, with
+    # other bytes) connects and restarts its job ids
+    pair.receiver.forget_peer("engine-a")
+    pair.sender.shutdown()
+    source = torch.full((BLOCKS, BLOCK_BYTES), 9, dtype=torch.uint8)
+    new = PeerSender(source, agent=make_agent("engine-a", "UCX"))
+    try:
+        new.connect(pair.receiver.metadata(), pair.receiver.block_descs())
+        assert pair.receiver.connect(new.metadata()) == "engine-a"
+        pair.receiver.expect(TransferJob(1, ["2"], [2], is_promotion=True), "engine-a")
+        for _ in range(100):
+            assert pair.receiver.get_finished_jobs() == [], "the old sender's write is not it"
+        assert pair.receiver.state_of(1) is ReceiveState.EXPECTING
+
+        new.submit_store(TransferJob(1, ["2"], [5]))
+        received: list[JobResult] = []
+        for _ in range(20_000):
+            new.get_finished_jobs()
+            received += pair.receiver.get_finished_jobs()
+            if received:
+                break
+        assert [(r.job_id, r.success) for r in received] == [(1, True)]
+        assert torch.equal(pair.target[2], source[5]), "published with the new sender's bytes"
+        assert pair.receiver.stats()["discarded"] == 1, "the old link's notification"
+    finally:
+        new.shutdown()
+
+
+def test_a_sender_restarting_its_job_ids_on_a_new_link_completes_only_its_new_jobs(
+    pair: Pair,
+) -> None:
+    # link 1: job 1 is expected and written (its notification used); job 2 is written into
+    # block 1 but never expected (left over)
+    pair.receiver.expect(TransferJob(1, ["0"], [0], is_promotion=True), pair.sender_name)
+    pair.sender.submit_store(TransferJob(1, ["0"], [0]))
+    pair.sender.submit_store(TransferJob(2, ["1"], [1]))
+    sent, received = pair.step_until(2, 1)
+    assert sorted((r.job_id, r.success) for r in sent + received) == [
+        (1, True), (1, True), (2, True)]
+    step_receiver_until(pair.receiver, early=1)
+    old_metadata = pair.sender.metadata()
+
+    # both ends start a new link, and the sender's job ids start from 1 again
+    pair.sender.forget_peer()
+    pair.receiver.forget_peer(pair.sender_name)
+    pair.sender.connect(pair.receiver.metadata(), pair.receiver.block_descs())
+    assert pair.sender.metadata() != old_metadata, "a new link, a new nonce"
+    pair.receiver.connect(pair.sender.metadata())
+    for job in (1, 2):
+        pair.receiver.expect(TransferJob(job, [str(job - 1)], [job - 1], is_promotion=True),
+                             pair.sender_name)
+    for _ in range(100):
+        assert pair.receiver.get_finished_jobs() == [], "neither old notification counts"
+
+    pair.sender.submit_store(TransferJob(1, ["0"], [6]))
+    pair.sender.submit_store(TransferJob(2, ["1"], [7]))
+    sent, received = pair.step_until(2, 2)
+    assert sorted((r.job_id, r.success) for r in received) == [(1, True), (2, True)]
+    assert torch.equal(pair.target[0], pair.source[6])
+    assert torch.equal(pair.target[1], pair.source[7])
+
+
+def test_a_write_that_comes_before_the_receiver_connected_its_sender_counts_once_it_does(
+) -> None:
+    require_nixl()
+    source = torch.randint(0, 256, (BLOCKS, BLOCK_BYTES), dtype=torch.uint8)
+    target = torch.zeros(BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
+    sender = PeerSender(source, agent=make_agent("engine-a", "UCX"))
+    receiver = PeerReceiver(target, agent=make_agent("engine-b", "UCX"))
+    try:
+        sender.connect(receiver.metadata(), receiver.block_descs())
+        sender.submit_store(TransferJob(1, ["4"], [3]))  # the receiver has not connected it
+        sent: list[JobResult] = []
+        for _ in range(20_000):
+            receiver.get_finished_jobs()
+            sent += sender.get_finished_jobs()
+            if sent:
+                break
+        assert [(r.job_id, r.success) for r in sent] == [(1, True)]
+        step_receiver_until(receiver, early=1)
+        assert receiver.stats()["unknown"] == 1, "its nonce is not known yet: kept"
+
+        receiver.connect(sender.metadata())
+        assert (receiver.stats()["unknown"], receiver.stats()["early"]) == (0, 1)
+        receiver.expect(TransferJob(1, ["4"], [4], is_promotion=True), "engine-a")
+        assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(1, True)]
+        assert torch.equal(target[4], source[3])
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
 
 
 def test_the_sender_refuses_loads_and_keys_that_are_not_receiver_blocks(pair: Pair) -> None:
@@ -173,23 +282,54 @@ class NotifyingAgent:
         return inbox
 
 
+class NamedAgent(FakeNixlAgent):
+    """A sender's agent whose metadata is its name, as :class:`NotifyingAgent` loads it."""
+
+    def get_agent_metadata(self) -> bytes:
+        return self.name.encode()
+
+
+def sender_metadata(name: str = "engine-a") -> bytes:
+    """What a new sender called ``name`` gives a receiver: ``PeerSender.metadata()``, with the
+    nonce of its first link."""
+    return PeerSender(torch.zeros(1, 16), agent=NamedAgent(name)).metadata()
+
+
+def nonce_of(receiver: PeerReceiver, sender: str = "engine-a") -> str:
+    """The nonce of the receiver's last link to ``sender``."""
+    link = receiver.links.get(sender)
+    assert link is not None
+    return link.nonce
+
+
+def outcomes(receiver: PeerReceiver) -> list[tuple[int, bool]]:
+    return [(r.job_id, r.success) for r in receiver.get_finished_jobs()]
+
+
+def promotion(job_id: int, block: int) -> TransferJob:
+    return TransferJob(job_id, [str(block)], [block], is_promotion=True)
+
+
 def test_the_receiver_publishes_on_its_notification_and_fails_what_a_lost_peer_owed() -> None:
     agent = NotifyingAgent()
     receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
-    sender = receiver.connect(b"engine-a")
+    sender = receiver.connect(sender_metadata())
+    nonce = nonce_of(receiver)
     receiver.expect(TransferJob(1, ["0"], [0], is_promotion=True), sender)
     receiver.expect(TransferJob(2, ["1"], [1], is_promotion=True), sender)
     assert receiver.get_finished_jobs() == []
     assert receiver.state_of(1) is ReceiveState.EXPECTING
 
-    agent.inbox = {"engine-a": [b"unrelated", notification_for(1, [5]),  # other blocks: no
-                                notification_for(1, [0])]}
-    assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(1, True)]
+    agent.inbox = {"engine-a": [b"unrelated", notification_for(nonce, 1, [5]),  # other blocks
+                                notification_for(nonce, 1, [0])]}
+    assert outcomes(receiver) == [(1, True)]
     receiver.forget_peer(sender)
     assert "engine-a" not in agent.peers, "cut off before anything it owed fails"
-    assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(2, False)]
-    agent.inbox = {"engine-a": [notification_for(2, [1])]}  # too late: already published
+    assert outcomes(receiver) == [(2, False)]
+    agent.inbox = {"engine-a": [notification_for(nonce, 2, [1])]}  # too late: link closed
     assert receiver.get_finished_jobs() == []
+    assert receiver.stats() == {"expected": 0, "early": 0, "unknown": 0, "dropped": 0,
+                                "discarded": 3}, "unrelated; job 1's other blocks; too late"
     receiver.shutdown()
     assert agent.registered == 0
 
@@ -197,25 +337,124 @@ def test_the_receiver_publishes_on_its_notification_and_fails_what_a_lost_peer_o
 def test_a_notification_that_comes_before_its_expect_still_counts() -> None:
     agent = NotifyingAgent()
     receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
-    sender = receiver.connect(b"engine-a")
+    sender = receiver.connect(sender_metadata())
     receiver.expect(TransferJob(1, ["0"], [0], is_promotion=True), sender)
-    agent.inbox = {"engine-a": [notification_for(2, [3])]}  # job 2 is faster than its expect
+    # job 2 is faster than its expect
+    agent.inbox = {"engine-a": [notification_for(nonce_of(receiver), 2, [3])]}
     assert receiver.get_finished_jobs() == []
+    assert receiver.stats()["early"] == 1
     receiver.expect(TransferJob(2, ["3"], [3], is_promotion=True), sender)
     assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(2, True)]
     assert receiver.state_of(1) is ReceiveState.EXPECTING
+    assert receiver.stats()["early"] == 0
 
 
 def test_the_receiver_refuses_what_it_cannot_expect() -> None:
     receiver = PeerReceiver(torch.zeros(4, 16), agent=NotifyingAgent())
     with pytest.raises(PeerNotConnected, match="sender 'nobody' is unknown"):
         receiver.expect(TransferJob(1, ["0"], [0], is_promotion=True), "nobody")
-    sender = receiver.connect(b"engine-a")
+    sender = receiver.connect(sender_metadata())
     with pytest.raises(InvalidJobError, match="block 9 is out of range"):
         receiver.expect(TransferJob(1, ["9"], [9], is_promotion=True), sender)
     receiver.expect(TransferJob(1, ["0"], [0], is_promotion=True), sender)
     with pytest.raises(InvalidJobError, match="job 1 is already expected"):
         receiver.expect(TransferJob(1, ["1"], [1], is_promotion=True), sender)
+
+
+def test_a_receiver_takes_only_a_senders_own_metadata_and_says_what_is_wrong_with_other_input(
+) -> None:
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    with pytest.raises(ValueError, match=r"must come from PeerSender.metadata\(\) .* 8 bytes "
+                                         r"that do not start with b'kvfsm-sender:'"):
+        receiver.connect(b"engine-a")  # the agent's own metadata: no link nonce
+    with pytest.raises(ValueError, match="a nonce of 32 lowercase hex digits"):
+        receiver.connect(b"kvfsm-sender:1234:engine-a")
+    with pytest.raises(ValueError, match="no agent metadata after it"):
+        receiver.connect(sender_metadata()[:46])
+    with pytest.raises(TypeError, match=r"must be the bytes PeerSender.metadata\(\) returns, "
+                                        r"got str"):
+        receiver.connect(sender_metadata().hex())  # type: ignore[arg-type]
+    assert agent.peers == set(), "nothing was loaded"
+    assert receiver.connect(bytearray(sender_metadata())) == "engine-a"
+
+
+def test_a_new_link_of_a_sender_that_restarts_its_job_ids_never_shares_a_notification_with_the_old(
+) -> None:
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    first_metadata = sender_metadata()
+    receiver.connect(first_metadata)
+    first = nonce_of(receiver)
+    receiver.expect(promotion(1, 0), "engine-a")
+
+    # the sender restarts (a new link, job ids from 1 again) and writes its new job 1 into
+    # the same block before the receiver polled: the old job 1 was not written by it
+    receiver.forget_peer("engine-a")
+    receiver.connect(sender_metadata())
+    second = nonce_of(receiver)
+    assert second != first
+    agent.inbox = {"engine-a": [notification_for(second, 1, [0])]}
+    assert outcomes(receiver) == [(1, False)], "the old link's job fails"
+    receiver.expect(promotion(1, 0), "engine-a")
+    assert outcomes(receiver) == [(1, True)], "the new link's job 1 has its notification"
+
+    # a notification counts once: the same job id expected again waits for a new write...
+    receiver.expect(promotion(1, 0), "engine-a")
+    agent.inbox = {"engine-a": [notification_for(first, 1, [0])]}  # ...which the old link's
+    assert receiver.get_finished_jobs() == []                         # never is
+    assert receiver.state_of(1) is ReceiveState.EXPECTING
+    agent.inbox = {"engine-a": [notification_for(second, 1, [0])]}
+    assert outcomes(receiver) == [(1, True)]
+    assert receiver.stats() == {"expected": 0, "early": 0, "unknown": 0, "dropped": 0,
+                                "discarded": 1}
+
+    with pytest.raises(PeerLinkError, match=f"sender 'engine-a': this metadata is that of a link "
+                                            f"that closed \\(nonce {first} is spent\\)"):
+        receiver.connect(first_metadata)  # the old link's metadata makes no new link
+    with pytest.raises(PeerLinkError, match="'engine-a' is already linked \\(CONNECTED\\) with "
+                                            "this metadata"):
+        receiver.connect(sender_metadata()[:13] + second.encode() + b":engine-a")
+
+
+def test_a_flood_of_unknown_notifications_stays_bounded_and_never_drops_an_open_links_own(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    receiver.connect(sender_metadata())
+    flood = 70_000  # more than the 65,536 unclaimed notifications kvfsm once kept
+    agent.inbox = {"engine-x": [notification_for(f"{i:032x}", 1, [0]) for i in range(flood)],
+                   "engine-y": [b"not kvfsm's %d" % i for i in range(flood)]}
+    with caplog.at_level("WARNING", logger="kvfsm"):
+        assert receiver.get_finished_jobs() == []
+    assert f"dropped the {flood - MAX_UNKNOWN_NOTIFICATIONS} oldest notification(s)" in caplog.text
+    agent.inbox = {"engine-a": [notification_for(nonce_of(receiver), 1, [2])]}  # before expect
+    assert receiver.get_finished_jobs() == []
+    assert receiver.stats() == {"expected": 0, "early": 1, "unknown": MAX_UNKNOWN_NOTIFICATIONS,
+                                "dropped": flood - MAX_UNKNOWN_NOTIFICATIONS,
+                                "discarded": flood}
+    receiver.expect(promotion(1, 2), "engine-a")
+    assert outcomes(receiver) == [(1, True)]
+
+
+def test_a_notification_that_comes_before_its_sender_is_connected_counts_once_it_is() -> None:
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    metadata = sender_metadata()
+    nonce = metadata.split(b":")[1].decode()  # "kvfsm-sender:NONCE:agent metadata"
+    agent.inbox = {"engine-a": [notification_for(nonce, 1, [0]), notification_for(nonce, 2, [1])],
+                   "engine-z": [notification_for(nonce, 3, [2])]}  # not that sender's
+    receiver.get_finished_jobs()
+    assert receiver.stats()["unknown"] == 3
+    receiver.connect(metadata)
+    assert receiver.stats() == {"expected": 0, "early": 2, "unknown": 0, "dropped": 0,
+                                "discarded": 1}
+    receiver.expect(promotion(1, 0), "engine-a")
+    assert outcomes(receiver) == [(1, True)]
+    receiver.forget_peer("engine-a")  # what its link kept and no job claimed goes with it
+    assert receiver.stats() == {"expected": 0, "early": 0, "unknown": 0, "dropped": 0,
+                                "discarded": 2}
 
 
 def test_the_receiving_machine_explores_clean() -> None:

@@ -26,7 +26,7 @@ from kvfsm.testing import FakeNixlError, FaultyAgent, Raise, StayProc
 from kvfsm.testing.explore import explore_table
 
 from .real_nixl import require_nixl
-from .test_peer import BLOCK_BYTES, BLOCKS, NotifyingAgent
+from .test_peer import BLOCK_BYTES, BLOCKS, NotifyingAgent, sender_metadata
 
 
 def receiver_on(agent: NotifyingAgent, peer_timeout: float | None = None) -> PeerReceiver:
@@ -53,7 +53,7 @@ def test_a_link_connects_once_nixl_holds_the_metadata_and_closes_when_it_is_remo
     agent = NotifyingAgent()
     receiver = receiver_on(agent)
     assert receiver.link_state("engine-a") is LinkState.UNKNOWN
-    assert receiver.connect(b"engine-a") == "engine-a"
+    assert receiver.connect(sender_metadata()) == "engine-a"
     assert receiver.link_state("engine-a") is LinkState.CONNECTED
     receiver.forget_peer("engine-a")
     assert receiver.link_state("engine-a") is LinkState.CLOSED
@@ -66,7 +66,7 @@ def test_metadata_nixl_refuses_makes_no_link_and_nothing_can_be_owed_over_it() -
     receiver = receiver_on(agent)
     with pytest.raises(PeerLinkError, match="refused the peer's metadata: FakeNixlError: "
                                             "NIXL_ERR_MISMATCH"):
-        receiver.connect(b"engine-a")
+        receiver.connect(sender_metadata())
     with pytest.raises(PeerNotConnected, match="sender 'engine-a' is unknown"):
         expect(receiver, 1)
 
@@ -75,7 +75,7 @@ def test_a_link_nixl_does_not_hold_yet_is_connecting_until_a_poll_finds_it_held(
     agent = NotifyingAgent()
     agent.pending.add("engine-a")
     receiver = receiver_on(agent)
-    receiver.connect(b"engine-a")
+    receiver.connect(sender_metadata())
     assert receiver.link_state("engine-a") is LinkState.CONNECTING
     with pytest.raises(PeerNotConnected, match="job 1: sender 'engine-a' is CONNECTING"):
         expect(receiver, 1)
@@ -93,7 +93,7 @@ def test_a_check_that_raises_while_connecting_loses_the_link_and_removes_its_met
     agent.failing["check_remote_metadata"] = [FakeNixlError("NIXL_ERR_BACKEND")]
     receiver = receiver_on(agent)
     with pytest.raises(PeerLinkError, match="check_remote_metadata raised: FakeNixlError"):
-        receiver.connect(b"engine-a")
+        receiver.connect(sender_metadata())
     assert receiver.link_state("engine-a") is LinkState.CLOSED
     assert agent.peers == set(), "half-loaded metadata is removed"
 
@@ -102,7 +102,7 @@ def test_a_sender_forgotten_while_connecting_is_closed() -> None:
     agent = NotifyingAgent()
     agent.pending.add("engine-a")
     receiver = receiver_on(agent)
-    receiver.connect(b"engine-a")
+    receiver.connect(sender_metadata())
     receiver.forget_peer("engine-a")
     assert receiver.link_state("engine-a") is LinkState.CLOSED
     assert agent.peers == set()
@@ -122,7 +122,7 @@ def test_a_removal_that_raises_is_a_leak_and_the_link_is_closed_anyway(state: Li
     if state is LinkState.CONNECTING:
         agent.pending.add("engine-a")
     receiver = receiver_on(agent, peer_timeout=0.02)
-    receiver.connect(b"engine-a")
+    receiver.connect(sender_metadata())
     agent.failing["remove_remote_agent"] = [FakeNixlError("NIXL_ERR_NOT_FOUND")]
     if state is LinkState.LOST:
         lose(agent, receiver)
@@ -136,11 +136,11 @@ def test_a_removal_that_raises_is_a_leak_and_the_link_is_closed_anyway(state: Li
 
 def test_a_link_that_is_still_open_cannot_be_connected_again() -> None:
     receiver = receiver_on(NotifyingAgent())
-    receiver.connect(b"engine-a")
+    receiver.connect(sender_metadata())
     with pytest.raises(PeerLinkError, match="'engine-a' is already linked \\(CONNECTED\\)"):
-        receiver.connect(b"engine-a")
+        receiver.connect(sender_metadata())
     receiver.forget_peer("engine-a")
-    receiver.connect(b"engine-a")  # a closed link is over: a new one may be made
+    receiver.connect(sender_metadata())  # a closed link is over: a new one may be made
     assert receiver.link_state("engine-a") is LinkState.CONNECTED
 
 
@@ -150,7 +150,7 @@ def test_a_silent_sender_that_owes_jobs_is_probed_and_its_jobs_fail_only_once_it
 ) -> None:
     agent = NotifyingAgent()
     receiver = receiver_on(agent, peer_timeout=0.05)
-    receiver.connect(b"engine-a")
+    receiver.connect(sender_metadata())
     expect(receiver, 1)
     expect(receiver, 2)
     assert receiver.get_finished_jobs() == []
@@ -174,7 +174,7 @@ def test_a_silent_sender_that_owes_jobs_is_probed_and_its_jobs_fail_only_once_it
 def test_a_sender_heard_from_or_owing_nothing_is_not_probed() -> None:
     agent = NotifyingAgent()
     receiver = receiver_on(agent, peer_timeout=0.05)
-    receiver.connect(b"engine-a")
+    receiver.connect(sender_metadata())
     time.sleep(0.06)
     receiver.get_finished_jobs()
     assert agent.sent == [], "it owes nothing"
@@ -192,7 +192,7 @@ def test_a_probe_that_fails_another_way_keeps_the_sender_and_its_jobs() -> None:
     agent = NotifyingAgent()
     agent.failing["send_notif"] = [FakeNixlError("NIXL_ERR_BACKEND")]
     receiver = receiver_on(agent, peer_timeout=0.02)
-    receiver.connect(b"engine-a")
+    receiver.connect(sender_metadata())
     expect(receiver, 1)
     time.sleep(0.03)
     assert receiver.get_finished_jobs() == []
@@ -204,7 +204,7 @@ def test_a_probe_that_fails_another_way_keeps_the_sender_and_its_jobs() -> None:
 def test_without_a_peer_timeout_a_silent_sender_is_never_probed() -> None:
     agent = NotifyingAgent()
     receiver = receiver_on(agent, peer_timeout=None)
-    receiver.connect(b"engine-a")
+    receiver.connect(sender_metadata())
     expect(receiver, 1)
     time.sleep(0.02)
     receiver.get_finished_jobs()
@@ -215,10 +215,10 @@ def test_without_a_peer_timeout_a_silent_sender_is_never_probed() -> None:
 
 def test_a_job_owed_over_a_forgotten_link_fails_even_when_its_sender_reconnects() -> None:
     receiver = receiver_on(NotifyingAgent())
-    receiver.connect(b"engine-a")
+    receiver.connect(sender_metadata())
     expect(receiver, 1)
     receiver.forget_peer("engine-a")
-    receiver.connect(b"engine-a")
+    receiver.connect(sender_metadata())
     assert outcomes(receiver) == [(1, False)]
 
 
@@ -236,7 +236,7 @@ class Sender:
                                      agent=make_agent("engine-b", "UCX"))
         if connect:
             self.sender.connect(self.receiver.metadata(), self.receiver.block_descs())
-            self.receiver.connect(self.agent.get_agent_metadata())
+            self.receiver.connect(self.sender.metadata())
 
     def step(self) -> list[tuple[int, bool]]:
         self.receiver.get_finished_jobs()  # the receiver progresses its side
@@ -316,7 +316,7 @@ def test_a_sender_posts_nothing_before_it_is_connected_and_forgets_only_when_idl
         assert made.sender.link_state() is LinkState.UNKNOWN
 
         made.sender.connect(made.receiver.metadata(), made.receiver.block_descs())
-        made.receiver.connect(made.agent.get_agent_metadata())
+        made.receiver.connect(made.sender.metadata())
         with pytest.raises(PeerLinkError, match="already linked to receiver 'engine-b'"):
             made.sender.connect(made.receiver.metadata(), made.receiver.block_descs())
         made.agent.inject("transfer", StayProc(2), at=1)

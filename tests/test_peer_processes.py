@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -164,3 +165,28 @@ def test_a_receiver_finds_a_killed_sender_gone_and_fails_only_what_it_still_owed
     assert lost == {"results": [[2, False]], "link": "CLOSED"}
     assert receiver.ask(do="exit")["pending"] is False
     assert receiver.process.wait(10) == 0, receiver.stderr()
+
+
+def test_a_new_sender_process_of_the_same_name_never_completes_a_job_with_the_old_ones_write(
+    engines: list[Engine],
+) -> None:
+    receiver, old, new = Engine("receiver", "30"), Engine("sender"), Engine("sender")
+    engines += [receiver, old, new]  # both senders are agents called "engine-sender"
+    _, sender_name = connect(old, receiver)
+    old.ask(do="submit", job=1, keys=["3"], blocks=[0])  # before the receiver expects it
+    assert old.ask(do="results", count=1, within=5)["results"] == [[1, True]]
+    deadline = time.monotonic() + 5
+    while receiver.ask(do="stats")["stats"]["early"] < 1:  # it took the notification
+        assert time.monotonic() < deadline, "the receiver never took the notification"
+
+    old.kill()  # the old process is gone, and the engine knows it
+    assert receiver.ask(do="forget", sender=sender_name)["stats"]["discarded"] == 1
+    assert connect(new, receiver)[1] == sender_name
+    receiver.ask(do="expect", job=1, keys=["3"], blocks=[3], sender=sender_name)
+    assert receiver.ask(do="results", count=1, within=0.3, link=[sender_name]) == {
+        "results": [], "link": "CONNECTED"}, "the old process's write is not the new one's"
+
+    new.ask(do="submit", job=1, keys=["3"], blocks=[1])
+    assert new.ask(do="results", count=1, within=5)["results"] == [[1, True]]
+    assert receiver.ask(do="results", count=1, within=5, link=[sender_name])["results"] == [
+        [1, True]]
