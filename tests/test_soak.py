@@ -27,7 +27,7 @@ from .real_nixl import S3Server, own_s3_server
 
 __all__ = ["own_s3_server"]  # the fixture, imported for pytest
 
-pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+pytestmark = [pytest.mark.nixl, pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOBS = int(os.environ.get("KVFSM_SOAK_JOBS", "1500"))
 FAULT_RATE = float(os.environ.get("KVFSM_SOAK_FAULT_RATE", "0.02"))
