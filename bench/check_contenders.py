@@ -22,7 +22,7 @@ from handloop import HandTier
 from transitions_tier import TransitionsTier
 
 from kvfsm.testing import FakeNixlAgent, Fault, Raise, ReturnErr, StayProc
-from kvfsm.tiers import ObjectStoreTier
+from kvfsm.tiers import ObjectStoreTier, SecondaryTier
 from kvfsm.transfer import TransferJob
 
 BLOCKS, JOBS, PER_JOB = 8, 4, 2
@@ -83,10 +83,15 @@ def run(make: Callable[[torch.Tensor, Any], Any],
                 break
     lookups = [tier.lookup(f"b{b}").name for b in range(BLOCKS)]
     tier.shutdown()
+    if isinstance(tier, SecondaryTier):  # kvfsm: what its stats say
+        stats = tier.stats()
+        retries, leaked = stats["retries"], stats["leaked"]
+    else:  # a hand-written loop keeps its own tallies
+        retries, leaked = tier._retries, tier._leaks
     return {
         "rounds": rounds,
-        "retries": tier._retries,
-        "leaks": sorted((job, leak.call) for job, leak in tier._leaks),
+        "retries": retries,
+        "leaks": sorted((job, leak.call) for job, leak in leaked),
         "calls": Counter(c for c in agent.calls if c != "query_memory"),
         "lookups": lookups,
         "misuses": list(agent.misuses),

@@ -18,13 +18,21 @@ Compilation also rejects two kinds of mistakes that ``transitions`` accepts sile
   ``transitions`` would silently refuse and leave the machine where it was. A stay must be a
   declared self-loop.
 
+Declaring also refuses what would only show later, far from its cause: a guard on an edge that
+accepts an answer its event never carries (a member of another Enum, say: the edge would then
+miss the answer it was meant for), a state the initial state cannot reach (its edges are dead
+code; a variant that leaves states of a shared Enum unused names them in ``unreachable``), and a
+final state that declares events (a record leaves the table there: whatever followed would act
+on a result already handed out).
+
 At run time :meth:`CompiledMachine.fire` is three dict lookups, an attribute store and the
-step's actions. Each step counts how often it was taken, which gives per-transition counts and
-transition coverage for free. A driver that knows which calls follow one another can also take
-several steps at once: :meth:`CompiledMachine.chain` reads a :class:`Chain` out of the table
-(each step from where the one before left off, so it is exactly what firing them one by one
-would do), and :meth:`CompiledMachine.run` takes it with one state change, one count and one
-trace entry.
+step's actions. An action that raises leaves its exception as it was (its type is what callers
+catch), with a note naming the machine, the action and the step. Each step counts how often it
+was taken, which gives per-transition counts and transition coverage for free. A driver that
+knows which calls follow one another can also take several steps at once:
+:meth:`CompiledMachine.chain` reads a :class:`Chain` out of the table (each step from where the
+one before left off, so it is exactly what firing them one by one would do), and
+:meth:`CompiledMachine.run` takes it with one state change, one count and one trace entry.
 """
 
 from __future__ import annotations
@@ -179,9 +187,18 @@ class Declaration(Generic[S, A]):
         actions: for each action name, the function that performs it.
         transitions: the table, as ``transitions`` dicts (``trigger``, ``source``, ``dest``,
             optional ``conditions``, ``unless`` and ``after``), grouped by source state.
-        final: the states a record leaves the table from (drawn distinct in diagrams).
+        final: the states a record leaves the table from (drawn distinct in diagrams); they
+            declare no events.
         failure_states: the states that mean the run went wrong; diagrams draw the paths through
             them as failure paths and the paths that avoid them as the success path.
+        unreachable: states no path from ``initial`` enters, on purpose: a variant of a machine
+            that leaves some states of a shared Enum unused (the explorer's broken lifecycles,
+            a diagram's example of dead code). Any other state the initial state cannot reach
+            is refused, and so is a state named here that it can reach.
+
+    Raises:
+        DeclarationError: the declaration is inconsistent; the one-line message names the
+            state, edge, guard or action at fault.
     """
 
     def __init__(
@@ -196,6 +213,7 @@ class Declaration(Generic[S, A]):
         transitions: Sequence[Mapping[str, Any]],
         final: Iterable[S] = (),
         failure_states: Iterable[S] = (),
+        unreachable: Iterable[S] = (),
     ) -> None:
         self.name = name
         self.states = states
@@ -206,6 +224,8 @@ class Declaration(Generic[S, A]):
         self.transitions = [dict(t) for t in transitions]
         self.final = frozenset(final)
         self.failure_states = frozenset(failure_states)
+        self.unreachable = frozenset(unreachable)
+        self._check_states()
         self._check_names()
         self.edges: tuple[Edge, ...] = self._read_edges(self.build_machine(_Inert()))
         known = {state.name for state in states}
@@ -215,6 +235,8 @@ class Declaration(Generic[S, A]):
                     raise DeclarationError(f"{self.name}: edge {edge.source} -{edge.event}-> "
                                            f"{edge.dest} names an unknown state {end!r}")
         self._resolve()  # fail at declaration time, not at first use
+        self._check_reachable()
+        self._check_final()
 
     # -- the transitions machine ------------------------------------------------------------
 
@@ -274,6 +296,58 @@ class Declaration(Generic[S, A]):
         """The edges leaving ``source`` on ``event``, in the order their guards are tried."""
         return [e for e in self.edges if e.source == source.name and e.event == event]
 
+    def _check_states(self) -> None:
+        """The initial, final, failure and unreachable states are members of ``states``."""
+        named = [("initial", [self.initial]), ("final", self.final),
+                 ("failure_states", self.failure_states), ("unreachable", self.unreachable)]
+        for what, states in named:
+            for state in states:
+                if not isinstance(state, self.states):
+                    raise DeclarationError(
+                        f"{self.name}: {what} names {state!r}, which is not a member of "
+                        f"{self.states.__name__}")
+        if self.initial in self.unreachable:
+            raise DeclarationError(f"{self.name}: the initial state {self.initial.name} is "
+                                   "named in unreachable")
+
+    def _check_reachable(self) -> None:
+        """Every state is entered by some path from the initial state, unless it is named in
+        ``unreachable``; a state named there that is entered is refused too (the name is stale,
+        and would hide the next state that really goes unreached)."""
+        ahead: dict[str, set[str]] = {}
+        for edge in self.edges:
+            ahead.setdefault(edge.source, set()).add(edge.dest)
+        reached, todo = {self.initial.name}, [self.initial.name]
+        while todo:
+            for dest in ahead.get(todo.pop(), ()):
+                if dest not in reached:
+                    reached.add(dest)
+                    todo.append(dest)
+        declared = {state.name for state in self.unreachable}
+        unreached = [s.name for s in self.states if s.name not in reached | declared]
+        if unreached:
+            raise DeclarationError(
+                f"{self.name}: state(s) {', '.join(unreached)} cannot be reached from the "
+                f"initial state {self.initial.name}; add an edge into them, or name them in "
+                "unreachable= if leaving them unused is deliberate")
+        entered = [s.name for s in self.states if s.name in declared & reached]
+        if entered:
+            raise DeclarationError(
+                f"{self.name}: state(s) {', '.join(entered)} are named in unreachable= but "
+                f"can be reached from the initial state {self.initial.name}")
+
+    def _check_final(self) -> None:
+        """A final state declares no event: a record leaves the table there, its result handed
+        out, so nothing may follow (the explorer's FINAL_MOVES, refused before anything runs)."""
+        final = {state.name for state in self.final}
+        moves = [f"{e.source} -{e.event}-> {e.dest}" for e in self.edges if e.source in final]
+        if moves:
+            states = sorted({e.source for e in self.edges if e.source in final})
+            raise DeclarationError(
+                f"{self.name}: final state(s) {', '.join(states)} declare events "
+                f"({', '.join(moves)}); a record leaves the table in a final state, so no "
+                "event may follow it")
+
     def _check_names(self) -> None:
         for transition in self.transitions:
             self._check_transition(transition)
@@ -302,6 +376,25 @@ class Declaration(Generic[S, A]):
                 if name not in names:
                     raise DeclarationError(f"{self.name}: unknown {kind} {name!r} in {key} of "
                                            f"{transition}")
+                if kind == "guard":
+                    self._check_guard_answers(name, key, transition)
+
+    def _check_guard_answers(self, guard: str, key: str, transition: Mapping[str, Any]) -> None:
+        """A guard on an edge accepts only answers the edge's event can carry. One that names
+        anything else (often a same-named member of another Enum) is a mistake that would
+        otherwise surface as an answer that "matches no edge", far from the guard."""
+        trigger = transition["trigger"]
+        carried = self.answers[trigger]
+        stray = self.guards[guard] - carried
+        if stray:
+            source = transition.get("source")
+            sources = ", ".join(_state_names(source)) if source is not None else "?"
+            raise DeclarationError(
+                f"{self.name}: guard {guard!r} (in {key} of {sources} -{trigger}-> "
+                f"{', '.join(_state_names(transition.get('dest')))}) accepts "
+                f"{', '.join(sorted(map(_answer_name, stray)))}, which event {str(trigger)!r} "
+                f"never carries; its answers are "
+                f"{', '.join(sorted(map(_answer_name, carried)))}")
 
     def _read_edges(self, machine: Machine) -> tuple[Edge, ...]:
         edges: list[Edge] = []
@@ -404,6 +497,10 @@ class CompiledMachine(Generic[S, A]):
         Raises:
             InvalidTransition: the event (or that answer) is not declared in the record's state;
                 the record is left unchanged.
+            Exception: whatever an action raised, unchanged (callers catch it by its type), with
+                a note naming the action and the step. Actions run after the state changed, so
+                the record is where the step took it, counted and traced, with what the actions
+                before the failing one did; the actions after it did not run.
         """
         try:
             step = self.table[record.state][event][answer]
@@ -413,8 +510,12 @@ class CompiledMachine(Generic[S, A]):
         record.state = step.dest
         if self.trace and not step.is_stay:
             record.trace += (step, time.monotonic())  # type: ignore[attr-defined]
-        for action in step.actions:
-            action(record, answer, detail)
+        try:  # free while nothing raises (3.11's zero-cost exceptions): the hot path pays nothing
+            for action in step.actions:
+                action(record, answer, detail)
+        except BaseException as error:
+            _blame(error, self.name, step, action, record)
+            raise
         return step.dest
 
     def chain(self, state: S, moves: Sequence[tuple[str, A, Any]]) -> Chain[S]:
@@ -447,6 +548,9 @@ class CompiledMachine(Generic[S, A]):
         Raises:
             InvalidTransition: the record is not in the state the chain starts from; the
                 record is left unchanged.
+            Exception: whatever an action raised, unchanged, with a note naming the action and
+                its step (as :meth:`fire`); the record is in that step's destination, and is
+                not traced.
         """
         if record.state is not chain.source:
             raise InvalidTransition(self.name, record.state, chain.steps[0].edge.event,
@@ -454,10 +558,14 @@ class CompiledMachine(Generic[S, A]):
                                     f"a chain from {chain.source.name} cannot run in "
                                     f"state {record.state.name}")
         chain.runs += 1
-        for step, detail in chain.acting:
-            record.state = step.dest
-            for action in step.actions:
-                action(record, step.answer, detail)
+        try:  # free while nothing raises, as in fire
+            for step, detail in chain.acting:
+                record.state = step.dest
+                for action in step.actions:
+                    action(record, step.answer, detail)
+        except BaseException as error:
+            _blame(error, self.name, step, action, record)
+            raise
         record.state = chain.dest
         if self.trace and chain.traced:
             record.trace += (chain, time.monotonic())  # type: ignore[attr-defined]
@@ -482,6 +590,38 @@ class CompiledMachine(Generic[S, A]):
 
 class _Inert:
     """A model for the template machine that is only read, never triggered."""
+
+
+def _blame(error: BaseException, machine: str, step: Step[Any], action: Action,
+           record: Any) -> None:
+    """Note on ``error`` which action of which step raised it, and where the record is.
+
+    The exception itself is re-raised as it is: its type is what callers catch (a lifecycle's
+    ``OutcomeAlreadyLatched``, an interrupt), and a wrapper would hide it from them. A note
+    (PEP 678) is printed under the message in every traceback and by pytest, and matched by
+    ``pytest.raises(match=...)``; an exception that passes through nested machines gets one
+    note from each. Only the error path pays for it.
+    """
+    names = [name for name, known in zip(step.edge.actions, step.actions, strict=True)
+             if known is action]
+    state = getattr(record, "state", None)
+    where = state.name if isinstance(state, enum.Enum) else repr(state)
+    error.add_note(
+        f"kvfsm: raised by action {' or '.join(map(repr, names)) or repr(action)} of machine "
+        f"{machine!r}, firing {step.source.name} -{step.edge.event}({step.answer.name})-> "
+        f"{step.dest.name}; the record is in {where} (actions run after the state changed)")
+
+
+def _state_names(value: Any) -> list[str]:
+    if value is None:
+        return ["(unchanged)"]
+    return [v.name if isinstance(v, enum.Enum) else str(v) for v in _names(value)]
+
+
+def _answer_name(answer: Any) -> str:
+    if isinstance(answer, enum.Enum):
+        return f"{type(answer).__name__}.{answer.name}"
+    return repr(answer)
 
 
 def _names(value: Any) -> list[Any]:

@@ -31,8 +31,13 @@ def load_machine(spec: str) -> Declaration[Any, Any]:
     for ``python -m``.
 
     Raises:
-        ValueError: the spec does not name a declaration; the message says why.
+        ValueError: the spec does not name a declaration; the one-line message says why: no
+            such module (or importing it raised, a declaration it makes refused included), no
+            such attribute (naming the part that is missing), or not a Declaration.
     """
+    if not isinstance(spec, str):
+        raise ValueError(f"a machine is named by a str (module:ATTRIBUTE, or one of "
+                         f"{', '.join(KVFSM_MACHINES)}), got {spec!r}")
     spec = KVFSM_MACHINES.get(spec, spec)
     module_name, colon, attribute = spec.partition(":")
     if not colon or not module_name or not attribute:
@@ -41,18 +46,31 @@ def load_machine(spec: str) -> Declaration[Any, Any]:
     with _current_directory_importable():
         try:
             module = importlib.import_module(module_name)
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # a module that exits on import says so too
             raise ValueError(f"{spec!r}: cannot import {module_name!r}: "
-                             f"{type(error).__name__}: {error}") from None
+                             f"{_one_line(error)}") from None
     found: Any = module
+    walked: list[str] = []  # the dotted attribute's parts found so far
     for part in attribute.split("."):
+        where = f"{module_name}:{'.'.join(walked)}" if walked else module_name
         try:
             found = getattr(found, part)
         except AttributeError:
-            raise ValueError(f"{spec!r}: {module_name} has no attribute {attribute!r}") from None
+            raise ValueError(f"{spec!r}: {where} has no attribute {part!r}") from None
+        except Exception as error:  # a module __getattr__ or a property that fails otherwise
+            raise ValueError(f"{spec!r}: reading {part!r} of {where} raised "
+                             f"{_one_line(error)}") from None
+        walked.append(part)
     if not isinstance(found, Declaration):
         raise ValueError(f"{spec!r} is not a kvfsm Declaration (found {type(found).__name__})")
     return found
+
+
+def _one_line(error: BaseException) -> str:
+    """``Type: message`` on one line: an error message may span several (a traceback of its
+    own, a list of problems), and a CLI or pytest usage error prints one line."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def kvfsm_machines() -> dict[str, Declaration[Any, Any]]:

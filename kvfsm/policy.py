@@ -19,7 +19,10 @@ transfer is worse than that risk, and never below the longest time a transfer ca
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["RetryPolicy"]
 
@@ -37,6 +40,15 @@ class RetryPolicy:
         max_backoff: the longest wait between two attempts.
         max_running_seconds: a transfer NIXL still answers PROC for this long after submit is
             quarantined (None: waits as long as NIXL runs it; see the module's notes first).
+
+    Raises:
+        ValueError: a field is not what it says, naming the field and the value. Every field
+            is checked at construction, so a bad policy never reaches a tier: a bool is not a
+            number; ``max_attempts`` is an int; NaN is refused everywhere (every comparison
+            with it is false, so a NaN bound would silently never be reached); an infinite
+            ``max_seconds`` or ``max_running_seconds`` means no bound and is kept as None (one
+            spelling, and the tier's fast path); an infinite ``backoff`` or ``max_backoff`` is
+            refused (a release would never be tried again, so no bound would be reached).
     """
 
     max_attempts: int | None = None
@@ -46,10 +58,29 @@ class RetryPolicy:
     max_running_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_attempts", "max_seconds", "max_running_seconds"):
+        attempts = self.max_attempts
+        if attempts is not None:
+            if isinstance(attempts, bool) or not isinstance(attempts, numbers.Integral):
+                raise ValueError(f"RetryPolicy.max_attempts must be an int or None, got "
+                                 f"{_shown(attempts)}")
+            if attempts <= 0:
+                raise ValueError(f"RetryPolicy.max_attempts must be positive or None, got "
+                                 f"{attempts!r}")
+        for name in ("max_seconds", "max_running_seconds"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or value <= 0):
+            if value is None:
+                continue
+            _check_seconds(name, value, "or None")
+            if value <= 0:
                 raise ValueError(f"RetryPolicy.{name} must be positive or None, got {value!r}")
+            if math.isinf(value):  # no bound: None's meaning, kept as None
+                object.__setattr__(self, name, None)
+        for name in ("backoff", "max_backoff"):
+            value = getattr(self, name)
+            _check_seconds(name, value, "")
+            if math.isinf(value):
+                raise ValueError(f"RetryPolicy.{name} must be finite, got {value!r} (a wait "
+                                 "that long never retries, so no bound is ever reached)")
         if self.backoff < 0 or self.max_backoff < self.backoff:
             raise ValueError(f"RetryPolicy: need 0 <= backoff <= max_backoff, got "
                              f"{self.backoff} and {self.max_backoff}")
@@ -64,4 +95,22 @@ class RetryPolicy:
         """When to try again after the ``failures``-th failed release."""
         if not self.backoff:
             return 0.0
-        return now + float(min(self.max_backoff, self.backoff * 2.0 ** (failures - 1)))
+        # the exponent is capped where 2.0 ** n is still a float: past 1024 failures (an
+        # unbounded policy) it would raise OverflowError; the wait is max_backoff long before
+        doubled = self.backoff * 2.0 ** min(failures - 1, 1023)
+        return now + float(min(self.max_backoff, doubled))
+
+
+def _check_seconds(name: str, value: Any, alternative: str) -> None:
+    """``value`` is a real number of seconds (not a bool, not NaN)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or math.isnan(value)):
+        what = f"a number of seconds {alternative}".rstrip()
+        raise ValueError(f"RetryPolicy.{name} must be {what}, got {_shown(value)}")
+
+
+def _shown(value: Any) -> str:
+    """The value as the error shows it: its repr, and its type when that is not a number's."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return repr(value)
+    return f"{value!r} ({type(value).__name__})"

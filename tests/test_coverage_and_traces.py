@@ -147,3 +147,22 @@ def test_a_file_that_is_not_traces_is_refused_by_line(tmp_path: Path) -> None:
     path.write_text('{"machine": "transfer", "job_id": 1, "steps": []}\nnot json\n')
     with pytest.raises(ValueError, match=r"junk.jsonl:2: not a trace"):
         list(read_traces(path))
+
+
+# -- the plugin's options: naming a machine asks for its coverage -----------------------------
+
+def test_naming_a_machine_alone_prints_its_coverage(lamp_project: pytest.Pytester) -> None:
+    """--kvfsm-machine implies --kvfsm-coverage; before, it silently did nothing."""
+    result = lamp_project.runpytest("--kvfsm-machine", "lamp:LAMP")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*kvfsm transition coverage*",
+                                 "machine lamp: 3 of 4 transitions taken (75 %)"])
+
+
+def test_naming_a_machine_that_does_not_exist_alone_is_a_usage_error(
+    lamp_project: pytest.Pytester,
+) -> None:
+    result = lamp_project.runpytest("--kvfsm-machine", "lamp:LAMPS")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*--kvfsm-machine: 'lamp:LAMPS': lamp has no attribute 'LAMPS'"])

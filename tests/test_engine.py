@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import enum
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +15,7 @@ from hypothesis import strategies as st
 from transitions import MachineError
 
 from kvfsm import TRANSFER_MACHINE, Declaration, DeclarationError, InvalidTransition
+from kvfsm.machines import load_machine
 
 
 class Door(enum.Enum):
@@ -241,11 +246,12 @@ def test_unknown_guard_action_or_trigger_is_refused() -> None:
 
 
 def test_an_edge_that_can_never_be_taken_is_refused() -> None:
-    # "remove" only ever carries NONE, so a "remove" edge guarded by "hard" is dead code
+    # "remove" only ever carries NONE, so a "remove" edge taken unless NONE is dead code
     transitions = [*door_declaration().transitions,
                    {"trigger": "remove", "source": Door.OPEN, "dest": Door.CLOSED,
-                    "conditions": "hard"}]
-    with pytest.raises(DeclarationError, match=r"OPEN -remove-> CLOSED \[hard\] can never"):
+                    "unless": "nothing"}]
+    with pytest.raises(DeclarationError,
+                       match=r"OPEN -remove-> CLOSED \[!nothing\] can never be taken"):
         door_declaration(transitions=transitions)
 
 
@@ -275,3 +281,173 @@ def test_unknown_states_are_refused() -> None:
     with pytest.raises(DeclarationError, match="unknown state 'AJAR'"):
         door_declaration(transitions=[{"trigger": "push", "source": "AJAR", "dest": Door.OPEN,
                                        "conditions": "gentle"}])
+
+
+# -- bad declarations are refused at once, by name ----------------------------------------------
+
+class Pull(enum.Enum):
+    """Another Enum with a member named like one of Push's: the mistake the guard check finds."""
+
+    NONE = 1
+
+
+def test_a_guard_accepting_an_answer_its_event_never_carries_is_refused_by_name() -> None:
+    # the guard meant Push.NONE; before, this read "answer NONE matches no edge", at OPEN
+    guards = {**door_declaration().guards, "let_go": [Pull.NONE]}
+    transitions = [{**t, "conditions": "let_go"} if t["trigger"] == "remove" else t
+                   for t in door_declaration().transitions]
+    with pytest.raises(DeclarationError) as refused:
+        door_declaration(guards=guards, transitions=transitions)
+    assert str(refused.value) == (
+        "door: guard 'let_go' (in conditions of OPEN, JAMMED -remove-> GONE) accepts "
+        "Pull.NONE, which event 'remove' never carries; its answers are Push.NONE")
+    unless = [*door_declaration().transitions,
+              {"trigger": "remove", "source": Door.CLOSED, "dest": Door.GONE, "unless": "hard"}]
+    with pytest.raises(DeclarationError, match=r"guard 'hard' \(in unless of CLOSED -remove-> "
+                                               r"GONE\) accepts Push.HARD, which event 'remove' "
+                                               r"never carries; its answers are Push.NONE$"):
+        door_declaration(transitions=unless)
+
+
+def jammed_unreachable() -> list[dict[str, Any]]:
+    """The door's table with a hard push from CLOSED bouncing back: nothing enters JAMMED."""
+    return [{**t, "dest": Door.CLOSED, "after": []}
+            if (t["source"], t.get("conditions")) == (Door.CLOSED, "hard") else t
+            for t in door_declaration().transitions]
+
+
+def test_a_state_the_initial_state_cannot_reach_is_refused_unless_named_unreachable() -> None:
+    with pytest.raises(DeclarationError) as refused:
+        door_declaration(transitions=jammed_unreachable())
+    assert str(refused.value) == (
+        "door: state(s) JAMMED cannot be reached from the initial state CLOSED; add an edge "
+        "into them, or name them in unreachable= if leaving them unused is deliberate")
+    # deliberately unused (a variant over a shared Enum): declared, and it compiles and runs
+    variant = door_declaration(transitions=jammed_unreachable(), unreachable=[Door.JAMMED])
+    assert variant.unreachable == {Door.JAMMED}
+    door = DoorRecord()
+    variant.compile(listen=False).fire(door, "push", Push.HARD)
+    assert door.state is Door.CLOSED
+    # a state named unreachable that is reached is a stale name: refused too
+    with pytest.raises(DeclarationError, match=r"^door: state\(s\) OPEN are named in "
+                                               r"unreachable= but can be reached from the "
+                                               r"initial state CLOSED$"):
+        door_declaration(unreachable=[Door.OPEN])
+
+
+def test_a_final_state_that_declares_events_is_refused() -> None:
+    with pytest.raises(DeclarationError) as refused:
+        door_declaration(final=[Door.OPEN, Door.GONE])
+    assert str(refused.value) == (
+        "door: final state(s) OPEN declare events (OPEN -remove-> GONE); a record leaves the "
+        "table in a final state, so no event may follow it")
+    assert door_declaration(final=[Door.GONE]).final == {Door.GONE}
+
+
+def test_named_states_must_be_members_of_the_states_enum() -> None:
+    with pytest.raises(DeclarationError, match=r"^door: final names 'GONE', which is not a "
+                                               r"member of Door$"):
+        door_declaration(final=["GONE"])
+    with pytest.raises(DeclarationError, match=r"failure_states names <Push\.HARD: 2>"):
+        door_declaration(failure_states=[Push.HARD])
+
+
+# -- an action that raises names itself and its step -------------------------------------------
+
+class Hinge(Exception):
+    """What the user's action raises."""
+
+
+def broken_hinge(record: Any, answer: Any, detail: Any) -> None:
+    raise Hinge(f"hinge broke on {answer.name}")
+
+
+def test_an_action_that_raises_keeps_its_exception_and_names_action_and_step() -> None:
+    machine = door_declaration(actions={"note_jam": broken_hinge}).compile(listen=False)
+    door = DoorRecord()
+    with pytest.raises(Hinge, match="hinge broke on HARD") as raised:
+        machine.fire(door, "push", Push.HARD)
+    assert raised.value.__notes__ == [
+        "kvfsm: raised by action 'note_jam' of machine 'door', firing CLOSED -push(HARD)-> "
+        "JAMMED; the record is in JAMMED (actions run after the state changed)"]
+    # today's contract, kept: the state changed before the action ran, and the step counted
+    assert door.state is Door.JAMMED and door.jams == 0
+    assert machine.step(Door.CLOSED, "push", Push.HARD).count == 1
+
+
+def test_an_action_that_raises_in_a_chain_names_its_own_step() -> None:
+    machine = door_declaration(actions={"note_jam": broken_hinge}).compile(listen=False)
+    chain = machine.chain(Door.CLOSED, [("push", Push.NONE, None), ("push", Push.HARD, None),
+                                        ("remove", Push.NONE, None)])
+    door = DoorRecord()
+    with pytest.raises(Hinge, match=r"(?s)hinge broke.*action 'note_jam' of machine 'door', "
+                                    r"firing CLOSED -push\(HARD\)-> JAMMED; the record is in "
+                                    r"JAMMED"):
+        machine.run(door, chain)
+    assert door.state is Door.JAMMED, "the run stops where the action raised, as documented"
+    assert chain.runs == 1
+
+
+# -- module:ATTRIBUTE names a declaration, or says in one line why not -------------------------
+
+@pytest.fixture
+def importable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory on sys.path for modules a test writes; they are forgotten afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = set(sys.modules)
+    yield tmp_path
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize(("spec", "module", "message"), [
+    ("kvfsm.lifecycle:TRANSFER_MACHINE.nope", None,
+     "'kvfsm.lifecycle:TRANSFER_MACHINE.nope': kvfsm.lifecycle:TRANSFER_MACHINE has no "
+     "attribute 'nope'"),
+    ("kvfsm_t14_loud:M", "raise RuntimeError('first line\\n  second line')",
+     "'kvfsm_t14_loud:M': cannot import 'kvfsm_t14_loud': RuntimeError: first line second line"),
+    ("kvfsm_t14_exits:M", "raise SystemExit('usage: no arguments')",
+     "'kvfsm_t14_exits:M': cannot import 'kvfsm_t14_exits': SystemExit: usage: no arguments"),
+    ("kvfsm_t14_lazy:M", "def __getattr__(name):\n    raise LookupError(name + ' is not ready')",
+     "'kvfsm_t14_lazy:M': reading 'M' of kvfsm_t14_lazy raised LookupError: M is not ready"),
+    ("kvfsm_t14_class:Door", "class Door:\n    pass",
+     "'kvfsm_t14_class:Door' is not a kvfsm Declaration (found type)"),
+])
+def test_a_spec_that_names_no_declaration_gets_one_line_saying_why(
+    importable: Path, spec: str, module: str | None, message: str,
+) -> None:
+    if module is not None:
+        (importable / f"{spec.partition(':')[0]}.py").write_text(module + "\n")
+    with pytest.raises(ValueError) as refused:
+        load_machine(spec)
+    assert str(refused.value) == message
+
+
+def test_a_module_whose_declaration_is_refused_names_the_refusal(importable: Path) -> None:
+    (importable / "kvfsm_t14_final.py").write_text(textwrap.dedent("""
+        import enum
+        from kvfsm import Declaration
+
+        class Lamp(enum.Enum):
+            OFF = 1
+            ON = 2
+
+        class Press(enum.Enum):
+            OK = 1
+
+        LAMP = Declaration(
+            "lamp", states=Lamp, initial=Lamp.OFF, answers={"press": [Press.OK]}, guards={},
+            actions={}, final=[Lamp.ON],
+            transitions=[{"trigger": "press", "source": Lamp.OFF, "dest": Lamp.ON},
+                         {"trigger": "press", "source": Lamp.ON, "dest": Lamp.OFF}])
+        """))
+    with pytest.raises(ValueError, match=r"^'kvfsm_t14_final:LAMP': cannot import "
+                                         r"'kvfsm_t14_final': DeclarationError: lamp: final "
+                                         r"state\(s\) ON declare events \(ON -press-> OFF\)"):
+        load_machine("kvfsm_t14_final:LAMP")
+
+
+def test_a_spec_that_is_not_a_str_is_refused_by_value() -> None:
+    with pytest.raises(ValueError, match=r"^a machine is named by a str \(module:ATTRIBUTE, or "
+                                         r"one of transfer, peer_receive, peer_link\), got None$"):
+        load_machine(None)  # type: ignore[arg-type]

@@ -14,8 +14,10 @@ S = TransferState
 
 
 def variant(name: str, replace: dict[tuple[TransferState, str, str], dict[str, Any]],
-            actions: dict[str, Any] | None = None) -> Declaration[Any, Any]:
-    """The shipped lifecycle with the edges keyed (source, trigger, guard) replaced."""
+            actions: dict[str, Any] | None = None,
+            unreachable: tuple[TransferState, ...] = ()) -> Declaration[Any, Any]:
+    """The shipped lifecycle with the edges keyed (source, trigger, guard) replaced; a variant
+    whose replaced edges leave a state unentered names it in ``unreachable``."""
     transitions = []
     for transition in TRANSITIONS:
         key = (transition["source"], str(transition["trigger"]),
@@ -25,7 +27,8 @@ def variant(name: str, replace: dict[tuple[TransferState, str, str], dict[str, A
     return Declaration(name, states=TransferState, initial=S.SUBMITTED, answers=ANSWERS,
                        guards=GUARDS, actions={**ACTIONS, **(actions or {})},
                        transitions=transitions, final=TRANSFER_MACHINE.final,
-                       failure_states=TRANSFER_MACHINE.failure_states)
+                       failure_states=TRANSFER_MACHINE.failure_states,
+                       unreachable=unreachable)
 
 
 def overwrite_outcome(success: bool) -> Any:
@@ -59,7 +62,8 @@ BROKEN = {
         Invariant.RELEASE_BEFORE_CLEANUP),
     "release_on_cancel": (
         variant("release_on_cancel", {
-            (S.PROCESSING, "cancel", ""): {"dest": S.FAILED, "after": "latch_failure"}}),
+            (S.PROCESSING, "cancel", ""): {"dest": S.FAILED, "after": "latch_failure"}},
+            unreachable=(S.CANCELLING,)),  # cancelling no longer waits for NIXL
         Invariant.RELEASE_WHEN_OVER),
     "clean_past_the_retry_bound": (
         variant("clean_past_the_retry_bound", {

@@ -5,6 +5,11 @@ shows, for the machines named with ``--kvfsm-machine MODULE:ATTRIBUTE`` (or a na
 kvfsm's own, such as ``transfer``; kvfsm's own when none is named), how often each declared
 transition was taken with each answer its guards accept. With ``--kvfsm-coverage-fail`` the run
 fails when one of them was never taken.
+
+Naming a machine turns coverage on, as ``--kvfsm-coverage-fail`` does: a test author who writes
+``--kvfsm-machine mine:MACHINE`` is asking for that machine's table, and a run that printed
+nothing (or an error telling them to type the other option too) would only be in the way. A spec
+that names no declaration is a usage error, whichever option asked for coverage.
 """
 
 from __future__ import annotations
@@ -82,17 +87,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="fail the run when a declared transition was never taken "
                          "(implies --kvfsm-coverage)")
     group.addoption("--kvfsm-machine", action="append", default=[], metavar="MODULE:ATTRIBUTE",
-                    help="cover this machine (repeatable); by default kvfsm's own machines")
+                    help="cover this machine (repeatable; implies --kvfsm-coverage); by "
+                         "default kvfsm's own machines")
 
 
 _KEY = pytest.StashKey[TransitionCoverage]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Start listening when asked to."""
-    if not (config.getoption("kvfsm_coverage") or config.getoption("kvfsm_coverage_fail")):
-        return
+    """Start listening when asked to: by any of the three options."""
     named = config.getoption("kvfsm_machine")
+    if not (config.getoption("kvfsm_coverage") or config.getoption("kvfsm_coverage_fail")
+            or named):
+        return
     try:
         machines = {m.name: m for m in map(load_machine, named)} if named else kvfsm_machines()
     except ValueError as error:

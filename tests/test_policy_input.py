@@ -1,0 +1,66 @@
+"""A bad RetryPolicy is refused at construction, naming the field and the value, in one line."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvfsm.policy import RetryPolicy
+
+NAN, INF = math.nan, math.inf
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("max_attempts", "3", "RetryPolicy.max_attempts must be an int or None, got '3' (str)"),
+    ("max_attempts", 2.0, "RetryPolicy.max_attempts must be an int or None, got 2.0"),
+    ("max_attempts", INF, "RetryPolicy.max_attempts must be an int or None, got inf"),
+    ("max_attempts", True, "RetryPolicy.max_attempts must be an int or None, got True (bool)"),
+    ("max_attempts", 0, "RetryPolicy.max_attempts must be positive or None, got 0"),
+    ("max_seconds", "60", "RetryPolicy.max_seconds must be a number of seconds or None, "
+                          "got '60' (str)"),
+    ("max_seconds", NAN, "RetryPolicy.max_seconds must be a number of seconds or None, got nan"),
+    ("max_seconds", True, "RetryPolicy.max_seconds must be a number of seconds or None, "
+                          "got True (bool)"),
+    ("max_seconds", -INF, "RetryPolicy.max_seconds must be positive or None, got -inf"),
+    ("max_running_seconds", NAN, "RetryPolicy.max_running_seconds must be a number of seconds "
+                                 "or None, got nan"),
+    ("max_running_seconds", [5], "RetryPolicy.max_running_seconds must be a number of seconds "
+                                 "or None, got [5] (list)"),
+    ("backoff", None, "RetryPolicy.backoff must be a number of seconds, got None (NoneType)"),
+    ("backoff", False, "RetryPolicy.backoff must be a number of seconds, got False (bool)"),
+    ("backoff", NAN, "RetryPolicy.backoff must be a number of seconds, got nan"),
+    ("backoff", INF, "RetryPolicy.backoff must be finite, got inf (a wait that long never "
+                     "retries, so no bound is ever reached)"),
+    ("max_backoff", "1s", "RetryPolicy.max_backoff must be a number of seconds, got '1s' (str)"),
+    ("max_backoff", INF, "RetryPolicy.max_backoff must be finite, got inf (a wait that long "
+                         "never retries, so no bound is ever reached)"),
+])
+def test_a_bad_field_is_refused_naming_field_and_value(field: str, value: Any,
+                                                       message: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        RetryPolicy(**{field: value})
+    assert str(refused.value) == message
+
+
+def test_an_infinite_bound_is_no_bound_and_reads_as_none() -> None:
+    policy = RetryPolicy(max_seconds=INF, max_running_seconds=INF)
+    assert policy == RetryPolicy(max_seconds=None, max_running_seconds=None)
+    assert not policy.spent(failures=1000, ended_at=0.0, now=1e300)
+
+
+def test_numbers_of_other_types_are_numbers() -> None:
+    policy = RetryPolicy(max_attempts=np.int64(3), max_seconds=Fraction(1, 2), backoff=0,
+                         max_backoff=np.float64(0.5))
+    assert policy.spent(failures=3, ended_at=0.0, now=0.0)
+    assert policy.spent(failures=1, ended_at=0.0, now=0.5)
+
+
+def test_the_backoff_of_an_unbounded_policy_never_overflows() -> None:
+    """Past 1024 failed releases the doubling would overflow a float and raise in the poll."""
+    policy = RetryPolicy(max_seconds=None, backoff=0.01, max_backoff=2.0)
+    assert policy.next_attempt(failures=5000, now=10.0) == 12.0
+    assert policy.next_attempt(failures=1, now=10.0) == 10.01
