@@ -10,7 +10,9 @@ they lead to are taken together as one chain read from the same table.
 What differs between tiers (object keys, files) is a :class:`RemoteSide`: it opens the remote
 descriptors of a transfer, commits a finished store (a file tier renames its file into place),
 and closes what it opened. Its calls are part of the NIXL call they sit beside: an error while
-opening or committing is that call's error, and an error while closing is a leak.
+opening or committing is that call's error, and an error while closing is a leak. A commit that
+is not finished yet (a file tier flushing on a thread of its own) makes the answer PROC: for the
+machine the store still runs, and the next poll asks again.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class RemoteSide(Protocol):
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         """The remote descriptors of ``transfer``; keep what was opened on the transfer."""
 
-    def commit(self, transfer: Transfer) -> None:
-        """Make a store NIXL finished visible (may raise: the store then fails)."""
+    def commit(self, transfer: Transfer) -> bool | None:
+        """Make a store NIXL finished visible (may raise: the store then fails). False: not
+        finished yet, ask again on a later poll (the driver answers PROC meanwhile)."""
 
     def close(self, transfer: Transfer) -> list[Leak]:
         """Release what :meth:`open` kept, after NIXL let go of it; report what could not be."""
@@ -72,8 +75,9 @@ class StorageSide:
         """Never asked: storage has nobody to tell."""
         return b""
 
-    def commit(self, transfer: Transfer) -> None:
+    def commit(self, transfer: Transfer) -> bool | None:
         """Nothing to commit: the data is visible once NIXL finished."""
+        return True
 
     def close(self, transfer: Transfer) -> list[Leak]:
         """Nothing opened, nothing to close."""
@@ -362,11 +366,12 @@ class TransferDriver:
                                           for _, event, detail in moves])
 
     def _commit(self, transfer: Transfer) -> tuple[Answer, Any]:
-        """NIXL answered DONE: commit a store; a commit that raises makes the answer RAISED."""
+        """NIXL answered DONE: commit a store; a commit that raises makes the answer RAISED,
+        and one not finished yet PROC (the store is not over until its commit is)."""
         if transfer.job.is_promotion:
             return Answer.DONE, None
         try:
-            self.remote.commit(transfer)
+            committed = self.remote.commit(transfer)
         except Exception as error:
             return Answer.RAISED, error.with_traceback(None)  # no cycle through this frame
-        return Answer.DONE, None
+        return (Answer.PROC, None) if committed is False else (Answer.DONE, None)

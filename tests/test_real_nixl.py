@@ -232,7 +232,7 @@ def test_file_tier_round_trip_on_real_nixl(file_tier: FileTier, cache: torch.Ten
     for block in range(BLOCKS):
         path = file_tier.path_of(f"seq0/block{block}")
         assert path.read_bytes() == original[block].numpy().tobytes()
-    assert not list(file_tier.root.glob("*.partial-*"))
+    assert not list(file_tier.root.glob(".kvfsm-partial-*"))
 
     cache.zero_()
     order = list(reversed(range(BLOCKS)))
@@ -258,7 +258,7 @@ def test_a_store_that_fails_never_leaves_a_block_that_reads_as_valid(
     assert collect(tier, 1)[2].success is False
     assert tier.path_of("kept").read_bytes() == original[0].numpy().tobytes(), "old block intact"
     assert not tier.path_of("new").exists()
-    assert not list(tmp_path.glob("*.partial-*")), "a failed store's temporary files are removed"
+    assert not list(tmp_path.glob(".kvfsm-partial-*")), "a failed store's temporary files go"
     assert tier.lookup("new") is Lookup.MISS
 
 

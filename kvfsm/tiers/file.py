@@ -1,18 +1,62 @@
 """A file secondary tier: one file per KV block under a root directory, over NIXL's POSIX backend.
 
-A store writes each block into a temporary file beside its final name. Only once NIXL answered
-DONE does the commit flush the files (``fsync``) and rename them into place, one atomic rename a
-block. So a crash at any moment leaves either the old file, or no file, or the complete new one:
-never a half-written block under a block's name. Temporary files of a store that failed are
-removed when the transfer is cleaned up; those left by a crash never carry a block's name and
-are removed by :meth:`FileTier.remove_stale`.
+Names. A block's file name is its key's text (:func:`~kvfsm.tiers.base.key_text`) when that is a
+plain name (letters, digits, ``_ . ~ -``, not starting with a dot, at most 200 characters);
+otherwise the text percent-quoted, with a leading dot quoted too (``%2E``); a quoted name longer
+than 200 characters is ``%h-`` and the SHA-256 of the quoted name. Plain names hold no ``%``,
+quoting always puts two hex digits after one, and ``%h`` never comes out of quoting, so two keys
+never share a file (short of a SHA-256 collision), and no key's file starts with a dot: names
+starting with ``.`` belong to kvfsm (temporary files, writer files). Bytes keys share the str
+keys' names (``b"k"`` is ``"6b"``).
+
+Stores. A store writes each block into a temporary file of its own,
+``.kvfsm-partial-<writer>-<n>-<name>``, created with ``O_EXCL``: ``<writer>`` is a random id per
+tier instance and ``<n>`` counts that tier's temporary files, so two tiers sharing a directory
+(two engines, or a restarted engine whose old process is still exiting) never write into one
+file; the last rename of a block wins, with a whole block either way. Only once NIXL answered
+DONE is a file renamed onto its block's name, one atomic rename a block, so a crash at any
+moment leaves the old file, no file, or the whole new one; and a lookup says HIT only for a file
+of exactly one block's size.
+
+Durability. With ``durable=True`` the commit (``fsync`` of each file, the renames, ``fsync`` of
+the directory) runs on the tier's flusher thread, never on the caller's: the poll that sees NIXL
+finish hands the files over and the driver answers the machine PROC (the declared stay in
+PROCESSING: for the machine the store runs until its commit is over); a later poll finds the
+flush over and fires DONE, or RAISED with the flush's error. The directory is flushed once per
+batch of stores, however many. So a poll, a submit, ``drain_jobs(timeout)`` and
+``shutdown(timeout)`` never wait on the disk; a store's result waits for its flush instead, and
+``shutdown`` waits for a store being flushed as for one NIXL still runs (the flusher takes no
+lock of the tier's). With ``durable=False`` the renames are made inline (a rename is cheap) and
+nothing is flushed: a process crash keeps every finished store, a power loss may not.
+
+Cancel. A store cancelled before NIXL finished it is not committed: it fails and leaves no new
+block. One cancelled while its flush is under way fails too, but the flush is not undone: its
+blocks, whole, may be in place. (So may those of a store whose state check fails after NIXL had
+answered DONE, a fault only injection makes.)
+
+Stale files. Each tier holds an exclusive ``flock`` on its writer file ``.kvfsm-writer-<writer>``
+from its first store until shutdown; the kernel drops the lock when the process dies, whatever
+killed it. A temporary file is stale once its writer's lock can be taken (or its writer file is
+gone), and only then does :meth:`FileTier.remove_stale` remove it: another live tier's files, in
+this process or another, are left alone. A pid would not do: it is reused, and it does not tell
+two tiers of one process apart. This needs every process sharing the directory to see the
+others' ``flock`` locks (a local file system does; over NFS it is as good as the lock
+emulation), and a process forked without ``exec`` shares its parent's lock, so its parent's
+files count as live while either runs. Temporary files of a store that failed are removed when
+its transfer is cleaned up.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import itertools
 import os
 import re
+import secrets
+import stat
+import threading
 import urllib.parse
 import weakref
 from pathlib import Path
@@ -29,21 +73,29 @@ from kvfsm.transfer import Leak, Transfer
 
 __all__ = ["FileTier"]
 
-_PARTIAL = ".partial-"
-_MAX_NAME = 200  # longer names are hashed (file systems allow 255 bytes)
+_MAX_NAME = 200  # longer names are hashed (names may have 255 bytes; a temporary one adds <= 53)
 #: a key that quoting leaves as it is and that does not start with a dot
 _PLAIN = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9_.~-]*").fullmatch
+#: the start of a hashed name: quoting never puts a non-hex character after a "%"
+_HASHED = "%h-"
+#: kvfsm's own files start with a dot, which no block's name does
+_PARTIAL = ".kvfsm-partial-"
+_WRITER = ".kvfsm-writer-"
+_WRITER_ID = re.compile(r"[0-9a-f]{16}")
+#: a temporary file's name: the writer that created it is the first group
+_PARTIAL_NAME = re.compile(re.escape(_PARTIAL) + r"([0-9a-f]{16})-").match
 
 
 class _OpenFiles:
     """What a file transfer opened: descriptors, and the temporary paths of a store."""
 
-    __slots__ = ("committed", "fds", "partial")
+    __slots__ = ("committed", "fds", "flush", "partial")
 
     def __init__(self) -> None:
         self.fds: list[int] = []
         self.partial: list[tuple[str, str]] = []  # (temporary, final) paths, for a store
-        self.committed = False
+        self.committed = False  # renamed into place: nothing left to remove
+        self.flush: _Flush | None = None  # the commit handed to the flusher, once it is
 
 
 class _Files(StorageSide):
@@ -64,24 +116,42 @@ class _Files(StorageSide):
             if transfer.job.is_promotion:
                 fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
             else:
-                partial = f"{final}{_PARTIAL}{transfer.job_id}"
-                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                # a name no other tier, and no earlier store of this one, ever used: O_EXCL
+                # says so, rather than truncating a file someone else may still commit
+                partial = f"{tier._writer.claim()}{next(tier._partials)}-{name}"
+                fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                              0o644)
                 opened.partial.append((partial, final))
             fds.append(fd)
             descs.append((0, size, fd, ""))
         return descs
 
-    def commit(self, transfer: Transfer) -> None:
+    def commit(self, transfer: Transfer) -> bool:
+        """Rename a finished store's files into place; False while its flush is under way.
+
+        A store cancelled before NIXL finished it (its outcome latched as failure) is not
+        committed: it fails, so it leaves no new block (its temporary files go at cleanup). One
+        cancelled while its flush is under way waits for the flush, which is not undone: its
+        blocks, complete, may be in place.
+        """
         opened: _OpenFiles = transfer.opened
-        if self._tier.durable:
-            for fd in opened.fds:
-                os.fsync(fd)
-        for partial, final in opened.partial:
-            os.replace(partial, final)
+        flush = opened.flush
+        if flush is None:
+            if transfer.success is False or not opened.partial:
+                return True
+            if not self._tier.durable:
+                for partial, final in opened.partial:
+                    os.replace(partial, final)
+                opened.committed = True
+                return True
+            opened.flush = self._tier._flusher.hand(opened.fds, opened.partial)
+            return False
+        if not flush.done:
+            return False
+        if flush.error is not None:
+            raise flush.error
         opened.committed = True
-        if self._tier.durable and opened.partial:
-            _fsync_dir(self._tier.root)
+        return True
 
     def close(self, transfer: Transfer) -> list[Leak]:
         opened: _OpenFiles | None = transfer.opened
@@ -94,6 +164,9 @@ class _Files(StorageSide):
             except OSError as error:
                 leaks.append(Leak("close", f"fd {fd}: {error}"))
         if not opened.committed:
+            # (a flush still under way, for a store that failed after NIXL finished it, owns
+            # copies of the descriptors; a rename it makes later finds its file gone, or has
+            # put a complete block in place)
             for partial, _ in opened.partial:
                 try:
                     os.unlink(partial)
@@ -105,15 +178,235 @@ class _Files(StorageSide):
         return leaks
 
 
+class _Flush:
+    """One store's commit, handed to the flusher: its descriptors (copies the flusher closes),
+    its renames, and how it went. ``done`` is set last, once ``error`` is final."""
+
+    __slots__ = ("done", "error", "fds", "renames")
+
+    def __init__(self, fds: list[int], renames: list[tuple[str, str]]) -> None:
+        self.fds = fds
+        self.renames = renames
+        self.error: Exception | None = None
+        self.done = False
+
+
+class _Flusher:
+    """Flushes finished stores on a thread of its own: ``fsync`` each file, rename it into
+    place, then ``fsync`` the directory once for all the stores taken together.
+
+    It knows nothing of the tier (no lock of the tier's, no reference to it: a dropped tier is
+    freed at once) and owns only the copies of the descriptors it was handed, which it closes.
+    The thread starts with the first commit and ends at :meth:`stop`, after the flushes it was
+    handed: a commit handed over is never dropped halfway.
+    """
+
+    def __init__(self, root: str) -> None:
+        self._root = root
+        self._queue: list[_Flush] = []
+        self._ready = threading.Condition()  # its own lock: never the tier's
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def hand(self, fds: list[int], renames: list[tuple[str, str]]) -> _Flush:
+        """Queue a store's commit; its descriptors are duplicated, so closing the transfer's
+        own never pulls a descriptor from under an ``fsync``."""
+        copies: list[int] = []
+        try:
+            for fd in fds:
+                copies.append(os.dup(fd))
+        except BaseException:
+            for fd in copies:
+                os.close(fd)
+            raise
+        flush = _Flush(copies, list(renames))
+        with self._ready:
+            if self._stopping:  # (shutdown waits for every store first: never the case)
+                for fd in copies:
+                    os.close(fd)
+                raise RuntimeError("the file tier is shut down: it commits no more stores")
+            self._queue.append(flush)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvfsm-file-flush",
+                                                daemon=True)
+                self._thread.start()
+            self._ready.notify()
+        return flush
+
+    def stop(self, *, wait: bool) -> None:
+        """End the thread once the flushes handed over are done; ``wait`` for it to end."""
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
+            thread = self._thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._stopping:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+            _flush(batch, self._root)
+
+
+def _flush(batch: list[_Flush], root: str) -> None:
+    """Commit each store of ``batch``: its files flushed, then renamed; the directory flushed
+    once after all renames. A store whose flush or rename fails gets that error, and so does
+    every store the batch renamed when the directory's flush fails."""
+    completed = False
+    try:
+        renamed = [flush for flush in batch if _rename(flush)]
+        if renamed:
+            try:
+                _fsync_dir(root)
+            except Exception as error:
+                for flush in renamed:
+                    flush.error = error.with_traceback(None)  # its text, not this frame
+        completed = True
+    finally:  # whatever happened, no store waits for this batch for ever
+        for flush in batch:
+            if not completed and flush.error is None:
+                flush.error = RuntimeError("the flush was interrupted")
+            flush.done = True
+
+
+def _rename(flush: _Flush) -> bool:
+    """Flush one store's files and rename them into place; True when all were. Its copies of
+    the descriptors are closed either way."""
+    try:
+        for fd in flush.fds:
+            os.fsync(fd)
+        for partial, final in flush.renames:
+            os.replace(partial, final)
+    except Exception as error:  # that store's failure; the others go on
+        flush.error = error.with_traceback(None)  # its text is kept, not this frame
+        return False
+    finally:
+        fds, flush.fds = flush.fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return True
+
+
+class _Writer:
+    """This tier's claim on its temporary files: an exclusive ``flock`` held on its writer file
+    ``.kvfsm-writer-<id>`` from the first store until :meth:`release` (or until the process
+    dies, when the kernel drops it). A tier that only loads makes no file (its directory may be
+    read-only).
+
+    The file is created with ``O_EXCL`` and locked, and then checked to be still in place: a
+    :func:`_writer_gone` check in another tier may take the lock between the two, find the file
+    unlocked, and remove it as a dead writer's. A tier that finds its file gone takes another
+    id, before it created any temporary file. So a writer file in place and unlocked, or no
+    writer file at all, proves that no live tier writes temporary files under that id.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+        #: the writer id, once claimed (None before the first store, and once released)
+        self.id: str | None = None
+        #: every temporary file of this writer starts with this path, a number and a "-"
+        self.prefix = ""
+        self._path = ""
+        self._fd = -1
+        self._released = False
+
+    def claim(self) -> str:
+        """The prefix of this writer's temporary files; the claim is made on the first call."""
+        if self.id is not None:
+            return self.prefix
+        if self._released:
+            raise RuntimeError("the file tier is shut down: it writes no more files")
+        while True:
+            writer_id = secrets.token_hex(8)
+            path = self._directory + _WRITER + writer_id
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileExistsError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits only for a check in progress
+                if _in_place(fd, path):
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # removed as a dead writer's before it was locked: another id
+        self._path, self._fd = path, fd
+        self.prefix = f"{self._directory}{_PARTIAL}{writer_id}-"
+        self.id = writer_id
+        return self.prefix
+
+    def release(self) -> None:
+        """Give the claim up: remove the writer file while still holding its lock, so a check
+        that opened it meanwhile finds it removed. Idempotent."""
+        self._released = True
+        fd, self._fd, self.id = self._fd, -1, None
+        if fd < 0:
+            return
+        try:
+            os.unlink(self._path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _in_place(fd: int, path: str) -> bool:
+    """True when ``path`` still names the file open as ``fd``."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _writer_gone(directory: str, writer_id: str) -> bool:
+    """True when no live tier writes under ``writer_id``; its writer file, if left by a dead
+    tier, is removed (while locked, see :class:`_Writer`)."""
+    path = directory + _WRITER + writer_id
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True  # released, or removed as a dead writer's: its tier created no file since
+    except OSError:
+        return False  # cannot tell (another user's file, say): keep its files
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its tier holds the lock: alive
+        if _in_place(fd, path):
+            os.unlink(path)  # a dead writer's; a tier still about to lock it takes another id
+            return True
+        # (the lock was taken on a file removed meanwhile: gone, unless a file of the same
+        # id, another tier's, took its place)
+        return not os.path.lexists(path)
+    finally:
+        os.close(fd)  # drops the lock
+
+
 class FileTier(SecondaryTier):
     """Stores each block as one file under ``root``.
+
+    Several tiers (in one process or several) may share ``root``: each writes temporary files
+    of its own, and the last rename of a block wins, with a complete block either way. Keys are
+    named as the module docstring says; bytes keys share the str keys' names through
+    :func:`~kvfsm.tiers.base.key_text` (``b"k"`` and ``"6b"`` are one block).
 
     Args:
         primary: the primary KV cache (contiguous CPU tensor, blocks on the first dimension).
         root: the directory holding the block files (created if missing).
         agent: a NIXL agent with the POSIX backend; None creates one.
         durable: ``fsync`` files and directory before a store succeeds, so a finished store
-            survives a power loss too (a process crash never needs it).
+            survives a power loss too (a process crash never needs it). The flush runs on the
+            tier's own thread: a store's result waits for it, the caller never does.
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls.
         machine: the lifecycle to run (see :class:`~kvfsm.tiers.base.SecondaryTier`).
         policy: retry bounds (:class:`~kvfsm.policy.RetryPolicy`).
@@ -135,46 +428,115 @@ class FileTier(SecondaryTier):
         #: the root as text, ending in a separator: a block's path is this and its name
         self.directory = os.path.join(self.root, "")
         self.durable = durable
-        if agent is None:
-            from kvfsm.nixl_agents import make_agent  # noqa: PLC0415 - NIXL is optional
+        self._writer = _Writer(self.directory)
+        self._partials = itertools.count()
+        self._flusher = _Flusher(str(self.root))
+        # a tier dropped without shutdown still ends its thread and gives its claim up (the
+        # finalizer holds neither the tier nor its agent)
+        self._release_at_drop = weakref.finalize(self, _release, self._flusher, self._writer, False)
+        try:
+            if agent is None:
+                from kvfsm.nixl_agents import make_agent  # noqa: PLC0415 - NIXL is optional
 
-            agent = make_agent(f"kvfsm-file-{id(self):x}", "POSIX")
-        super().__init__(primary, agent=agent, remote=_Files(self), poll_interval=poll_interval,
-                         machine=machine, policy=policy)
+                agent = make_agent(f"kvfsm-file-{id(self):x}", "POSIX")
+            super().__init__(primary, agent=agent, remote=_Files(self),
+                             poll_interval=poll_interval, machine=machine, policy=policy)
+        except BaseException:
+            self._release_at_drop()
+            raise
+
+    @property
+    def writer_id(self) -> str | None:
+        """The ``<writer>`` in this tier's temporary files' names; None before its first store
+        (and after shutdown)."""
+        return self._writer.id
 
     def path_of(self, key: bytes | str) -> Path:
         """The file block ``key`` is stored in."""
         return self.root / self.remote_name(key)
 
     def remote_name(self, key: bytes | str) -> str:
-        """The file name of block ``key``: its text (:func:`~kvfsm.tiers.base.key_text`) quoted
-        for a file name; long names hashed."""
+        """The file name of block ``key``: its text (:func:`~kvfsm.tiers.base.key_text`) as it
+        is when plain, else quoted (a leading dot too), and hashed when long; never two keys'
+        one name, never a name starting with a dot (see the module docstring)."""
         if type(key) is str and len(key) <= _MAX_NAME and _PLAIN(key):
             return key  # nothing to quote, not hidden, not too long: the name as it is
-        name = urllib.parse.quote(key_text(key), safe="")
-        if len(name) > _MAX_NAME or name.startswith("."):
-            name = "h-" + hashlib.sha256(name.encode()).hexdigest()
+        text = key_text(key)
+        if len(text) <= _MAX_NAME and _PLAIN(text):
+            return text  # bytes, in hex
+        name = urllib.parse.quote(text, safe="")
+        if name.startswith("."):  # quoting leaves dots; "%2E" keeps the name out of kvfsm's
+            name = "%2E" + name[1:]
+        if len(name) > _MAX_NAME:
+            name = _HASHED + hashlib.sha256(name.encode()).hexdigest()
         return name
 
     def remove_stale(self) -> int:
-        """Remove temporary files a crashed store left behind; returns how many."""
-        in_flight = {p for t in self._transfers.values() if t.opened is not None
-                     for p, _ in t.opened.partial}
+        """Remove temporary files whose writer is gone (a crashed or killed process, a tier
+        dropped mid-store), and this tier's own that no transfer holds; returns how many.
+
+        Temporary files of tiers still alive, in this process or another, are left alone; so
+        are the writer files of live tiers (a dead tier's is removed).
+        """
+        directory = self.directory
+        own = self.writer_id
+        by_writer: dict[str, list[str]] = {}
+        writers: set[str] = set()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                name = entry.name
+                if name.startswith(_PARTIAL):
+                    match = _PARTIAL_NAME(name)
+                    if match is not None:
+                        by_writer.setdefault(match[1], []).append(directory + name)
+                elif name.startswith(_WRITER) and _WRITER_ID.fullmatch(name[len(_WRITER):]):
+                    writers.add(name[len(_WRITER):])
+        # taken after the listing: a file of ours listed and still in flight is in here
+        with self._lock:
+            in_flight = {p for t in self._transfers.values() if t.opened is not None
+                         for p, _ in t.opened.partial}
         removed = 0
-        for path in self.root.glob(f"*{_PARTIAL}*"):
-            if self.directory + path.name not in in_flight:
-                path.unlink(missing_ok=True)
-                removed += 1
+        for writer_id in writers | by_writer.keys():
+            paths = by_writer.get(writer_id, ())
+            if writer_id == own:
+                paths = [p for p in paths if p not in in_flight]
+            elif not _writer_gone(directory, writer_id):
+                continue
+            for path in paths:
+                try:
+                    os.unlink(path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
         return removed
 
     def _probe(self, name: str) -> Lookup:
         # a stat of a local file is the cheapest probe there is; its answer is not cached, so
-        # a file that appears later (another process stored it) is found
-        return Lookup.HIT if (self.root / name).is_file() else Lookup.MISS
+        # a file that appears later (another process stored it) is found. Only a file of one
+        # block's size is a block: anything else was not written by a finished store
+        try:
+            found = os.stat(self.directory + name)
+        except OSError:
+            return Lookup.MISS
+        if stat.S_ISREG(found.st_mode) and found.st_size == self.block_bytes:
+            return Lookup.HIT
+        return Lookup.MISS
+
+    def _stop_probes(self) -> None:
+        # shutdown found nothing in flight (a store being flushed counts as running), so the
+        # flusher is idle; once it ended, no file of ours is renamed any more
+        self._release_at_drop.detach()
+        _release(self._flusher, self._writer, True)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _release(flusher: _Flusher, writer: _Writer, wait: bool) -> None:
+    """Stop the flusher (waiting for it, at shutdown) and give the writer's claim up."""
+    flusher.stop(wait=wait)
+    writer.release()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:

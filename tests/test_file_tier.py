@@ -1,0 +1,566 @@
+"""The file tier: one file per key, temporary files of their own per writer, stale files only
+of dead writers, durable commits off the caller's thread, and processes killed mid-store.
+
+NIXL's POSIX backend is real here: the fake agent has no FILE memory, so every test that moves
+bytes runs on real NIXL (skipped without it, failing under ``CI=true``).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import itertools
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import urllib.parse
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from kvfsm import JobResult, TransferJob, TransferState
+from kvfsm.nixl_agents import make_agent
+from kvfsm.testing import FakeNixlAgent, FaultyAgent, StayProc
+from kvfsm.tiers import DrainTimeout, FileTier, Lookup
+
+from .real_nixl import require_nixl
+
+BLOCKS, BLOCK_BYTES = 8, 4096
+real_nixl = pytest.mark.nixl
+_agent_names = itertools.count()
+
+
+@pytest.fixture
+def cache() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(13)
+    return torch.randint(0, 256, (BLOCKS, BLOCK_BYTES), dtype=torch.uint8, generator=generator)
+
+
+@pytest.fixture
+def tiers() -> Iterator[list[FileTier]]:
+    """Tiers a test makes: each must end with nothing in flight, and is shut down."""
+    made: list[FileTier] = []
+    yield made
+    for tier in made:
+        tier.drain_jobs(timeout=30)
+        tier.shutdown()
+        assert tier.closed
+
+
+def posix(faulty: bool = False) -> Any:
+    """A real agent with the POSIX backend (wrapped for fault injection if ``faulty``)."""
+    require_nixl()
+    agent = make_agent(f"file-tier-test-{next(_agent_names)}", "POSIX")
+    return FaultyAgent(agent) if faulty else agent
+
+
+def results_of(tier: FileTier, timeout: float = 30) -> dict[int, JobResult]:
+    tier.drain_jobs(timeout=timeout)
+    return {r.job_id: r for r in tier.get_finished_jobs()}
+
+
+def block(cache: torch.Tensor, index: int) -> bytes:
+    return cache[index].numpy().tobytes()
+
+
+def temporary_files(root: Path, blocks: tuple[str, ...] = ()) -> list[str]:
+    """Every file in ``root`` but the ``blocks`` (names of keys' files) and writer files."""
+    return sorted(p.name for p in root.iterdir()
+                  if p.name not in blocks and not p.name.startswith(".kvfsm-writer-"))
+
+
+# -- names: one key, one file ---------------------------------------------------------------------
+
+def old_hash_name(key: str) -> str:
+    """The name the first file tier gave a hidden or long key: a plain name, another key's."""
+    return "h-" + hashlib.sha256(urllib.parse.quote(key, safe="").encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def naming(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FileTier]:
+    tier = FileTier(torch.zeros(1, 8), tmp_path_factory.mktemp("names"), agent=FakeNixlAgent())
+    yield tier
+    tier.shutdown()
+
+
+@example(".hidden")
+@example("." + "k" * 198)  # quoted: 199 characters, and 201 with its dot quoted: hashed
+@example("." + "k" * 197)
+@example("%h-0")
+@given(st.text(min_size=1, max_size=260) | st.from_regex(r"\.?[a-z%.]{1,8}", fullmatch=True)
+       | st.builds(lambda s: s * 80, st.sampled_from(["k", ".", "%", "é"])))
+def test_every_key_has_a_file_name_of_its_own_and_none_is_kvfsms(
+    naming: FileTier, key: str
+) -> None:
+    tier = naming
+    try:
+        name = tier.remote_name(key)
+    except ValueError:  # text that is not UTF-8 (a lone surrogate) is refused as a key
+        return
+    assert not name.startswith("."), "names starting with a dot are kvfsm's own files"
+    assert len(name.encode()) <= 200
+    if name.startswith("%h-"):  # hashed: only when quoting (a leading dot too) is too long
+        assert len(urllib.parse.quote(key, safe="")) + 2 * key.startswith(".") > 200
+    else:  # quoted: decoding gives the key back, so no other key has this name
+        assert urllib.parse.unquote(name, errors="strict") == key
+    # the name, taken as a key, is that key's own name only when it is the key itself
+    assert (tier.remote_name(name) == name) == (name == key)
+
+
+@real_nixl
+@pytest.mark.parametrize("key", [".hidden", "k" * 300], ids=["hidden key", "long key"])
+def test_a_hashed_key_and_the_plain_key_spelled_like_its_hash_are_two_blocks(
+    key: str, cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier]
+) -> None:
+    tier = FileTier(cache, tmp_path, agent=posix())
+    tiers.append(tier)
+    tier.submit_store(TransferJob(1, [key], [0]))
+    assert results_of(tier)[1].success
+    other = old_hash_name(key)
+    assert tier.path_of(other) != tier.path_of(key)
+    assert tier.lookup(other) is Lookup.MISS, "only the other key was stored"
+    tier.submit_load(TransferJob(2, [other], [1], is_promotion=True))
+    assert results_of(tier)[2].success is False, "its load must not read the other key's bytes"
+    tier.submit_load(TransferJob(3, [key], [2], is_promotion=True))
+    assert results_of(tier)[3].success
+    assert block(cache, 2) == block(cache, 0)
+
+
+@real_nixl
+def test_a_plain_key_spelled_like_a_temporary_file_is_a_block_of_its_own(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier]
+) -> None:
+    """The first file tier wrote key ``x``'s job 2 into ``x.partial-2``: a plain key's file."""
+    original = cache.clone()
+    tier = FileTier(cache, tmp_path, agent=posix())
+    tiers.append(tier)
+    tier.submit_store(TransferJob(1, ["x.partial-2"], [0]))
+    assert results_of(tier)[1].success
+    tier.submit_store(TransferJob(2, ["x"], [1]))
+    assert results_of(tier)[2].success
+    assert tier.remove_stale() == 0, "a block is not a temporary file"
+    assert tier.path_of("x.partial-2").read_bytes() == block(original, 0)
+    assert tier.path_of("x").read_bytes() == block(original, 1)
+
+
+def test_a_file_of_another_size_than_a_block_is_a_miss(cache: torch.Tensor, tmp_path: Path) -> None:
+    """A 0-byte or short file under a key's name (written outside kvfsm, or by a store whose
+    temporary file was shared) is no block: HIT only for a whole one."""
+    tier = FileTier(cache, tmp_path, agent=FakeNixlAgent())
+    for key, size in (("empty", 0), ("short", BLOCK_BYTES - 1), ("long", BLOCK_BYTES + 1),
+                      ("whole", BLOCK_BYTES)):
+        tier.path_of(key).write_bytes(b"\1" * size)
+    tier.path_of("a directory").mkdir()
+    assert {key: tier.lookup(key) for key in ("empty", "short", "long", "whole", "a directory",
+                                              "absent")} == {
+        "empty": Lookup.MISS, "short": Lookup.MISS, "long": Lookup.MISS, "whole": Lookup.HIT,
+        "a directory": Lookup.MISS, "absent": Lookup.MISS}
+    tier.shutdown()
+
+
+# -- two tiers, one directory ---------------------------------------------------------------------
+
+@real_nixl
+def test_two_tiers_storing_one_key_in_one_directory_each_write_a_file_of_their_own(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier]
+) -> None:
+    """Two engines (or an engine and its restarted self) store the same key with the same job
+    id at once: each store writes its own temporary file, both succeed, and the block's file is
+    whole, the last one renamed."""
+    other_cache = torch.flip(cache, [1]).contiguous()
+    first = FileTier(cache, tmp_path, agent=posix(faulty=True))
+    second = FileTier(other_cache, tmp_path, agent=posix(faulty=True))
+    tiers += [first, second]
+    for tier in (first, second):
+        tier.agent.inject("transfer", StayProc(1))  # posted; not committed before its poll
+        tier.submit_store(TransferJob(1, ["k"], [3]))
+    assert len(temporary_files(tmp_path)) == 2, "one temporary file per store"
+    assert results_of(first)[1].success
+    assert results_of(second)[1].success
+    assert first.path_of("k").read_bytes() == block(other_cache, 3)
+    assert first.lookup("k") is Lookup.HIT
+    assert temporary_files(tmp_path, ("k",)) == []
+
+
+@real_nixl
+def test_remove_stale_leaves_the_temporary_files_of_a_live_tier_alone(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier]
+) -> None:
+    writing = FileTier(cache, tmp_path, agent=posix(faulty=True))
+    cleaning = FileTier(cache, tmp_path, agent=FakeNixlAgent())
+    tiers += [writing, cleaning]
+    writing.agent.inject("transfer", StayProc(1))
+    writing.submit_store(TransferJob(1, ["a", "b"], [0, 1]))
+    assert len(temporary_files(tmp_path)) == 2
+    assert cleaning.remove_stale() == 0, "the writer of these files is alive"
+    assert writing.remove_stale() == 0, "and they are in flight"
+    assert results_of(writing)[1].success
+    assert writing.path_of("b").read_bytes() == block(cache, 1)
+
+
+# -- durability off the caller's thread -----------------------------------------------------------
+
+class BlockingFsync:
+    """Stands in for ``os.fsync`` (the environment): records the thread of each call, and holds
+    calls made off the test's thread until released."""
+
+    def __init__(self, real: Callable[[int], None]) -> None:
+        self.real = real
+        self.caller = threading.get_ident()
+        self.on_caller = 0
+        self.elsewhere = 0
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, fd: int) -> None:
+        if threading.get_ident() == self.caller:
+            self.on_caller += 1
+            self.entered.set()
+        else:
+            self.elsewhere += 1
+            self.entered.set()
+            self.release.wait(30)
+        self.real(fd)
+
+
+@pytest.fixture
+def fsync(monkeypatch: pytest.MonkeyPatch) -> Iterator[BlockingFsync]:
+    fake = BlockingFsync(os.fsync)
+    monkeypatch.setattr(os, "fsync", fake)
+    yield fake
+    fake.release.set()
+
+
+@real_nixl
+def test_a_durable_store_is_flushed_off_the_callers_thread(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier], fsync: BlockingFsync
+) -> None:
+    fsync.release.set()
+    tier = FileTier(cache, tmp_path, agent=posix())
+    tiers.append(tier)
+    for job in range(4):
+        tier.submit_store(TransferJob(job, [f"k{2 * job}", f"k{2 * job + 1}"],
+                                      [2 * job, 2 * job + 1]))
+    assert all(r.success for r in results_of(tier).values())
+    assert fsync.on_caller == 0, "no fsync on the thread that submits and polls"
+    assert fsync.elsewhere >= BLOCKS + 1, "each file, and the directory, was flushed"
+    assert [tier.path_of(f"k{b}").read_bytes() for b in range(BLOCKS)] == [
+        block(cache, b) for b in range(BLOCKS)]
+
+
+@real_nixl
+def test_a_store_is_published_only_once_flushed_and_no_poll_waits_for_the_flush(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier], fsync: BlockingFsync
+) -> None:
+    tier = FileTier(cache, tmp_path, agent=posix())
+    tiers.append(tier)
+    tier.submit_store(TransferJob(1, ["a", "b"], [0, 1]))
+    while not fsync.entered.is_set():  # NIXL's copy is over once the flush began
+        assert tier.get_finished_jobs() == []
+    assert fsync.on_caller == 0
+    for _ in range(3):  # the flush is held: polls return, with nothing to publish
+        assert tier.get_finished_jobs() == []
+    assert tier.state_of(1) is TransferState.PROCESSING
+    assert not tier.path_of("a").exists()
+    assert tier.lookup("a") is Lookup.MISS
+    with pytest.raises(DrainTimeout) as drained:
+        tier.drain_jobs(timeout=0.01)
+    assert [(t.job_id, t.state) for t in drained.value.stuck] == [(1, TransferState.PROCESSING)]
+    fsync.release.set()
+    assert results_of(tier)[1].success
+    assert tier.path_of("b").read_bytes() == block(cache, 1)
+    assert tier.lookup("b") is Lookup.HIT
+    assert fsync.on_caller == 0
+
+
+@real_nixl
+def test_shutdown_waits_for_a_flush_under_way_as_for_a_running_transfer(
+    cache: torch.Tensor, tmp_path: Path, fsync: BlockingFsync
+) -> None:
+    """Cancelled during its flush, a store fails; the flush is not undone (its block, whole,
+    may be in place), and shutdown waits for it like for a transfer NIXL still runs."""
+    tier = FileTier(cache, tmp_path, agent=posix())
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    while not fsync.entered.is_set():
+        tier.get_finished_jobs()
+    with pytest.raises(DrainTimeout) as shut:
+        tier.shutdown(timeout=0.01)
+    assert [(t.job_id, t.state) for t in shut.value.stuck] == [(1, TransferState.CANCELLING)]
+    assert not tier.closed, "the tier stays open: shutdown may be called again to wait longer"
+    fsync.release.set()
+    tier.shutdown(timeout=30)
+    assert tier.closed
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False)]
+    assert tier.path_of("a").read_bytes() == block(cache, 0)
+    assert temporary_files(tmp_path, ("a",)) == []
+    assert fsync.on_caller == 0
+
+
+@real_nixl
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_store_cancelled_before_nixl_finished_it_leaves_no_new_block(
+    durable: bool, cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier]
+) -> None:
+    tier = FileTier(cache, tmp_path, agent=posix(faulty=True), durable=durable)
+    tiers.append(tier)
+    tier.agent.inject("transfer", StayProc(3))  # NIXL answers PROC until after the cancel
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    tier.cancel(1)
+    assert results_of(tier)[1].success is False
+    assert not tier.path_of("a").exists()
+    assert temporary_files(tmp_path) == []
+
+
+@real_nixl
+def test_a_flushing_tier_leaks_no_descriptor_or_thread_and_is_freed_at_once(
+    cache: torch.Tensor, tmp_path: Path
+) -> None:
+    agent = posix()
+    before = len(os.listdir("/proc/self/fd"))
+    for shut_down in (True, False):
+        tier = FileTier(cache, tmp_path / str(shut_down), agent=agent)
+        for job in range(4):
+            tier.submit_store(TransferJob(job, [f"k{job}"], [job]))
+        assert all(r.success for r in results_of(tier).values())
+        flushers = [t for t in threading.enumerate() if t.name == "kvfsm-file-flush"]
+        assert len(flushers) == 1
+        if shut_down:
+            tier.shutdown()
+            assert not flushers[0].is_alive(), "shutdown ends the flusher"
+        gone = weakref.ref(tier)
+        gc.disable()
+        try:
+            del tier
+            assert gone() is None, "something holds the tier in a cycle"
+        finally:
+            gc.enable()
+        flushers[0].join(10)  # a dropped tier's flusher ends by itself
+        assert not flushers[0].is_alive()
+        assert sorted(p.name for p in (tmp_path / str(shut_down)).iterdir()) == sorted(
+            f"k{job}" for job in range(4)), "no temporary file, no writer file left"
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+# -- other processes: alive, and killed mid-store -------------------------------------------------
+
+HEADER = 32
+
+ZYGOTE = textwrap.dedent("""
+    import hashlib, os, signal, sys, time
+    import torch
+    from kvfsm import TransferJob
+    from kvfsm.tiers import FileTier
+
+    BLOCKS, BLOCK_BYTES, HEADER = %d, %d, %d
+
+    def content(writer, round_, index):
+        header = f"{writer}:{round_}:{index}:".encode().ljust(HEADER)
+        return header + hashlib.shake_128(header).digest(BLOCK_BYTES - HEADER)
+
+    def fill(cache, writer, round_):
+        for index in range(BLOCKS):
+            cache[index] = torch.frombuffer(bytearray(content(writer, round_, index)),
+                                            dtype=torch.uint8)
+
+    def say(*words):
+        os.write(1, ("kvfsm-test " + " ".join(map(str, words)) + "\\n").encode())
+
+    def store_forever(root, writer, durable):
+        cache = torch.zeros(BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
+        tier = FileTier(cache, root, durable=durable)
+        deadline = time.monotonic() + 60  # killed long before, unless the test failed
+        for round_ in range(10**9):
+            if time.monotonic() > deadline:
+                return
+            fill(cache, writer, round_)
+            half = BLOCKS // 2
+            for job, blocks in ((2 * round_, range(half)), (2 * round_ + 1, range(half, BLOCKS))):
+                tier.submit_store(TransferJob(job, [f"k{b}" for b in blocks], list(blocks)))
+            tier.drain_jobs(timeout=30)
+            if not all(r.success for r in tier.get_finished_jobs()):
+                raise RuntimeError("a store failed")
+            if round_ == 0:
+                say("ready", os.getpid())
+
+    def hold(root, go):
+        from kvfsm.nixl_agents import make_agent
+        from kvfsm.testing import FaultyAgent, StayProc
+        cache = torch.zeros(BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
+        fill(cache, "held", 0)
+        agent = FaultyAgent(make_agent(f"held-{os.getpid()}", "POSIX"))
+        tier = FileTier(cache, root, agent=agent)
+        agent.inject("transfer", StayProc(1))
+        tier.submit_store(TransferJob(1, ["held"], [0]))  # not committed before a poll
+        say("held", os.getpid())
+        deadline = time.monotonic() + 60
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        tier.drain_jobs(timeout=30)
+        say("stored", os.getpid(), [r.success for r in tier.get_finished_jobs()])
+
+    children = set()
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "reap":
+            os.waitpid(int(args[0]), 0)
+            children.discard(int(args[0]))
+            say("reaped", args[0])
+            continue
+        pid = os.fork()
+        children.add(pid)
+        if pid == 0:
+            try:
+                if command == "store":
+                    store_forever(args[0], args[1], args[2] == "1")
+                else:
+                    hold(args[0], args[1])
+            except BaseException as error:
+                say("failed", os.getpid(), repr(error).replace(" ", "_"))
+            finally:
+                os._exit(0)
+    for pid in children:  # the test is over: no writer outlives it
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+""") % (BLOCKS, BLOCK_BYTES, HEADER)
+
+
+def content(writer: str, round_: int, index: int) -> bytes:
+    header = f"{writer}:{round_}:{index}:".encode().ljust(HEADER)
+    return header + hashlib.shake_128(header).digest(BLOCK_BYTES - HEADER)
+
+
+class Zygote:
+    """A child process that imported torch and kvfsm once and forks a writer per command, so a
+    writer starts in milliseconds and can be killed at any moment."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env={**os.environ, "NIXL_LOG_LEVEL": "WARN"})
+        self._buffer = b""
+
+    def send(self, *words: object) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write((" ".join(map(str, words)) + "\n").encode())
+        self.process.stdin.flush()
+
+    def expect(self, word: str, timeout: float = 60) -> list[str]:
+        """The next line the zygote or a writer said; it must start with ``word``."""
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        while True:
+            line, found, rest = self._buffer.partition(b"\n")
+            if found:
+                self._buffer = rest
+                words = line.decode().split()
+                if words[:1] != ["kvfsm-test"]:
+                    continue  # not ours (a library's log line)
+                assert words[1] == word, f"expected {word!r}, the child said {words[1:]}"
+                return words[2:]
+            ready, _, _ = select.select([fd], [], [], timeout)
+            assert ready, f"no {word!r} from the child within {timeout} s"
+            chunk = os.read(fd, 65536)
+            assert chunk, "the child process exited"
+            self._buffer += chunk
+
+    def kill(self, pid: int) -> None:
+        os.kill(pid, signal.SIGKILL)
+        self.send("reap", pid)
+        self.expect("reaped")
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            assert self.process.stdout is not None
+            self.process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    require_nixl()
+    made = Zygote()
+    yield made
+    made.close()
+
+
+def check_blocks(root: Path, writers: list[str]) -> int:
+    """Every block file is whole and holds what one writer stored under its key; how many."""
+    found = 0
+    for index in range(BLOCKS):
+        path = root / f"k{index}"
+        if not path.exists():
+            continue
+        data = path.read_bytes()
+        assert len(data) == BLOCK_BYTES, f"{path.name}: {len(data)} bytes"
+        writer, round_, stored_index, _ = data[:HEADER].decode().split(":")
+        assert writer in writers and int(stored_index) == index, data[:HEADER]
+        assert data == content(writer, int(round_), index), f"{path.name}: torn"
+        found += 1
+    return found
+
+
+@real_nixl
+def test_writers_killed_at_random_moments_leave_whole_blocks_or_none_and_stale_files_go(
+    zygote: Zygote, cache: torch.Tensor, tmp_path: Path
+) -> None:
+    """Three writers store the same keys into one directory, durably or not, and are killed
+    with SIGKILL at random moments, twice over; after each wave every block file is whole and
+    holds what some writer stored, and a new tier's remove_stale removes what they left."""
+    chance = random.Random(os.environ.get("KVFSM_SEED", "kill"))
+    writers: list[str] = []
+    for wave in range(2):
+        wave_writers = [f"w{wave}{n}" for n in range(3)]
+        writers += wave_writers
+        for n, writer in enumerate(wave_writers):
+            zygote.send("store", tmp_path, writer, n % 2)
+        pids = [int(zygote.expect("ready")[0]) for _ in wave_writers]
+        for pid in pids:
+            threading.Event().wait(chance.uniform(0, 0.05))
+            zygote.kill(pid)
+        assert check_blocks(tmp_path, writers) > 0
+        cleaning = FileTier(cache, tmp_path, agent=FakeNixlAgent())
+        cleaning.remove_stale()
+        assert temporary_files(tmp_path, tuple(f"k{b}" for b in range(BLOCKS))) == []
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], (
+            "the dead writers' files are gone (and a tier that never stored made none)")
+        cleaning.shutdown()
+        assert check_blocks(tmp_path, writers) > 0
+
+
+@real_nixl
+def test_a_live_writer_in_another_process_keeps_its_temporary_files(
+    zygote: Zygote, cache: torch.Tensor, tmp_path: Path
+) -> None:
+    blocks = tmp_path / "blocks"
+    blocks.mkdir()
+    go = tmp_path / "go"
+    zygote.send("hold", blocks, go)
+    pid = int(zygote.expect("held")[0])
+    assert len(temporary_files(blocks)) == 1
+    cleaning = FileTier(cache, blocks, agent=FakeNixlAgent())
+    assert cleaning.remove_stale() == 0, "its writer lives, in another process"
+    go.touch()
+    assert zygote.expect("stored") == [str(pid), "[True]"]
+    zygote.send("reap", pid)
+    zygote.expect("reaped")
+    assert (blocks / "held").read_bytes() == content("held", 0, 0)
+    assert cleaning.remove_stale() == 0  # (it exited without shutdown: its writer file goes)
+    assert [p.name for p in blocks.iterdir()] == ["held"]
+    cleaning.shutdown()
