@@ -275,3 +275,25 @@ def test_drain_keeps_its_deadline_while_another_thread_holds_the_tier(
     poller.join(5)
     tier.drain_jobs(timeout=5)
     tier.shutdown(timeout=5)
+
+
+def test_stats_answers_while_another_thread_holds_the_tier(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """A monitoring thread's stats() is never held up behind a poll."""
+    tier = ObjectStoreTier(primary, agent=agent)
+    inside, let_go = threading.Event(), threading.Event()
+    tier.on_published.append(lambda transfer: (inside.set(), let_go.wait(10)))
+    tier.submit_store(store(1, "first"))
+    poller = threading.Thread(target=tier.get_finished_jobs)
+    poller.start()
+    assert inside.wait(5)
+    answered: list[dict[str, object]] = []
+    reader = threading.Thread(target=lambda: answered.append(tier.stats()))
+    reader.start()
+    reader.join(5)
+    assert answered and not let_go.is_set(), "stats() waited for the poll to end"
+    let_go.set()
+    poller.join(5)
+    assert tier.stats()["published"] == 1
+    tier.shutdown(timeout=5)

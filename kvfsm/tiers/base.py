@@ -389,28 +389,31 @@ class SecondaryTier:
         last 4096).
 
         Its cost does not grow with the transfers in flight or the jobs ever run: the counts
-        are kept as transfers move, and what is listed is bounded.
+        are kept as transfers move, and what is listed is bounded. It never waits for the
+        tier's lock (a monitoring thread is not held up behind a poll): what it returns is read
+        while other threads may go on, so two figures may be one call apart.
         """
-        with self._lock:
-            in_flight = {state.name: count for state, count in self._waiting_in.items()
-                         if count}
-            if self._running.transfers:
-                in_flight[TransferState.PROCESSING.name] = len(self._running.transfers)
-            latencies = sorted(self._latencies)
-            return {
-                "in_flight": in_flight,
-                "published": self._published,
-                "failed": self._failed,
-                "retries": sum(step.count for step in self._retry_steps),
-                "leaks": self._leak_count,
-                "leaked": list(self._leaks),
-                "quarantined": len(self._quarantine),
-                "lookup_cache": len(self._known),
-                "quarantined_running": len(self._may_run),
-                "latency": {name: latencies[min(len(latencies) - 1, int(q * len(latencies)))]
-                            for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
-                if latencies else {},
-            }
+        # each read below is one operation CPython performs whole (a copy, a len, an int)
+        waiting_in = dict(self._waiting_in)
+        in_flight = {state.name: count for state, count in waiting_in.items() if count}
+        running = len(self._running.transfers)
+        if running:
+            in_flight[TransferState.PROCESSING.name] = running
+        latencies = sorted(self._latencies.copy())
+        return {
+            "in_flight": in_flight,
+            "published": self._published,
+            "failed": self._failed,
+            "retries": sum(step.count for step in self._retry_steps),
+            "leaks": self._leak_count,
+            "leaked": list(self._leaks.copy()),
+            "quarantined": len(self._quarantine),
+            "lookup_cache": len(self._known),
+            "quarantined_running": len(self._may_run),
+            "latency": {name: latencies[min(len(latencies) - 1, int(q * len(latencies)))]
+                        for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+            if latencies else {},
+        }
 
     @property
     def closed(self) -> bool:
