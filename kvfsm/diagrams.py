@@ -9,8 +9,11 @@ without running ``dot``.
 
 What the drawing says, beyond what ``transitions``' own drawing shows:
 
-* every edge is labelled ``event #n [guards] / actions``. ``#n`` appears where one (state, event)
-  has several edges: it is the order their guards are tried in (:attr:`Edge.order`, from 1);
+* every edge is labelled ``event #n call() [guards] / actions``. ``#n`` appears where one
+  (state, event) has several edges: it is the order their guards are tried in
+  (:attr:`Edge.order`, from 1). ``call()``, in italics, is what the event calls, in order, as
+  the declaration's optional ``calls`` mapping names it (``{"poll": "check_xfer_state"}``;
+  :func:`declared_calls`); an event it leaves out, or a declaration without it, shows none;
 * a self-loop that runs an action is a *retry*: labelled ``retry: event ...`` and drawn dotted
   in orange. A self-loop with no action is a plain *stay* (waiting), drawn in grey;
 * the initial state is entered from a small black entry point; final states are double circles;
@@ -18,19 +21,36 @@ What the drawing says, beyond what ``transitions``' own drawing shows:
 * the success path is bold green and failure paths are dashed red, by this rule, which holds for
   any declared machine:
 
+  - the **failure answers** are those the declaration itself treats as failures: each answer a
+    guarded edge accepts to enter a failure state, or to retry, from a state that is not a
+    failure state (:func:`failure_answers`; answers are compared as values, across events, so
+    an answer such as ``RAISED`` that fails one call is a failure wherever it is answered);
   - an edge is on the **success path** when it lies on some path from the initial state to a
-    final state (to any state, when no final state is declared) that enters no failure state;
+    final state (to any state, when no final state is declared) that enters no failure state
+    and each of whose edges some answer other than a failure answer takes;
   - otherwise it is on a **failure path** when it can be reached from the initial state and it
-    enters a failure state, or its source is a failure state or reachable from one;
+    enters a failure state, its source is a failure state or reachable from one, or only
+    failure answers take it;
   - a machine that declares no failure states has no success path singled out: its edges are
     drawn plain, and so is an edge on neither kind of path (say, one that cannot be reached).
 
   In the transfer machine the failure path is every edge into FAILED and FAILED's release; the
   tail XFER_RELEASED -> CLEANED -> PUBLISHED is shared, and is drawn as part of the success path.
+  In the link machine a ``remove`` that raised is a failure (``RAISED`` refuses a peer's
+  metadata), so its leak edges are dashed red.
 
-Which machines are drawn: kvfsm's own, listed in :data:`MACHINES` (one line each), and any
-``module:ATTRIBUTE`` named on the command line (``--only`` leaves kvfsm's own out). Each goes to
-``DIR/NAME.dot`` and ``DIR/NAME.svg``, ``NAME`` being the declaration's ``name``.
+How it is laid out, so that no label is crossed by a self-loop or another edge: a state's loops
+leave it at the top of its right side and come back at the bottom (ports ``ne`` to ``se``), each
+around the ones inside it, with a blank after each label where the next loop out turns; the
+other edges leave a state that has loops at its bottom and enter it at its top. The tests check
+graphviz's layout of every drawing for crossings.
+
+Which machines are drawn: those named on the command line as ``module:ATTRIBUTE``, or, when none
+is named, kvfsm's own, listed in :data:`MACHINES` (one line each). Each goes to
+``DIR/NAME.dot`` and ``DIR/NAME.svg``, ``NAME`` being the declaration's ``name``; ``DIR`` is
+``diagrams`` in the current directory unless ``--out`` says otherwise, for kvfsm's machines and a
+user's alike. A DIR that is not a directory, or cannot be written, is refused in one line before
+anything is written.
 """
 
 from __future__ import annotations
@@ -40,11 +60,12 @@ import difflib
 import enum
 import hashlib
 import html
+import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,9 +80,11 @@ __all__ = [
     "Problem",
     "add_arguments",
     "check",
+    "declared_calls",
     "dot_available",
     "edge_kinds",
     "edge_label",
+    "failure_answers",
     "load_declaration",
     "render_svg",
     "run",
@@ -75,6 +98,12 @@ MACHINES: tuple[str, ...] = tuple(KVFSM_MACHINES.values())
 
 #: the node standing for "where a record starts"; Enum member names can never be dunders
 ENTRY_NODE = "__initial__"
+
+#: how many characters of calls go on one line of an edge label
+_CALLS_WIDTH = 40
+
+#: points of blank right of a self-loop's label: the next loop out turns back down there
+_LOOP_SPACER = 12
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _SVG_STAMP = re.compile(r"<!-- kvfsm diagrams: rendered from (\S+), sha256 ([0-9a-f]{64}) -->")
@@ -134,13 +163,27 @@ class Problem:
 
 # -- what the drawing says ----------------------------------------------------------------------
 
+def failure_answers(declaration: Declaration[Any, Any]) -> frozenset[Any]:
+    """The answers the declaration itself treats as failures (see this module's docstring)."""
+    failure = _failure_states(declaration)
+    found: set[Any] = set()
+    for edge in declaration.edges:
+        if edge.source in failure or not (edge.conditions or edge.unless):
+            continue
+        if edge.dest in failure or (edge.is_loop and edge.actions):
+            found |= _accepted(declaration, edge)
+    return frozenset(found)
+
+
 def edge_kinds(declaration: Declaration[Any, Any]) -> dict[Edge, EdgeKind]:
     """How each declared edge is drawn, by the rule in this module's docstring."""
-    failure = {_state_name(declaration, s, "failure_states") for s in declaration.failure_states}
+    failure = _failure_states(declaration)
     final = {_state_name(declaration, s, "final") for s in declaration.final}
     initial = declaration.initial.name
+    failing = failure_answers(declaration)
     moves = [e for e in declaration.edges if not e.is_loop]
-    safe = [e for e in moves if e.source not in failure and e.dest not in failure]
+    safe = [e for e in moves if e.source not in failure and e.dest not in failure
+            and _accepted(declaration, e) - failing]
     from_start = _reachable({initial} - failure, safe, forward=True)
     to_end = _reachable((final or {s.name for s in declaration.states}) - failure, safe,
                         forward=False)
@@ -154,21 +197,52 @@ def edge_kinds(declaration: Declaration[Any, Any]) -> dict[Edge, EdgeKind]:
             kinds[edge] = EdgeKind.PLAIN
         elif edge in safe and edge.source in from_start and edge.dest in to_end:
             kinds[edge] = EdgeKind.SUCCESS
-        elif edge.dest in failure or edge.source in after_failure:
+        elif (edge.dest in failure or edge.source in after_failure
+              or not _accepted(declaration, edge) - failing):
             kinds[edge] = EdgeKind.FAILURE
         else:
             kinds[edge] = EdgeKind.PLAIN
     return kinds
 
 
+def declared_calls(declaration: Declaration[Any, Any]) -> dict[str, tuple[str, ...]]:
+    """The calls each event makes, from the declaration's optional ``calls`` mapping.
+
+    ``calls`` maps an event to the call it makes (a string) or the calls it makes, in order (a
+    sequence of strings); an event it leaves out makes none worth naming. A declaration without
+    ``calls`` names none.
+
+    Raises:
+        DiagramError: ``calls`` names an event the machine does not declare, or is not names.
+    """
+    declared = getattr(declaration, "calls", None) or {}
+    if not isinstance(declared, Mapping):
+        raise DiagramError(f"machine {declaration.name!r}: calls must map events to the calls "
+                           f"they make, not {type(declared).__name__}")
+    found: dict[str, tuple[str, ...]] = {}
+    for key, named in declared.items():
+        event = str(key)  # a StrEnum member reads as its trigger name
+        if event not in declaration.answers:
+            raise DiagramError(f"machine {declaration.name!r}: calls names {event!r}, which is "
+                               "not one of its events")
+        names = (named,) if isinstance(named, str) else (
+            tuple(named) if isinstance(named, Iterable) else ())
+        if not names or not all(isinstance(n, str) and n and n.isprintable() for n in names):
+            raise DiagramError(f"machine {declaration.name!r}: the calls of {event!r} must be "
+                               f"names (str), not {named!r}")
+        found[event] = names
+    return found
+
+
 def edge_label(declaration: Declaration[Any, Any], edge: Edge, kind: EdgeKind) -> list[str]:
-    """The lines an edge is labelled with: ``[retry: ]event[ #n]``, ``[guards]``, ``/ actions``."""
+    """The lines an edge is labelled with: ``[retry: ]event[ #n]``, the calls its event makes
+    (``call(), ...``, wrapped), ``[guards]``, ``/ actions``."""
     head = edge.event
     if len(declaration.edges_from(declaration.states[edge.source], edge.event)) > 1:
         head += f" #{edge.order + 1}"
     if kind is EdgeKind.RETRY:
         head = f"retry: {head}"
-    lines = [head]
+    lines = [head, *_call_lines(declared_calls(declaration).get(edge.event, ()))]
     if edge.guard_label:
         lines.append(f"[{edge.guard_label}]")
     if edge.actions:
@@ -182,14 +256,17 @@ def to_dot(declaration: Declaration[Any, Any]) -> str:
     kinds = edge_kinds(declaration)
     final = {s.name for s in declaration.final}
     failure = {s.name for s in declaration.failure_states}
+    calls = declared_calls(declaration)
     used = [kind for kind in _LEGEND if kind in kinds.values()]
     legend = [f"machine {declaration.name}, drawn from its declaration by kvfsm diagrams",
               "black dot: where a record starts; double circle: a final state"
               + ("; red: a failure state" if failure else ""),
-              "edge label: event #n [guards] / actions",
+              "edge label: event #n " + ("call() " if calls else "") + "[guards] / actions",
               "#n: the order guards are tried in, where one state has several edges on one event",
+              *(["call(): what the event calls, in order"] if calls else []),
               *(_LEGEND[kind] for kind in used)]
-    ink = ["#000000"] * 4 + [dict(_EDGE_STYLE[kind])["fontcolor"] for kind in used]
+    ink = ["#000000"] * (len(legend) - len(used)) + [
+        dict(_EDGE_STYLE[kind])["fontcolor"] for kind in used]
     lines = [
         f"// {declaration.name}: generated by `kvfsm diagrams` from its Declaration; do not edit",
         f"digraph {_quote(declaration.name)} {{",
@@ -211,10 +288,14 @@ def to_dot(declaration: Declaration[Any, Any]) -> str:
         lines.append(f"  {_quote(state.name)}{_attrs(attrs)};")
     lines.append(f"  {_quote(ENTRY_NODE)} -> {_quote(declaration.initial.name)}"
                  f" [penwidth=1.5, weight=4];")
+    looped = {edge.source for edge in declaration.edges if edge.is_loop}
+    cycles = _on_cycles(declaration)
     for edge in declaration.edges:
-        kind = kinds[edge]
-        attrs = [("label", _html_label(edge_label(declaration, edge, kind), padding=4)),
-                 *_EDGE_STYLE[kind]]
+        label = edge_label(declaration, edge, kinds[edge])
+        italic = range(1, 1 + len(_call_lines(calls.get(edge.event, ()))))
+        attrs = [("label", _html_label(label, padding=4, italic=italic,
+                                       spacer=_LOOP_SPACER if edge.is_loop else 0)),
+                 *_EDGE_STYLE[kinds[edge]], *_ports(edge, looped, cycles)]
         lines.append(f"  {_quote(edge.source)} -> {_quote(edge.dest)}{_attrs(attrs, raw=1)};")
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -257,28 +338,32 @@ def svg_is_current(svg_text: str, dot_text: str) -> bool:
 def write(declarations: Iterable[Declaration[Any, Any]], out: Path) -> list[Path]:
     """Write each machine's DOT, and render its SVG unless the SVG already shows that DOT.
 
-    Returns the files that changed. Raises :class:`DiagramError` when an SVG needs rendering
+    Returns the files that changed. Raises :class:`DiagramError`, having written nothing, when
+    ``out`` is not a directory that can be made or written to; and when an SVG needs rendering
     and ``dot`` is missing (the DOT files are written first).
     """
     drawn = [(d.name, to_dot(d)) for d in declarations]
-    out.mkdir(parents=True, exist_ok=True)
-    changed: list[Path] = []
-    for name, dot_text in drawn:
-        path = out / f"{name}.dot"
-        if _read(path) != dot_text:
-            path.write_text(dot_text, encoding="utf-8")
-            changed.append(path)
-    for name, dot_text in drawn:
-        path = out / f"{name}.svg"
-        current = _read(path)
-        if current is None or not svg_is_current(current, dot_text):
-            path.write_text(render_svg(dot_text, f"{name}.dot"), encoding="utf-8")
-            changed.append(path)
-    return changed
+    _make_directory(out)
+    dots = [(out / f"{name}.dot", text) for name, text in drawn
+            if _read(out / f"{name}.dot") != text]
+    svgs = [(out / f"{name}.svg", text) for name, text in drawn
+            if not svg_is_current(_read(out / f"{name}.svg") or "", text)]
+    _check_writable(out, [path for path, _ in [*dots, *svgs]])
+    for path, dot_text in dots:
+        _write(path, dot_text)
+    for path, dot_text in svgs:
+        _write(path, render_svg(dot_text, path.with_suffix(".dot").name))
+    return [path for path, _ in [*dots, *svgs]]
 
 
 def check(declarations: Iterable[Declaration[Any, Any]], out: Path) -> list[Problem]:
-    """What is missing or stale in ``out``: DOT text compared, SVG hash checked; no ``dot``."""
+    """What is missing or stale in ``out``: DOT text compared, SVG hash checked; no ``dot``.
+
+    Raises:
+        DiagramError: ``out`` is not a directory, or a file in it cannot be read.
+    """
+    if out.exists() and not out.is_dir():
+        raise DiagramError(f"cannot check {out}: it is not a directory")
     problems: list[Problem] = []
     for declaration in declarations:
         name = declaration.name
@@ -316,20 +401,24 @@ def load_declaration(spec: str) -> Declaration[Any, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``kvfsm diagrams`` options."""
     parser.add_argument("machines", nargs="*", metavar="module:ATTRIBUTE",
-                        help="a Declaration of your own to draw as well, e.g. "
+                        help="a Declaration to draw instead of kvfsm's own, e.g. "
                              "myproject.machines:DOOR (named by its Declaration.name)")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 naming each machine whose DOT or SVG in "
                              "DIR is missing or stale (needs no dot program)")
     parser.add_argument("--out", metavar="DIR", default="diagrams",
-                        help="where NAME.dot and NAME.svg go (default: diagrams)")
+                        help="where NAME.dot and NAME.svg go, for kvfsm's machines or yours "
+                             "(default: diagrams, in the current directory)")
     parser.add_argument("--only", action="store_true",
-                        help="draw only the machines named here, not kvfsm's own")
+                        help="draw only the machines named here (what naming machines does "
+                             "anyway; kept for scripts that pass it)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Draw (or with ``--check``, check) every machine; returns the exit status."""
-    specs = [*([] if args.only else MACHINES), *args.machines]
+    """Draw (or with ``--check``, check) the machines named, or kvfsm's own; returns the exit
+    status: 0, 1 when a drawing is stale or cannot be written, 2 when a machine cannot be
+    drawn."""
+    specs = list(args.machines) or ([] if args.only else list(MACHINES))
     if not specs:
         print("kvfsm diagrams: no machine to draw (--only needs module:ATTRIBUTE names)",
               file=sys.stderr)
@@ -345,8 +434,9 @@ def run(args: argparse.Namespace) -> int:
         if args.check:
             return _report(check(declarations, out), out, names, _command(args))
         changed = write(declarations, out)
-    except DiagramError as error:
-        print(f"kvfsm diagrams: {error}", file=sys.stderr)
+    except (DiagramError, OSError) as error:  # one line, never a traceback
+        where = f"{error.filename}: " if isinstance(error, OSError) and error.filename else ""
+        print(f"kvfsm diagrams: {where}{_reason(error)}", file=sys.stderr)
         return 1
     for path in changed:
         print(f"wrote {path}")
@@ -365,6 +455,53 @@ def _report(problems: Sequence[Problem], out: Path, names: str, command: str) ->
         return 1
     print(f"kvfsm diagrams: {names} up to date in {out}/")
     return 0
+
+
+def _failure_states(declaration: Declaration[Any, Any]) -> set[str]:
+    return {_state_name(declaration, s, "failure_states") for s in declaration.failure_states}
+
+
+def _accepted(declaration: Declaration[Any, Any], edge: Edge) -> set[Any]:
+    """The answers of its event that take ``edge``: every condition accepts, no unless does."""
+    return {answer for answer in declaration.answers[edge.event]
+            if all(answer in declaration.guards[g] for g in edge.conditions)
+            and not any(answer in declaration.guards[g] for g in edge.unless)}
+
+
+def _call_lines(calls: Sequence[str]) -> list[str]:
+    """``call(), call()``, broken after a comma before a line grows past :data:`_CALLS_WIDTH`."""
+    lines: list[str] = []
+    for index, call in enumerate(calls):
+        word = f"{call}()" + ("," if index < len(calls) - 1 else "")
+        if lines and len(lines[-1]) + 1 + len(word) <= _CALLS_WIDTH:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines
+
+
+def _ports(edge: Edge, looped: Collection[str], cycles: Collection[Edge]) -> list[tuple[str, str]]:
+    """Where an edge meets its states, so no edge crosses a self-loop or its label.
+
+    A state's loops leave it at the top of its right side and come back at the bottom
+    (``ne`` to ``se``), so each loop passes above and below the labels of the loops inside it,
+    which sit at the state's height. The other edges leave a state with loops at its bottom and
+    enter one at its top, away from those labels; an edge on a cycle is left free, since
+    ``dot`` may draw it upwards.
+    """
+    if edge.is_loop:
+        return [("tailport", "ne"), ("headport", "se")]
+    if edge in cycles:
+        return []
+    return ([("tailport", "s")] if edge.source in looped else []) + (
+        [("headport", "n")] if edge.dest in looped else [])
+
+
+def _on_cycles(declaration: Declaration[Any, Any]) -> set[Edge]:
+    """The edges between two states that each can reach the other (self-loops aside)."""
+    moves = [edge for edge in declaration.edges if not edge.is_loop]
+    return {edge for edge in moves
+            if edge.source in _reachable({edge.dest}, moves, forward=True)}
 
 
 def _reachable(start: Iterable[str], edges: Sequence[Edge], *, forward: bool) -> set[str]:
@@ -412,8 +549,6 @@ def _command(args: argparse.Namespace) -> str:
     words = ["kvfsm", "diagrams"]
     if args.out != "diagrams":
         words += ["--out", args.out]
-    if args.only:
-        words.append("--only")
     return " ".join([*words, *args.machines])
 
 
@@ -422,22 +557,27 @@ def _quote(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _html_label(lines: Sequence[str], *, padding: int, colors: Sequence[str] = ()) -> str:
+def _html_label(lines: Sequence[str], *, padding: int, colors: Sequence[str] = (),
+                italic: Collection[int] = (), spacer: int = 0) -> str:
     """A graphviz HTML-like label: lines left-aligned in one padded cell, the first in bold.
 
     Padding is geometry, so it sets a label off its edge in every SVG renderer (plain leading
-    spaces are dropped by some). ``colors`` gives lines their own colour, in order.
+    spaces are dropped by some). ``colors`` gives lines their own colour, in order; the lines
+    numbered in ``italic`` are set in italics; ``spacer`` points of blank follow the cell.
     """
     rows = []
     for index, line in enumerate(lines):
         text = html.escape(line)
         if index == 0:
             text = f"<b>{text}</b>"
+        elif index in italic:
+            text = f"<i>{text}</i>"
         if index < len(colors):
             text = f'<font color="{colors[index]}">{text}</font>'
         rows.append(text)
+    blank = f'<td width="{spacer}"></td>' if spacer else ""
     return (f'<<table border="0" cellborder="0" cellspacing="0" cellpadding="{padding}">'
-            f'<tr><td align="left" balign="left">{"<br/>".join(rows)}</td></tr></table>>')
+            f'<tr><td align="left" balign="left">{"<br/>".join(rows)}</td>{blank}</tr></table>>')
 
 
 def _attrs(attrs: Sequence[tuple[str, str]], raw: int = 0) -> str:
@@ -458,7 +598,45 @@ def _svg_stamp(source_name: str, dot_text: str) -> str:
 
 
 def _read(path: Path) -> str | None:
+    """The file's text; None when there is no such file."""
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as error:
+        raise DiagramError(f"cannot read {path}: {_reason(error)}") from None
+
+
+def _make_directory(out: Path) -> None:
+    """Make ``out`` (and its parents) unless it is a directory already."""
+    if out.exists() and not out.is_dir():
+        raise DiagramError(f"cannot write to {out}: it is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise DiagramError(f"cannot write to {out}: {_reason(error)}") from None
+
+
+def _check_writable(out: Path, paths: Iterable[Path]) -> None:
+    """Refuse before writing anything when one of ``paths`` could not be written."""
+    for path in paths:
+        if path.is_dir():
+            raise DiagramError(f"cannot write {path}: it is a directory")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise DiagramError(f"cannot write {path}: it is read-only")
+        if not path.exists() and not os.access(out, os.W_OK | os.X_OK):
+            raise DiagramError(f"cannot write to {out}: it is read-only")
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise DiagramError(f"cannot write {path}: {_reason(error)}") from None
+
+
+def _reason(error: BaseException) -> str:
+    """An error's message on one line: an OSError's own words (``Permission denied``)."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return " ".join(str(error).split()) or type(error).__name__

@@ -195,6 +195,9 @@ class Declaration(Generic[S, A]):
             that leaves some states of a shared Enum unused (the explorer's broken lifecycles,
             a diagram's example of dead code). Any other state the initial state cannot reach
             is refused, and so is a state named here that it can reach.
+        calls: for each event, what it calls to get the answer it carries: one name, or
+            several in the order they are made (diagrams name them on the event's edges). An
+            event left out calls nothing worth naming.
 
     Raises:
         DeclarationError: the declaration is inconsistent; the one-line message names the
@@ -214,6 +217,7 @@ class Declaration(Generic[S, A]):
         final: Iterable[S] = (),
         failure_states: Iterable[S] = (),
         unreachable: Iterable[S] = (),
+        calls: Mapping[str, str | Sequence[str]] | None = None,
     ) -> None:
         self.name = name
         self.states = states
@@ -225,6 +229,9 @@ class Declaration(Generic[S, A]):
         self.final = frozenset(final)
         self.failure_states = frozenset(failure_states)
         self.unreachable = frozenset(unreachable)
+        self.calls: dict[str, tuple[str, ...]] = {
+            str(event): (named,) if isinstance(named, str) else tuple(named)
+            for event, named in (calls or {}).items()}
         self._check_states()
         self._check_names()
         self.edges: tuple[Edge, ...] = self._read_edges(self.build_machine(_Inert()))
@@ -354,6 +361,13 @@ class Declaration(Generic[S, A]):
         for guard, accepted in self.guards.items():
             if not accepted:
                 raise DeclarationError(f"{self.name}: guard {guard!r} accepts no answer")
+        for event, named in self.calls.items():
+            if event not in self.answers:
+                raise DeclarationError(f"{self.name}: calls names {event!r}, which is not one "
+                                       "of its events")
+            if not named or not all(isinstance(name, str) and name for name in named):
+                raise DeclarationError(f"{self.name}: the calls of {event!r} must be names "
+                                       f"(str), got {named!r}")
 
     def _check_transition(self, transition: Mapping[str, Any]) -> None:
         trigger = transition.get("trigger")

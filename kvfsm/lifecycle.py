@@ -279,6 +279,10 @@ TRANSFER_MACHINE: Declaration[TransferState, Answer] = Declaration(
     transitions=TRANSITIONS,
     final=(TransferState.PUBLISHED, TransferState.QUARANTINED),
     failure_states=(TransferState.FAILED, TransferState.CANCELLING, TransferState.QUARANTINED),
+    calls={E.POST: ("register_memory", "prep_xfer_dlist", "make_prepped_xfer", "transfer"),
+           E.POLL: "check_xfer_state",
+           E.RELEASE: "release_xfer_handle",
+           E.CLEAN: ("release_dlist_handle", "deregister_memory")},
 )
 
 

@@ -177,6 +177,7 @@ PEER_RECEIVE: Declaration[ReceiveState, PeerAnswer] = Declaration(
     ],
     final=(ReceiveState.PUBLISHED,),
     failure_states=(ReceiveState.PEER_LOST,),
+    calls={"notified": "get_new_notifs"},  # watch reads the sender's link; publish calls none
 )
 
 

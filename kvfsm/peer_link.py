@@ -191,6 +191,10 @@ PEER_LINK: Declaration[LinkState, LinkAnswer] = Declaration(
     ],
     final=(LinkState.CLOSED, LinkState.REFUSED),
     failure_states=(LinkState.LOST, LinkState.REFUSED),
+    calls={"add": "add_remote_agent", "check": "check_remote_metadata", "probe": "send_notif",
+           # what a write answered: its transfer, or the state check of it
+           "disconnected": ("transfer", "check_xfer_state"),
+           "remove": "remove_remote_agent"},
 )
 
 

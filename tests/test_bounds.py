@@ -19,7 +19,14 @@ import torch
 
 from kvfsm import TransferJob
 from kvfsm.testing import FakeNixlAgent, Raise
-from kvfsm.tiers import DrainTimeout, InvalidJobError, Lookup, ObjectStoreTier, UnknownJobError
+from kvfsm.tiers import (
+    DrainTimeout,
+    InvalidJobError,
+    Lookup,
+    ObjectStoreTier,
+    TierClosedError,
+    UnknownJobError,
+)
 
 from .conftest import NUM_BLOCKS
 
@@ -297,3 +304,12 @@ def test_stats_answers_while_another_thread_holds_the_tier(
     poller.join(5)
     assert tier.stats()["published"] == 1
     tier.shutdown(timeout=5)
+
+
+def test_a_tier_that_is_shut_down_answers_no_lookup(tier: ObjectStoreTier) -> None:
+    tier.submit_store(store(1, "stored"))
+    assert run_to_idle(tier) == [True]
+    assert tier.lookup("stored") is Lookup.HIT
+    tier.shutdown(timeout=5)
+    with pytest.raises(TierClosedError, match=r"shut down; lookup\('stored'\) refused"):
+        tier.lookup("stored")

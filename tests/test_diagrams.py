@@ -7,7 +7,9 @@ with), for kvfsm's own machines and for machines a user declares.
 
 from __future__ import annotations
 
+import copy
 import enum
+import errno
 import html
 import json
 import os
@@ -26,8 +28,10 @@ import pytest
 
 from kvfsm import Declaration, Transfer, TransferJob, TransferState
 from kvfsm.cli import main
-from kvfsm.diagrams import MACHINES, load_declaration, to_dot
+from kvfsm.diagrams import MACHINES, DiagramError, failure_answers, load_declaration, to_dot
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer
+from kvfsm.peer import PeerAnswer
+from kvfsm.peer_link import LinkAnswer
 
 REPO = Path(__file__).resolve().parent.parent
 COMMITTED = REPO / "diagrams"
@@ -149,26 +153,45 @@ class DrawnEdge:
     conditions: tuple[str, ...]
     unless: tuple[str, ...]
     actions: tuple[str, ...]
+    #: what the event calls, in order (``call(), ...`` lines, in italics)
+    calls: tuple[str, ...] = ()
+
+
+_CALLS = re.compile(r"\w+\(\)(?:, \w+\(\))*,?")
 
 
 def read_edge(tail: str, head: str, attrs: dict[str, str]) -> tuple[DrawnEdge, bool]:
-    """The edge's table entry, and whether its label calls it a retry."""
+    """The edge's table entry, and whether its label calls it a retry.
+
+    The label reads, line by line: ``[retry: ]event[ #n]``, any lines of ``call(), ...``,
+    ``[guards]``, ``/ actions``, each part in that order.
+    """
     first, *rest = label_lines(attrs["label"])
     match = re.fullmatch(r"(retry: )?(\S+?)(?: #(\d+))?", first)
     assert match is not None, first
+    calls: list[str] = []
     conditions: list[str] = []
     unless: list[str] = []
     actions: tuple[str, ...] = ()
+    part, calls_continue = 0, False  # part 1: calls, 2: guards, 3: actions; never back
     for line in rest:
         if line.startswith("[") and line.endswith("]"):
+            part, was = 2, part
             for guard in line[1:-1].split(" && "):
                 (unless if guard.startswith("!") else conditions).append(guard.lstrip("!"))
-        else:
-            assert line.startswith("/ "), line
+        elif line.startswith("/ "):
+            part, was = 3, part
             actions = tuple(line[2:].split(", "))
+        else:
+            assert _CALLS.fullmatch(line), line
+            part, was = 1, part
+            assert not calls or calls_continue, line  # one run of lines, broken after commas
+            calls += re.findall(r"(\w+)\(\)", line)
+            calls_continue = line.endswith(",")
+        assert was <= part and (part == 1 or was < part), (first, rest)
     order = int(match[3]) if match[3] else None
     return DrawnEdge(tail, head, match[2], order, tuple(conditions), tuple(unless),
-                     actions), bool(match[1])
+                     actions, tuple(calls)), bool(match[1])
 
 
 def drawn_edges(graph: DotGraph) -> list[tuple[DrawnEdge, bool, dict[str, str]]]:
@@ -203,8 +226,16 @@ def _state(value: Any) -> str:
     return str(value.name if isinstance(value, enum.Enum) else value)
 
 
+def declared_calls(declaration: Declaration[Any, Any]) -> dict[str, tuple[str, ...]]:
+    """What each event calls, as the declaration's optional ``calls`` mapping says."""
+    calls = getattr(declaration, "calls", None) or {}
+    return {str(event): (named,) if isinstance(named, str) else tuple(named)
+            for event, named in calls.items()}
+
+
 def declared_table(declaration: Declaration[Any, Any]) -> list[DrawnEdge]:
     """The machine's table as declared: one entry per (source, transition dict)."""
+    calls = declared_calls(declaration)
     rows: list[tuple[str, str, str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = []
     for transition in declaration.transitions:
         for source in _names(transition["source"]):
@@ -220,7 +251,8 @@ def declared_table(declaration: Declaration[Any, Any]) -> list[DrawnEdge]:
     for source, dest, event, conditions, unless, actions in rows:
         seen[source, event] += 1
         order = seen[source, event] if tried[source, event] > 1 else None
-        table.append(DrawnEdge(source, dest, event, order, conditions, unless, actions))
+        table.append(DrawnEdge(source, dest, event, order, conditions, unless, actions,
+                               calls.get(event, ())))
     return table
 
 
@@ -271,12 +303,38 @@ def door(**overrides: Any) -> Declaration[Door, Push]:
         ],
         "final": [Door.GONE],
         "failure_states": [Door.JAMMED],
+        "unreachable": [Door.LOCKED],  # on purpose: its edges are on no path
     }
     spec.update(overrides)
     return Declaration("door", **spec)
 
 
-EVERY_MACHINE = {**{spec: load_declaration(spec) for spec in MACHINES}, "user:door": door()}
+#: what the events of kvfsm's machines call, as their declarations say it (``calls=``)
+CALLS: dict[str, dict[str, str | tuple[str, ...]]] = {
+    "transfer": {"post": ("register_memory", "prep_xfer_dlist", "make_prepped_xfer", "transfer"),
+                 "poll": "check_xfer_state", "release": "release_xfer_handle",
+                 "clean": ("release_dlist_handle", "deregister_memory")},
+    "peer_receive": {"notified": "get_new_notifs"},
+    "peer_link": {"add": "add_remote_agent", "check": "check_remote_metadata",
+                  "probe": "send_notif", "disconnected": ("transfer", "check_xfer_state"),
+                  "remove": "remove_remote_agent"},
+}
+
+
+def with_calls(declaration: Declaration[Any, Any],
+               calls: dict[str, str | tuple[str, ...]]) -> Declaration[Any, Any]:
+    """A copy of ``declaration`` that names what its events call (``Declaration.calls``)."""
+    named = copy.copy(declaration)
+    named.calls = calls  # a field of Declaration, or (before it has one) an attribute
+    return named
+
+
+KVFSM_OWN = {spec: load_declaration(spec) for spec in MACHINES}
+EVERY_MACHINE = {
+    **KVFSM_OWN,
+    **{f"calls:{d.name}": with_calls(d, CALLS[d.name]) for d in KVFSM_OWN.values()},
+    "user:door": door(),
+}
 
 
 @pytest.fixture(params=sorted(EVERY_MACHINE))
@@ -452,8 +510,225 @@ def test_guards_with_unless_and_several_actions_are_spelled_out() -> None:
 def test_the_legend_explains_every_kind_of_edge_drawn() -> None:
     legend = " ".join(label_lines(parse_dot(to_dot(TRANSFER_MACHINE)).graph["label"]))
     for words in ("where a record starts", "final state", "failure state", "success path",
-                  "failure paths", "retry", "order guards are tried", "event #n [guards]"):
+                  "failure paths", "retry", "order guards are tried", "event #n",
+                  "[guards] / actions"):
         assert words in legend
+
+
+def test_each_edge_names_what_its_event_calls(machine: Declaration[Any, Any]) -> None:
+    calls = declared_calls(machine)
+    graph = parse_dot(to_dot(machine))
+    for edge, _, attrs in drawn_edges(graph):
+        assert edge.calls == calls.get(edge.event, ()), edge
+        assert ("<i>" in attrs["label"]) == bool(edge.calls), edge  # in italics
+    assert ("call()" in graph.graph["label"]) == bool(calls)  # and the legend says so
+
+
+def test_the_transfer_edges_name_the_nixl_calls_written_out_by_hand() -> None:
+    drawn = {(e.source, e.event, e.order): e.calls for e, _, _ in drawn_edges(
+        parse_dot(to_dot(with_calls(TRANSFER_MACHINE, CALLS["transfer"]))))}
+    submit = ("register_memory", "prep_xfer_dlist", "make_prepped_xfer", "transfer")
+    assert {drawn["SUBMITTED", "post", n] for n in (1, 2, 3)} == {submit}
+    assert {drawn["PROCESSING", "poll", n] for n in (1, 2, 3, 4)} == {("check_xfer_state",)}
+    assert drawn["CANCELLING", "poll", 2] == ("check_xfer_state",)
+    assert {drawn[state, "release", n] for state in ("DONE", "FAILED") for n in (1, 2, 3)} == {
+        ("release_xfer_handle",)}
+    assert drawn["XFER_RELEASED", "clean", 2] == ("release_dlist_handle", "deregister_memory")
+    assert drawn["CLEANED", "publish", None] == drawn["PROCESSING", "cancel", None] == ()
+
+
+def test_calls_are_wrapped_after_a_comma_and_a_lone_name_is_one_call() -> None:
+    graph = parse_dot(to_dot(with_calls(TRANSFER_MACHINE, CALLS["transfer"])))
+    labels = {(tail, head, label_lines(attrs["label"])[0]): label_lines(attrs["label"])
+              for tail, head, attrs in graph.edges if attrs.get("label")}
+    assert labels["SUBMITTED", "PROCESSING", "post #1"] == [
+        "post #1", "register_memory(), prep_xfer_dlist(),", "make_prepped_xfer(), transfer()",
+        "[running]"]
+    assert labels["PROCESSING", "DONE", "poll #2"] == [
+        "poll #2", "check_xfer_state()", "[finished]", "/ latch_success"]
+
+
+@pytest.mark.parametrize(("calls", "message"), [
+    ({"pol": "check_xfer_state"}, "calls names 'pol', which is not one of its events"),
+    ({"poll": 3}, "the calls of 'poll' must be names (str), not 3"),
+    ({"poll": ()}, "the calls of 'poll' must be names (str), not ()"),
+    (["poll"], "calls must map events to the calls they make, not list"),
+])
+def test_calls_that_name_no_event_or_no_call_are_refused(calls: Any, message: str) -> None:
+    with pytest.raises(DiagramError, match=re.escape(message)):
+        to_dot(with_calls(TRANSFER_MACHINE, calls))
+
+
+def test_the_failure_answers_are_those_the_declaration_fails_or_retries_on() -> None:
+    machines = {d.name: d for d in KVFSM_OWN.values()}
+    assert failure_answers(machines["transfer"]) == {Answer.ERR, Answer.RAISED, Answer.EXHAUSTED}
+    assert failure_answers(machines["peer_receive"]) == {PeerAnswer.GONE}
+    assert failure_answers(machines["peer_link"]) == {LinkAnswer.RAISED,
+                                                      LinkAnswer.DISCONNECTED}
+    assert failure_answers(door()) == {Push.HARD}  # JAMMED's own retry is past the failure
+
+
+def test_in_the_link_machine_only_connecting_and_closing_cleanly_is_the_success_path() -> None:
+    link = next(d for d in KVFSM_OWN.values() if d.name == "peer_link")
+    kinds = {(e.source, e.dest, e.event, e.conditions): drawn_kind(e, retry, attrs)
+             for e, retry, attrs in drawn_edges(parse_dot(to_dot(link)))}
+    assert kinds == {
+        ("UNKNOWN", "CONNECTING", "add", ("ok",)): "success",
+        ("UNKNOWN", "REFUSED", "add", ("raised",)): "failure",
+        ("CONNECTING", "CONNECTED", "check", ("present",)): "success",
+        ("CONNECTING", "CONNECTING", "check", ("absent",)): "stay",
+        ("CONNECTING", "LOST", "check", ("raised",)): "failure",
+        ("CONNECTING", "CLOSED", "remove", ("ok",)): "success",    # closed before it connected
+        ("CONNECTING", "CLOSED", "remove", ("raised",)): "failure",  # a leak: RAISED fails
+        ("CONNECTED", "CONNECTED", "probe", ("ok",)): "stay",
+        ("CONNECTED", "CONNECTED", "probe", ("raised",)): "retry",
+        ("CONNECTED", "LOST", "probe", ("gone",)): "failure",
+        ("CONNECTED", "LOST", "disconnected", ("gone",)): "failure",
+        ("CONNECTED", "CLOSED", "remove", ("ok",)): "success",
+        ("CONNECTED", "CLOSED", "remove", ("raised",)): "failure",
+        ("LOST", "LOST", "disconnected", ("gone",)): "stay",
+        ("LOST", "CLOSED", "remove", ("ok",)): "failure",
+        ("LOST", "CLOSED", "remove", ("raised",)): "failure",
+    }
+
+
+def test_every_green_edge_is_on_a_clean_run_from_the_initial_to_a_final_state(
+    machine: Declaration[Any, Any],
+) -> None:
+    """Read back from the drawing: each green edge is on a path of green edges from the
+    initial state to a final one, none into a failure state, each taken by some answer
+    that is not a failure answer."""
+    failing = failure_answers(machine)
+    green = [e for e, retry, attrs in drawn_edges(parse_dot(to_dot(machine)))
+             if drawn_kind(e, retry, attrs) == "success"]
+    final = {s.name for s in machine.final}
+    failed = {s.name for s in machine.failure_states}
+    for edge in green:
+        accepted = {a for a in machine.answers[edge.event]
+                    if all(a in machine.guards[g] for g in edge.conditions)
+                    and not any(a in machine.guards[g] for g in edge.unless)}
+        assert accepted - failing and edge.dest not in failed, edge
+    ahead = {machine.initial.name}
+    for _ in green:
+        ahead |= {e.dest for e in green if e.source in ahead}
+    assert {e.source for e in green} <= ahead
+    behind = set(final)
+    for _ in green:
+        behind |= {e.source for e in green if e.dest in behind}
+    assert {e.dest for e in green} <= behind
+
+
+# -- the layout: no label crossed by an edge, or on another label --------------------------------
+
+@dataclass(frozen=True)
+class Box:
+    """A box in graphviz's coordinates (points, y upwards), and what is in it."""
+
+    left: float
+    bottom: float
+    right: float
+    top: float
+    what: str
+
+    def holds(self, x: float, y: float, margin: float = 1.0) -> bool:
+        return (self.left - margin <= x <= self.right + margin
+                and self.bottom - margin <= y <= self.top + margin)
+
+    def meets(self, other: Box, margin: float = 1.0) -> bool:
+        return not (self.right + margin < other.left or other.right + margin < self.left
+                    or self.top + margin < other.bottom or other.top + margin < self.bottom)
+
+
+def text_boxes(ops: list[dict[str, Any]], what: str) -> list[Box]:
+    """The ink of each line graphviz writes: from below its baseline to its ascent."""
+    size, boxes = 14.0, []
+    for op in ops:
+        if op["op"] == "F":
+            size = op["size"]
+        elif op["op"] == "T":
+            (x, y), width = op["pt"], op["width"]
+            left = {"l": x, "c": x - width / 2, "r": x - width}[op["align"]]
+            boxes.append(Box(left, y - 0.25 * size, left + width, y + 0.8 * size,
+                             f"{what} {op['text']!r}"))
+    return boxes
+
+
+def drawn_points(ops: list[dict[str, Any]], steps: int = 24) -> list[tuple[float, float]]:
+    """Points along everything an edge draws: each Bezier piece of its spline, and the sides
+    of its arrowhead."""
+    points: list[tuple[float, float]] = []
+    for op in ops:
+        corners = [tuple(p) for p in op.get("points", [])]
+        if op["op"] in ("b", "B"):
+            for at in range(0, len(corners) - 3, 3):
+                (x0, y0), (x1, y1), (x2, y2), (x3, y3) = corners[at:at + 4]
+                for step in range(steps + 1):
+                    t = step / steps
+                    a, b, c, d = (1 - t) ** 3, 3 * t * (1 - t) ** 2, 3 * t * t * (1 - t), t ** 3
+                    points.append((a * x0 + b * x1 + c * x2 + d * x3,
+                                   a * y0 + b * y1 + c * y2 + d * y3))
+        elif op["op"] in ("p", "P", "L"):
+            for (x0, y0), (x1, y1) in zip(corners, [*corners[1:], corners[0]], strict=True):
+                points += [(x0 + (x1 - x0) * k / 8, y0 + (y1 - y0) * k / 8) for k in range(9)]
+    return points
+
+
+def crossings(dot_text: str) -> list[str]:
+    """What graphviz's layout of ``dot_text`` puts over a label: another edge's line or arrow,
+    another label (the legend too), or a state."""
+    done = subprocess.run(["dot", "-Tjson"], input=dot_text, capture_output=True, text=True,
+                          check=True, timeout=60)
+    layout = json.loads(done.stdout)
+    names = [node["name"] for node in layout["objects"]]
+    edges = {f"edge {names[e['tail']]}->{names[e['head']]} #{i}": e
+             for i, e in enumerate(layout["edges"])}
+    labels = {name: text_boxes(edge.get("_ldraw_", []), name) for name, edge in edges.items()}
+    labels["legend"] = text_boxes(layout.get("_ldraw_", []), "legend")
+    lines = {name: drawn_points([*edge.get("_draw_", []), *edge.get("_hdraw_", []),
+                                 *edge.get("_tdraw_", [])]) for name, edge in edges.items()}
+    states = []
+    for node in layout["objects"]:
+        x, y = (float(v) for v in node["pos"].split(","))
+        half_width, half_height = float(node["width"]) * 36, float(node["height"]) * 36
+        states.append(Box(x - half_width, y - half_height, x + half_width, y + half_height,
+                          f"state {node['name']}"))
+    found = []
+    owners = sorted(labels)
+    for index, owner in enumerate(owners):
+        for box in labels[owner]:
+            found += [f"{box.what} is crossed by {name}" for name, points in lines.items()
+                      if name != owner and any(box.holds(x, y) for x, y in points)]
+            found += [f"{box.what} meets {other.what}" for other_owner in owners[index + 1:]
+                      for other in labels[other_owner] if box.meets(other)]
+            found += [f"{box.what} meets {state.what}" for state in states if box.meets(state)]
+    return found
+
+
+LAID_OUT = {
+    **{f"committed:{path.stem}": path for path in sorted(COMMITTED.glob("*.dot"))},
+    **{spec: spec for spec in sorted(EVERY_MACHINE)},
+}
+
+
+@pytest.mark.parametrize("drawing", sorted(LAID_OUT))
+def test_no_label_is_crossed_by_an_edge_or_meets_another_label_or_a_state(drawing: str) -> None:
+    require_dot()
+    source = LAID_OUT[drawing]
+    text = source.read_text(encoding="utf-8") if isinstance(source, Path) else to_dot(
+        EVERY_MACHINE[source])
+    assert crossings(text) == []
+
+
+def test_the_committed_drawings_are_all_laid_out_here() -> None:
+    assert {name for name in LAID_OUT if name.startswith("committed:")} == {
+        f"committed:{d.name}" for d in KVFSM_OWN.values()}
+
+
+def test_the_crossing_check_sees_a_loop_cross_the_label_of_the_loop_inside_it() -> None:
+    require_dot()
+    found = crossings('digraph g { A -> A [label="aaaa\\nbbbb\\ncccc"]; '
+                      'A -> A [label="dddd\\neeee\\nffff"]; A -> B [label="x"]; }')
+    assert "edge A->A #0 'aaaa' is crossed by edge A->A #1" in found
 
 
 # -- determinism ----------------------------------------------------------------------------
@@ -565,8 +840,8 @@ class Push(enum.Enum):
 
 DOOR = Declaration(
     "door", states=Door, initial=Door.CLOSED,
-    answers={{"push": [Push.GENTLE]}}, guards={{}}, actions={{}},
-    transitions=[{{"trigger": "push", "source": Door.CLOSED, "dest": Door.{dest}}}],
+    answers={{"{event}": [Push.GENTLE]}}, guards={{}}, actions={{}},
+    transitions=[{{"trigger": "{event}", "source": Door.CLOSED, "dest": Door.OPEN}}],
     final=[Door.OPEN])
 """
 
@@ -578,18 +853,16 @@ def kvfsm(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_users_machine_named_on_the_command_line_is_drawn_and_checked(tmp_path: Path) -> None:
     require_dot()
-    (tmp_path / "door_machine.py").write_text(textwrap.dedent(DOOR_MODULE).format(dest="OPEN"))
+    (tmp_path / "door_machine.py").write_text(textwrap.dedent(DOOR_MODULE).format(event="push"))
     drawn = kvfsm(tmp_path, "--out", "pictures", "door_machine:DOOR")
     assert drawn.returncode == 0, drawn.stderr
-    assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == [
-        "door.dot", "door.svg", "peer_link.dot", "peer_link.svg", "peer_receive.dot",
-        "peer_receive.svg", "transfer.dot", "transfer.svg"]
+    assert sorted(p.name for p in (tmp_path / "pictures").iterdir()) == ["door.dot", "door.svg"]
     checked = kvfsm(tmp_path, "--check", "--out", "pictures", "door_machine:DOOR")
     assert checked.returncode == 0, checked.stderr
-    assert "transfer, peer_receive, peer_link, door up to date in pictures/" in checked.stdout
+    assert checked.stdout == "kvfsm diagrams: door up to date in pictures/\n"
 
     # the user changes the machine and forgets to redraw it
-    (tmp_path / "door_machine.py").write_text(textwrap.dedent(DOOR_MODULE).format(dest="CLOSED"))
+    (tmp_path / "door_machine.py").write_text(textwrap.dedent(DOOR_MODULE).format(event="shove"))
     stale = kvfsm(tmp_path, "--check", "--out", "pictures", "door_machine:DOOR")
     assert stale.returncode == 1
     assert "machine 'door': pictures/door.dot differs from the declaration" in stale.stderr
@@ -597,9 +870,30 @@ def test_a_users_machine_named_on_the_command_line_is_drawn_and_checked(tmp_path
     assert "run `kvfsm diagrams --out pictures door_machine:DOOR`" in stale.stderr
 
 
+def test_naming_a_machine_draws_only_it_into_diagrams_in_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
+) -> None:
+    require_dot()
+    (tmp_path / "door_drawn_here.py").write_text(
+        textwrap.dedent(DOOR_MODULE).format(event="push"))
+    monkeypatch.chdir(tmp_path)
+    request.addfinalizer(lambda: sys.modules.pop("door_drawn_here", None))
+    assert main(["diagrams", "door_drawn_here:DOOR"]) == 0
+    assert sorted(p.name for p in (tmp_path / "diagrams").iterdir()) == ["door.dot", "door.svg"]
+    assert capsys.readouterr().out.splitlines() == [
+        f"wrote {Path('diagrams', name)}" for name in ("door.dot", "door.svg")]
+    assert main(["diagrams", "--check", "door_drawn_here:DOOR"]) == 0
+    assert capsys.readouterr().out == "kvfsm diagrams: door up to date in diagrams/\n"
+    # kvfsm's own are drawn beside it only when named
+    assert main(["diagrams", "peer_receive", "door_drawn_here:DOOR"]) == 0
+    assert sorted(p.name for p in (tmp_path / "diagrams").iterdir()) == [
+        "door.dot", "door.svg", "peer_receive.dot", "peer_receive.svg"]
+
+
 def test_only_draws_just_the_machines_named(tmp_path: Path) -> None:
     require_dot()
-    (tmp_path / "door_machine.py").write_text(textwrap.dedent(DOOR_MODULE).format(dest="OPEN"))
+    (tmp_path / "door_machine.py").write_text(textwrap.dedent(DOOR_MODULE).format(event="push"))
     drawn = kvfsm(tmp_path, "--only", "door_machine:DOOR")
     assert drawn.returncode == 0, drawn.stderr
     assert sorted(p.name for p in (tmp_path / "diagrams").iterdir()) == ["door.dot", "door.svg"]
@@ -611,7 +905,7 @@ def test_only_draws_just_the_machines_named(tmp_path: Path) -> None:
     (["kvfsm.lifecycle:NOPE"], "kvfsm.lifecycle has no attribute 'NOPE'"),
     (["kvfsm.lifecycle:TransferState"], "is not a kvfsm Declaration (found EnumType)"),
     (["no_such_module_kvfsm:X"], "cannot import 'no_such_module_kvfsm'"),
-    (["tests.test_diagrams:RENAMED"], "are both named 'transfer'"),
+    (["transfer", "tests.test_diagrams:RENAMED"], "are both named 'transfer'"),
     (["tests.test_diagrams:BADLY_NAMED"], "machine name 'a door/b' cannot name a file"),
     (["--only"], "no machine to draw"),
 ])
@@ -623,8 +917,45 @@ def test_machines_that_cannot_be_drawn_are_named(
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+@pytest.mark.parametrize("args", [
+    ["--out", "{file}"], ["--out", "{file}/drawings"], ["--check", "--out", "{file}"],
+], ids=["a file", "under a file", "checking a file"])
+def test_an_out_that_is_not_a_directory_is_refused_in_one_line_and_nothing_is_written(
+    args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine\n")
+    assert main(["diagrams", *(arg.format(file=taken) for arg in args)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("kvfsm diagrams: cannot ") and err.count("\n") == 1, err
+    assert f"{taken}" in err and ("not a directory" in err or "Not a directory" in err), err
+    assert sorted(tmp_path.iterdir()) == [taken] and taken.read_text() == "mine\n"
+
+
+def test_a_read_only_out_is_refused_in_one_line_and_nothing_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = tmp_path / "drawings"
+    out.mkdir()
+    out.chmod(0o555)
+    if os.access(out, os.W_OK):  # root writes into it all the same: refuse as a read-only disk
+        def refuse(path: Path, *args: Any, **kwargs: Any) -> int:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        monkeypatch.setattr(Path, "write_text", refuse)
+    try:
+        assert main(["diagrams", "--out", str(out)]) == 1
+    finally:
+        out.chmod(0o755)
+    printed, err = capsys.readouterr()
+    assert printed == ""
+    assert err.startswith("kvfsm diagrams: cannot write ") and err.count("\n") == 1, err
+    assert str(out) in err and ("read-only" in err.lower()), err
+    assert list(out.iterdir()) == []
+
+
 #: a different machine under kvfsm's own machine's name, and one whose name is no file name
-RENAMED = door(final=[Door.OPEN])
+RENAMED = door(failure_states=[])
 RENAMED.name = "transfer"
 BADLY_NAMED = door()
 BADLY_NAMED.name = "a door/b"
@@ -653,8 +984,8 @@ def test_the_svg_shows_every_state_and_edge(
     titles: dict[str, list[str | None]] = {"node": [], "edge": []}
     for group in svg.iterfind(".//svg:g", ns):
         title = group.find("svg:title", ns)
-        if title is not None and group.get("class") in ("node", "edge"):
-            titles[str(group.get("class"))].append(title.text)
+        if title is not None and group.get("class") in ("node", "edge"):  # ports left out
+            titles[str(group.get("class"))].append(re.sub(r":\w+", "", title.text or ""))
     assert sorted(titles["node"]) == sorted(["__initial__", *(s.name for s in TransferState)])
     assert Counter(titles["edge"]) == Counter(
         ["__initial__->SUBMITTED",

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from kvfsm import JobResult, TransferJob, TransferState
 from kvfsm.nixl_agents import make_agent
 from kvfsm.testing import FakeNixlAgent, FaultyAgent, StayProc
-from kvfsm.tiers import DrainTimeout, FileTier, Lookup
+from kvfsm.tiers import DrainTimeout, FileTier, InvalidJobError, Lookup
 
 from .real_nixl import require_nixl
 
@@ -564,3 +564,41 @@ def test_a_live_writer_in_another_process_keeps_its_temporary_files(
     assert cleaning.remove_stale() == 0  # (it exited without shutdown: its writer file goes)
     assert [p.name for p in blocks.iterdir()] == ["held"]
     cleaning.shutdown()
+
+
+# -- the root: refused at once when a tier could never use it ------------------------------------
+
+def test_a_root_that_is_a_file_is_refused_by_name_and_nothing_is_created(
+    cache: torch.Tensor, tmp_path: Path
+) -> None:
+    regular = tmp_path / "a_regular_file"
+    regular.write_bytes(b"not a directory")
+    agent = FakeNixlAgent(name="root-check")
+    with pytest.raises(ValueError, match=r"'.*a_regular_file' exists and is not a directory"):
+        FileTier(cache, regular, agent=agent)
+    with pytest.raises(ValueError, match=r"'.*a_regular_file/blocks' cannot be created"):
+        FileTier(cache, regular / "blocks", agent=agent)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_regular_file"]
+    assert agent.live_registrations() == 0, "nothing registered with NIXL either"
+    agent.close()
+
+
+def test_a_root_that_cannot_be_written_is_refused_unless_the_tier_only_loads(
+    cache: torch.Tensor,
+) -> None:
+    """/proc/sys takes no new files, even from root (as CI runs): a tier that could never
+    store is refused at once instead of failing every store later; one that says it only
+    loads is made, and refuses stores by name."""
+    agent = FakeNixlAgent(name="read-only")
+    with pytest.raises(ValueError, match=r"'/proc/sys' cannot be written to .* read_only=True"):
+        FileTier(cache, "/proc/sys", agent=agent)
+    assert agent.live_registrations() == 0
+    tier = FileTier(cache, "/proc/sys", agent=agent, read_only=True)
+    with pytest.raises(InvalidJobError, match=r"job 1: this FileTier only loads from /proc/sys"):
+        tier.submit_store(TransferJob(1, ["k"], [0]))
+    assert not tier.has_pending_work() and tier.state_of(1) is None
+    assert tier.lookup("kernel") is Lookup.MISS, "a directory is not a block"
+    tier.shutdown(timeout=5)
+    with pytest.raises(ValueError, match="read_only must be a bool"):
+        FileTier(cache, "/proc/sys", agent=agent, read_only="yes")  # type: ignore[arg-type]
+    agent.close()

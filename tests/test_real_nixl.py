@@ -15,7 +15,7 @@ import torch
 
 from kvfsm import TRANSFER_MACHINE, JobResult, TransferJob
 from kvfsm.nixl_agents import BucketUnreachable, make_agent
-from kvfsm.testing import FaultyAgent, Raise
+from kvfsm.testing import FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, SecondaryTier
 from kvfsm.trace import read_traces, replay
 
@@ -280,3 +280,29 @@ def test_a_truncated_block_file_fails_its_load(file_tier: FileTier, cache: torch
     file_tier.submit_load(TransferJob(2, ["whole"], [1], is_promotion=True))
     assert collect(file_tier, 1)[2].success is False
     assert file_tier.lookup("whole") is Lookup.MISS
+
+
+@pytest.mark.parametrize("kind", ["objects", "files"])
+def test_a_store_nixl_reported_as_failed_is_a_miss_in_either_tier_even_if_it_landed(
+    kind: str, s3_server: S3Server, cache: torch.Tensor, tmp_path: Path,
+    tiers: list[SecondaryTier],
+) -> None:
+    """One rule for both tiers (docs/lifecycle.md): after a failed store the tier cannot vouch
+    for what it holds under the job's keys, so they are MISS. Here NIXL really wrote the block,
+    then the state check answered ERR: the object tier used to find the object and say HIT."""
+    tier: SecondaryTier
+    if kind == "objects":
+        config = s3_server.config(s3_server.new_bucket())
+        agent = FaultyAgent(make_agent("err-after-put", "OBJ", config.backend_params()))
+        tier = ObjectStoreTier(cache, agent=agent,
+                               probe_agent=make_agent("err-probe", "OBJ", config.backend_params()))
+    else:
+        agent = FaultyAgent(make_agent("err-after-write", "POSIX"))
+        tier = FileTier(cache, tmp_path / "blocks", agent=agent)
+    tiers.append(tier)
+    agent.inject("transfer", StayProc(1))  # posted for real; polled...
+    agent.inject("check_xfer_state", ReturnErr())  # ...and ERR once NIXL finished the write
+    tier.submit_store(TransferJob(1, ["landed"], [0]))
+    assert collect(tier, 1)[1].success is False
+    assert tier.lookup("landed") is Lookup.MISS
+    assert wait_for_lookup(tier, "landed") is Lookup.MISS

@@ -355,8 +355,17 @@ class SecondaryTier:
     def lookup(self, key: bytes | str) -> Lookup:
         """HIT, MISS, or RETRY while the answer is being found out; never blocks on I/O.
 
-        A finished store makes its keys HIT; a failed load makes its keys MISS (F11).
+        A finished store makes its keys HIT; a failed job, store or load, makes them MISS: the
+        tier cannot vouch for what it holds under a name whose transfer failed (a store NIXL
+        reported as failed may have landed anyway), and a failed load is not retried again and
+        again (F11). A later successful store makes them HIT again.
+
+        Raises:
+            TierClosedError: the tier was shut down (it knows nothing any more).
+            ValueError: ``key`` is not a non-empty str or bytes.
         """
+        if self._closed:
+            raise TierClosedError(f"{type(self).__name__} is shut down; lookup({key!r}) refused")
         name = self.remote_name(key)
         known = self._known.get(name)
         return known if known is not None else self._probe(name)
@@ -593,10 +602,9 @@ class SecondaryTier:
             self._record_leaks(job_id, transfer.leaks)
         if transfer.state is TransferState.QUARANTINED:
             self._quarantine.append(transfer)
-        if transfer.success or transfer.job.is_promotion:
-            # a finished store or load shows the blocks are there; a failed load that
-            # they are not, so they are not loaded again and again (F11)
-            self._known.record(transfer.names, Lookup.HIT if transfer.success else Lookup.MISS)
+        # a finished store or load shows the blocks are there; after a failed one the tier
+        # cannot vouch for them, and a failed load is not made again and again (F11)
+        self._known.record(transfer.names, Lookup.HIT if transfer.success else Lookup.MISS)
         for listener in self.on_published:  # best effort: a listener never costs a result (F7)
             try:
                 listener(transfer)

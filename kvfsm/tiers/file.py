@@ -68,8 +68,8 @@ from kvfsm.driver import StorageSide
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import Answer, TransferState
 from kvfsm.policy import RetryPolicy
-from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
-from kvfsm.transfer import Leak, Transfer
+from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier, key_text
+from kvfsm.transfer import Leak, Transfer, TransferJob
 
 __all__ = ["FileTier"]
 
@@ -403,6 +403,9 @@ class FileTier(SecondaryTier):
     Args:
         primary: the primary KV cache (contiguous CPU tensor, blocks on the first dimension).
         root: the directory holding the block files (created if missing).
+        read_only: only load from ``root`` (stores are refused); a root that cannot be
+            written to must say so, so a tier that could never store is refused at once
+            rather than failing every store later.
         agent: a NIXL agent with the POSIX backend; None creates one.
         durable: ``fsync`` files and directory before a store succeeds, so a finished store
             survives a power loss too (a process crash never needs it). The flush runs on the
@@ -417,6 +420,7 @@ class FileTier(SecondaryTier):
         primary: torch.Tensor,
         root: str | os.PathLike[str],
         *,
+        read_only: bool = False,
         agent: NixlAgent | None = None,
         durable: bool = True,
         poll_interval: float = 0.0005,
@@ -424,7 +428,7 @@ class FileTier(SecondaryTier):
         policy: RetryPolicy | None = None,
     ) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.read_only = _check_root(self.root, read_only)
         #: the root as text, ending in a separator: a block's path is this and its name
         self.directory = os.path.join(self.root, "")
         self.durable = durable
@@ -444,6 +448,12 @@ class FileTier(SecondaryTier):
         except BaseException:
             self._release_at_drop()
             raise
+
+    def _submit(self, job: TransferJob, *, load: bool) -> None:
+        if self.read_only and not load:
+            raise InvalidJobError(f"job {getattr(job, 'job_id', job)!r}: this FileTier only "
+                                  f"loads from {self.root} (read_only=True); stores are refused")
+        super()._submit(job, load=load)
 
     @property
     def writer_id(self) -> str | None:
@@ -533,6 +543,34 @@ def _release(flusher: _Flusher, writer: _Writer, wait: bool) -> None:
     """Stop the flusher (waiting for it, at shutdown) and give the writer's claim up."""
     flusher.stop(wait=wait)
     writer.release()
+
+
+def _check_root(root: Path, read_only: object) -> bool:
+    """Make sure ``root`` is a directory the tier can use; returns ``read_only`` as a bool.
+
+    Raises:
+        ValueError: it is not a directory, cannot be created, or cannot be written to while
+            ``read_only`` is False; nothing was created.
+    """
+    if not isinstance(read_only, bool):
+        raise ValueError(f"read_only must be a bool, got {read_only!r}")
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"FileTier root {str(root)!r} exists and is not a directory")
+    if not root.exists():
+        if read_only:
+            raise ValueError(f"FileTier root {str(root)!r} does not exist (read_only=True: "
+                             "nothing to load)")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"FileTier root {str(root)!r} cannot be created: "
+                             f"{error.strerror or error}") from None
+    if read_only:
+        return True
+    if not os.access(root, os.W_OK | os.X_OK) or os.statvfs(root).f_flag & os.ST_RDONLY:
+        raise ValueError(f"FileTier root {str(root)!r} cannot be written to (a read-only file "
+                         "system or no permission); pass read_only=True to only load from it")
+    return False
 
 
 def _fsync_dir(path: str) -> None:
