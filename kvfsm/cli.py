@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvfsm`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
+    check = getattr(args, "check_arguments", None)  # what argparse cannot say: a usage error
+    if check is not None:
+        check(args)
     if args.command == "diagrams":
         return diagrams.run(args)
     commands = {"demo": demo.run, "explore": explore.run, "replay": trace.run}

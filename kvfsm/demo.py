@@ -1,34 +1,50 @@
 """``kvfsm demo``: store a torch KV cache, wipe it, load it back and verify every byte.
 
 By default it runs on real NIXL with the file tier in a temporary directory, so it needs no
-server; ``--s3-endpoint URL --bucket B`` runs the object-store tier against an S3 server, and
-``--fake`` runs the object-store tier on :class:`kvfsm.testing.FakeNixlAgent`. Faults given with
-``--inject-faults`` are injected into the agent's calls (the real agent through
-:class:`kvfsm.testing.FaultyAgent`), so a user can watch transfers retry and still publish once.
+server; ``--dir DIR`` keeps the files in DIR, ``--s3-endpoint URL --bucket B`` runs the
+object-store tier against an S3 server, and ``--fake`` runs the object-store tier on
+:class:`kvfsm.testing.FakeNixlAgent` (one of the three). Faults given with ``--inject-faults``
+are injected into the agent's calls (the real agent through :class:`kvfsm.testing.FaultyAgent`),
+so a user can watch transfers retry and still publish once.
+
+A job that fails says why (:class:`kvfsm.transfer.JobResult`'s ``reason``): the demo prints the
+failures grouped by cause, with a count and one example job each, and tells the causes it
+injected from the others. A load of blocks whose store failed fails because of that store.
+
+Exit status: 0 when every block verified, or every failure came from the injected faults; 1
+when a byte mismatched, a result was duplicated, a job failed for a reason that was not
+injected (a read-only directory, a store that refused the credentials...), or a phase did not
+finish by ``--timeout``; 2 for bad options.
+
+Progress bars (rate and time left) go to stderr, for each phase and while a release that keeps
+raising is waited out up to the retry bound; they are on when stderr is a terminal, or with
+``--progress``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
-from kvfsm.lifecycle import TransferState
+from kvfsm.lifecycle import FailureKind, FailureReason, TransferState
+from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, Fault, FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import DrainTimeout, FileTier, ObjectStoreTier, SecondaryTier
 from kvfsm.trace import TraceRecorder
 from kvfsm.transfer import JobResult, TransferJob
 
-__all__ = ["FaultSpec", "add_arguments", "parse_fault_spec", "run"]
+__all__ = ["FaultSpec", "add_arguments", "parse_fault_spec", "progress_bar", "run"]
 
 _SPEC_ITEM = re.compile(
     r"^(?P<call>[a-z_]+):(?P<kind>raise|err|proc=(?P<polls>\d+))"
@@ -77,8 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=256, help="blocks in the cache (256)")
     parser.add_argument("--block-kib", type=int, default=64, help="KiB per block (64)")
     parser.add_argument("--blocks-per-job", type=int, default=16, help="blocks per job (16)")
-    where = parser.add_argument_group("where the blocks go (default: files in a temporary "
-                                      "directory, through real NIXL)")
+    where = parser.add_argument_group("where the blocks go (one of these; default: files in a "
+                                      "temporary directory, through real NIXL)")
     where.add_argument("--dir", help="keep the block files in this directory")
     where.add_argument("--s3-endpoint", metavar="URL", help="an S3 server, e.g. "
                        "http://127.0.0.1:9000 (with --bucket)")
@@ -93,54 +109,172 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "kvfsm replay FILE checks it against the lifecycle)")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds to wait for all results of a phase (120)")
+    parser.add_argument("--retry-seconds", type=float, default=RetryPolicy().max_seconds,
+                        metavar="S", help="retry a release that raises for S seconds after its "
+                        "transfer ended, then quarantine it (the tier's RetryPolicy; "
+                        f"{RetryPolicy().max_seconds:g})")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bars on stderr (default: when stderr is a terminal)")
+    parser.set_defaults(check_arguments=functools.partial(_check_arguments, parser))
 
 
-class _Progress:
-    """A one-line progress bar on a terminal; silent elsewhere."""
-
-    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr) -> None:
-        self.total, self.label, self.stream = total, label, stream
-        self.enabled = stream.isatty() and total >= 64
-        self.shown = -1
-
-    def update(self, done: int) -> None:
-        if not self.enabled:
-            return
-        width = 30
-        filled = width * done // self.total
-        if filled != self.shown:
-            self.shown = filled
-            self.stream.write(f"\r  {self.label:<5} [{'#' * filled}{'.' * (width - filled)}] "
-                              f"{done}/{self.total}")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + " " * 60 + "\r")
-            self.stream.flush()
+def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, as a usage error, options for another place than the one the demo runs on:
+    ignoring them would run the demo somewhere the user did not ask for."""
+    s3 = [f"--{name.replace('_', '-')}" for name in ("s3_endpoint", "bucket")
+          if getattr(args, name)]
+    if args.fake and (s3 or args.dir):
+        given = " and ".join([*s3, *(["--dir"] if args.dir else [])])
+        parser.error(f"--fake runs on kvfsm's in-memory store; {given} would be ignored: "
+                     "give one place for the blocks")
+    if args.dir and s3:
+        parser.error(f"--dir keeps the blocks in files, {' and '.join(s3)} in S3: give one "
+                     "place for the blocks")
 
 
-def _collect(tier: SecondaryTier, jobs: int, blocks: int, label: str,
-             timeout: float) -> tuple[dict[int, JobResult], int]:
-    """Poll until every job has a result; count duplicates (there must be none)."""
+def progress_bar(total: float | None, desc: str, *, enabled: bool, unit: str = "B",
+                 leave: bool = False, **options: Any) -> Any:
+    """A tqdm bar on stderr with its rate and time left (``unit="B"``: bytes, shown in KiB,
+    MiB...); does nothing unless ``enabled`` (or with nothing to count). ``options`` go to
+    tqdm."""
+    from tqdm import tqdm  # noqa: PLC0415 - only when progress is asked for
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024,
+                file=sys.stderr, disable=not enabled or total == 0, leave=leave,
+                dynamic_ncols=True, mininterval=0.2, **options)
+
+
+#: odd, so ``block * _MIX`` differs for every block (mod 2**64): the golden-ratio constant
+_MIX = 0x9E3779B97F4A7C15
+#: bytes a chunk of the cache is filled and checked in (a bound on the temporary memory)
+_CHUNK_BYTES = 64 << 20
+
+
+class _Pattern:
+    """The demo's KV data: block ``b`` is one random block (from the seed) with every 8-byte
+    word XORed with ``b * _MIX``, so every block differs from every other in every word, and a
+    block loaded into the wrong place, a zeroed one or a shuffled one never verifies.
+
+    Made and checked at memory speed, a chunk at a time, with no copy of the cache kept:
+    ``torch.randint`` over 2 GiB takes some 20 s, a clone to check against 2 GiB more.
+    """
+
+    def __init__(self, seed: int, block_bytes: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.base = torch.randint(0, 256, (block_bytes,), dtype=torch.uint8,
+                                  generator=generator).view(torch.int64)
+        self.rows = max(1, _CHUNK_BYTES // block_bytes)  # blocks per chunk
+
+    def expected(self, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks ``start`` to ``stop`` as they must be, as int64 words."""
+        keys = torch.tensor([_signed(b * _MIX) for b in range(start, stop)], dtype=torch.int64)
+        words = out[:stop - start] if out is not None else None
+        return torch.bitwise_xor(self.base, keys[:, None], out=words)
+
+    def fill(self, cache: torch.Tensor, bar: Any) -> None:
+        """Write every block of ``cache`` (blocks of this pattern's size)."""
+        words = cache.view(cache.shape[0], -1).view(torch.int64)
+        for start in range(0, words.shape[0], self.rows):
+            stop = min(start + self.rows, words.shape[0])
+            self.expected(start, stop, out=words[start:stop])
+            bar.update((stop - start) * words.shape[1] * 8)
+
+    def mismatched(self, cache: torch.Tensor, loaded: torch.Tensor, bar: Any) -> list[int]:
+        """The loaded blocks (``loaded``: a bool per block) whose bytes are not the pattern's,
+        in order: whole chunks compared at once, and a chunk's rows only when it differs."""
+        words = cache.view(cache.shape[0], -1).view(torch.int64)
+        scratch = torch.empty((min(self.rows, words.shape[0]), words.shape[1]),
+                              dtype=torch.int64)
+        bad: list[int] = []
+        for start in range(0, words.shape[0], self.rows):
+            stop = min(start + self.rows, words.shape[0])
+            wanted = loaded[start:stop]
+            if bool(wanted.any()):
+                expected = self.expected(start, stop, out=scratch)
+                got = words[start:stop]
+                if not torch.equal(got, expected):
+                    rows = (got != expected).any(dim=1) & wanted
+                    bad += [start + int(row) for row in rows.nonzero().flatten()]
+                bar.update(int(wanted.sum()) * words.shape[1] * 8)
+        return bad
+
+
+def _signed(word: int) -> int:
+    """``word`` mod 2**64 as a signed 64-bit integer."""
+    word &= (1 << 64) - 1
+    return word - (1 << 64) if word >> 63 else word
+
+
+def _collect(tier: SecondaryTier, sizes: dict[int, int], label: str, timeout: float,
+             progress: bool) -> tuple[dict[int, JobResult], int]:
+    """Poll until every job has a result; count duplicates (there must be none).
+
+    ``sizes`` is each job's bytes; the bar counts the bytes of jobs with a result. While
+    releases that raise are retried, a second bar counts down to the retry bound, when they
+    are quarantined (their jobs then fail).
+    """
     results: dict[int, JobResult] = {}
     duplicates = 0
-    progress = _Progress(blocks, label)
-    try:
-        deadline = time.monotonic() + timeout
-        while len(results) < jobs:
-            for result in tier.get_finished_jobs():
-                duplicates += result.job_id in results
-                results[result.job_id] = result
-            progress.update(blocks * len(results) // jobs)
-            if len(results) < jobs:
-                if time.monotonic() > deadline:
-                    raise DrainTimeout(f"{label} phase", tier.unpublished())
-                time.sleep(tier.poll_interval)
-    finally:
-        progress.close()
+    waiting = _RetryWait(tier, enabled=progress)
+    with progress_bar(sum(sizes.values()), label, enabled=progress, leave=True) as bar:
+        try:
+            deadline = time.monotonic() + timeout
+            while len(results) < len(sizes):
+                for result in tier.get_finished_jobs():
+                    duplicates += result.job_id in results
+                    if result.job_id not in results:
+                        bar.update(sizes.get(result.job_id, 0))
+                    results[result.job_id] = result
+                if len(results) < len(sizes):
+                    waiting.show()
+                    if time.monotonic() > deadline:
+                        raise DrainTimeout(f"{label} phase", tier.unpublished())
+                    time.sleep(tier.poll_interval)
+        finally:
+            waiting.close()
+        failed = sum(not r.success for r in results.values())
+        if failed:
+            bar.set_postfix_str(f"{failed} failed", refresh=True)
     return results, duplicates
+
+
+class _RetryWait:
+    """A bar for transfers whose release keeps raising: seconds since the oldest of them ended,
+    out of the retry policy's ``max_seconds`` (its bound: quarantined then); looked at a few
+    times a second, not every poll."""
+
+    def __init__(self, tier: SecondaryTier, *, enabled: bool) -> None:
+        self.tier, self.enabled = tier, enabled
+        self.bar: Any = None
+        self.next_look = 0.0
+
+    def show(self) -> None:
+        now = time.monotonic()
+        if not self.enabled or now < self.next_look:
+            return
+        self.next_look = now + 0.2
+        retrying = [t for t in self.tier.unpublished()
+                    if t.retries and t.state in (TransferState.DONE, TransferState.FAILED)]
+        if not retrying:
+            self.close()
+            return
+        bound = self.tier.policy.max_seconds
+        if self.bar is None:
+            self.bar = progress_bar(
+                bound, "waiting out release retries", unit="s", enabled=True,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s "
+                           "[{elapsed}<{remaining}{postfix}]" if bound else None)
+        waited = now - min(t.finished_at for t in retrying)
+        self.bar.n = min(waited, bound) if bound else waited
+        self.bar.set_postfix_str(
+            f"{len(retrying)} job(s) retried up to {max(t.retries for t in retrying)} times, "
+            f"last error: {retrying[0].error}; quarantined at the bound", refresh=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 @contextlib.contextmanager
@@ -148,11 +282,12 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
                faults: list[FaultSpec]) -> Iterator[tuple[SecondaryTier, str]]:
     """The tier the options ask for, and a line saying what it is."""
     agent: Any
+    policy = RetryPolicy(max_seconds=args.retry_seconds)
     if args.fake:
         agent = FakeNixlAgent(name="kvfsm-demo")
         for fault in faults:
             agent.inject(fault.call, fault.fault, at=fault.at, times=fault.times)
-        yield ObjectStoreTier(cache, agent=agent, key_prefix="demo/"), \
+        yield ObjectStoreTier(cache, agent=agent, key_prefix="demo/", policy=policy), \
             "object-store tier on kvfsm's fake NIXL agent (in memory)"
         return
 
@@ -175,14 +310,15 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
 
         check_bucket(store)
         agent = faulty(make_agent("kvfsm-demo-obj", "OBJ", store.backend_params()))
-        yield ObjectStoreTier(cache, agent=agent, key_prefix=store.key_prefix), \
+        yield ObjectStoreTier(cache, agent=agent, key_prefix=store.key_prefix,
+                              policy=policy), \
             f"object-store tier on real NIXL (OBJ), bucket {args.bucket} at {args.s3_endpoint}"
         return
 
     with contextlib.ExitStack() as stack:
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfsm-demo-"))
         agent = faulty(make_agent("kvfsm-demo-posix", "POSIX"))
-        yield FileTier(cache, root, agent=agent, durable=False), \
+        yield FileTier(cache, root, agent=agent, durable=False, policy=policy), \
             f"file tier on real NIXL (POSIX), files in {root}"
 
 
@@ -193,52 +329,173 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if bool(args.s3_endpoint) != bool(args.bucket):
         raise ValueError("--s3-endpoint and --bucket go together")
+    if not args.retry_seconds > 0:
+        raise ValueError("--retry-seconds must be positive")
     faults = parse_fault_spec(args.inject_faults)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
     block_bytes = args.block_kib * 1024
-    generator = torch.Generator().manual_seed(args.seed)
-    cache = torch.randint(0, 256, (args.blocks, block_bytes), dtype=torch.uint8,
-                          generator=generator)
-    original = cache.clone()
     groups = [list(range(start, min(start + args.blocks_per_job, args.blocks)))
               for start in range(0, args.blocks, args.blocks_per_job)]
+    print(f"kvfsm demo: {args.blocks} blocks x {args.block_kib} KiB "
+          f"({args.blocks * block_bytes / 2**20:.1f} MiB) in {len(groups)} jobs per phase",
+          flush=True)
+    pattern = _Pattern(args.seed, block_bytes)
+    cache = torch.empty((args.blocks, block_bytes), dtype=torch.uint8)
+    with progress_bar(cache.nbytes, "fill", enabled=progress) as bar:
+        pattern.fill(cache, bar)
 
     with _open_tier(args, cache, faults) as (tier, what), contextlib.ExitStack() as traces:
         if args.trace:
             tier.on_published.append(traces.enter_context(TraceRecorder(args.trace)))
-        print(f"kvfsm demo: {args.blocks} blocks x {args.block_kib} KiB "
-              f"({args.blocks * block_bytes / 2**20:.1f} MiB) in {len(groups)} jobs per phase")
-        print(f"  {what}")
+        print(f"  {what}", flush=True)
         started = time.perf_counter()
-        for job_id, blocks in enumerate(groups):
-            tier.submit_store(TransferJob(job_id, [f"block-{b}" for b in blocks], blocks))
-        stores, duplicates = _collect(tier, len(groups), args.blocks, "store", args.timeout)
+        stored_of = dict(enumerate(groups))
+        _submit(tier, stored_of, block_bytes, "store", load=False, progress=progress)
+        sizes = {job_id: len(blocks) * block_bytes for job_id, blocks in stored_of.items()}
+        stores, duplicates = _collect(tier, sizes, "store", args.timeout, progress)
         stored_in = time.perf_counter() - started
 
         cache.zero_()
         started = time.perf_counter()
-        loads_of: dict[int, list[int]] = {}
-        for job_id, blocks in enumerate(reversed(groups), start=len(groups)):
-            loads_of[job_id] = blocks
-            tier.submit_load(TransferJob(job_id, [f"block-{b}" for b in blocks], blocks,
-                                         is_promotion=True))
-        loads, more = _collect(tier, len(groups), args.blocks, "load", args.timeout)
+        loads_of = dict(enumerate(reversed(groups), start=len(groups)))
+        _submit(tier, loads_of, block_bytes, "load", load=True, progress=progress)
+        sizes = {job_id: len(blocks) * block_bytes for job_id, blocks in loads_of.items()}
+        loads, more = _collect(tier, sizes, "load", args.timeout, progress)
         duplicates += more
         loaded_in = time.perf_counter() - started
         tier.shutdown(timeout=args.timeout)
 
     _report(tier, stores, loads, duplicates, stored_in, loaded_in)
-    loaded = [b for job_id, blocks in loads_of.items() if loads[job_id].success for b in blocks]
-    mismatched = [b for b in loaded if not torch.equal(cache[b], original[b])]
-    print(f"verified {len(loaded)} of {args.blocks} blocks byte for byte, "
-          f"{len(mismatched)} mismatched")
-    if mismatched or duplicates:
+    return _verify(args, cache, pattern, (stored_of, stores), (loads_of, loads), duplicates,
+                   faults, progress)
+
+
+def _verify(args: argparse.Namespace, cache: torch.Tensor, pattern: _Pattern,
+            stored: tuple[dict[int, list[int]], dict[int, JobResult]],
+            loaded_by: tuple[dict[int, list[int]], dict[int, JobResult]], duplicates: int,
+            faults: Sequence[FaultSpec], progress: bool) -> int:
+    """Verify every block that loaded, say why the others did not, and give the exit status."""
+    (stored_of, stores), (loads_of, loads) = stored, loaded_by
+    block_bytes = cache.shape[1]
+    loaded = torch.zeros(args.blocks, dtype=torch.bool)
+    for job_id, blocks in loads_of.items():
+        if loads[job_id].success:
+            loaded[blocks] = True
+    count = int(loaded.sum())
+    with progress_bar(count * block_bytes, "verify", enabled=progress, leave=True) as bar:
+        mismatched = pattern.mismatched(cache, loaded, bar)
+    print(f"verified {count} of {args.blocks} blocks byte for byte, "
+          f"{len(mismatched)} mismatched"
+          + (f" (the first: block {mismatched[0]})" if mismatched else ""))
+    failures = _failures(stores, loads, stored_of, loads_of, faults)
+    if failures:
+        _print_failures(failures)
+    not_injected = [f for f in failures if not f.injected]
+    if not_injected:
+        first = not_injected[0]
+        print(f"kvfsm demo: {len(not_injected)} job(s) failed for a reason that was not "
+              f"injected (job {first.result.job_id}: {first.result.reason}): exit 1")
+    if mismatched or duplicates or not_injected:
         return 1
-    if len(loaded) == args.blocks:
+    if count == args.blocks:
         print("every byte verified")
     else:
-        print(f"{args.blocks - len(loaded)} block(s) not verified: their store or load "
-              "published a failure (injected faults); every block that loaded matches")
+        print(f"{args.blocks - count} block(s) not verified: their store or load failed from "
+              "the injected faults; every block that loaded matches")
     return 0
+
+
+def _submit(tier: SecondaryTier, jobs: dict[int, list[int]], block_bytes: int, label: str, *,
+            load: bool, progress: bool) -> None:
+    """Submit every job of a phase (a store, or a load, of its blocks)."""
+    submit = tier.submit_load if load else tier.submit_store
+    total = sum(len(blocks) for blocks in jobs.values()) * block_bytes
+    with progress_bar(total, f"{label} submit", enabled=progress) as bar:
+        for job_id, blocks in jobs.items():
+            submit(TransferJob(job_id, [f"block-{b}" for b in blocks], blocks,
+                               is_promotion=load))
+            bar.update(len(blocks) * block_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """A failed job, with the cause the demo groups it under."""
+
+    result: JobResult
+    load: bool
+    #: the reason, without what differs between jobs (file names), or what the failure
+    #: follows from
+    cause: str
+    injected: bool
+    #: the failed store a failed load follows from
+    store: int | None = None
+
+
+#: an OSError's file names (``: '/x/y'``, ``: '/x' -> '/y'``) at the end of its text
+_FILE_NAMES = re.compile(r": '[^']*'(?: -> '[^']*')?$")
+
+
+def _failures(stores: dict[int, JobResult], loads: dict[int, JobResult],
+              stored_of: dict[int, list[int]], loads_of: dict[int, list[int]],
+              faults: Sequence[FaultSpec]) -> list[_Failure]:
+    """Every failed job, in job order, with its cause: a load of blocks whose store failed
+    failed because of that store (injected when the store's failure was)."""
+    failed_store: dict[int, _Failure] = {}
+    failures: list[_Failure] = []
+    for job_id, result in sorted(stores.items()):
+        if not result.success:
+            failure = _Failure(result, False, _cause(result.reason),
+                               _injected(result.reason, faults))
+            failures.append(failure)
+            failed_store.update(dict.fromkeys(stored_of.get(job_id, ()), failure))
+    for job_id, result in sorted(loads.items()):
+        if result.success:
+            continue
+        store = next((failed_store[b] for b in loads_of.get(job_id, ())
+                      if b in failed_store), None)
+        if store is not None:
+            failures.append(_Failure(result, True, "the store of its blocks failed",
+                                     store.injected, store.result.job_id))
+        else:
+            failures.append(_Failure(result, True, _cause(result.reason),
+                                     _injected(result.reason, faults)))
+    return failures
+
+
+def _cause(reason: FailureReason | None) -> str:
+    return _FILE_NAMES.sub("", str(reason)) if reason is not None else "no reason given"
+
+
+def _injected(reason: FailureReason | None, faults: Sequence[FaultSpec]) -> bool:
+    """True when ``reason`` is what an injected fault makes its call do: raise
+    ``FakeNixlError`` with the fault's code (also as a quarantined release's last error), or
+    answer "ERR"."""
+    if reason is None:
+        return False
+    for spec in faults:
+        if spec.call != reason.call:
+            continue
+        if isinstance(spec.fault, Raise) and reason.error.endswith(
+                f"FakeNixlError: {spec.fault.code}"):
+            return True
+        if isinstance(spec.fault, ReturnErr) and reason.kind is FailureKind.ERR:
+            return True
+    return False
+
+
+def _print_failures(failures: list[_Failure]) -> None:
+    """The failed jobs grouped by cause: how many, whether injected, and one example."""
+    groups: dict[tuple[bool, str, bool], list[_Failure]] = {}
+    for failure in failures:
+        groups.setdefault((failure.load, failure.cause, failure.injected), []).append(failure)
+    print("failed jobs by cause:")
+    for (load, cause, injected), members in groups.items():
+        example = members[0]
+        kind = "load" if load else "store"
+        print(f"  {len(members):>5} {kind}{'s' if len(members) > 1 else ''}: {cause} "
+              f"({'injected' if injected else 'NOT injected'})")
+        after = f" (after store job {example.store})" if example.store is not None else ""
+        print(f"        e.g. job {example.result.job_id}{after}: {example.result.reason}")
 
 
 def _report(tier: SecondaryTier, stores: dict[int, JobResult], loads: dict[int, JobResult],

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
 from kvfsm.engine import Chain, CompiledMachine
-from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
+from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, CallFailed, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import Leak, Transfer
 
@@ -144,34 +144,41 @@ class TransferDriver:
         detail: Any = None
         answer = Answer.DONE
         posting = False
+        call = "open"  # the call under way: a failure is that call's (CallFailed)
         if local_indices:
             try:
                 remote = self.remote
                 descs = remote.open(transfer)
                 peer = remote.peer
                 if peer is None:  # storage: register the remote side, prep it locally
+                    call = "register_memory"
                     transfer.files = agent.register_memory(descs, remote.mem_type)
+                    call = "prep_xfer_dlist"
                     transfer.remote = agent.prep_xfer_dlist(agent.name, transfer.files.trim())
                     message = b""  # nobody to notify
                 else:  # another agent's memory, known from its metadata
+                    call = "prep_xfer_dlist"
                     transfer.remote = agent.prep_xfer_dlist(
                         peer, [d[:3] for d in descs], remote.mem_type)
+                    call = "notification"
                     message = remote.notification(transfer)
+                call = "make_prepped_xfer"
                 transfer.xfer = agent.make_prepped_xfer(
                     "READ" if transfer.job.is_promotion else "WRITE",
                     local, list(local_indices), transfer.remote, list(range(len(descs))),
                     message)
                 posting = True
+                call = "transfer"
                 status = agent.transfer(transfer.xfer)
                 answer = _STATUS.get(status, Answer.ERR)
                 if answer is Answer.ERR:
-                    detail = f"transfer() answered {status!r}"
+                    detail = CallFailed("transfer", status)
                 elif answer is Answer.DONE and self._commits:
                     answer, detail = self._commit(transfer)
             except Exception as error:  # every failure is an answer, not an escape (F5)
                 # (its text is what is kept; its traceback would hold this frame, and through
                 # it the agent, in a cycle only the garbage collector breaks)
-                answer, detail = Answer.RAISED, error.with_traceback(None)
+                answer, detail = Answer.RAISED, CallFailed(call, error.with_traceback(None))
             except BaseException as interrupt:  # an interrupt: the job still gets its result
                 # once transfer() was called NIXL may run it: only a poll can say it is over
                 self.machine.fire(transfer, TransferEvent.POST,
@@ -191,14 +198,15 @@ class TransferDriver:
     def polled(self, transfer: Transfer, status: str | Exception) -> None:
         """Fire ``poll`` with what ``check_xfer_state`` answered (a status, or what it raised)."""
         if isinstance(status, Exception):
-            self.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED, status)
+            self.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED,
+                              CallFailed("check_xfer_state", status))
             return
         answer = _STATUS.get(status, Answer.ERR)
         detail: Any = None
         if answer is Answer.DONE and self._commits:
             answer, detail = self._commit(transfer)
         elif answer is Answer.ERR:
-            detail = f"check_xfer_state answered {status!r}"
+            detail = CallFailed("check_xfer_state", status)
         self.machine.fire(transfer, TransferEvent.POLL, answer, detail)
 
     def settle(self, transfer: Transfer) -> bool:
@@ -241,12 +249,13 @@ class TransferDriver:
         quarantined once the retry policy's bound is spent."""
         now = time.monotonic()
         failures = transfer.retries + 1
+        failed = CallFailed("release_xfer_handle", error)
         if self.policy.spent(failures, transfer.finished_at, now):
-            self.machine.fire(transfer, TransferEvent.RELEASE, Answer.EXHAUSTED, error)
+            self.machine.fire(transfer, TransferEvent.RELEASE, Answer.EXHAUSTED, failed)
             logger.error("job %d quarantined after %d failed release(s): %s",
                          transfer.job_id, failures, transfer.error, extra=transfer.log_fields())
             return
-        self.machine.fire(transfer, TransferEvent.RELEASE, Answer.RAISED, error)
+        self.machine.fire(transfer, TransferEvent.RELEASE, Answer.RAISED, failed)
         transfer.retry_at = self.policy.next_attempt(failures, now)
         retries = transfer.retries
         if retries & (retries - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every poll
@@ -373,5 +382,5 @@ class TransferDriver:
         try:
             committed = self.remote.commit(transfer)
         except Exception as error:
-            return Answer.RAISED, error.with_traceback(None)  # no cycle through this frame
+            return Answer.RAISED, CallFailed("commit", error.with_traceback(None))  # no cycle
         return (Answer.PROC, None) if committed is False else (Answer.DONE, None)

@@ -40,6 +40,11 @@ Every event is one NIXL call, and carries what NIXL answered (an :class:`Answer`
   release that keeps raising, or a transfer still running at the shutdown deadline, to
   QUARANTINED: its handles are never released, and its result is a failure (F9).
 
+Why a job failed is latched with its outcome, as a :class:`FailureReason` (the call that failed
+and what it raised or answered, or the declared reason: cancelled, quarantined), and handed out
+with its result (:attr:`kvfsm.transfer.JobResult.reason`). The driver says which call failed by
+firing the answer with a :class:`CallFailed` detail; the actions below turn it into the reason.
+
 Any (state, event) pair not in the table raises :class:`kvfsm.engine.InvalidTransition` naming
 both, and leaves the transfer unchanged. The table is declared with ``transitions`` and compiled
 (:mod:`kvfsm.engine`); compilation proves that each declared (state, event) handles every answer
@@ -48,8 +53,10 @@ its event can carry exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from kvfsm.engine import Declaration
@@ -57,6 +64,9 @@ from kvfsm.engine import Declaration
 __all__ = [
     "TRANSFER_MACHINE",
     "Answer",
+    "CallFailed",
+    "FailureKind",
+    "FailureReason",
     "OutcomeAlreadyLatched",
     "TransferEvent",
     "TransferState",
@@ -135,6 +145,85 @@ class OutcomeAlreadyLatched(RuntimeError):
     """An action tried to set a transfer's outcome a second time (an F3 violation)."""
 
 
+class FailureKind(enum.StrEnum):
+    """Why a job failed, in one word; the value is how traces write it."""
+
+    #: ``call`` raised; ``error`` is the exception's type and text
+    RAISED = "raised"
+    #: ``call`` answered an error status ("ERR"); ``error`` says what it answered
+    ERR = "err"
+    #: ``cancel()`` or ``shutdown()`` cancelled the job while NIXL ran it
+    CANCELLED = "cancelled"
+    #: a retry bound was spent (a release that kept raising, a transfer running too long, the
+    #: shutdown deadline): the handles are held for good; ``call`` is the call it waited on
+    QUARANTINED = "quarantined"
+    #: the machine's actions recorded no reason (a lifecycle with actions of its own)
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class FailureReason:
+    """Why a job failed: the kind of failure, the call that failed, and what went wrong.
+
+    ``call`` is the NIXL call (``register_memory``, ``prep_xfer_dlist``, ``make_prepped_xfer``,
+    ``transfer``, ``check_xfer_state``, ``release_xfer_handle``) or the tier's own call beside it
+    (``open`` of the remote blocks, ``commit`` of a finished store, ``notification``), or None
+    when no call failed (cancelled) or it is not known. ``error`` is text: for RAISED the
+    exception as ``"Type: text"`` (``"OSError: [Errno 30] Read-only file system: '/x'"``,
+    ``"nixlBackendError: NIXL_ERR_BACKEND"``); for ERR ``"answered 'ERR'"``; for CANCELLED
+    ``"cancelled"``; for QUARANTINED why the bound is spent, and the call's last error, if any
+    (``"retry bound spent; last error: nixlBackendError: NIXL_ERR_BACKEND"``).
+
+    ``str(reason)`` reads as one line: ``check_xfer_state raised nixlBackendError: ...``.
+    """
+
+    kind: FailureKind
+    call: str | None
+    error: str
+
+    def __str__(self) -> str:
+        call = self.call or "a call"
+        if self.kind is FailureKind.RAISED:
+            return f"{call} raised {self.error}"
+        if self.kind is FailureKind.ERR:
+            return f"{call} {self.error}"
+        if self.kind is FailureKind.QUARANTINED:
+            return f"quarantined waiting on {call}: {self.error}"
+        return self.error if self.kind is FailureKind.CANCELLED else f"failed: {self.error}"
+
+    def as_dict(self) -> dict[str, str | None]:
+        """The reason as plain data (a trace's ``reason``); :meth:`from_dict` reads it back."""
+        return {"kind": self.kind.value, "call": self.call, "error": self.error}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> FailureReason:
+        """A reason written by :meth:`as_dict`.
+
+        Raises:
+            ValueError: ``data`` is not such a mapping (the message says what is wrong).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"a reason is a mapping, got {data!r}")
+        kind, call, error = data.get("kind"), data.get("call"), data.get("error")
+        if (kind not in _KINDS or not isinstance(error, str)
+                or not (call is None or isinstance(call, str))):
+            raise ValueError(f"a reason has a kind ({', '.join(_KINDS)}), a call (text or "
+                             f"null) and an error (text), got {data!r}")
+        return cls(FailureKind(kind), call, error)
+
+
+@dataclass(frozen=True, slots=True)
+class CallFailed:
+    """The detail the driver fires a failed call's answer (RAISED, ERR, EXHAUSTED) with: which
+    call failed, and what it raised (the exception) or answered (the status, a string).
+
+    Actions also take a bare exception or message as the detail (the call is then not known).
+    """
+
+    call: str
+    error: BaseException | str
+
+
 S = TransferState
 E = TransferEvent
 
@@ -172,12 +261,14 @@ def latch_success(transfer: Any, answer: Answer, detail: Any) -> None:
 
 
 def latch_failure(transfer: Any, answer: Answer, detail: Any) -> None:
-    """Latch the outcome as failure (entering FAILED) and keep NIXL's error."""
+    """Latch the outcome as failure (entering FAILED); keep NIXL's error, and why the job
+    failed (:class:`FailureReason`), latched with the outcome."""
     if transfer.success is not None:
         raise OutcomeAlreadyLatched(f"job {transfer.job.job_id}: outcome already latched")
     transfer.success = False
     transfer.finished_at = time.monotonic()
     transfer.error = _describe(answer, detail)
+    _set_reason(transfer, _failure(answer, detail))
 
 
 def count_retry(transfer: Any, answer: Answer, detail: Any) -> None:
@@ -192,22 +283,40 @@ def record_leaks(transfer: Any, answer: Answer, detail: Any) -> None:
 
 
 def latch_cancelled(transfer: Any, answer: Answer, detail: Any) -> None:
-    """Latch the outcome of a transfer cancelled while running: failure."""
+    """Latch the outcome of a transfer cancelled while running: failure, reason CANCELLED
+    (whatever NIXL answers while the transfer is waited for)."""
     latch_failure(transfer, answer, detail or "cancelled")
+    _set_reason(transfer, _CANCELLED)
 
 
 def note_error(transfer: Any, answer: Answer, detail: Any) -> None:
-    """Keep NIXL's error of a transfer whose outcome is already latched."""
+    """Keep NIXL's error of a transfer whose outcome is already latched (its reason stays)."""
     if detail is not None:
         transfer.error = _describe(answer, detail)
 
 
 def quarantine(transfer: Any, answer: Answer, detail: Any) -> None:
-    """Hold the transfer's handles for good; its result will be a failure."""
-    if transfer.success is None:
+    """Hold the transfer's handles for good; its result will be a failure.
+
+    A job that had already failed keeps the reason latched then; one that had finished, or
+    still ran, fails because it is quarantined (reason QUARANTINED, with the call it waited on
+    and that call's last error).
+    """
+    running = transfer.success is None
+    if running:
         transfer.success = False
         transfer.finished_at = time.monotonic()
+    last = transfer.error
     transfer.error = _describe(answer, detail or "retry bound spent")
+    if not running and transfer.success is False:
+        return  # it had failed (or was cancelled) before: that is why the job failed
+    if isinstance(detail, CallFailed):
+        call, why, last = detail.call, "retry bound spent", transfer.error
+    else:  # the tier gave up (shutdown deadline, running too long): say so
+        call = "check_xfer_state" if running else "release_xfer_handle"
+        why = str(detail) if detail is not None else "retry bound spent"
+    _set_reason(transfer, FailureReason(FailureKind.QUARANTINED, call,
+                                        f"{why}; last error: {last}" if last else why))
 
 
 ACTIONS = {
@@ -287,8 +396,38 @@ TRANSFER_MACHINE: Declaration[TransferState, Answer] = Declaration(
 
 
 def _describe(answer: Answer, detail: Any) -> str:
+    """The error as text (a transfer's ``error``): an exception's type and text, or what a
+    call answered."""
+    if isinstance(detail, CallFailed):
+        if isinstance(detail.error, BaseException):
+            detail = detail.error
+        else:
+            return f"{detail.call} answered {detail.error!r}"
     if isinstance(detail, BaseException):
         return f"{type(detail).__name__}: {detail}"
     if detail is None:
         return answer.value
     return str(detail)
+
+
+def _set_reason(record: Any, reason: FailureReason) -> None:
+    """Latch ``reason`` on a record that has a place for it (a record of another machine that
+    shares these actions, such as the peer receiver's, keeps its ``error`` only)."""
+    with contextlib.suppress(AttributeError):
+        record.reason = reason
+
+
+def _failure(answer: Answer, detail: Any) -> FailureReason:
+    """Why a transfer failed, from the answer that failed it and its detail."""
+    call = detail.call if isinstance(detail, CallFailed) else None
+    error = detail.error if isinstance(detail, CallFailed) else detail
+    if isinstance(error, BaseException):
+        return FailureReason(FailureKind.RAISED, call, f"{type(error).__name__}: {error}")
+    if answer is Answer.ERR:  # the status answered, or a message saying so
+        return FailureReason(FailureKind.ERR, call, f"answered {error or 'ERR'!r}"
+                             if call is not None or error is None else str(error))
+    return FailureReason(FailureKind.UNKNOWN, call, _describe(answer, detail))
+
+
+_CANCELLED = FailureReason(FailureKind.CANCELLED, None, "cancelled")
+_KINDS = tuple(kind.value for kind in FailureKind)

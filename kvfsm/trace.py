@@ -5,13 +5,18 @@ machine took, with the time (a :class:`~kvfsm.engine.Chain` of steps taken in on
 once, and read back as its steps, all at that time). A :class:`TraceRecorder` attached to a
 tier writes one JSON line a transfer as it is published::
 
-    {"machine": "transfer", "job_id": 3,
+    {"machine": "transfer", "job_id": 3, "success": false,
+     "reason": {"kind": "raised", "call": "check_xfer_state",
+                "error": "nixlBackendError: NIXL_ERR_BACKEND"},
      "steps": [["post", "PROC", "SUBMITTED", "PROCESSING", 0.0], ...]}
 
-(event, answer, from, to, seconds since the first step). :func:`replay` runs such a trace
-against a machine's declaration and reports the first step where the declaration would not
-have done what the trace says, so a trace from any run, on any version, can be checked against
-the lifecycle as declared now.
+(each step: event, answer, from, to, seconds since the first step). ``success`` and ``reason``
+are the job's result (:class:`~kvfsm.transfer.JobResult`; ``reason`` is null for a success, see
+:class:`~kvfsm.lifecycle.FailureReason`), so a trace says why a job failed without a log.
+Traces written before they were recorded have neither, and replay all the same.
+:func:`replay` runs a trace against a machine's declaration and reports the first step where
+the declaration would not have done what the trace says, so a trace from any run, on any
+version, can be checked against the lifecycle as declared now.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvfsm.engine import Chain, Declaration, InvalidTransition
+from kvfsm.lifecycle import FailureReason
 from kvfsm.transfer import Transfer
 
-__all__ = ["Divergence", "TraceRecorder", "read_traces", "replay", "trace_steps"]
+__all__ = ["Divergence", "TraceRecorder", "read_traces", "replay", "trace_reason", "trace_steps"]
 
 
 def trace_steps(transfer: Transfer) -> list[list[Any]]:
@@ -54,7 +60,9 @@ class TraceRecorder:
         self._file: IO[str] = self.path.open("w", encoding="utf-8")
 
     def __call__(self, transfer: Transfer) -> None:
-        line = {"machine": self.machine, "job_id": transfer.job_id,
+        result = transfer.result()
+        line = {"machine": self.machine, "job_id": transfer.job_id, "success": result.success,
+                "reason": None if result.reason is None else result.reason.as_dict(),
                 "steps": trace_steps(transfer)}
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
         self.count += 1
@@ -74,7 +82,8 @@ def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
     """The traces of a file written by :class:`TraceRecorder`.
 
     Raises:
-        ValueError: a line is not a trace (the message names the line).
+        ValueError: a line is not a trace, or its reason is not one (the message names the
+            line).
     """
     with Path(path).open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
@@ -84,10 +93,21 @@ def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
                 trace = json.loads(line)
                 if not isinstance(trace.get("steps"), list):
                     raise ValueError("no steps")
+                trace_reason(trace)
             except (ValueError, AttributeError) as error:
                 raise ValueError(f"{path}:{number}: not a trace ({error})") from None
             trace["line"] = number
             yield trace
+
+
+def trace_reason(trace: dict[str, Any]) -> FailureReason | None:
+    """Why a traced job failed; None for a success, or a trace written before reasons were.
+
+    Raises:
+        ValueError: the trace's ``reason`` is not one.
+    """
+    reason = trace.get("reason")
+    return None if reason is None else FailureReason.from_dict(reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +163,12 @@ def add_arguments(parser: Any) -> None:
 
 
 def run(args: Any) -> int:
-    """``kvfsm replay``: 0 when every trace replays, 1 at the first divergence."""
+    """``kvfsm replay``: 0 when every trace replays, 1 at the first divergence.
+
+    Raises:
+        ValueError: the file holds no trace (an empty file would "replay clean" while checking
+            nothing), or a line that is not one.
+    """
     from kvfsm.machines import load_machine  # noqa: PLC0415 - the CLI's own import
 
     fixed = load_machine(args.machine) if args.machine else None
@@ -160,5 +185,7 @@ def run(args: Any) -> int:
             return 1
         count += 1
         steps += len(trace["steps"])
+    if not count:
+        raise ValueError(f"{args.file}: no traces in the file: nothing to replay")
     print(f"kvfsm replay: {args.file}: {count} traces ({steps} steps) replay clean")
     return 0

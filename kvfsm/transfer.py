@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvfsm.lifecycle import TransferState
+from kvfsm.lifecycle import FailureKind, FailureReason, TransferState
 
-__all__ = ["JobResult", "Leak", "Transfer", "TransferJob"]
+__all__ = ["FailureKind", "FailureReason", "JobResult", "Leak", "Transfer", "TransferJob"]
 
 Key = bytes | str
 
@@ -29,7 +29,13 @@ class TransferJob:
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
-    """The one result a submitted job ever publishes."""
+    """The one result a submitted job ever publishes.
+
+    A failed job says why in ``reason`` (:class:`~kvfsm.lifecycle.FailureReason`: the call that
+    failed and what it raised or answered, or cancelled, or quarantined), so an application
+    needs no logger to learn it. The reason explains a result, it does not identify one: it
+    takes no part in comparing results.
+    """
 
     job_id: int
     success: bool
@@ -37,6 +43,8 @@ class JobResult:
     transfer_size: int = 0
     #: seconds from submit until the transfer finished or failed
     transfer_time: float = 0.0
+    #: why the job failed; None for a success
+    reason: FailureReason | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +73,7 @@ class Transfer:
         "names",
         "nbytes",
         "opened",
+        "reason",
         "remote",
         "retries",
         "retry_at",
@@ -92,6 +101,8 @@ class Transfer:
         self.retry_at = 0.0
         #: the last NIXL error this transfer saw, as text
         self.error: str | None = None
+        #: why the transfer failed, latched with a failed outcome (None: it did not fail)
+        self.reason: FailureReason | None = None
         self.leaks: tuple[Leak, ...] = ()
         #: registered remote descriptors (register_memory), or None
         self.files: Any = None
@@ -113,10 +124,18 @@ class Transfer:
 
     def result(self) -> JobResult:
         """The job's result; only meaningful once the outcome is latched. A quarantined
-        transfer's result is a failure, whatever NIXL answered."""
+        transfer's result is a failure, whatever NIXL answered; a failure carries its reason
+        (one the machine's actions did not record is UNKNOWN, or QUARANTINED, with the last
+        error)."""
         success = bool(self.success) and self.state is not TransferState.QUARANTINED
+        reason = None if success else self.reason
+        if reason is None and not success:
+            reason = FailureReason(FailureKind.QUARANTINED
+                                   if self.state is TransferState.QUARANTINED
+                                   else FailureKind.UNKNOWN, None,
+                                   self.error or "no reason recorded")
         return JobResult(self.job_id, success, self.nbytes if success else 0,
-                         self.finished_at - self.started_at)
+                         self.finished_at - self.started_at, reason)
 
     def log_fields(self, error: str | None = None) -> dict[str, Any]:
         """The structured fields of a log line about this transfer (``extra=`` of logging)."""

@@ -1,20 +1,59 @@
-"""The ``kvfsm demo`` main job, as a user runs it."""
+"""The ``kvfsm demo`` main job, ``kvfsm explore`` and ``kvfsm replay``, as a user runs them."""
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+import kvfsm.demo
+from kvfsm import TRANSFER_MACHINE, Declaration, TransferState
 from kvfsm.cli import main
 from kvfsm.demo import parse_fault_spec
-from kvfsm.testing import Raise, ReturnErr, StayProc
+from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSITIONS
+from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
 
-from .real_nixl import require_nixl
+from .real_nixl import S3Server, free_port, require_nixl
 
 SMALL = ["--blocks", "32", "--block-kib", "4", "--blocks-per-job", "4"]
+
+
+def read_only_dir() -> str:
+    """A directory that exists and takes no new file, even for root (CI runs as root, where
+    permissions stop nothing): sysfs and procfs refuse it."""
+    for candidate in ("/sys/kernel", "/proc/self"):
+        probe = os.path.join(candidate, ".kvfsm-probe")
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError:
+            return candidate
+        os.unlink(probe)
+    pytest.skip("no read-only directory found")
+
+
+def _publish_before_release() -> Declaration[Any, Any]:
+    """The shipped lifecycle, broken: a release that raises goes on to CLEANED."""
+    transitions = [
+        {**t, "dest": TransferState.CLEANED, "after": []}
+        if (t["source"], str(t["trigger"]), t.get("conditions")) == (
+            TransferState.DONE, "release", "release_raised") else t
+        for t in TRANSITIONS]
+    return Declaration("publish_before_release", states=TransferState,
+                       initial=TransferState.SUBMITTED, answers=ANSWERS, guards=GUARDS,
+                       actions=ACTIONS, transitions=transitions, final=TRANSFER_MACHINE.final,
+                       failure_states=TRANSFER_MACHINE.failure_states)
+
+
+#: a user's broken machine, for ``kvfsm explore --machine tests.test_cli:PUBLISH_BEFORE_RELEASE``
+PUBLISH_BEFORE_RELEASE = _publish_before_release()
 
 
 def test_the_default_demo_verifies_every_byte_through_real_nixl_files() -> None:
@@ -47,7 +86,170 @@ def test_a_failed_state_check_fails_that_store_and_the_rest_still_verifies(
     out = capsys.readouterr().out
     assert "8 stores (1 failed), 8 loads (1 failed)" in out
     assert "verified 28 of 32 blocks byte for byte, 0 mismatched" in out
-    assert "4 block(s) not verified" in out
+    assert "4 block(s) not verified: their store or load failed from the injected faults" in out
+    # the failures, by cause, each with one example: the load fails because its store did
+    assert "failed jobs by cause:\n" in out
+    assert "      1 store: check_xfer_state answered 'ERR' (injected)\n" in out
+    assert "        e.g. job 2: check_xfer_state answered 'ERR'\n" in out
+    assert "      1 load: the store of its blocks failed (injected)\n" in out
+    assert "        e.g. job 13 (after store job 2): check_xfer_state raised " in out
+
+
+# -- a job that fails for a real reason: the demo says why, and fails -----------------------------
+
+def test_a_read_only_directory_fails_the_demo_and_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    require_nixl()
+    root = read_only_dir()
+    assert main(["demo", *SMALL, "--dir", root]) == 1
+    out = capsys.readouterr().out
+    assert "results: 8 stores (8 failed), 8 loads (8 failed)" in out
+    cause = re.search(r"^ +8 stores: open raised (\w+Error): .* \(NOT injected\)$", out, re.M)
+    assert cause is not None, out
+    assert re.search(rf"^ +e\.g\. job 0: open raised {cause[1]}: .*'{root}/", out, re.M), out
+    assert "      8 loads: the store of its blocks failed (NOT injected)" in out
+    assert re.search(r"^kvfsm demo: 16 job\(s\) failed for a reason that was not injected "
+                     rf"\(job 0: open raised {cause[1]}: .*\): exit 1$", out, re.M), out
+    assert "every byte verified" not in out
+
+
+@pytest.fixture
+def s3_refusing_credentials(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Server, str]]:
+    """An S3 server that checks credentials (moto, past its first two requests: the bucket's
+    creation and the demo's unsigned check that it exists), and a bucket on it."""
+    require_nixl()
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "2")  # read by the server at start
+    server = S3Server(free_port())
+    server.start()
+    monkeypatch.delenv("INITIAL_NO_AUTH_ACTION_COUNT")
+    try:
+        yield server, server.new_bucket()
+    finally:
+        server.stop()
+
+
+def test_an_object_store_that_refuses_the_credentials_fails_the_demo_and_says_why(
+    s3_refusing_credentials: tuple[S3Server, str], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server, bucket = s3_refusing_credentials
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")  # every request answered 403
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    assert main(["demo", "--blocks", "8", "--block-kib", "4", "--blocks-per-job", "4",
+                 "--s3-endpoint", server.endpoint, "--bucket", bucket,
+                 "--inject-faults", "release_xfer_handle:raise@1"]) == 1
+    out = capsys.readouterr().out
+    assert "results: 2 stores (2 failed), 2 loads (2 failed)" in out
+    assert re.search(r"^ +2 stores: (transfer|check_xfer_state) raised nixl\w+: NIXL_ERR_\w+ "
+                     r"\(NOT injected\)$", out, re.M), out
+    assert "failed for a reason that was not injected" in out
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    (["--s3-endpoint", "http://127.0.0.1:9", "--bucket", "b"], "--s3-endpoint and --bucket"),
+    (["--bucket", "b"], "--bucket"),
+    (["--dir", "/nonexistent/kvfsm"], "--dir"),
+])
+def test_options_for_another_store_are_a_usage_error_and_nothing_runs(
+    extra: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--fake", *SMALL, *extra])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", "nothing ran"
+    assert (f"kvfsm demo: error: --fake runs on kvfsm's in-memory store; {named} would be "
+            "ignored: give one place for the blocks\n") in captured.err
+
+
+def test_a_directory_and_an_s3_store_together_are_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--dir", "/nonexistent/kvfsm", "--s3-endpoint", "http://127.0.0.1:9",
+              "--bucket", "b"])
+    assert exited.value.code == 2
+    assert "kvfsm demo: error: --dir keeps the blocks in files" in capsys.readouterr().err
+
+
+# -- progress, and a verification that keeps up -------------------------------------------------
+
+def test_progress_goes_to_stderr_when_asked_and_is_off_when_stderr_is_not_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--fake", *SMALL]) == 0
+    assert capsys.readouterr().err == "", "stderr is no terminal here: no bars"
+    assert main(["demo", "--fake", *SMALL, "--progress"]) == 0
+    captured = capsys.readouterr()
+    for phase in ("fill", "store submit", "store", "load submit", "load", "verify"):
+        assert f"\r{phase}: " in captured.err or captured.err.startswith(f"{phase}: "), phase
+    assert re.search(r"verify: 100%.*128k/128k \[[\d:]+<[\d:]+, [\d.]+\w?B/s\]",
+                     captured.err), captured.err
+    assert "%|" not in captured.out, "progress never goes to stdout"
+
+
+def test_a_release_that_keeps_raising_shows_the_wait_for_its_retry_bound(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--fake", *SMALL, "--progress", "--retry-seconds", "0.5",
+                 "--inject-faults", "release_xfer_handle:raise*100000000"]) == 0
+    captured = capsys.readouterr()
+    assert re.search(r"waiting out release retries: +\d+%\|.*\| \d/0 s \[.*8 job\(s\) "
+                     r"retried up to \d+ times, last error: FakeNixlError: NIXL_ERR_BACKEND",
+                     captured.err), captured.err
+    assert ("      8 stores: quarantined waiting on release_xfer_handle: retry bound spent; "
+            "last error: FakeNixlError: NIXL_ERR_BACKEND (injected)") in captured.out
+
+
+class _Corrupting(FakeNixlAgent):
+    """Flips a byte of blocks 9 and 5 in the object store before the first load."""
+
+    def make_prepped_xfer(self, operation: str, *args: Any, **kwargs: Any) -> Any:
+        if operation == "READ" and not getattr(self, "corrupted", False):
+            self.corrupted = True
+            for key in ("demo/block-9", "demo/block-5"):
+                data = bytearray(self.objects[key])
+                data[100] ^= 0xFF
+                self.objects[key] = bytes(data)
+        return super().make_prepped_xfer(operation, *args, **kwargs)
+
+
+def test_verification_compares_whole_chunks_and_names_the_first_bad_block(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    compared: list[int] = []
+    equal = torch.equal
+
+    def counting(a: torch.Tensor, b: torch.Tensor) -> bool:
+        compared.append(a.numel())
+        return equal(a, b)
+
+    monkeypatch.setattr(kvfsm.demo, "FakeNixlAgent", _Corrupting)
+    monkeypatch.setattr(torch, "equal", counting)
+    assert main(["demo", "--fake", *SMALL]) == 1
+    out = capsys.readouterr().out
+    assert "verified 32 of 32 blocks byte for byte, 2 mismatched (the first: block 5)" in out
+    assert len(compared) == 1, "the 32 blocks are one chunk: one comparison, not one a block"
+
+
+def test_the_demo_makes_one_random_block_not_a_random_cache(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch.randint over the whole cache is what kept a 2 GiB demo silent for 20 s before
+    its first transfer (and a clone of it, to verify against, 2 GiB more)."""
+    drawn: list[int] = []
+    randint = torch.randint
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        numbers = randint(*args, **kwargs)
+        drawn.append(numbers.numel())
+        return numbers
+
+    monkeypatch.setattr(torch, "randint", counting)
+    assert main(["demo", "--fake", *SMALL]) == 0
+    assert "every byte verified" in capsys.readouterr().out
+    assert drawn == [4 * 1024], "one block's random bytes"
 
 
 def test_the_fault_spec_grammar() -> None:
@@ -65,13 +267,18 @@ def test_the_fault_spec_grammar() -> None:
     (["--inject-faults", "transfer:raise@0"], "count from 1"),
     (["--inject-faults", "teleport:raise"], "'teleport' is not a NIXL call"),
     (["--blocks", "0"], "--blocks must be at least 1"),
-    (["--bucket", "b"], "--s3-endpoint and --bucket go together"),
+    (["--retry-seconds", "0"], "--retry-seconds must be positive"),
 ])
 def test_bad_options_are_named(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["demo", "--fake", "--blocks", "4", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_bucket_without_an_endpoint_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--blocks", "4", "--bucket", "b"]) == 2
+    assert "--s3-endpoint and --bucket go together" in capsys.readouterr().err
 
 
 def test_a_run_that_cannot_finish_stops_at_its_timeout_and_names_the_stuck_jobs(
@@ -92,17 +299,29 @@ def test_kvfsm_explore_finds_no_violation_in_the_shipped_lifecycle() -> None:
     assert done.stderr == "", "a library logs nowhere unless the application says so"
 
 
-def test_kvfsm_explore_reports_a_broken_users_machine_with_a_replayable_path(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("parent", [[], ["--parent"]], ids=["tier", "parent"])
+def test_kvfsm_explore_reports_a_broken_users_machine_with_a_command_that_replays_it(
+    parent: list[str], capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["explore", "--machine",
-                 "tests.test_explore:PUBLISH_BEFORE_RELEASE"]) == 1
+    options = ["--machine", "tests.test_cli:PUBLISH_BEFORE_RELEASE", *parent]
+    assert main(["explore", *options]) == 1
     out = capsys.readouterr().out
     assert "VIOLATION" in out
-    assert "replay it with: kvfsm explore --replay 'mode=1;release_xfer_handle:raise@1'" in out
-    assert main(["explore", "--machine", "tests.test_explore:PUBLISH_BEFORE_RELEASE",
-                 "--replay", "mode=1;release_xfer_handle:raise@1"]) == 1
+    (command,) = (line.removeprefix("replay it with: ") for line in out.splitlines()
+                  if line.startswith("replay it with: "))
+    assert command == ("kvfsm explore " + " ".join(options)
+                       + " --replay 'mode=1;release_xfer_handle:raise@1'")
+    argv = shlex.split(command)
+    assert main(argv[1:]) == 1, "the printed command replays the violation, on that machine"
     assert "RELEASE_BEFORE_PUBLISH" in capsys.readouterr().out
+
+
+def test_kvfsm_explore_shows_progress_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explore", "--max-faults", "1", "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert "explore mode=1, 1 fault(s): " in captured.err
+    assert re.search(r"\d+/\d+ \[[\d:]+<[\d:]+, +[\d.]+path/s\]", captured.err), captured.err
+    assert "0 violations" in captured.out
 
 
 def test_kvfsm_replay_checks_a_demo_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -115,3 +334,14 @@ def test_kvfsm_replay_checks_a_demo_trace(tmp_path: Path, capsys: pytest.Capture
     traces.write_text(tampered)
     assert main(["replay", str(traces)]) == 1
     assert "diverges from transfer at line 1" in capsys.readouterr().out
+
+
+def test_kvfsm_replay_of_a_file_with_no_trace_is_an_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert main(["replay", str(empty)]) == 2
+    captured = capsys.readouterr()
+    assert "replay clean" not in captured.out
+    assert f"kvfsm replay: ValueError: {empty}: no traces in the file" in captured.err

@@ -23,8 +23,11 @@ A violating path prints as a fault spec (``mode=1;check_xfer_state:raise@1,...``
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import enum
+import shlex
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -484,6 +487,10 @@ class Exploration:
     #: the shortest violating path, and what it violated
     counterexample: Path | None = None
     violations: list[Violation] = field(default_factory=list)
+    #: the ``kvfsm explore`` options that explore the same machine the same way (``--machine``,
+    #: ``--parent``): the replay command printed must run the path on what found it, not on
+    #: the shipped lifecycle
+    options: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -498,7 +505,8 @@ class Exploration:
         if self.counterexample is not None:
             lines.append(f"shortest violating path: {self.counterexample}")
             lines += [f"  {v}" for v in self.violations]
-            lines.append(f"replay it with: kvfsm explore --replay '{self.counterexample}'")
+            command = ["kvfsm", "explore", *self.options, "--replay", str(self.counterexample)]
+            lines.append(f"replay it with: {shlex.join(command)}")
         return "\n".join(lines)
 
 
@@ -511,6 +519,8 @@ def explore(
     max_calls: int = 80,
     max_polls: int = 40,
     stop_at_first: bool = True,
+    spec: str | None = None,
+    progress: bool = False,
 ) -> Exploration:
     """Run the scenario on every path with at most ``max_faults`` faults; check every invariant.
 
@@ -524,29 +534,56 @@ def explore(
         max_polls: polls after the last submit before a job without a result is a liveness
             violation; far more than any path with ``max_faults`` faults needs.
         stop_at_first: stop at the first violating path (a shortest one).
+        spec: how ``kvfsm explore --machine`` names ``machine`` (``module:ATTRIBUTE``), for the
+            replay command of :meth:`Exploration.report`; not needed for kvfsm's own machines.
+        progress: show progress bars on stderr, one per mode and number of faults (the paths
+            with one more fault are known once these ran): rate and time left.
     """
-    found = Exploration()
+    found = Exploration(options=_options(machine, spec, parent))
     started = time.perf_counter()
     for polls in (1, 0):  # transfers that complete on a poll, and ones that complete at once
         level: list[tuple[Path, int]] = [(Path(polls), -1)]
         for depth in range(max_faults + 1):
             children: list[tuple[Path, int]] = []
-            for path, last in level:
-                calls, violations, _ = (_run_with_parent if parent else _run)(
-                    path, machine, max_polls)
-                found.paths += 1
-                found.calls += len(calls)
-                if violations and found.counterexample is None:
-                    found.counterexample, found.violations = path, violations
-                    if stop_at_first:
-                        found.seconds = time.perf_counter() - started
-                        return found
-                if depth < max_faults:
-                    first = max(last, _CONSTRUCTION_CALLS - 1)
-                    children += _children(path, first, calls, max_stall, max_calls)
+            with _level_bar(progress, len(level), polls, depth) as bar:
+                for path, last in level:
+                    calls, violations, _ = (_run_with_parent if parent else _run)(
+                        path, machine, max_polls)
+                    found.paths += 1
+                    found.calls += len(calls)
+                    bar.update()
+                    if violations and found.counterexample is None:
+                        found.counterexample, found.violations = path, violations
+                        if stop_at_first:
+                            found.seconds = time.perf_counter() - started
+                            return found
+                    if depth < max_faults:
+                        first = max(last, _CONSTRUCTION_CALLS - 1)
+                        children += _children(path, first, calls, max_stall, max_calls)
             level = children
     found.seconds = time.perf_counter() - started
     return found
+
+
+def _options(machine: Declaration[Any, Any], spec: str | None,
+             parent: bool) -> tuple[str, ...]:
+    """The ``kvfsm explore`` options that name ``machine`` and the scenario's mode."""
+    options: list[str] = []
+    if spec is not None and spec not in {"transfer", "kvfsm.lifecycle:TRANSFER_MACHINE"}:
+        options += ["--machine", spec]
+    elif spec is None and machine is not TRANSFER_MACHINE:
+        options += ["--machine", f"MODULE:ATTRIBUTE_OF_{machine.name.upper()}"]
+    if parent:
+        options.append("--parent")
+    return tuple(options)
+
+
+def _level_bar(enabled: bool, paths: int, polls: int, depth: int) -> Any:
+    """A progress bar over the paths with ``depth`` faults (a do-nothing one when disabled)."""
+    from kvfsm.demo import progress_bar  # noqa: PLC0415 - the demo's bars, on stderr
+
+    return progress_bar(paths, f"explore mode={polls}, {depth} fault(s)", unit="path",
+                        enabled=enabled, leave=True)
 
 
 def _children(path: Path, last: int, calls: list[str], max_stall: int,
@@ -595,6 +632,7 @@ class _Record:
         self.state = state
         self.success: bool | None = None
         self.error: str | None = None
+        self.reason: Any = None
         self.retries = 0
         self.leaks: tuple[Any, ...] = ()
         self.finished_at = 0.0
@@ -700,6 +738,8 @@ def add_arguments(parser: Any) -> None:
                         help="go on past the first violation, counting every path")
     parser.add_argument("--replay", metavar="PATH",
                         help="run one path again, as printed: 'mode=1;release_xfer_handle:raise@1'")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="a progress bar on stderr (default: when stderr is a terminal)")
 
 
 def run(args: Any) -> int:
@@ -724,7 +764,8 @@ def run(args: Any) -> int:
         print("0 violations" if not violations else f"{len(violations)} violation(s)")
         return 1 if violations else 0
     found = explore(machine, parent=args.parent, max_faults=args.max_faults,
-                    max_stall=args.max_stall, stop_at_first=not args.all)
+                    max_stall=args.max_stall, stop_at_first=not args.all, spec=args.machine,
+                    progress=sys.stderr.isatty() if args.progress is None else args.progress)
     print(f"kvfsm explore: machine {machine.name}, up to {args.max_faults} fault(s) a path"
           + (", through the tiering manager" if args.parent else ""))
     print(found.report())
