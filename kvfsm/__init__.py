@@ -3,7 +3,14 @@
 import logging
 
 from kvfsm.engine import CompiledMachine, Declaration, DeclarationError, InvalidTransition
-from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
+from kvfsm.lifecycle import (
+    TRANSFER_MACHINE,
+    Answer,
+    FailureKind,
+    FailureReason,
+    TransferEvent,
+    TransferState,
+)
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
@@ -12,6 +19,8 @@ __all__ = [
     "CompiledMachine",
     "Declaration",
     "DeclarationError",
+    "FailureKind",
+    "FailureReason",
     "InvalidTransition",
     "JobResult",
     "Leak",

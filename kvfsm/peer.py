@@ -98,7 +98,7 @@ from typing import Any
 import torch
 
 from kvfsm.engine import Declaration
-from kvfsm.lifecycle import latch_failure, latch_success
+from kvfsm.lifecycle import FailureReason, latch_failure, latch_success
 from kvfsm.peer_link import (
     PEER_LINK,
     PROBE_MESSAGE,
@@ -239,8 +239,8 @@ class _Inbox:
 class _Expected:
     """One job the receiver expects: the record its machine moves."""
 
-    __slots__ = ("error", "finished_at", "job", "link", "peer", "started_at", "state",
-                 "success", "trace")
+    __slots__ = ("error", "finished_at", "job", "link", "peer", "reason", "started_at",
+                 "state", "success", "trace")
 
     def __init__(self, job: TransferJob, peer: str, link: PeerLink) -> None:
         self.job = job
@@ -250,6 +250,8 @@ class _Expected:
         self.state = ReceiveState.EXPECTING
         self.success: bool | None = None
         self.error: str | None = None
+        #: why the job failed, latched with the outcome (the sender was lost)
+        self.reason: FailureReason | None = None
         self.started_at = self.finished_at = time.monotonic()
         self.trace: list[Any] = []
 
@@ -568,7 +570,8 @@ class PeerReceiver:
         self._results.append(JobResult(
             expected.job.job_id, success,
             len(expected.job.block_ids) * self.block_bytes if success else 0,
-            expected.finished_at - expected.started_at))
+            expected.finished_at - expected.started_at,
+            None if success else expected.reason))
 
 
 #: link states in which a peer owes nothing any more: what it owed fails

@@ -49,6 +49,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
+from kvfsm.lifecycle import FailureReason
 from kvfsm.tiers.base import Lookup
 from kvfsm.transfer import JobResult, TransferJob
 
@@ -543,11 +544,13 @@ class Submitted:
 
 @dataclass(frozen=True, slots=True)
 class Finalized:
-    """A job whose result arrived and whose primary blocks were finalized."""
+    """A job whose result arrived and whose primary blocks were finalized; a failed one says
+    why (:attr:`kvfsm.transfer.JobResult.reason`, when its tier gave one)."""
 
     job: TransferJob
     tier: str
     success: bool
+    reason: FailureReason | None = None
 
     @property
     def job_id(self) -> int:
@@ -936,7 +939,9 @@ class TieringManager:
             return BookkeepingIssue(job_id, name, f"finalizing the primary failed: {error}")
         kind = "loads" if job.is_promotion else "stores"
         self._counts[f"{kind}_{'ok' if success else 'failed'}"] += 1
-        finalized.append(Finalized(job, name, success))
+        reason = None if success else getattr(result, "reason", None)
+        finalized.append(Finalized(job, name, success,
+                                   reason if isinstance(reason, FailureReason) else None))
         return issue
 
 

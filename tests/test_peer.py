@@ -101,6 +101,7 @@ def test_peers_that_forget_each_other_refuse_new_jobs_and_fail_what_was_owed(
     sent, received = pair.step_until(0, 1)
     assert sent == []
     assert [(r.job_id, r.success) for r in received] == [(2, False)]
+    assert str(received[0].reason) == "failed: sender engine-a is gone: forgotten", "says why"
     assert torch.count_nonzero(pair.target[1]) == 0, "the lost write never landed"
     stats = pair.sender.stats()
     assert (stats["leaks"], stats["quarantined"], stats["in_flight"]) == (0, 0, {})

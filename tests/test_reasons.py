@@ -209,3 +209,21 @@ def test_a_trace_whose_reason_is_not_one_is_refused_by_line(tmp_path: Path) -> N
                     '{"machine":"transfer","job_id":2,"steps":[],"reason":{"kind":"bored"}}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not a trace \(a reason has a kind"):
         list(read_traces(path))
+
+
+def test_the_tiering_manager_hands_the_reason_on_with_the_finalized_job(
+    agent: FakeNixlAgent,
+) -> None:
+    from kvfsm.tiering import CPUPrimaryTier, TieringManager  # noqa: PLC0415
+
+    primary = CPUPrimaryTier(4, 256, torch.uint8)
+    tier = ObjectStoreTier(primary.cache, agent=agent)
+    manager = TieringManager(primary, [tier])
+    (block,) = primary.allocate(["k"])
+    primary.complete_write([block], True)
+    agent.inject("make_prepped_xfer", Raise())
+    manager.store([block])
+    finalized = manager.drain(timeout=5)
+    assert [(f.success, str(f.reason)) for f in finalized] == [
+        (False, f"make_prepped_xfer raised {BACKEND}")]
+    manager.shutdown(timeout=5)

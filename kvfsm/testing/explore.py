@@ -71,7 +71,7 @@ class Invariant(enum.Enum):
     NO_MISUSE = "the agent saw a call that would crash real NIXL"
     NO_ESCAPE = "an exception escaped the tier"
     PINS = "a primary block was left pinned or half-written (with the parent)"
-    ACTION_RAISED = "firing a declared event raised (an outcome latched twice: F3)"
+    ACTION_RAISED = "an action raised while firing a declared event"
     DEAD_END = "a reachable state from which no final state can be reached"
     FINAL_MOVES = "a final state declares events (a second result could follow)"
 
@@ -647,7 +647,8 @@ def explore_table(machine: Declaration[Any, Any]) -> Exploration:
     """Explore any declared machine at the level of its table: every (event, answer) from
     every reachable (state, latched outcome), running the declared actions.
 
-    Checked: firing never raises (an outcome latched twice, F3); every reachable state can
+    Checked: firing never raises (an action that raises: an outcome latched twice is F3);
+    every reachable state can
     still reach a final state (liveness); a final state declares no event (its result is
     handed out once, F6).
     """
@@ -674,7 +675,8 @@ def explore_table(machine: Declaration[Any, Any]) -> Exploration:
             except Exception as error:
                 found.violations.append(Violation(
                     Invariant.ACTION_RAISED, None,
-                    f"{record.state.name} -{event}({answer.name})-> raised {error!r}"))
+                    f"{record.state.name} -{event}({answer.name})-> raised {error!r}"
+                    + "".join(f" ({note})" for note in getattr(error, "__notes__", ()))))
                 continue
             edges.add((record.state, after.state))
             if after.key() not in seen:

@@ -762,8 +762,8 @@ _MAY_RUN = frozenset({TransferState.PROCESSING, TransferState.CANCELLING})
 def _log_failure(transfer: Transfer) -> None:
     job = transfer.job
     logger.warning("job %d: %s of %d block(s) failed: %s", job.job_id,
-                   "load" if job.is_promotion else "store", len(transfer.names), transfer.error,
-                   extra=transfer.log_fields())
+                   "load" if job.is_promotion else "store", len(transfer.names),
+                   transfer.reason or transfer.error, extra=transfer.log_fields())
 
 
 def key_text(key: object) -> str:
