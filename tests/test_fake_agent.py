@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dis
+import functools
+import gc
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
+from types import FrameType, FunctionType, ModuleType
+from typing import Any
 
 import pytest
 import torch
 
+from kvfsm import TransferJob
 from kvfsm.agent import NixlAgent
+from kvfsm.testing import fake_agent, faults
 from kvfsm.testing.fake_agent import (
     FakeDlistHandle,
     FakeNixlAgent,
@@ -20,6 +29,7 @@ from kvfsm.testing.fake_agent import (
     ReturnErr,
     StayProc,
 )
+from kvfsm.tiers import ObjectStoreTier
 
 BLOCKS = 8
 BLOCK_ELEMS = 64
@@ -686,3 +696,303 @@ def test_faults_reject_meaningless_values() -> None:
 
 def test_the_fake_satisfies_the_agent_protocol_kvfsm_drives() -> None:
     assert isinstance(FakeNixlAgent(), NixlAgent)
+
+
+# -- scale: the agent keeps what is live, and a call costs the same whatever ran before ------
+
+
+#: the fake's code: its modules, and the ``__init__`` dataclasses generate (not, say, a garbage
+#: collector callback another library installed, which runs whenever a collection does)
+FAKE_CODE = frozenset({fake_agent.__file__, faults.__file__, "<string>"})
+
+
+def lines_run(call: Callable[[], object]) -> int:
+    """How many lines of the fake's code ``call`` runs: a cost that a timer's noise does not
+    blur, and that grows with whatever a call walks through."""
+    count = 0
+
+    def trace(frame: FrameType, event: str, arg: object) -> Any:
+        nonlocal count
+        if frame.f_code.co_filename not in FAKE_CODE:
+            return None
+        if event == "line":
+            count += 1
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        call()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+def held(agent: FakeNixlAgent) -> int:
+    """How many objects the agent holds on to, apart from what it keeps by design (the object
+    store, the call log, the misuses and the fault schedule)."""
+    kept = {id(agent.objects), id(agent.calls), id(agent.misuses), id(agent.faults)}
+    leaves = (type, ModuleType, FunctionType, str, bytes, int, float, Enum, type(None))
+    seen: set[int] = set()
+    stack: list[object] = list(vars(agent).values())
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or id(obj) in kept or isinstance(obj, leaves):
+            continue
+        seen.add(id(obj))
+        stack.extend(gc.get_referents(obj))
+    return len(seen)
+
+
+def one_job(tier: Tier, n: int) -> FakeXferHandle:
+    """The calls of one object-store job, as a tier makes them; its (released) handle."""
+    agent = tier.agent
+    files = agent.register_memory([(0, tier.block_bytes, n % 1024 + 1, f"job-{n}")], "OBJ")
+    remote = agent.prep_xfer_dlist(agent.name, files.trim())
+    xfer = agent.make_prepped_xfer("WRITE", tier.local, [n % BLOCKS], remote, [0])
+    assert agent.transfer(xfer) == "PROC"
+    assert poll(agent, xfer)[-1] == "DONE"
+    agent.release_xfer_handle(xfer)
+    agent.release_dlist_handle(remote)
+    agent.deregister_memory(files)
+    del agent.objects[f"job-{n}"]  # (the object store keeps what it is given: not the fake's)
+    return xfer
+
+
+def test_a_job_costs_the_same_after_thousands_and_the_agent_keeps_only_what_is_live() -> None:
+    tier = make_tier()
+    agent = tier.agent
+    first = one_job(tier, 0)
+    for n in range(1, 10):
+        one_job(tier, n)
+    early_cost, early_held = lines_run(lambda: one_job(tier, 10)), held(agent)
+    for n in range(11, 3000):
+        one_job(tier, n)
+    assert lines_run(lambda: one_job(tier, 3000)) == early_cost
+    assert held(agent) == early_held, "released handles and deregistered memory are forgotten"
+    assert (agent.live_xfer_handles(), agent.live_dlist_handles(), agent.live_registrations(),
+            agent.running_transfers()) == (0, 1, 1, 0)
+    with pytest.raises(NixlMisuseError, match="already released"):  # still told, though forgotten
+        agent.release_xfer_handle(first)
+
+
+def test_a_poll_round_over_100000_transfers_in_flight_costs_the_same_per_transfer() -> None:
+    tier = make_tier(complete_after_polls=2)
+    agent = tier.agent
+    _, remote = tier.stage(["k"])
+
+    def post() -> FakeXferHandle:
+        xfer = agent.make_prepped_xfer("WRITE", tier.local, [1], remote, [0])
+        assert agent.transfer(xfer) == "PROC"
+        return xfer
+
+    def costs() -> list[int]:
+        """Lines run, with whatever else is in flight, by: making and posting one more transfer,
+        its check answering PROC, the check that completes it, its release, and a whole job
+        from registration to deregistration."""
+        made: list[FakeXferHandle] = []
+        cost = [lines_run(lambda: made.append(post()))]
+        cost += [lines_run(lambda: agent.check_xfer_state(made[0])) for _ in range(2)]
+        cost.append(lines_run(lambda: agent.release_xfer_handle(made[0])))
+        cost.append(lines_run(lambda: one_job(tier, 7)))
+        return cost
+
+    costs()  # (first calls of each name run a line more, to start counting them)
+    alone = costs()
+    in_flight = [post() for _ in range(100_000)]
+    check = agent.check_xfer_state
+    assert all(check(xfer) == "PROC" for xfer in in_flight)  # a poll round: all still running
+    assert agent.running_transfers() == 100_000
+    assert costs() == alone
+    assert all(check(xfer) == "DONE" for xfer in in_flight)  # the round that completes them
+    assert agent.running_transfers() == 0
+    release = agent.release_xfer_handle
+    for xfer in in_flight:
+        release(xfer)
+    assert agent.live_xfer_handles() == 0
+
+
+# -- interrupts: a fake call happens whole or not at all, as a NIXL C call does ---------------
+
+
+#: CPython (3.11) runs a signal handler, which raises KeyboardInterrupt, only at these bytecodes:
+#: a function starting (RESUME), a loop jumping back, and right after a call returned
+_CALLS = frozenset(dis.opmap[name] for name in ("CALL", "CALL_FUNCTION_EX") if name in dis.opmap)
+_JUMP_BACK = dis.opmap["JUMP_BACKWARD"]
+
+
+class Interrupt:
+    """Raises KeyboardInterrupt once, at the ``at``-th point of a call where Python could run a
+    signal handler: where a function inside the call starts, where a loop jumps back, and after
+    every call returned (even from a Python function, where CPython does not look: a superset).
+    With ``statements``, also where any statement starts (stricter than CPython: a handler that
+    only re-raises a NIXL error cannot see an interrupt, for one).
+    """
+
+    def __init__(self, at: int, *, statements: bool = False) -> None:
+        self.at = at
+        self.statements = statements
+        self.points = 0
+        self.fired = False
+
+    def run(self, call: Callable[..., Any], *args: Any) -> Any:
+        previous = sys.gettrace()
+        sys.settrace(self._enter)
+        try:
+            return call(*args)
+        finally:
+            sys.settrace(previous)
+
+    def _point(self) -> None:
+        if not self.fired:
+            self.points += 1
+            if self.points == self.at:
+                self.fired = True
+                raise KeyboardInterrupt
+
+    def _enter(self, frame: FrameType, event: str, arg: object) -> Any:
+        if self.fired or frame.f_code.co_filename not in FAKE_CODE:
+            return None
+        frame.f_trace_opcodes = True
+        code, after_call = frame.f_code.co_code, False
+        self._point()  # RESUME
+
+        def step(frame: FrameType, event: str, arg: object) -> Any:
+            nonlocal after_call
+            if event == "opcode":
+                opcode = code[frame.f_lasti]
+                if after_call or opcode == _JUMP_BACK:
+                    after_call = False
+                    self._point()
+                after_call = opcode in _CALLS
+            elif event == "exception":  # a call that raised: no signal is looked for
+                after_call = False
+            elif event == "line" and self.statements:
+                self._point()
+            return step
+
+        return step
+
+
+def snapshot(agent: FakeNixlAgent) -> tuple[object, ...]:
+    """What a NIXL call may change: handles, registrations, running transfers, objects."""
+    return (agent.live_xfer_handles(), agent.live_dlist_handles(),
+            agent.live_registrations("DRAM"), agent.live_registrations("OBJ"),
+            agent.running_transfers(), dict(agent.objects), held(agent))
+
+
+def store_and_load(complete_after_polls: int, target: int, at: int) -> tuple[list[str], bool]:
+    """Every kind of call, from registering a KV buffer to closing the agent: a store of two
+    blocks, their load into two others, a load that fails. Call number ``target`` is
+    interrupted at its ``at``-th point; it must then have changed nothing, and is made again.
+
+    Returns what each call answered (handles by type), and whether the interrupt fired."""
+    agent = FakeNixlAgent("interrupted", complete_after_polls=complete_after_polls)
+    kv = torch.arange(BLOCKS * BLOCK_ELEMS, dtype=torch.float32).view(BLOCKS, BLOCK_ELEMS)
+    base, size = kv.data_ptr(), kv[0].nbytes
+    answers: list[str] = []
+    interrupt = Interrupt(at)
+
+    def answer(call: Callable[..., Any], *args: Any) -> Any:
+        try:
+            result = call(*args)
+        except FakeNixlError as error:
+            answers.append(error.code)
+            return None
+        answers.append(type(result).__name__ if isinstance(result, FAKE_TYPES) else repr(result))
+        return result
+
+    def call(name: str, *args: Any) -> Any:
+        method = getattr(agent, name)
+        if len(answers) + 1 == target:
+            before = snapshot(agent)
+            try:
+                return answer(interrupt.run, method, *args)
+            except KeyboardInterrupt:
+                assert snapshot(agent) == before, f"an interrupted {name} changed the agent"
+        return answer(method, *args)  # (after an interrupt: made again)
+
+    def until_over(xfer: FakeXferHandle) -> None:
+        while call("check_xfer_state", xfer) == "PROC":
+            pass
+
+    dram = call("register_memory", [(base, kv.nbytes, 0, "")], "DRAM")
+    local = call("prep_xfer_dlist", LOCAL, [(base + i * size, size, 0) for i in range(BLOCKS)],
+                 "DRAM")
+    files = call("register_memory", [(0, size, 1, "a"), (0, size, 2, "b"), (0, size, 3, "gone")],
+                 "OBJ")
+    remote = call("prep_xfer_dlist", agent.name, files.trim())
+    for operation, blocks, objects in (("WRITE", [1, 2], [0, 1]), ("READ", [5, 6], [0, 1]),
+                                       ("READ", [7], [2])):
+        xfer = call("make_prepped_xfer", operation, local, blocks, remote, objects)
+        if call("transfer", xfer) == "PROC":
+            until_over(xfer)
+        call("check_xfer_state", xfer)  # over: answers the same again
+        call("release_xfer_handle", xfer)
+    call("query_memory", files, "OBJ")
+    call("release_dlist_handle", remote)
+    call("deregister_memory", files)
+    call("release_dlist_handle", local)
+    call("deregister_memory", dram)
+    call("close")
+    assert torch.equal(kv[5:7], kv[1:3]), "the load brought the stored blocks back"
+    assert sorted(agent.objects) == ["a", "b"]
+    assert snapshot(agent)[:5] == (0, 0, 0, 0, 0)
+    assert agent.misuses == []
+    return answers, interrupt.fired
+
+
+FAKE_TYPES = (FakeRegDList, FakeDlistHandle, FakeXferHandle)
+
+
+@pytest.mark.parametrize("complete_after_polls", [0, 2])
+def test_an_interrupt_anywhere_inside_any_call_leaves_no_effect(complete_after_polls: int) -> None:
+    expected, _ = store_and_load(complete_after_polls, target=0, at=0)
+    for target in range(1, len(expected) + 1):
+        at = 1
+        while True:  # every point of the call, until it runs out of points
+            answers, fired = store_and_load(complete_after_polls, target, at)
+            if not fired:
+                break
+            assert answers == expected, (target, at)
+            at += 1
+        assert at > 3, "the call was interrupted at several points"
+
+
+@pytest.mark.parametrize(
+    "call", ["register_memory", "prep_xfer_dlist", "make_prepped_xfer", "transfer"])
+def test_an_interrupt_inside_a_submit_call_of_a_tier_leaks_nothing(
+    call: str, primary: torch.Tensor,
+) -> None:
+    """Each call a submit makes, interrupted anywhere inside the fake (wherever CPython could
+    run a signal handler, and at every statement), leaves nothing behind.
+
+    Interrupted inside ``make_prepped_xfer`` once it had filed the new handle (at its ``return``),
+    the fake used to keep the handle live though the driver never got it: the job's cleanup and
+    then the tier's shutdown were refused as misuse (a live handle relies on them) and the
+    primary cache stayed registered. Inside ``register_memory``, where the generator feeding its
+    ``extend`` resumes after the first descriptor was filed (a point CPython does run handlers
+    at), the descriptor stayed registered for good; ``prep_xfer_dlist`` kept its list alike; and
+    ``transfer`` raised after it had posted."""
+    at = 1
+    while True:  # every point of the call, until it runs out of them
+        agent = FakeNixlAgent()
+        tier = ObjectStoreTier(primary, agent=agent)
+        interrupt = Interrupt(at, statements=True)
+        setattr(agent, call, functools.partial(interrupt.run, getattr(agent, call)))
+        try:
+            tier.submit_store(TransferJob(1, keys=["k"], block_ids=[0]))
+        except KeyboardInterrupt:
+            assert interrupt.fired
+        tier.drain_jobs(timeout=5)
+        assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [
+            (1, not interrupt.fired)]
+        tier.shutdown(timeout=5)
+        assert (agent.live_xfer_handles(), agent.live_dlist_handles(),
+                agent.live_registrations("DRAM"), agent.live_registrations()) == (0, 0, 0, 0), at
+        assert agent.misuses == [], at
+        assert tier.stats()["leaks"] == 0
+        if not interrupt.fired:
+            break
+        at += 1
+    assert at > 10

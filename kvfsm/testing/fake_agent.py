@@ -24,6 +24,24 @@ argument error) still consumes its fault. The only effect of ``Raise`` is the ra
 on ``check_xfer_state`` of a running transfer: a raised state check ends the transfer as failed,
 as it does in real NIXL, so its handle may then be released.
 
+Bookkeeping: the agent keeps only what is live (unreleased handles, registered descriptors,
+running transfers), indexed so that every call costs the same however many calls ran before and
+however many transfers are in flight. A released handle is forgotten; the handle object itself
+says it was released (as NIXL's Python wrapper's do) and which agent made it, which is how a
+second release is still told apart from a foreign handle. What grows is only what the caller
+asked to keep: :attr:`FakeNixlAgent.objects`, :attr:`FakeNixlAgent.calls` and
+:attr:`FakeNixlAgent.misuses`.
+
+Interrupts: CPython runs a signal handler (whose KeyboardInterrupt then surfaces) only at a few
+bytecodes: where a function starts, where a loop jumps back, right after a call returned; never
+inside a C call, so a real NIXL call has happened whole or not at all. The fake's calls are
+Python and pass many such points, so each one undoes what it did when an exception other than
+its own answer (a FakeNixlError) escapes it: interrupted anywhere, it has had no effect on
+handles, registrations, transfer states or the object store, and a caller that never got its
+handle owes nothing. It is still numbered (it started) and may have consumed its fault. The one
+exception is the bytes of a READ: an interrupted completion may have written part of its
+destination, as a running transfer does, while the transfer stays where it was.
+
 Not thread safe: drive one agent from one thread.
 """
 
@@ -33,10 +51,10 @@ import ctypes
 import itertools
 import operator
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from types import TracebackType
-from typing import SupportsIndex, TypeAlias
+from typing import SupportsIndex, TypeAlias, TypeVar
 
 from kvfsm.testing.faults import FakeNixlError, Fault, FaultPlan, Raise, ReturnErr, StayProc
 
@@ -72,6 +90,10 @@ _MEM_TYPES = {
 _SUPPORTED_MEM_TYPES = frozenset({"DRAM", "OBJ"})
 _OPERATIONS = frozenset({"WRITE", "READ"})
 _handle_ids = itertools.count(0x1000)
+#: each agent's serial number, kept on the handles it makes (an int, not the agent: a handle
+#: that referred to its agent would keep it alive in a cycle through the agent's tables)
+_agent_ids = itertools.count(1)
+_Key = TypeVar("_Key")
 
 
 class NixlMisuseError(Exception):
@@ -147,12 +169,18 @@ class FakeXferDList:
 
 
 class FakeDlistHandle:
-    """Opaque handle to a prepped descriptor list; release it with the agent that made it."""
+    """Opaque handle to a prepped descriptor list; release it with the agent that made it.
 
-    __slots__ = ("_handle", "_released")
+    The agent forgets a handle once released; the handle keeps its released flag (as NIXL's
+    Python wrapper's do) and its agent's serial number, so a second release is still told apart
+    from another agent's handle without the agent keeping every handle it ever made.
+    """
 
-    def __init__(self, value: int) -> None:
+    __slots__ = ("_handle", "_owner", "_released")
+
+    def __init__(self, value: int, owner: int = 0) -> None:
         self._handle = value
+        self._owner = owner
         self._released = False
 
     def __repr__(self) -> str:
@@ -160,21 +188,25 @@ class FakeDlistHandle:
 
 
 class FakeXferHandle:
-    """Opaque handle to a transfer; release it with the agent that made it."""
+    """Opaque handle to a transfer; release it with the agent that made it.
 
-    __slots__ = ("_handle", "_released")
+    Forgotten by the agent once released, like :class:`FakeDlistHandle`.
+    """
 
-    def __init__(self, value: int) -> None:
+    __slots__ = ("_handle", "_owner", "_released")
+
+    def __init__(self, value: int, owner: int = 0) -> None:
         self._handle = value
+        self._owner = owner
         self._released = False
 
     def __repr__(self) -> str:
         return f"FakeXferHandle(0x{self._handle:x}, released={self._released})"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Entry:
-    """One registered descriptor."""
+    """One registered descriptor (hashed by identity: the agent's indexes are keyed by it)."""
 
     mem_type: str
     addr: int
@@ -182,7 +214,16 @@ class _Entry:
     dev_id: int
     meta: str
     owner: FakeRegDList
+    #: when it was registered on its agent: among descriptors that match, the latest wins
+    seq: int
     live: bool = True
+    #: the unreleased prepped lists that rely on it, by handle value
+    lists: dict[int, _Prepped] = field(default_factory=dict)
+
+    @property
+    def desc(self) -> RegDesc:
+        """The descriptor as registered."""
+        return (self.addr, self.length, self.dev_id, self.meta)
 
     def covers(self, desc: XferDesc) -> bool:
         """Whether ``desc`` lies inside this registered descriptor."""
@@ -195,7 +236,7 @@ class _Entry:
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Prepped:
     """A prepped descriptor list and what it relies on."""
 
@@ -205,6 +246,10 @@ class _Prepped:
     descs: tuple[XferDesc, ...]
     entries: tuple[_Entry, ...]
     keys: tuple[str, ...]
+    #: the distinct registered descriptors in ``entries`` (a DRAM list of n blocks has one)
+    unique: tuple[_Entry, ...]
+    #: the unreleased transfer handles made from it, by handle value
+    users: dict[int, FakeXferHandle] = field(default_factory=dict)
 
 
 class _State(Enum):
@@ -214,7 +259,7 @@ class _State(Enum):
     FAILED = "failed"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Xfer:
     """A transfer request and its progress."""
 
@@ -229,6 +274,13 @@ class _Xfer:
     hold: int = 0
     #: a NIXL code to raise again, or "ERR" to answer again, once failed
     failure: str | None = None
+    #: while a call completes a WRITE: what the objects it writes held before (None: absent),
+    #: to put back if that call is interrupted; None again once the call returns
+    overwritten: dict[str, bytes | None] | None = None
+
+
+#: what a call may change on a transfer, saved to put back if the call is interrupted
+_Progress: TypeAlias = tuple[_State, int, int, str | None]
 
 
 def _index(value: object, what: str) -> int:
@@ -301,6 +353,34 @@ def _xfer_descs(
     return canonical, tuple(descs)
 
 
+def _seq(entry: _Entry) -> int:
+    return entry.seq
+
+
+def _add(index: dict[_Key, dict[_Entry, None]], key: _Key, entry: _Entry) -> None:
+    """File ``entry`` under ``key`` (a no-op if it is there)."""
+    group = index.get(key)
+    if group is None:
+        index[key] = {entry: None}
+    else:
+        group[entry] = None
+
+
+def _drop(index: dict[_Key, dict[_Entry, None]], key: _Key, entry: _Entry) -> None:
+    """Take ``entry`` out from under ``key``, and the key once nothing is left (a no-op if it
+    is not there)."""
+    group = index.get(key)
+    if group is not None:
+        group.pop(entry, None)
+        if not group:
+            del index[key]
+
+
+def _resort(index: dict[_Key, dict[_Entry, None]], key: _Key) -> None:
+    """Put the group under ``key`` back in registration order."""
+    index[key] = dict.fromkeys(sorted(index[key], key=_seq))
+
+
 class FakeNixlAgent:
     """An in-memory NIXL agent with one loopback object-store backend ("OBJ").
 
@@ -332,14 +412,22 @@ class FakeNixlAgent:
         self.objects: dict[str, bytes] = {} if objects is None else objects
         #: backend name -> handle, like the real agent's ``backends``
         self.backends: dict[str, int] = {"OBJ": 1}
-        #: the name of every NIXL call made, in order, failed ones included
         #: the fault schedule, and the record of every call made
         self.faults = FaultPlan("FakeNixlAgent")
         #: the name of every NIXL call made, in order, failed ones included
         self.calls: list[str] = self.faults.calls
-        self._entries: list[_Entry] = []
-        self._dlists: dict[int, _Prepped] = {}
+        self._serial = next(_agent_ids)
+        self._seq = itertools.count()
+        # only what is live, each table keyed so that a call finds what it needs at once:
+        # unreleased transfers and those of them running, unreleased prepped lists (all by
+        # handle value), and registered descriptors by memory type, by (memory type, dev_id)
+        # and by (memory type, descriptor), each group in registration order
         self._xfers: dict[int, _Xfer] = {}
+        self._running: dict[int, _Xfer] = {}
+        self._dlists: dict[int, _Prepped] = {}
+        self._by_type: dict[str, dict[_Entry, None]] = {}
+        self._by_dev: dict[tuple[str, int], dict[_Entry, None]] = {}
+        self._by_desc: dict[tuple[str, RegDesc], dict[_Entry, None]] = {}
         self._closed = False
         #: every misuse detected, also when the caller caught the NixlMisuseError it raised
         self.misuses: list[str] = []
@@ -369,20 +457,21 @@ class FakeNixlAgent:
 
     def live_xfer_handles(self) -> int:
         """Transfer handles made and not yet released."""
-        return sum(1 for xfer in self._xfers.values() if not xfer.handle._released)
+        return len(self._xfers)
 
     def live_dlist_handles(self) -> int:
         """Prepped descriptor list handles made and not yet released."""
-        return sum(1 for prepped in self._dlists.values() if not prepped.handle._released)
+        return len(self._dlists)
 
     def live_registrations(self, mem_type: str | None = None) -> int:
         """Registered descriptors not yet deregistered, optionally of one memory type."""
-        wanted = None if mem_type is None else _MEM_TYPES.get(mem_type, mem_type)
-        return sum(1 for entry in self._entries if entry.live and wanted in (None, entry.mem_type))
+        if mem_type is None:
+            return sum(len(group) for group in self._by_type.values())
+        return len(self._by_type.get(_MEM_TYPES.get(mem_type, mem_type), ()))
 
     def running_transfers(self) -> int:
         """Transfers posted and not yet seen DONE or failed."""
-        return sum(1 for xfer in self._xfers.values() if xfer.state is _State.RUNNING)
+        return len(self._running)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -393,7 +482,7 @@ class FakeNixlAgent:
             NixlMisuseError: a transfer is still running, or the agent is already closed.
         """
         self._enter("close")
-        running = [xfer.handle for xfer in self._xfers.values() if xfer.state is _State.RUNNING]
+        running = [xfer.handle for xfer in self._running.values()]
         if running:
             raise self._misuse(
                 f"close: agent {self.name!r} still has running transfers {running!r}; "
@@ -436,8 +525,16 @@ class FakeNixlAgent:
         if canonical not in _SUPPORTED_MEM_TYPES:
             raise FakeNixlError("NIXL_ERR_NOT_FOUND")
         registered = FakeRegDList(canonical, descs)
-        self._entries.extend(_Entry(canonical, *desc, owner=registered) for desc in descs)
-        return registered
+        seq = self._seq
+        entries = [_Entry(canonical, *desc, owner=registered, seq=next(seq)) for desc in descs]
+        try:
+            for entry in entries:
+                self._file(entry)
+            return registered
+        except BaseException:  # interrupted: undone (see the module docstring)
+            for entry in entries:
+                self._unfile(entry)
+            raise
 
     def deregister_memory(self, dereg_list: FakeRegDList, backends: Sequence[str] = ()) -> None:
         """Deregister descriptors registered by :meth:`register_memory` (matched by content).
@@ -454,25 +551,29 @@ class FakeNixlAgent:
             )
         self._check_backends(backends)
         canonical = _MEM_TYPES[dereg_list.mem_type]
-        in_use = {id(entry): xfer.handle for xfer in self._live_xfers() for entry in _entries(xfer)}
-        chosen: list[_Entry] = []
+        chosen: dict[_Entry, None] = {}  # in descriptor order
         missing = False
         for desc in dereg_list.descs:
             entry = self._match_entry(canonical, desc, dereg_list, chosen)
             if entry is None:
                 missing = True
                 continue
-            if id(entry) in in_use:
+            user = self._user_of(entry)
+            if user is not None:
                 raise self._misuse(
                     f"deregister_memory: {canonical} descriptor {desc!r} is still used by "
-                    f"unreleased {in_use[id(entry)]!r}; release the transfer handle first"
+                    f"unreleased {user!r}; release the transfer handle first"
                 )
-            chosen.append(entry)
+            chosen[entry] = None
         self._fire_raise(fault)
         if missing:
             raise FakeNixlError("NIXL_ERR_NOT_FOUND")
-        for entry in chosen:
-            entry.live = False
+        try:
+            for entry in chosen:
+                self._unfile(entry)
+        except BaseException:  # interrupted: undone (see the module docstring)
+            self._refile(chosen)
+            raise
 
     def query_memory(
         self,
@@ -547,11 +648,20 @@ class FakeNixlAgent:
                     raise FakeNixlError("NIXL_ERR_NOT_FOUND")
                 entries.append(entry)
             keys = tuple(entry.meta for entry in entries)
-        handle = FakeDlistHandle(next(_handle_ids))
-        self._dlists[handle._handle] = _Prepped(
-            handle, local, canonical, descs, tuple(entries), keys
-        )
-        return handle
+        handle = FakeDlistHandle(next(_handle_ids), self._serial)
+        unique = tuple(dict.fromkeys(entries))
+        prepped = _Prepped(handle, local, canonical, descs, tuple(entries), keys, unique)
+        value = handle._handle
+        try:
+            self._dlists[value] = prepped
+            for entry in unique:
+                entry.lists[value] = prepped
+            return handle
+        except BaseException:  # interrupted: undone (see the module docstring)
+            self._dlists.pop(value, None)
+            for entry in unique:
+                entry.lists.pop(value, None)
+            raise
 
     def make_prepped_xfer(
         self,
@@ -585,7 +695,7 @@ class FakeNixlAgent:
         local = self._dlist(call, local_xfer_side)
         remote = self._dlist(call, remote_xfer_side)
         for prepped in (local, remote):
-            if not all(entry.live for entry in prepped.entries):
+            if not all(entry.live for entry in prepped.unique):
                 raise self._misuse(
                     f"{call}: {prepped.handle!r} refers to memory that was deregistered"
                 )
@@ -607,10 +717,20 @@ class FakeNixlAgent:
             raise FakeNixlError("NIXL_ERR_NOT_SUPPORTED")
         if notif_msg:
             raise FakeNixlError("NIXL_ERR_BACKEND")
-        handle = FakeXferHandle(next(_handle_ids))
+        handle = FakeXferHandle(next(_handle_ids), self._serial)
         moves = tuple((ldesc[0], ldesc[1], key) for ldesc, _, key in pairs)
-        self._xfers[handle._handle] = _Xfer(handle, operation, local, remote, moves)
-        return handle
+        xfer = _Xfer(handle, operation, local, remote, moves)
+        value = handle._handle
+        try:
+            self._xfers[value] = xfer
+            local.users[value] = handle
+            remote.users[value] = handle
+            return handle
+        except BaseException:  # interrupted: undone, so no handle the caller never got is live
+            self._xfers.pop(value, None)
+            local.users.pop(value, None)
+            remote.users.pop(value, None)
+            raise
 
     def transfer(self, handle: FakeXferHandle, notif_msg: bytes | str = b"") -> str:
         """Post a transfer: "PROC", or "DONE" with ``complete_after_polls=0``.
@@ -629,16 +749,24 @@ class FakeNixlAgent:
             raise FakeNixlError("NIXL_ERR_BACKEND")
         if xfer.state is _State.RUNNING:
             raise FakeNixlError("NIXL_ERR_REPOST_ACTIVE")
-        xfer.state = _State.RUNNING
-        xfer.failure = None
-        xfer.hold = 0
-        xfer.polls_left = max(self.complete_after_polls - 1, 0)
-        if isinstance(fault, StayProc):
-            xfer.hold = fault.polls - 1
-            return "PROC"
-        if self.complete_after_polls == 0:
-            return self._complete(xfer)
-        return "PROC"
+        saved = self._progress(xfer)
+        answer = "PROC"  # (returned by name: see _restore)
+        try:
+            self._set_state(xfer, _State.RUNNING)
+            xfer.failure = None
+            xfer.hold = 0
+            xfer.polls_left = max(self.complete_after_polls - 1, 0)
+            if isinstance(fault, StayProc):
+                xfer.hold = fault.polls - 1
+            elif self.complete_after_polls == 0:
+                answer = self._complete(xfer)
+                xfer.overwritten = None
+            return answer
+        except FakeNixlError:  # a READ that failed: posted, and over
+            raise
+        except BaseException:  # interrupted: not posted (see the module docstring)
+            self._restore(xfer, saved)
+            raise
 
     def check_xfer_state(self, handle: FakeXferHandle) -> str:
         """Poll a transfer: "PROC" while it runs, "DONE" once it completed.
@@ -651,6 +779,19 @@ class FakeNixlAgent:
         """
         fault = self._enter("check_xfer_state")
         xfer = self._xfer("check_xfer_state", handle)
+        saved = self._progress(xfer)
+        try:
+            answer = self._check(xfer, fault)
+            xfer.overwritten = None
+            return answer
+        except FakeNixlError:  # the answer: the transfer failed (or was never posted)
+            raise
+        except BaseException:  # interrupted: the transfer is where it was
+            self._restore(xfer, saved)
+            raise
+
+    def _check(self, xfer: _Xfer, fault: Fault | None) -> str:
+        """What :meth:`check_xfer_state` answers, and what it does to the transfer."""
         if isinstance(fault, StayProc):
             xfer.hold = fault.polls - 1
             return "PROC"
@@ -674,7 +815,7 @@ class FakeNixlAgent:
         return self._complete(xfer)
 
     def release_xfer_handle(self, handle: FakeXferHandle) -> None:
-        """Release a transfer handle whose transfer is not running.
+        """Release a transfer handle whose transfer is not running; the agent forgets it.
 
         Raises:
             NixlMisuseError: released already, not made by this agent, or its transfer may still
@@ -688,7 +829,18 @@ class FakeNixlAgent:
                 "check_xfer_state until DONE or an error first"
             )
         self._fire_raise(fault)
-        handle._released = True
+        value = handle._handle
+        try:
+            handle._released = True
+            self._xfers.pop(value, None)
+            xfer.local.users.pop(value, None)
+            xfer.remote.users.pop(value, None)
+        except BaseException:  # interrupted: still held (see the module docstring)
+            handle._released = False
+            self._xfers[value] = xfer
+            xfer.local.users[value] = handle
+            xfer.remote.users[value] = handle
+            raise
 
     def release_dlist_handle(self, handle: FakeDlistHandle) -> None:
         """Release a prepped descriptor list handle no unreleased transfer handle relies on.
@@ -699,18 +851,24 @@ class FakeNixlAgent:
         """
         fault = self._enter("release_dlist_handle")
         prepped = self._dlist("release_dlist_handle", handle)
-        users = [
-            xfer.handle
-            for xfer in self._live_xfers()
-            if prepped is xfer.local or prepped is xfer.remote
-        ]
-        if users:
+        if prepped.users:
             raise self._misuse(
-                f"release_dlist_handle: {handle!r} is still used by unreleased {users!r}; "
-                "release the transfer handles first"
+                f"release_dlist_handle: {handle!r} is still used by unreleased "
+                f"{list(prepped.users.values())!r}; release the transfer handles first"
             )
         self._fire_raise(fault)
-        handle._released = True
+        value = handle._handle
+        try:
+            handle._released = True
+            self._dlists.pop(value, None)
+            for entry in prepped.unique:
+                entry.lists.pop(value, None)
+        except BaseException:  # interrupted: still held (see the module docstring)
+            handle._released = False
+            self._dlists[value] = prepped
+            for entry in prepped.unique:
+                entry.lists[value] = prepped
+            raise
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -735,74 +893,140 @@ class FakeNixlAgent:
 
     def _xfer(self, call: str, handle: object) -> _Xfer:
         """The live transfer behind ``handle``, or NixlMisuseError."""
-        xfer = self._xfers.get(handle._handle) if isinstance(handle, FakeXferHandle) else None
-        if xfer is None or xfer.handle is not handle:
-            raise self._misuse(
-                f"{call}: {handle!r} is not a transfer handle made by agent {self.name!r}"
-            )
-        if xfer.handle._released:
-            raise self._misuse(f"{call}: {handle!r} was already released")
-        return xfer
+        if isinstance(handle, FakeXferHandle):
+            xfer = self._xfers.get(handle._handle)
+            if xfer is not None and xfer.handle is handle:
+                return xfer
+            if handle._released and handle._owner == self._serial:
+                raise self._misuse(f"{call}: {handle!r} was already released")
+        raise self._misuse(
+            f"{call}: {handle!r} is not a transfer handle made by agent {self.name!r}"
+        )
 
     def _dlist(self, call: str, handle: object) -> _Prepped:
         """The live prepped list behind ``handle``, or NixlMisuseError."""
-        prepped = self._dlists.get(handle._handle) if isinstance(handle, FakeDlistHandle) else None
-        if prepped is None or prepped.handle is not handle:
-            raise self._misuse(
-                f"{call}: {handle!r} is not a dlist handle made by agent {self.name!r}"
-            )
-        if prepped.handle._released:
-            raise self._misuse(f"{call}: {handle!r} was already released")
-        return prepped
+        if isinstance(handle, FakeDlistHandle):
+            prepped = self._dlists.get(handle._handle)
+            if prepped is not None and prepped.handle is handle:
+                return prepped
+            if handle._released and handle._owner == self._serial:
+                raise self._misuse(f"{call}: {handle!r} was already released")
+        raise self._misuse(
+            f"{call}: {handle!r} is not a dlist handle made by agent {self.name!r}"
+        )
 
-    def _live_xfers(self) -> list[_Xfer]:
-        """Transfers whose handle is not released."""
-        return [xfer for xfer in self._xfers.values() if not xfer.handle._released]
+    def _file(self, entry: _Entry) -> None:
+        """Index a registered descriptor as live (a no-op where it is indexed already)."""
+        entry.live = True
+        _add(self._by_type, entry.mem_type, entry)
+        _add(self._by_dev, (entry.mem_type, entry.dev_id), entry)
+        _add(self._by_desc, (entry.mem_type, entry.desc), entry)
+
+    def _unfile(self, entry: _Entry) -> None:
+        """Forget a descriptor: deregistered (a no-op where it is gone already)."""
+        entry.live = False
+        _drop(self._by_type, entry.mem_type, entry)
+        _drop(self._by_dev, (entry.mem_type, entry.dev_id), entry)
+        _drop(self._by_desc, (entry.mem_type, entry.desc), entry)
+
+    def _refile(self, entries: Iterable[_Entry]) -> None:
+        """Put deregistered descriptors back where they were, in registration order (after an
+        interrupted deregistration: rare, so it may sort)."""
+        for entry in entries:
+            self._file(entry)
+            _resort(self._by_dev, (entry.mem_type, entry.dev_id))
+            _resort(self._by_desc, (entry.mem_type, entry.desc))
 
     def _covering(self, mem_type: str, desc: XferDesc) -> _Entry | None:
         """The most recent live registration of ``mem_type`` that covers ``desc``."""
-        for entry in reversed(self._entries):
-            if entry.mem_type == mem_type and entry.covers(desc):
-                return entry
+        group = self._by_dev.get((mem_type, desc[2]))
+        if group:
+            for entry in reversed(group):
+                if entry.covers(desc):
+                    return entry
         return None
 
     def _match_entry(
-        self, mem_type: str, desc: RegDesc, owner: FakeRegDList, taken: list[_Entry]
+        self, mem_type: str, desc: RegDesc, owner: FakeRegDList, taken: dict[_Entry, None]
     ) -> _Entry | None:
-        """A live registered descriptor equal to ``desc``, preferring ones ``owner`` registered."""
-        candidates = [
-            entry
-            for entry in self._entries
-            if entry.live
-            and entry.mem_type == mem_type
-            and (entry.addr, entry.length, entry.dev_id, entry.meta) == desc
-            and all(entry is not other for other in taken)
-        ]
-        for entry in candidates:
+        """A live registered descriptor equal to ``desc``, not ``taken``, preferring ones
+        ``owner`` registered, else the most recent."""
+        latest = None
+        for entry in self._by_desc.get((mem_type, desc), ()):
+            if entry in taken:
+                continue
             if entry.owner is owner:
                 return entry
-        return candidates[-1] if candidates else None
-
-    def _complete(self, xfer: _Xfer) -> str:
-        """Move the bytes of a transfer; "DONE", or fail it with NIXL_ERR_BACKEND."""
-        if xfer.operation == "WRITE":
-            for addr, length, key in xfer.moves:
-                self.objects[key] = ctypes.string_at(addr, length)
-        else:
-            for _, length, key in xfer.moves:
-                data = self.objects.get(key)
-                if data is None or len(data) != length:
-                    self._fail(xfer, "NIXL_ERR_BACKEND")
-                    raise FakeNixlError("NIXL_ERR_BACKEND")
-            for addr, length, key in xfer.moves:
-                ctypes.memmove(addr, self.objects[key], length)
-        xfer.state = _State.DONE
-        return "DONE"
+            latest = entry
+        return latest
 
     @staticmethod
-    def _fail(xfer: _Xfer, outcome: str) -> None:
+    def _user_of(entry: _Entry) -> FakeXferHandle | None:
+        """An unreleased transfer handle that relies on ``entry`` (through either of its lists),
+        if any."""
+        for prepped in entry.lists.values():
+            for handle in prepped.users.values():
+                return handle
+        return None
+
+    def _set_state(self, xfer: _Xfer, state: _State) -> None:
+        """Move a transfer to ``state``, keeping the table of running ones."""
+        xfer.state = state
+        if state is _State.RUNNING:
+            self._running[xfer.handle._handle] = xfer
+        else:
+            self._running.pop(xfer.handle._handle, None)
+
+    @staticmethod
+    def _progress(xfer: _Xfer) -> _Progress:
+        """What a call may change on ``xfer``, to put back if it is interrupted."""
+        return (xfer.state, xfer.polls_left, xfer.hold, xfer.failure)
+
+    def _restore(self, xfer: _Xfer, saved: _Progress) -> None:
+        """Put a transfer back as :meth:`_progress` saw it, and the objects its WRITE wrote.
+
+        The calls that may change a transfer call this from a ``try`` around everything they
+        change, up to their answer, which they return by name (``answer = self._check(...)``,
+        ``return answer``): in ``return self._check(...)`` the call returns, a point where a
+        signal may be handled, outside the ``try``, which ends before its ``RETURN_VALUE``.
+        """
+        overwritten, objects = xfer.overwritten, self.objects
+        if overwritten is not None:
+            for key, old in overwritten.items():
+                if old is None:
+                    objects.pop(key, None)
+                else:
+                    objects[key] = old
+            xfer.overwritten = None
+        state, xfer.polls_left, xfer.hold, xfer.failure = saved
+        self._set_state(xfer, state)
+
+    def _complete(self, xfer: _Xfer) -> str:
+        """Move the bytes of a transfer; "DONE", or fail it with NIXL_ERR_BACKEND.
+
+        A WRITE reads every block first, notes what it overwrites (for :meth:`_restore`, if
+        the call is interrupted) and stores them all at once.
+        """
+        objects = self.objects
+        if xfer.operation == "WRITE":
+            written = {key: ctypes.string_at(addr, length) for addr, length, key in xfer.moves}
+            xfer.overwritten = {key: objects.get(key) for key in written}
+            objects.update(written)
+            self._set_state(xfer, _State.DONE)
+            return "DONE"
+        for _, length, key in xfer.moves:
+            data = objects.get(key)
+            if data is None or len(data) != length:
+                self._fail(xfer, "NIXL_ERR_BACKEND")
+                raise FakeNixlError("NIXL_ERR_BACKEND")
+        for addr, length, key in xfer.moves:
+            ctypes.memmove(addr, objects[key], length)
+        self._set_state(xfer, _State.DONE)
+        return "DONE"
+
+    def _fail(self, xfer: _Xfer, outcome: str) -> None:
         """End a transfer as failed with ``outcome`` (a NIXL code, or "ERR")."""
-        xfer.state = _State.FAILED
+        self._set_state(xfer, _State.FAILED)
         xfer.failure = outcome
         xfer.hold = 0
 
@@ -812,8 +1036,3 @@ class FakeNixlAgent:
         if outcome == "ERR":
             return "ERR"
         raise FakeNixlError(outcome)
-
-
-def _entries(xfer: _Xfer) -> tuple[_Entry, ...]:
-    """The registered descriptors a transfer relies on, through both of its lists."""
-    return xfer.local.entries + xfer.remote.entries
