@@ -3,7 +3,7 @@
     python bench/reliability.py threads [--agent fake|posix] [--jobs N]
         8 submitter threads, a poller and a lookup/stats thread on one tier, 2 % of NIXL calls
         failing at random: every job must publish exactly once; the worst latency of each call.
-    python bench/reliability.py memory [--jobs N]
+    python bench/reliability.py memory [--jobs N] [--leak-rate R]
         a long run on one tier (fake agent, 1 % faults, a new key every job): RSS, the lookup
         cache and the leak record sampled as it goes; they must stay flat.
     python bench/reliability.py frozen
@@ -162,10 +162,10 @@ def attack_threads(kind: str, jobs: int) -> None:  # noqa: PLR0915 - one scenari
 
 # -- memory --------------------------------------------------------------------------------------
 
-def long_run(jobs: int) -> None:
+def long_run(jobs: int, leak_rate: float) -> None:
     cache = torch.zeros(64, 64, dtype=torch.uint8)
     agent = FakeNixlAgent(name="long-run")
-    agent.faults.chaos({"deregister_memory": 0.01, "release_xfer_handle": 0.01,
+    agent.faults.chaos({"deregister_memory": leak_rate, "release_xfer_handle": 0.01,
                         "check_xfer_state": 0.001}, seed=3)
     tier = ObjectStoreTier(cache, agent=agent, policy=RetryPolicy(max_seconds=10))
     rows = []
@@ -273,13 +273,15 @@ def main() -> None:
     parser.add_argument("--agent", choices=["fake", "posix"], default="fake")
     parser.add_argument("--jobs", type=int, default=None)
     parser.add_argument("--blocks", type=int, default=128)
+    parser.add_argument("--leak-rate", type=float, default=0.01,
+                        help="memory: the share of deregister_memory calls that fail (a leak)")
     args = parser.parse_args()
     print_machine(machine())
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.what == "threads":
         attack_threads(args.agent, args.jobs or 100_000)
     elif args.what == "memory":
-        long_run(args.jobs or 1_000_000)
+        long_run(args.jobs or 1_000_000, args.leak_rate)
     elif args.what == "frozen":
         frozen_store()
     else:
