@@ -16,5 +16,5 @@ diagrams: setup
 	.venv/bin/kvfsm diagrams
 
 lint: setup
-	.venv/bin/ruff check kvfsm tests
+	.venv/bin/ruff check kvfsm tests examples bench
 	.venv/bin/mypy

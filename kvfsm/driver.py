@@ -1,8 +1,12 @@
 """The driver: performs each NIXL call of a transfer and feeds its answer to the machine.
 
-The driver holds no rules. It knows which call a transfer in a given state is waiting on, makes
-that call, turns what NIXL answered (a string, a return, or an exception) into an
-:class:`~kvfsm.lifecycle.Answer`, and fires the matching event. Whether the transfer moves, stays
+The driver holds no rules. The declaration says which effect a transfer in each state waits on
+(``effects``, each named by the event it fires), which states are running and which final; the
+driver makes that effect, turns what it answered (a string, a return, or an exception) into an
+:class:`~kvfsm.lifecycle.Answer`, in one place per kind of effect, and fires the event. The
+effects it knows are NIXL's (``post``, ``poll``, ``release``, ``clean``) and ``publish``; any
+other is a *step* of the user's, a function given to the tier (:data:`StepFunction`), whose
+answer (or raise: ``RAISED``) is fired as its event. Whether the transfer moves, stays
 or retries is the lifecycle table's decision (:mod:`kvfsm.lifecycle`). Once a transfer is over,
 its release and cleanup calls are made one after the other and, when each answers OK, the steps
 they lead to are taken together as one chain read from the same table.
@@ -17,22 +21,38 @@ machine the store still runs, and the next poll asks again.
 
 from __future__ import annotations
 
+import enum
+import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
-from kvfsm.engine import Chain, CompiledMachine
-from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, CallFailed, TransferEvent, TransferState
+from kvfsm.engine import Chain, CompiledMachine, Declaration
+from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, CallFailed, TransferEvent
 from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import Leak, Transfer
 
-__all__ = ["RemoteSide", "StorageSide", "TransferDriver"]
+__all__ = ["NIXL_RUNNING", "MachineRefused", "RemoteSide", "StepFunction", "StorageSide",
+           "TransferDriver", "check_runnable"]
 
-_STATUS = {"PROC": Answer.PROC, "DONE": Answer.DONE}
-_FINAL = frozenset({TransferState.PUBLISHED, TransferState.QUARANTINED})
-_RUNNING = frozenset({TransferState.PROCESSING, TransferState.CANCELLING})
+#: what NIXL's status calls answer while a transfer runs (the tier's poll compares it in bulk)
+NIXL_RUNNING = "PROC"
+_STATUS = {NIXL_RUNNING: Answer.PROC, "DONE": Answer.DONE}
+#: the effects the driver makes itself, each named by the event it fires, with the answers it
+#: fires that event with (a machine's event must carry them all)
+_EFFECTS: dict[str, frozenset[Answer]] = {
+    TransferEvent.POST: frozenset({Answer.PROC, Answer.DONE, Answer.ERR, Answer.RAISED}),
+    TransferEvent.POLL: frozenset({Answer.PROC, Answer.DONE, Answer.ERR, Answer.RAISED}),
+    TransferEvent.RELEASE: frozenset({Answer.OK, Answer.RAISED}),
+    TransferEvent.CLEAN: frozenset({Answer.OK, Answer.LEAKED}),
+    TransferEvent.PUBLISH: frozenset({Answer.OK}),
+}
+#: a user's step: given the transfer (its job, remote names, block ids) and the primary KV
+#: cache, it answers one of its event's answers, or ``(answer, why)`` with ``why`` a text
+#: kept as the failure's reason; one that raises answers RAISED
+StepFunction = Callable[[Transfer, Any], "enum.Enum | tuple[enum.Enum, str]"]
 logger = logging.getLogger("kvfsm")
 
 
@@ -102,32 +122,39 @@ class TransferDriver:
         self,
         agent: NixlAgent,
         remote: RemoteSide,
-        machine: CompiledMachine[TransferState, Answer] | None = None,
+        machine: CompiledMachine[Any, Any] | None = None,
         policy: RetryPolicy | None = None,
+        steps: Mapping[str, Callable[[Transfer], Any]] | None = None,
     ) -> None:
         self.agent = agent
         self.remote = remote
         self.policy = policy if policy is not None else RetryPolicy()
         self.machine = machine if machine is not None else TRANSFER_MACHINE.compile()
+        declaration = self.machine.declaration
+        self.steps = dict(steps or {})
+        check_runnable(declaration, self.steps, self.policy)
+        #: the states a transfer is over in, and those NIXL may still run it in
+        self.final = declaration.final
+        self.running = declaration.running
+        #: the effect each state waits on, by the event it fires
+        self.effects = declaration.effects
         # each state's call, kept as the class's functions, not bound methods: a driver that
         # referred to itself would live (and keep its NIXL agent) until the garbage collector
-        # found the cycle
+        # found the cycle. The initial state's post is made by post() alone, at submit
         cls = type(self)
-        self._calls: dict[TransferState, Callable[[TransferDriver, Transfer], None]] = {
-            TransferState.PROCESSING: cls.poll,
-            TransferState.DONE: cls.release,
-            TransferState.FAILED: cls.release,
-            TransferState.XFER_RELEASED: cls.clean,
-            TransferState.CLEANED: cls.publish,
-            TransferState.CANCELLING: cls.poll,
-        }
+        made: dict[str, Callable[[TransferDriver, Transfer], None]] = {
+            TransferEvent.POLL: cls.poll, TransferEvent.RELEASE: cls.release,
+            TransferEvent.CLEAN: cls.clean, TransferEvent.PUBLISH: cls.publish}
+        self._calls: dict[Any, Callable[[TransferDriver, Transfer], None]] = {
+            state: made.get(effect) or functools.partial(cls.step, name=effect)
+            for state, effect in self.effects.items() if effect != TransferEvent.POST}
         # a remote side that keeps StorageSide's commit or close has nothing to do there
         self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
         self._closes = getattr(type(remote), "close", None) is not StorageSide.close
         #: per state whose call is the release (DONE, FAILED): the chain release, clean and
         #: publish take when each answers OK, read from the table (a machine that declares
         #: another way has none, and runs step by step)
-        self._ending: dict[TransferState, Chain[TransferState]] = {}
+        self._ending: dict[Any, Chain[Any]] = {}
         for state, call in self._calls.items():
             ending = self._ending_chain(state) if call is cls.release else None
             if ending is not None:
@@ -212,7 +239,7 @@ class TransferDriver:
     def settle(self, transfer: Transfer) -> bool:
         """After a post or poll fired: make the calls the transfer waits on now; True once it
         is in a final state."""
-        return transfer.state in _FINAL or self.advance(transfer)
+        return transfer.state in self.final or self.advance(transfer)
 
     def release(self, transfer: Transfer) -> None:
         """Release the transfer handle (a transfer that never got one has nothing to release)."""
@@ -294,6 +321,25 @@ class TransferDriver:
         """Hand the result out: the last step, taken once."""
         self.machine.fire(transfer, TransferEvent.PUBLISH, Answer.OK)
 
+    def step(self, transfer: Transfer, *, name: str) -> None:
+        """Make the user's step ``name``; fire its event with what it answered.
+
+        A step that raises, or answers what its event does not carry, answers RAISED (its
+        event must carry it: :func:`check_runnable`); an answer given with a reason
+        (``(answer, why)``) carries it to the machine's actions as the failure's detail.
+        """
+        try:
+            answered = self.steps[name](transfer)
+            answer, why = answered if isinstance(answered, tuple) else (answered, None)
+            if answer not in self.machine.declaration.answers[name] or answer is Answer.RAISED:
+                raise TypeError(f"step {name!r} answered {answered!r}, not one of its "
+                                "event's answers")
+        except Exception as error:  # a step's failure is an answer, not an escape
+            self.machine.fire(transfer, name, Answer.RAISED,
+                              CallFailed(name, error.with_traceback(None)))
+            return
+        self.machine.fire(transfer, name, answer, None if why is None else CallFailed(name, why))
+
     def cancel(self, transfer: Transfer) -> None:
         """The caller cancelled the job; the machine says what that means in its state."""
         self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK)
@@ -302,8 +348,7 @@ class TransferDriver:
         """The retry policy's bound is spent for a transfer still waiting on NIXL: fire the
         call it waits on with EXHAUSTED (a release, or a poll of a transfer still running)."""
         was = transfer.state
-        event = (TransferEvent.POLL if was in _RUNNING else TransferEvent.RELEASE)
-        self.machine.fire(transfer, event, Answer.EXHAUSTED, why)
+        self.machine.fire(transfer, self.effects[was], Answer.EXHAUSTED, why)
         logger.error("job %d quarantined in %s: %s", transfer.job_id, was.name, why,
                      extra=transfer.log_fields())
 
@@ -318,10 +363,10 @@ class TransferDriver:
         Returns:
             True when the transfer is in a final state (PUBLISHED, QUARANTINED).
         """
-        calls, endings = self._calls, self._ending
+        calls, endings, final = self._calls, self._ending, self.final
         while True:
             before = transfer.state
-            if before in _FINAL:
+            if before in final:
                 return True
             ending = endings.get(before)
             if ending is not None:
@@ -332,9 +377,9 @@ class TransferDriver:
                     return False
                 call(self, transfer)
             if transfer.state is before:  # still running, or a release to retry next poll
-                return transfer.state in _FINAL
+                return False
 
-    def _end(self, transfer: Transfer, ending: Chain[TransferState]) -> None:
+    def _end(self, transfer: Transfer, ending: Chain[Any]) -> None:
         """Release and clean up a transfer that is over; publish it as one chain if every call
         answered OK, else fire what each answered."""
         machine = self.machine
@@ -355,7 +400,7 @@ class TransferDriver:
         elif released is not False:  # False: backing off, no call this poll
             self._release_failed(transfer, released)
 
-    def _ending_chain(self, state: TransferState) -> Chain[TransferState] | None:
+    def _ending_chain(self, state: Any) -> Chain[Any] | None:
         """Release, clean and publish, each answering OK, from ``state``: the chain, when the
         table leads them through states whose calls are exactly those, to a final state."""
         cls = type(self)
@@ -369,7 +414,7 @@ class TransferDriver:
             if self._calls.get(at) is not call or step is None or step.dest is at:
                 return None
             at = step.dest
-        if at not in _FINAL:
+        if at not in self.final:
             return None
         return self.machine.chain(state, [(event, Answer.OK, detail)
                                           for _, event, detail in moves])
@@ -384,3 +429,93 @@ class TransferDriver:
         except Exception as error:
             return Answer.RAISED, CallFailed("commit", error.with_traceback(None))  # no cycle
         return (Answer.PROC, None) if committed is False else (Answer.DONE, None)
+
+
+class MachineRefused(ValueError):
+    """A tier was given a lifecycle it cannot run; nothing was registered with NIXL."""
+
+
+def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
+                   policy: RetryPolicy) -> None:
+    """Refuse a lifecycle the driver cannot run, before any NIXL call is made.
+
+    Everything is read from the declaration (:attr:`~kvfsm.engine.Declaration.effects`,
+    ``running``, ``final``): each state waits on an effect the driver makes or a step it was
+    given; the initial state on ``post``, and ``post`` answering PROC leads to a running state;
+    running states, and only they, on the state check ``poll``, with a ``cancel`` edge (cancel()
+    and shutdown() must reach them) and, under a ``max_running_seconds`` bound, a give-up
+    (EXHAUSTED) edge; a state whose effect may leave the transfer where it is (a retry) has a
+    give-up edge out of it too, as the retry bound and the shutdown deadline need one (``post``
+    is made once, at submit: nothing retries it). A step's event carries RAISED, which a step
+    that raises answers.
+
+    Raises:
+        MachineRefused: one line naming the machine, the state and what is missing.
+    """
+    name = declaration.name
+    effects = declaration.effects
+    if not effects:
+        raise MachineRefused(f"machine {name!r} declares no effects: a tier needs, for each "
+                             "state a transfer waits in, the effect it waits on (effects=) and "
+                             "the states NIXL may run it in (running=)")
+    initial = declaration.initial
+    if effects.get(initial) != TransferEvent.POST:
+        raise MachineRefused(f"machine {name!r}: the initial state {initial.name} waits on "
+                             f"{effects.get(initial)!r}; a tier posts a transfer from its initial "
+                             "state, which waits on 'post'")
+    for step in steps:
+        if step not in effects.values():
+            raise MachineRefused(f"machine {name!r}: a step {step!r} was given, but no state "
+                                 "waits on it")
+    table = declaration.compile(listen=False).table
+    for state, effect in effects.items():
+        _check_state(declaration, table.get(state, {}), state, effect, steps, policy)
+    posted = table[initial][TransferEvent.POST][Answer.PROC].dest
+    if posted not in declaration.running:
+        raise MachineRefused(f"machine {name!r}: 'post' answering PROC leads {initial.name} to "
+                             f"{posted.name}, which is not running= (NIXL runs the transfer)")
+
+
+def _check_state(declaration: Declaration[Any, Any], moves: Mapping[str, Any], state: Any,
+                 effect: str, steps: Mapping[str, Any], policy: RetryPolicy) -> None:
+    """What :func:`check_runnable` checks of one state waiting on ``effect``."""
+    where = f"machine {declaration.name!r}: state {state.name}"
+    carried = declaration.answers[effect]
+    if effect in _EFFECTS:
+        missing = _EFFECTS[effect] - carried
+        if missing:
+            raise MachineRefused(
+                f"{where} waits on {effect!r}, whose event does not carry "
+                f"{', '.join(sorted(a.name for a in missing))}: the driver answers it so")
+    elif effect not in steps:
+        raise MachineRefused(
+            f"{where} waits on effect {effect!r}, which the tier does not make "
+            f"({', '.join(_EFFECTS)}) and no step was given for (steps={{{effect!r}: ...}})")
+    elif Answer.RAISED not in carried:
+        raise MachineRefused(f"{where} waits on the step {effect!r}, whose event does not "
+                             "carry Answer.RAISED: a step that raises answers it")
+    if (state in declaration.running) != (effect == TransferEvent.POLL):
+        raise MachineRefused(
+            f"{where} is running and waits on {effect!r}, not on the state check 'poll'"
+            if state in declaration.running else
+            f"{where} waits on the state check 'poll' but is not running= (its transfer "
+            "would be released while NIXL may run it)")
+    if state in declaration.unreachable:
+        return
+    if state in declaration.running:
+        if TransferEvent.CANCEL not in moves:
+            raise MachineRefused(f"{where} is running and declares no 'cancel' edge: "
+                                 "cancel() and shutdown() could not end its jobs")
+        if policy.max_running_seconds is not None:
+            _check_give_up(where, moves, effect, "the policy's max_running_seconds")
+    elif effect != TransferEvent.POST and any(step.dest is state
+                                              for step in moves[effect].values()):
+        _check_give_up(where, moves, effect, "the retry bound and the shutdown deadline")
+
+
+def _check_give_up(where: str, moves: Mapping[str, Any], effect: str, who: str) -> None:
+    """A give-up edge: the state's effect answering EXHAUSTED leaves the state."""
+    step = moves[effect].get(Answer.EXHAUSTED)
+    if step is None or step.dest is step.source:
+        raise MachineRefused(f"{where} has no give-up edge ({effect!r} answering EXHAUSTED to "
+                             f"another state), which {who} need")

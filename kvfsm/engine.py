@@ -198,6 +198,17 @@ class Declaration(Generic[S, A]):
         calls: for each event, what it calls to get the answer it carries: one name, or
             several in the order they are made (diagrams name them on the event's edges). An
             event left out calls nothing worth naming.
+        effects: for each state a record waits in, the effect it waits on, named by the event
+            that effect fires (a runner makes the effect, then fires its event with what it
+            answered). What a runner needs to run the machine is read from here, never kept
+            beside it: which call a state makes, when a record is over (a final state waits on
+            nothing). When given, every state that is not final (nor named in
+            ``unreachable``) has one, no final state has one, and each is an event its state
+            declares.
+        running: the states in which the work a record stands for may still be under way
+            outside the machine (NIXL may touch memory): a runner polls them, never gives them
+            up at a shutdown, and bounds how long they run. They are not final, and all wait
+            on one effect (the check of running work).
 
     Raises:
         DeclarationError: the declaration is inconsistent; the one-line message names the
@@ -218,6 +229,8 @@ class Declaration(Generic[S, A]):
         failure_states: Iterable[S] = (),
         unreachable: Iterable[S] = (),
         calls: Mapping[str, str | Sequence[str]] | None = None,
+        effects: Mapping[S, str] | None = None,
+        running: Iterable[S] = (),
     ) -> None:
         self.name = name
         self.states = states
@@ -232,6 +245,11 @@ class Declaration(Generic[S, A]):
         self.calls: dict[str, tuple[str, ...]] = {
             str(event): (named,) if isinstance(named, str) else tuple(named)
             for event, named in (calls or {}).items()}
+        #: the effect each state waits on, by the event it fires (empty: none declared)
+        self.effects: dict[S, str] = {state: str(effect)
+                                      for state, effect in (effects or {}).items()}
+        #: the states in which the work may still be under way outside the machine
+        self.running = frozenset(running)
         self._check_states()
         self._check_names()
         self.edges: tuple[Edge, ...] = self._read_edges(self.build_machine(_Inert()))
@@ -244,6 +262,7 @@ class Declaration(Generic[S, A]):
         self._resolve()  # fail at declaration time, not at first use
         self._check_reachable()
         self._check_final()
+        self._check_effects(effects or {})
 
     # -- the transitions machine ------------------------------------------------------------
 
@@ -306,7 +325,8 @@ class Declaration(Generic[S, A]):
     def _check_states(self) -> None:
         """The initial, final, failure and unreachable states are members of ``states``."""
         named = [("initial", [self.initial]), ("final", self.final),
-                 ("failure_states", self.failure_states), ("unreachable", self.unreachable)]
+                 ("failure_states", self.failure_states), ("unreachable", self.unreachable),
+                 ("effects", self.effects), ("running", self.running)]
         for what, states in named:
             for state in states:
                 if not isinstance(state, self.states):
@@ -354,6 +374,44 @@ class Declaration(Generic[S, A]):
                 f"{self.name}: final state(s) {', '.join(states)} declare events "
                 f"({', '.join(moves)}); a record leaves the table in a final state, so no "
                 "event may follow it")
+
+    def _check_effects(self, effects: Mapping[Any, Any]) -> None:
+        """Each state waits on one effect that it declares the event of; final states on none;
+        running states on one and the same (see the class's docstring)."""
+        for state, effect in effects.items():
+            if not isinstance(effect, str) or not effect:
+                raise DeclarationError(f"{self.name}: the effect of {state.name} must be an "
+                                       f"event's name (str), got {effect!r}")
+        if not self.effects and not self.running:
+            return
+        declared = self._resolve()
+        for state in self.states:
+            effect = self.effects.get(state)
+            if state in self.final:
+                if effect is not None:
+                    raise DeclarationError(f"{self.name}: final state {state.name} waits on "
+                                           f"effect {effect!r}; a final state waits on nothing")
+                continue
+            if effect is None:
+                if state in self.unreachable:
+                    continue
+                raise DeclarationError(
+                    f"{self.name}: state {state.name} waits on no effect; name the effect it "
+                    "waits on (the event that effect fires) in effects=")
+            if effect not in declared.get(state, {}):
+                raise DeclarationError(
+                    f"{self.name}: state {state.name} waits on effect {effect!r}, but declares "
+                    f"no event {effect!r}: what the effect answers could not be fired")
+        if self.running & self.final:
+            raise DeclarationError(
+                f"{self.name}: state(s) "
+                f"{', '.join(sorted(s.name for s in self.running & self.final))} are both "
+                "running and final")
+        waited = {self.effects[state] for state in self.running if state in self.effects}
+        if len(waited) > 1:
+            raise DeclarationError(
+                f"{self.name}: running states wait on one effect (the check of running work), "
+                f"not on {', '.join(sorted(waited))}")
 
     def _check_names(self) -> None:
         for transition in self.transitions:

@@ -150,7 +150,8 @@ class FailureKind(enum.StrEnum):
 
     #: ``call`` raised; ``error`` is the exception's type and text
     RAISED = "raised"
-    #: ``call`` answered an error status ("ERR"); ``error`` says what it answered
+    #: ``call`` answered an error status ("ERR"), or a user step a failing answer of its own
+    #: (``verify answered MISMATCH: ...``); ``error`` says what it answered
     ERR = "err"
     #: ``cancel()`` or ``shutdown()`` cancelled the job while NIXL ran it
     CANCELLED = "cancelled"
@@ -392,6 +393,12 @@ TRANSFER_MACHINE: Declaration[TransferState, Answer] = Declaration(
            E.POLL: "check_xfer_state",
            E.RELEASE: "release_xfer_handle",
            E.CLEAN: ("release_dlist_handle", "deregister_memory")},
+    # what each state waits on, by the event it fires: the driver and the tier read which
+    # call a state makes, when a transfer is over and what NIXL may still run from here
+    effects={S.SUBMITTED: E.POST, S.PROCESSING: E.POLL, S.CANCELLING: E.POLL,
+             S.DONE: E.RELEASE, S.FAILED: E.RELEASE, S.XFER_RELEASED: E.CLEAN,
+             S.CLEANED: E.PUBLISH},
+    running=(S.PROCESSING, S.CANCELLING),
 )
 
 
@@ -426,6 +433,9 @@ def _failure(answer: Answer, detail: Any) -> FailureReason:
     if answer is Answer.ERR:  # the status answered, or a message saying so
         return FailureReason(FailureKind.ERR, call, f"answered {error or 'ERR'!r}"
                              if call is not None or error is None else str(error))
+    if call is not None and not isinstance(answer, Answer):  # a user step's own answer
+        return FailureReason(FailureKind.ERR, call,
+                             f"answered {answer.name}" + (f": {error}" if error else ""))
     return FailureReason(FailureKind.UNKNOWN, call, _describe(answer, detail))
 
 

@@ -85,11 +85,13 @@ class Transfer:
         "xfer",
     )
 
-    def __init__(self, job: TransferJob, nbytes: int, started_at: float) -> None:
+    def __init__(self, job: TransferJob, nbytes: int, started_at: float,
+                 initial: Any = TransferState.SUBMITTED) -> None:
         self.job = job
         #: the job this transfer carries
         self.job_id: int = job.job_id
-        self.state = TransferState.SUBMITTED
+        #: where its lifecycle has it (its machine's initial state to begin with)
+        self.state = initial
         self.nbytes = nbytes
         self.started_at = started_at
         self.finished_at = started_at
@@ -122,17 +124,18 @@ class Transfer:
         #: in place of a step; see :mod:`kvfsm.trace`)
         self.trace: list[Any] = []
 
-    def result(self) -> JobResult:
-        """The job's result; only meaningful once the outcome is latched. A quarantined
-        transfer's result is a failure, whatever NIXL answered; a failure carries its reason
-        (one the machine's actions did not record is UNKNOWN, or QUARANTINED, with the last
-        error)."""
-        success = bool(self.success) and self.state is not TransferState.QUARANTINED
+    def result(self, held: bool | None = None) -> JobResult:
+        """The job's result; only meaningful once the outcome is latched. A transfer that
+        ended ``held`` (in a final failure state of its machine: quarantined; by default, in
+        the transfer machine's QUARANTINED) fails, whatever NIXL answered; a failure carries
+        its reason (one the machine's actions did not record is UNKNOWN, or QUARANTINED, with
+        the last error)."""
+        if held is None:
+            held = self.state is TransferState.QUARANTINED
+        success = bool(self.success) and not held
         reason = None if success else self.reason
         if reason is None and not success:
-            reason = FailureReason(FailureKind.QUARANTINED
-                                   if self.state is TransferState.QUARANTINED
-                                   else FailureKind.UNKNOWN, None,
+            reason = FailureReason(FailureKind.QUARANTINED if held else FailureKind.UNKNOWN, None,
                                    self.error or "no reason recorded")
         return JobResult(self.job_id, success, self.nbytes if success else 0,
                          self.finished_at - self.started_at, reason)

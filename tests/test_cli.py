@@ -49,7 +49,8 @@ def _publish_before_release() -> Declaration[Any, Any]:
     return Declaration("publish_before_release", states=TransferState,
                        initial=TransferState.SUBMITTED, answers=ANSWERS, guards=GUARDS,
                        actions=ACTIONS, transitions=transitions, final=TRANSFER_MACHINE.final,
-                       failure_states=TRANSFER_MACHINE.failure_states)
+                       failure_states=TRANSFER_MACHINE.failure_states,
+                       effects=TRANSFER_MACHINE.effects, running=TRANSFER_MACHINE.running)
 
 
 #: a user's broken machine, for ``kvfsm explore --machine tests.test_cli:PUBLISH_BEFORE_RELEASE``

@@ -28,6 +28,7 @@ def variant(name: str, replace: dict[tuple[TransferState, str, str], dict[str, A
                        guards=GUARDS, actions={**ACTIONS, **(actions or {})},
                        transitions=transitions, final=TRANSFER_MACHINE.final,
                        failure_states=TRANSFER_MACHINE.failure_states,
+                       effects=TRANSFER_MACHINE.effects, running=TRANSFER_MACHINE.running,
                        unreachable=unreachable)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvfsm import Declaration, JobResult, TransferJob, TransferState
-from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSITIONS
+from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSFER_MACHINE, TRANSITIONS
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import InvalidJobError, ObjectStoreTier, TierClosedError
 
@@ -363,7 +363,9 @@ def test_a_machine_that_acts_on_proc_gets_every_proc_answer_fired(
     counting = Declaration(
         "counting", states=TransferState, initial=TransferState.SUBMITTED, answers=ANSWERS,
         guards=GUARDS, transitions=transitions,
-        actions={**ACTIONS, "note_poll": lambda t, answer, detail: polls.append(t.job_id)})
+        actions={**ACTIONS, "note_poll": lambda t, answer, detail: polls.append(t.job_id)},
+        final=TRANSFER_MACHINE.final, effects=TRANSFER_MACHINE.effects,
+        running=TRANSFER_MACHINE.running)
     tier = ObjectStoreTier(primary, agent=agent, machine=counting)
     agent.inject("check_xfer_state", StayProc(3))
     tier.submit_store(store(1, 0))

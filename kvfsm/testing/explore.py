@@ -17,6 +17,12 @@ Checked on every path (:class:`Invariant`):
 * a job whose transfer finished (DONE) publishes success; one that failed publishes failure;
 * no NIXL misuse the fake agent detects, and no exception escapes the tier.
 
+A lifecycle with steps of its own (an effect such as ``verify``, made by a function the tier is
+given: ``explore(machine, steps={...})``) runs them on every path, and each step call is a call
+like NIXL's: it raises at every step too (``verify:raise@1``). A step that raises or gives an
+answer the declaration treats as a failure (:func:`kvfsm.diagrams.failure_answers`) makes its
+job's expected outcome a failure.
+
 A violating path prints as a fault spec (``mode=1;check_xfer_state:raise@1,...``) that
 :func:`replay` runs again, step by step.
 """
@@ -35,11 +41,12 @@ from typing import Any
 
 import torch
 
+from kvfsm.driver import StepFunction
 from kvfsm.engine import Declaration
-from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferState
+from kvfsm.lifecycle import TRANSFER_MACHINE
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_agent import FakeNixlAgent
-from kvfsm.testing.faults import STATUS_CALLS, Fault, Raise, ReturnErr, StayProc
+from kvfsm.testing.faults import STATUS_CALLS, FakeNixlError, Fault, Raise, ReturnErr, StayProc
 from kvfsm.tiers.base import SecondaryTier
 from kvfsm.tiers.object_store import ObjectStoreTier
 from kvfsm.transfer import JobResult, TransferJob
@@ -132,7 +139,11 @@ class _Job:
     #: cancelled while NIXL still ran it: its outcome must be failure
     cancelled_running: bool = False
     #: the final state it was published from (PUBLISHED, or QUARANTINED)
-    final: TransferState | None = None
+    final: Any = None
+    #: published from a final failure state (quarantined): its handles may be held
+    held: bool = False
+    #: a step of the machine's own raised or gave a failure answer: the job must fail
+    step_failed: bool = False
 
 
 class _WatchedAgent(FakeNixlAgent):
@@ -264,16 +275,16 @@ _SCENARIO: tuple[tuple[int, tuple[str, ...], tuple[int, ...], bool], ...] = (
 )
 
 
-def _run(path: Path, machine: Declaration[TransferState, Answer],
-         max_polls: int) -> tuple[list[str], list[Violation], SecondaryTier]:
+def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
+         steps: dict[str, StepFunction] | None = None,
+         ) -> tuple[list[str], list[Violation], SecondaryTier]:
     """Run the scenario on ``path``; returns the calls made and the violations seen."""
     agent = _WatchedAgent(path.polls)
-    for choice in path.choices:
-        agent.inject(choice.call, choice.fault, at=choice.occurrence)
+    watched = _inject(agent, path, machine, steps or {})
     cache = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
     tier = ObjectStoreTier(cache, agent=agent, machine=machine, probe_agent=_NoProbes(),
-                           policy=_POLICY)
-    tier.on_published.append(lambda transfer: _final(agent, transfer))
+                           policy=_POLICY, steps=watched)
+    tier.on_published.append(lambda transfer: _final(agent, transfer, machine))
     violations = agent.violations
 
     def collect() -> None:
@@ -312,10 +323,47 @@ def _run(path: Path, machine: Declaration[TransferState, Answer],
 _POLICY = RetryPolicy(max_attempts=2, max_seconds=None)
 
 
-def _final(agent: _WatchedAgent, transfer: Any) -> None:
+def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
+            steps: dict[str, StepFunction]) -> dict[str, StepFunction]:
+    """Arm the path's faults: NIXL's in the agent, the steps' in the steps, which are
+    returned watched (each call recorded and numbered among the agent's calls)."""
+    from kvfsm.diagrams import failure_answers  # noqa: PLC0415 - the drawing's rule
+
+    failing = failure_answers(machine)
+    armed = {(c.call, c.occurrence) for c in path.choices if c.call in steps}
+    for choice in path.choices:
+        if choice.call not in steps:
+            agent.inject(choice.call, choice.fault, at=choice.occurrence)
+    counts = dict.fromkeys(steps, 0)
+
+    def watched(name: str, step: StepFunction) -> StepFunction:
+        def run(transfer: Any, primary: Any) -> Any:
+            agent.calls.append(name)
+            counts[name] += 1
+            seen = agent.jobs.get(transfer.job_id)
+            try:
+                if (name, counts[name]) in armed:
+                    raise FakeNixlError(Raise().code)
+                answered = step(transfer, primary)
+            except Exception:
+                if seen is not None:
+                    seen.step_failed = True
+                raise
+            answer = answered[0] if isinstance(answered, tuple) else answered
+            if seen is not None and answer in failing:
+                seen.step_failed = True
+            return answered
+
+        return run
+
+    return {name: watched(name, step) for name, step in steps.items()}
+
+
+def _final(agent: _WatchedAgent, transfer: Any, machine: Declaration[Any, Any]) -> None:
     seen = agent.jobs.get(transfer.job_id)
     if seen is not None:
         seen.final = transfer.state
+        seen.held = transfer.state in machine.final & machine.failure_states
 
 
 def _cancel(agent: _WatchedAgent, tier: SecondaryTier, job_id: int) -> None:
@@ -343,18 +391,20 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
     if len(job.results) > 1:
         violations.append(Violation(Invariant.ONE_RESULT, result.job_id,
                                     f"{len(job.results)} results"))
-    quarantined_over = job.final is TransferState.QUARANTINED and job.status not in {None, "PROC"}
+    quarantined_over = job.held and job.status not in {None, "PROC"}
     if job.xfer is not None and not job.released and not quarantined_over:
         violations.append(Violation(Invariant.RELEASE_BEFORE_PUBLISH, result.job_id,
                                     "its transfer handle was still held"))
-    expected = (bool(job.outcome) and not job.cancelled_running
-                and job.final is not TransferState.QUARANTINED)
+    expected = (bool(job.outcome) and not job.cancelled_running and not job.held
+                and not job.step_failed)
     if result.success != expected:
         what = "finished (DONE)" if expected else "failed"
         if job.cancelled_running:
             what += ", after it was cancelled while running"
-        elif job.final is TransferState.QUARANTINED:
+        elif job.held:
             what += ", then it was quarantined"
+        elif job.step_failed:
+            what += ", then a step failed it"
         violations.append(Violation(
             Invariant.OUTCOME, result.job_id,
             f"NIXL said the transfer {what}, the job published success={result.success}"))
@@ -367,8 +417,9 @@ class _NoProbes:
         return [None] * len(reg_list)
 
 
-def _run_with_parent(path: Path, machine: Declaration[TransferState, Answer],
-                     max_polls: int) -> tuple[list[str], list[Violation], SecondaryTier]:
+def _run_with_parent(path: Path, machine: Declaration[Any, Any], max_polls: int,
+                     steps: dict[str, StepFunction] | None = None,
+                     ) -> tuple[list[str], list[Violation], SecondaryTier]:
     """The scenario through the parent: a CPU primary tier whose blocks the stores pin.
 
     Two stores cascade three ready blocks; once the first is finalized, block "a" is freed and
@@ -378,12 +429,11 @@ def _run_with_parent(path: Path, machine: Declaration[TransferState, Answer],
     from kvfsm.tiering import BookkeepingError, CPUPrimaryTier, TieringManager  # noqa: PLC0415
 
     agent = _WatchedAgent(path.polls)
-    for choice in path.choices:
-        agent.inject(choice.call, choice.fault, at=choice.occurrence)
+    watched = _inject(agent, path, machine, steps or {})
     primary = CPUPrimaryTier(4, 8, torch.float32)
     tier = _WatchedTier(primary.cache, agent=agent, machine=machine, probe_agent=_NoProbes(),
-                        policy=_POLICY)
-    tier.on_published.append(lambda transfer: _final(agent, transfer))
+                        policy=_POLICY, steps=watched)
+    tier.on_published.append(lambda transfer: _final(agent, transfer, machine))
     violations = agent.violations
     manager = TieringManager(primary, [tier])
     blocks = primary.allocate(["a", "b", "c"])
@@ -458,8 +508,7 @@ def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
         if not seen.results:
             violations.append(Violation(Invariant.LIVENESS, job_id,
                                         f"still {_state(tier, job_id)} after {max_polls} polls"))
-        elif (seen.xfer is not None and not seen.released
-              and seen.final is not TransferState.QUARANTINED):
+        elif seen.xfer is not None and not seen.released and not seen.held:
             violations.append(Violation(Invariant.HANDLE_LEAK, job_id,
                                         "published, and its transfer handle is still held"))
     if not busy:
@@ -511,8 +560,9 @@ class Exploration:
 
 
 def explore(
-    machine: Declaration[TransferState, Answer] = TRANSFER_MACHINE,
+    machine: Declaration[Any, Any] = TRANSFER_MACHINE,
     *,
+    steps: dict[str, StepFunction] | None = None,
     parent: bool = False,
     max_faults: int = 2,
     max_stall: int = 2,
@@ -526,6 +576,8 @@ def explore(
 
     Args:
         machine: the lifecycle under test.
+        steps: the functions behind the machine's own effects, as a tier is given them; each
+            of their calls also raises at every step.
         parent: run the scenario through :class:`kvfsm.tiering.TieringManager` and its CPU
             primary tier, and check that every pin returns to 0.
         max_faults: the most faults on one path (a "PROC for k polls" counts as one).
@@ -548,7 +600,7 @@ def explore(
             with _level_bar(progress, len(level), polls, depth) as bar:
                 for path, last in level:
                     calls, violations, _ = (_run_with_parent if parent else _run)(
-                        path, machine, max_polls)
+                        path, machine, max_polls, steps)
                     found.paths += 1
                     found.calls += len(calls)
                     bar.update()
@@ -613,11 +665,13 @@ def parse_path(text: str) -> Path:
     return Path(int(mode[5:]), tuple(choices))
 
 
-def replay(path: Path, machine: Declaration[TransferState, Answer] = TRANSFER_MACHINE,
+def replay(path: Path, machine: Declaration[Any, Any] = TRANSFER_MACHINE,
            max_polls: int = 40, *, parent: bool = False,
+           steps: dict[str, StepFunction] | None = None,
            ) -> tuple[list[str], list[Violation], dict[str, int]]:
     """Run one path again: the calls made, the violations, and the transitions taken."""
-    calls, violations, tier = (_run_with_parent if parent else _run)(path, machine, max_polls)
+    calls, violations, tier = (_run_with_parent if parent else _run)(path, machine, max_polls,
+                                                                     steps)
     taken = {f"{e.source} -{e.event}[{e.guard_label}]-> {e.dest}": n
              for e, n in tier.driver.machine.transition_counts().items() if n}
     return calls, violations, taken
@@ -749,7 +803,7 @@ def run(args: Any) -> int:
     from kvfsm.machines import load_machine  # noqa: PLC0415 - the CLI's own import
 
     machine = load_machine(args.machine)
-    if machine.states is not TransferState:  # not a transfer lifecycle: explore its table
+    if not machine.effects:  # not a lifecycle a tier runs: explore its table
         return _run_table(machine)
     if args.max_faults < 0 or args.max_stall < 1:
         raise ValueError("--max-faults must be at least 0 and --max-stall at least 1")

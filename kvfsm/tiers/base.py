@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import logging
 import operator
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import compress, islice, repeat
 from typing import Any
 
 import torch
 
 from kvfsm.agent import LOCAL_AGENT, NixlAgent
-from kvfsm.driver import RemoteSide, TransferDriver
+from kvfsm.driver import NIXL_RUNNING, RemoteSide, StepFunction, TransferDriver, check_runnable
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
@@ -151,6 +152,14 @@ class SecondaryTier:
             (the explorer's tests run deliberately broken variants through the same tier).
         policy: bounds on retrying failed releases and waiting for running transfers
             (:class:`~kvfsm.policy.RetryPolicy`; by default a release is retried for 60 s).
+        steps: the functions behind the machine's own effects, by name (a state that waits on
+            an effect the tier does not make, such as ``verify``): each gets the transfer and
+            the primary cache and answers one of its event's answers
+            (:data:`~kvfsm.driver.StepFunction`).
+
+    Raises:
+        MachineRefused: the machine cannot run in a tier (:func:`~kvfsm.driver.check_runnable`
+            says what is missing); raised before any NIXL call.
 
     Bounded memory: the lookup cache keeps the verdicts on the last :attr:`known_names`
     names, and :meth:`stats` lists the last :attr:`leak_record` leaks (and counts them all).
@@ -164,8 +173,9 @@ class SecondaryTier:
 
     def __init__(self, primary: torch.Tensor, *, agent: NixlAgent, remote: RemoteSide,
                  poll_interval: float = 0.0005,
-                 machine: Declaration[TransferState, Answer] | None = None,
-                 policy: RetryPolicy | None = None) -> None:
+                 machine: Declaration[Any, Any] | None = None,
+                 policy: RetryPolicy | None = None,
+                 steps: Mapping[str, StepFunction] | None = None) -> None:
         _check_primary(primary)
         self.primary = primary
         self.agent = agent
@@ -173,15 +183,25 @@ class SecondaryTier:
         self.block_bytes = int(primary[0].nbytes)
         self.poll_interval = poll_interval
         self.policy = policy if policy is not None else RetryPolicy()
-        self.driver = TransferDriver(agent, remote,
-                                     (machine or TRANSFER_MACHINE).compile(trace=True),
-                                     self.policy)
+        declaration = machine or TRANSFER_MACHINE
+        check_runnable(declaration, steps or {}, self.policy)  # before any NIXL call
+        self.driver = TransferDriver(agent, remote, declaration.compile(trace=True),
+                                     self.policy, _bind(steps or {}, primary))
+        #: the states NIXL may run a transfer in (the declaration's running states)
+        self._running_states = declaration.running
+        self._initial = declaration.initial
+        #: a final state that is a failure: a transfer there ended without its release (held)
+        self._held = declaration.final & declaration.failure_states
         #: transfers quarantined (handles held for good); ids of those that may still run
         self._quarantine: list[Transfer] = []
         self._may_run: set[int] = set()
-        step = self.driver.machine.table.get(TransferState.PROCESSING, {}).get(
-            TransferEvent.POLL, {}).get(Answer.PROC)
-        self._proc_stay = step if step is not None and step.is_stay else None
+        # the state a posted transfer NIXL runs waits in (post answering PROC leads there):
+        # its transfers are polled in bulk, and a poll its machine answers with a stay (a
+        # self-loop without actions) is only counted
+        table = self.driver.machine.table
+        self._posted = table[declaration.initial][TransferEvent.POST][Answer.PROC].dest
+        step = table[self._posted][TransferEvent.POLL][Answer.PROC]
+        self._proc_stay = step if step.is_stay else None
         #: called with each transfer as it is published (a trace recorder, for one)
         self.on_published: list[Callable[[Transfer], None]] = []
         #: what the tier knows of recent remote names: set by results, filled in by probes
@@ -323,7 +343,7 @@ class SecondaryTier:
         except DrainTimeout:
             with self._lock:
                 for transfer in self.unpublished():
-                    if transfer.state not in _MAY_RUN:  # over: one last try, then give up
+                    if transfer.state not in self._running_states:  # over: a last try, give up
                         transfer.retry_at = 0.0
                         self._settle(transfer)
                         if transfer.job_id in self._transfers:
@@ -407,7 +427,7 @@ class SecondaryTier:
         in_flight = {state.name: count for state, count in waiting_in.items() if count}
         running = len(self._running.transfers)
         if running:
-            in_flight[TransferState.PROCESSING.name] = running
+            in_flight[self._posted.name] = running
         latencies = sorted(self._latencies.copy())
         return {
             "in_flight": in_flight,
@@ -452,7 +472,8 @@ class SecondaryTier:
         if self._closed or self._closing:
             raise TierClosedError(f"{type(self).__name__} is shut down; job {job.job_id} refused")
         names, block_ids = self._validate(job, load=load)
-        transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic())
+        transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic(),
+                            self._initial)
         transfer.names = names
         self._transfers[transfer.job_id] = transfer
         try:
@@ -460,7 +481,7 @@ class SecondaryTier:
         except BaseException:  # an interrupt: the machine has the transfer's state, keep it
             self._refile(transfer)
             raise
-        if transfer.state is TransferState.PROCESSING:
+        if transfer.state is self._posted:
             self._running.add(transfer)
         else:  # over at once: DONE or FAILED
             self._settle(transfer)
@@ -547,7 +568,7 @@ class SecondaryTier:
         return value
 
     def _give_up(self, transfer: Transfer, why: str) -> None:
-        if transfer.state in _MAY_RUN:
+        if transfer.state in self._running_states:
             self._may_run.add(transfer.job_id)
         self.driver.give_up(transfer, why)
         self._finish(transfer)
@@ -573,7 +594,7 @@ class SecondaryTier:
         except BaseException:  # an interrupt: keep the transfer where its state says
             self._refile(transfer)
             raise
-        if transfer.state is TransferState.PROCESSING:
+        if transfer.state is self._posted:
             self._refile(transfer)
         else:
             self._settle(transfer)
@@ -587,7 +608,8 @@ class SecondaryTier:
             self._running.discard(transfer)
         if transfer.filed is not None:
             self._unfile(transfer)
-        result = transfer.result()
+        held = transfer.state in self._held
+        result = transfer.result(held)
         self._results.append(result)
         self._unreported.add(job_id)
         self._published += 1
@@ -600,7 +622,7 @@ class SecondaryTier:
                 logger.warning("job %d leaked: %s raised %s", job_id, leak.call,
                                leak.error, extra=transfer.log_fields(leak.error))
             self._record_leaks(job_id, transfer.leaks)
-        if transfer.state is TransferState.QUARANTINED:
+        if held:
             self._quarantine.append(transfer)
         # a finished store or load shows the blocks are there; after a failed one the tier
         # cannot vouch for them, and a failed load is not made again and again (F11)
@@ -618,7 +640,7 @@ class SecondaryTier:
         if transfer.job_id not in self._transfers:
             return
         state = transfer.state
-        if state is TransferState.PROCESSING:
+        if state is self._posted:
             self._unfile(transfer)
             if transfer.slot < 0:
                 self._running.add(transfer)
@@ -672,28 +694,32 @@ class SecondaryTier:
     def _poll_each(self) -> None:
         """The general path: every transfer through the driver and the machine, each poll."""
         check = self.agent.check_xfer_state
-        processing = TransferState.PROCESSING
+        posted, running = self._posted, self._running_states
         stay = self._proc_stay
         limit = self.policy.max_running_seconds
         started_after = -1.0 if limit is None else time.monotonic() - limit
         others: list[tuple[Transfer, str | Exception | None]] = []
         for transfer in list(self._transfers.values()):
-            if transfer.state is processing:
+            overdue = transfer.started_at <= started_after
+            if transfer.state is posted:
                 try:
                     status: str | Exception = check(transfer.xfer)
                 except Exception as error:  # the machine hears of it: poll(RAISED)
                     status = error.with_traceback(None)  # no cycle through this frame
-                if status == "PROC" and stay is not None and transfer.started_at > started_after:
-                    stay.taken += 1
-                    continue
+                if status == NIXL_RUNNING:
+                    if overdue:
+                        others.append((transfer, _OVERDUE))
+                        continue
+                    if stay is not None:
+                        stay.taken += 1
+                        continue
                 others.append((transfer, status))
-            elif (transfer.state is TransferState.CANCELLING
-                  and transfer.started_at <= started_after):
-                others.append((transfer, "PROC"))  # bounded like a running one, below
+            elif overdue and transfer.state in running:  # bounded like a posted one, below
+                others.append((transfer, _OVERDUE))
             else:
                 others.append((transfer, None))
         for transfer, answered in others:
-            if answered == "PROC" and transfer.started_at <= started_after:
+            if answered is _OVERDUE:
                 self._give_up(transfer, f"still running after {limit} s")
             elif answered is None:
                 self._settle(transfer)
@@ -748,15 +774,25 @@ class _Running:
                 continue
             if len(statuses) < len(handles):  # a StopIteration ends map quietly: that call's
                 statuses.append(RuntimeError("check_xfer_state raised StopIteration"))
-        if statuses.count("PROC") == len(statuses):
+        if statuses.count(NIXL_RUNNING) == len(statuses):
             return []
         return list(compress(zip(self.transfers, statuses, strict=True),
-                             map(operator.ne, statuses, repeat("PROC"))))
+                             map(operator.ne, statuses, repeat(NIXL_RUNNING))))
 
 
 logger = logging.getLogger("kvfsm")
-#: the states in which NIXL may still run a transfer
-_MAY_RUN = frozenset({TransferState.PROCESSING, TransferState.CANCELLING})
+#: what a poll that finds a running transfer past ``max_running_seconds`` answers, for itself
+_OVERDUE = RuntimeError("past max_running_seconds")
+
+
+def _bind(steps: Mapping[str, StepFunction], primary: torch.Tensor,
+          ) -> dict[str, Callable[[Transfer], Any]]:
+    """The user's steps, each given the primary cache (and no reference to the tier)."""
+    return {name: functools.partial(_call_step, step, primary) for name, step in steps.items()}
+
+
+def _call_step(step: StepFunction, primary: torch.Tensor, transfer: Transfer) -> Any:
+    return step(transfer, primary)
 
 
 def _log_failure(transfer: Transfer) -> None:

@@ -59,14 +59,16 @@ import stat
 import threading
 import urllib.parse
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvfsm.agent import NixlAgent
-from kvfsm.driver import StorageSide
+from kvfsm.driver import StepFunction, StorageSide, check_runnable
 from kvfsm.engine import Declaration
-from kvfsm.lifecycle import Answer, TransferState
+from kvfsm.lifecycle import TRANSFER_MACHINE
 from kvfsm.policy import RetryPolicy
 from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier, key_text
 from kvfsm.transfer import Leak, Transfer, TransferJob
@@ -413,6 +415,8 @@ class FileTier(SecondaryTier):
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls.
         machine: the lifecycle to run (see :class:`~kvfsm.tiers.base.SecondaryTier`).
         policy: retry bounds (:class:`~kvfsm.policy.RetryPolicy`).
+        steps: the functions behind the machine's own effects (see
+            :class:`~kvfsm.tiers.base.SecondaryTier`).
     """
 
     def __init__(
@@ -424,9 +428,12 @@ class FileTier(SecondaryTier):
         agent: NixlAgent | None = None,
         durable: bool = True,
         poll_interval: float = 0.0005,
-        machine: Declaration[TransferState, Answer] | None = None,
+        machine: Declaration[Any, Any] | None = None,
         policy: RetryPolicy | None = None,
+        steps: Mapping[str, StepFunction] | None = None,
     ) -> None:
+        # a machine the tier cannot run is refused before any agent is made
+        check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
         self.root = Path(root)
         self.read_only = _check_root(self.root, read_only)
         #: the root as text, ending in a separator: a block's path is this and its name
@@ -444,7 +451,8 @@ class FileTier(SecondaryTier):
 
                 agent = make_agent(f"kvfsm-file-{id(self):x}", "POSIX")
             super().__init__(primary, agent=agent, remote=_Files(self),
-                             poll_interval=poll_interval, machine=machine, policy=policy)
+                             poll_interval=poll_interval, machine=machine, policy=policy,
+                             steps=steps)
         except BaseException:
             self._release_at_drop()
             raise

@@ -6,15 +6,15 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from kvfsm.agent import NixlAgent
-from kvfsm.driver import StorageSide
+from kvfsm.driver import StepFunction, StorageSide, check_runnable
 from kvfsm.engine import Declaration
-from kvfsm.lifecycle import Answer, TransferState
+from kvfsm.lifecycle import TRANSFER_MACHINE
 from kvfsm.policy import RetryPolicy
 from kvfsm.tiers.base import KnownNames, Lookup, SecondaryTier, key_text, logger
 from kvfsm.transfer import Transfer
@@ -188,6 +188,8 @@ class ObjectStoreTier(SecondaryTier):
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls.
         machine: the lifecycle to run (see :class:`~kvfsm.tiers.base.SecondaryTier`).
         policy: retry bounds (:class:`~kvfsm.policy.RetryPolicy`).
+        steps: the functions behind the machine's own effects (see
+            :class:`~kvfsm.tiers.base.SecondaryTier`).
     """
 
     def __init__(
@@ -200,9 +202,12 @@ class ObjectStoreTier(SecondaryTier):
         probe_agent: Any = None,
         probe_batch: int = 16,
         poll_interval: float = 0.0005,
-        machine: Declaration[TransferState, Answer] | None = None,
+        machine: Declaration[Any, Any] | None = None,
         policy: RetryPolicy | None = None,
+        steps: Mapping[str, StepFunction] | None = None,
     ) -> None:
+        # a machine the tier cannot run is refused before any agent is made
+        check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
         if key_prefix is None:
             key_prefix = store.key_prefix if store is not None else ""
         if not isinstance(key_prefix, str):
@@ -214,7 +219,7 @@ class ObjectStoreTier(SecondaryTier):
                                  "(a kvfsm.nixl_agents.StoreConfig)")
             agent, probe_agent = _agents_for(store, probe_agent)
         super().__init__(primary, agent=agent, remote=_Objects(self), poll_interval=poll_interval,
-                         machine=machine, policy=policy)
+                         machine=machine, policy=policy, steps=steps)
         if type(probe_batch) is not int or probe_batch < 1:
             raise ValueError(f"probe_batch must be an int of at least 1, got {probe_batch!r}")
         self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,
