@@ -1,8 +1,8 @@
 """Contender (c): the same tier with ``transitions`` deciding every step at run time.
 
-The machine is kvfsm's own declaration (:data:`kvfsm.lifecycle.TRANSFER_MACHINE`: its states,
-transition dicts, guard sets and actions), run by ``transitions`` itself instead of the compiled
-table. Two ways to use it:
+The machine is kvfsm's own declaration (:data:`kvfsm.machines.transfer.TRANSFER_MACHINE`: its
+states, transition dicts, guard sets and actions), run by ``transitions`` itself instead of the
+compiled table. Two ways to use it:
 
 * ``per_transfer``: one ``transitions.Machine`` per transfer, built at submit;
 * ``shared``: one ``Machine`` for the tier, each transfer added with ``add_model`` at submit and
@@ -23,7 +23,7 @@ import torch
 from handloop import _DEV_ID_SPACE, HandTier, _describe, _dev_ids
 from transitions import Machine
 
-from kvfsm.lifecycle import ACTIONS, GUARDS, TRANSFER_MACHINE, Answer, TransferState
+from kvfsm.machines.transfer import ACTIONS, GUARDS, TRANSFER_MACHINE, Answer, TransferState
 from kvfsm.transfer import Leak, TransferJob
 
 PROCESSING = TransferState.PROCESSING

@@ -174,3 +174,16 @@ def test_without_its_step_the_machine_is_refused_before_any_nixl_call(
                        "'verify', which the tier does not make"):
         ObjectStoreTier(cache, agent=agent, machine=VERIFY_MACHINE)
     assert agent.calls == []
+
+
+def test_the_tutorial_declares_the_machine_word_for_word_as_this_example_does() -> None:
+    """docs/tutorial.md shows the declaration as a block it runs; it is this module's."""
+    root = Path(__file__).resolve().parent.parent
+    example = (root / "examples" / "verify_lifecycle.py").read_text()
+    tutorial = (root / "docs" / "tutorial.md").read_text()
+    block = tutorial.split("```python\n", 1)[1].split("```\n", 1)[0]
+    imports, _, declaration = block.partition("\n\n\n")
+    assert "VERIFY_MACHINE: Declaration[Any, Any] = Declaration(" in declaration
+    assert declaration in example
+    lines = example.splitlines()
+    assert [line for line in imports.splitlines() if line and line not in lines] == []

@@ -22,6 +22,11 @@ Run it in a tier::
 and explore it with every NIXL call, and the step, failing at every step::
 
     explore(VERIFY_MACHINE, steps={"verify": Checksums()})
+
+or from the command line, naming the steps as the machine is named (:data:`STEPS`)::
+
+    kvfsm explore --machine examples.verify_lifecycle:VERIFY_MACHINE \\
+        --steps examples.verify_lifecycle:STEPS
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from typing import Any
 import torch
 
 from kvfsm import TRANSFER_MACHINE, Declaration
+from kvfsm.driver import StepFunction
 from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSITIONS, Answer, TransferEvent
 from kvfsm.transfer import Transfer
 
-__all__ = ["VERIFY_MACHINE", "Checksums", "Verified", "VerifyState"]
+__all__ = ["STEPS", "VERIFY_MACHINE", "Checksums", "Verified", "VerifyState"]
 
 #: the shipped states, and VERIFYING: NIXL finished, the blocks are being checked
 VerifyState = enum.Enum(  # type: ignore[misc]
@@ -117,6 +123,11 @@ class Checksums:
                 return Verified.MISMATCH, (f"checksum mismatch in block {block} ({name}): "
                                            f"crc32 {loaded:08x}, {recorded}")
         return Verified.MATCH
+
+
+#: the machine's steps, for ``kvfsm explore --steps examples.verify_lifecycle:STEPS``; a tier
+#: is given its own (``steps={"verify": Checksums()}``), so each keeps the checksums of its store
+STEPS: dict[str, StepFunction] = {"verify": Checksums()}
 
 
 def _crc(block: torch.Tensor) -> int:

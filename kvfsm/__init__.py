@@ -3,7 +3,7 @@
 import logging
 
 from kvfsm.engine import CompiledMachine, Declaration, DeclarationError, InvalidTransition
-from kvfsm.lifecycle import (
+from kvfsm.machines.transfer import (
     TRANSFER_MACHINE,
     Answer,
     FailureKind,

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvfsm.lifecycle import FailureKind, FailureReason, TransferState
+from kvfsm.machines.transfer import FailureKind, FailureReason, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, Fault, FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import DrainTimeout, FileTier, ObjectStoreTier, SecondaryTier

@@ -3,13 +3,13 @@
 The driver holds no rules. The declaration says which effect a transfer in each state waits on
 (``effects``, each named by the event it fires), which states are running and which final; the
 driver makes that effect, turns what it answered (a string, a return, or an exception) into an
-:class:`~kvfsm.lifecycle.Answer`, in one place per kind of effect, and fires the event. The
+:class:`~kvfsm.machines.transfer.Answer`, in one place per kind of effect, and fires the event. The
 effects it knows are NIXL's (``post``, ``poll``, ``release``, ``clean``) and ``publish``; any
 other is a *step* of the user's, a function given to the tier (:data:`StepFunction`), whose
 answer (or raise: ``RAISED``) is fired as its event. Whether the transfer moves, stays
-or retries is the lifecycle table's decision (:mod:`kvfsm.lifecycle`). Once a transfer is over,
-its release and cleanup calls are made one after the other and, when each answers OK, the steps
-they lead to are taken together as one chain read from the same table.
+or retries is the lifecycle table's decision (:mod:`kvfsm.machines.transfer`). Once a transfer
+is over, its release and cleanup calls are made one after the other and, when each answers OK,
+the steps they lead to are taken together as one chain read from the same table.
 
 What differs between tiers (object keys, files) is a :class:`RemoteSide`: it opens the remote
 descriptors of a transfer, commits a finished store (a file tier renames its file into place),
@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
 from kvfsm.engine import Chain, CompiledMachine, Declaration
-from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, CallFailed, TransferEvent
+from kvfsm.machines.transfer import TRANSFER_MACHINE, Answer, CallFailed, TransferEvent
 from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import Leak, Transfer
 
@@ -115,7 +115,8 @@ class TransferDriver:
         agent: the NIXL agent (real or fake).
         remote: the tier's remote side.
         machine: the compiled lifecycle; by default a fresh compilation of
-            :data:`~kvfsm.lifecycle.TRANSFER_MACHINE` (so its step counts are this driver's own).
+            :data:`~kvfsm.machines.transfer.TRANSFER_MACHINE` (so its step counts are this
+            driver's own).
     """
 
     def __init__(

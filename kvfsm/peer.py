@@ -2,16 +2,17 @@
 
 The sender writes primary blocks straight into the receiver's KV cache. On the sender's side
 that is a transfer like any other, so :class:`PeerSender` is a tier running the transfer
-lifecycle (:data:`kvfsm.lifecycle.TRANSFER_MACHINE`): it answers PROC, DONE or an error, its
-handle is released only once it is over, and only then is the result published (the peer
+machine (:data:`kvfsm.machines.transfer.TRANSFER_MACHINE`): it answers PROC, DONE or an error,
+its handle is released only once it is over, and only then is the result published (the peer
 transport's faults F2 and F4 are the lifecycle's to prevent). What is peer-specific on that side
 is the remote memory: the receiver's, known from its metadata (``add_remote_agent``), prepped
 under the receiver's name, and a notification message naming the job.
 
 The receiver has no transfer handle: it learns that the write landed from the notification
 NIXL delivers (``get_new_notifs``), and that it never will when the sender disappears. That is a
-second machine, :data:`PEER_RECEIVE`, declared here with the same tools (and so with the same
-compiled engine, diagram, explorer and coverage as the first):
+second machine, :data:`PEER_RECEIVE`, declared with the same tools (and so with the same
+compiled engine, diagram, explorer and coverage as the first) in
+:mod:`kvfsm.machines.peer_receive`, and re-exported here:
 
     EXPECTING --notified[arrived]--> ARRIVED --publish--> PUBLISHED (success)
     EXPECTING --watch[gone]--> PEER_LOST --publish--> PUBLISHED (failure)
@@ -25,9 +26,13 @@ write of a sender that is still running can still land. So call it only when the
 really gone (its process ended, its connection broke), and the same goes for
 :meth:`PeerReceiver.shutdown` with senders still connected.
 
-Both sides keep a link per peer, a third machine (:data:`kvfsm.peer_link.PEER_LINK`): metadata
-exchange and a peer that disappears go through it. A sender posts only to a CONNECTED receiver,
-and a receiver expects jobs only from a CONNECTED sender.
+Both sides keep a link per peer, a third machine (:data:`kvfsm.machines.peer_link.PEER_LINK`):
+metadata exchange and a peer that disappears go through it. A sender posts only to a CONNECTED
+receiver, and a receiver expects jobs only from a CONNECTED sender. The machines are coupled by
+data declared beside them, never by this module's code: a write whose transfer failed with one
+of :data:`~kvfsm.machines.peer_link.LINK_LOST_BY` (NIXL's ``nixlRemoteDisconnectError``, by
+type) loses its link, and a receive job whose sender's link is in one of
+:data:`~kvfsm.machines.peer_receive.RECEIVE_FAILS_WHEN_LINK_IN` (LOST, CLOSED) fails.
 
 Which notification counts: the link's nonce
 --------------------------------------------
@@ -67,9 +72,10 @@ How a receiver learns a sender is gone, without being told (``peer_timeout``)
 A sender that owes jobs and has sent nothing for ``peer_timeout`` seconds is *probed*: the
 receiver sends it a small notification (:data:`~kvfsm.peer_link.PROBE_MESSAGE`), and again every
 ``peer_timeout`` seconds while it stays silent. Only a probe that fails with NIXL's
-``NIXL_ERR_REMOTE_DISCONNECT`` loses the link; then the sender's metadata is removed and every job
-it owed publishes a failure. A probe that goes through, or fails in another way, changes nothing:
-the jobs stay expected, however late. That is deliberate. A receiver cannot revoke a one-sided
+``NIXL_ERR_REMOTE_DISCONNECT`` (a ``nixlRemoteDisconnectError``, told by its type) loses the
+link; then the sender's metadata is removed and every job it owed publishes a failure. A probe
+that goes through, or fails in another way, changes nothing: the jobs stay expected, however
+late. That is deliberate. A receiver cannot revoke a one-sided
 write: a sender that is still connected may still write into those blocks, so publishing a
 failure for them (and letting the engine reuse the blocks) on a clock alone could let a late
 write land in memory that holds something else. A timeout only decides *when to ask*; NIXL's
@@ -86,7 +92,6 @@ connection already used, the first probe raised. So a dead sender is found withi
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 import re
 import threading
@@ -97,17 +102,21 @@ from typing import Any
 
 import torch
 
-from kvfsm.engine import Declaration
-from kvfsm.lifecycle import FailureReason, latch_failure, latch_success
+from kvfsm.machines.peer_link import PEER_LINK, LinkState, loses_link
+from kvfsm.machines.peer_receive import (
+    PEER_RECEIVE,
+    RECEIVE_FAILS_WHEN_LINK_IN,
+    PeerAnswer,
+    ReceiveEvent,
+    ReceiveState,
+)
+from kvfsm.machines.transfer import FailureReason
 from kvfsm.peer_link import (
-    PEER_LINK,
     PROBE_MESSAGE,
-    LinkState,
     PeerLink,
     PeerLinkError,
     PeerLinks,
     PeerNotConnected,
-    is_disconnect,
     new_nonce,
 )
 from kvfsm.policy import RetryPolicy
@@ -121,64 +130,10 @@ __all__ = [
     "PeerNotConnected",
     "PeerReceiver",
     "PeerSender",
+    "ReceiveEvent",
     "ReceiveState",
     "notification_for",
 ]
-
-
-class ReceiveState(enum.Enum):
-    """Where an expected incoming write is."""
-
-    #: the receiver's blocks wait for the sender's write
-    EXPECTING = "expecting"
-    #: the notification arrived: NIXL wrote every block before it sent it
-    ARRIVED = "arrived"
-    #: the sender disappeared and was cut off: no write of it can land any more
-    PEER_LOST = "peer_lost"
-    #: the one result was handed out
-    PUBLISHED = "published"
-
-
-class PeerAnswer(enum.Enum):
-    """What the receiver learned."""
-
-    #: the job's notification was among NIXL's new notifications
-    ARRIVED = "ARRIVED"
-    #: the sender is still known
-    PRESENT = "PRESENT"
-    #: the sender is gone, and its metadata removed
-    GONE = "GONE"
-    #: nothing to learn (publish)
-    OK = "OK"
-
-
-R = ReceiveState
-
-#: The receiving side of a peer write, declared once.
-PEER_RECEIVE: Declaration[ReceiveState, PeerAnswer] = Declaration(
-    "peer_receive",
-    states=ReceiveState,
-    initial=ReceiveState.EXPECTING,
-    answers={"notified": [PeerAnswer.ARRIVED],
-             "watch": [PeerAnswer.PRESENT, PeerAnswer.GONE],
-             "publish": [PeerAnswer.OK]},
-    guards={"arrived": [PeerAnswer.ARRIVED], "present": [PeerAnswer.PRESENT],
-            "gone": [PeerAnswer.GONE]},
-    actions={"latch_success": latch_success, "latch_failure": latch_failure},
-    transitions=[
-        {"trigger": "notified", "source": R.EXPECTING, "dest": R.ARRIVED,
-         "conditions": "arrived", "after": "latch_success"},
-        {"trigger": "watch", "source": R.EXPECTING, "dest": R.EXPECTING,
-         "conditions": "present"},
-        {"trigger": "watch", "source": R.EXPECTING, "dest": R.PEER_LOST, "conditions": "gone",
-         "after": "latch_failure"},
-        {"trigger": "publish", "source": R.ARRIVED, "dest": R.PUBLISHED},
-        {"trigger": "publish", "source": R.PEER_LOST, "dest": R.PUBLISHED},
-    ],
-    final=(ReceiveState.PUBLISHED,),
-    failure_states=(ReceiveState.PEER_LOST,),
-    calls={"notified": "get_new_notifs"},  # watch reads the sender's link; publish calls none
-)
 
 
 logger = logging.getLogger("kvfsm")
@@ -381,7 +336,7 @@ class PeerReceiver:
             if came:  # it came first: it counts (once), published at the next poll
                 if came > 1:
                     inbox.early[message] = came - 1
-                self.machine.fire(expected, "notified", PeerAnswer.ARRIVED)
+                self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
             else:
                 inbox.waiting[message] = job.job_id
 
@@ -418,12 +373,12 @@ class PeerReceiver:
                 for expected in list(self._expected.values()):
                     if expected.state is ReceiveState.EXPECTING:
                         link = expected.link
-                        if link.state in _GONE:
-                            self.machine.fire(expected, "watch", PeerAnswer.GONE,
+                        if link.state in RECEIVE_FAILS_WHEN_LINK_IN:
+                            self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE,
                                               f"sender {expected.peer} is gone: "
                                               f"{link.error or 'forgotten'}")
                         else:
-                            self.machine.fire(expected, "watch", PeerAnswer.PRESENT)
+                            self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.PRESENT)
                     if expected.state is not ReceiveState.EXPECTING:
                         self._publish(expected)
             results, self._results = self._results, []
@@ -472,7 +427,7 @@ class PeerReceiver:
         if job_id is None:
             inbox.early[message] = inbox.early.get(message, 0) + 1
         else:
-            self.machine.fire(self._expected[job_id], "notified", PeerAnswer.ARRIVED)
+            self.machine.fire(self._expected[job_id], ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
 
     def _adopt(self, inbox: _Inbox) -> None:
         """A link was made: the notifications of it that came before are its own now."""
@@ -555,7 +510,7 @@ class PeerReceiver:
         return None if expected is None else expected.state
 
     def _publish(self, expected: _Expected) -> None:
-        self.machine.fire(expected, "publish", PeerAnswer.OK)
+        self.machine.fire(expected, ReceiveEvent.PUBLISH, PeerAnswer.OK)
         del self._expected[expected.job.job_id]
         owed = self._owed[expected.link] - 1
         if owed:
@@ -572,10 +527,6 @@ class PeerReceiver:
             len(expected.job.block_ids) * self.block_bytes if success else 0,
             expected.finished_at - expected.started_at,
             None if success else expected.reason))
-
-
-#: link states in which a peer owes nothing any more: what it owed fails
-_GONE = frozenset({LinkState.LOST, LinkState.CLOSED})
 
 
 class _PeerMemory:
@@ -768,9 +719,10 @@ class PeerSender(SecondaryTier):
         self._heard(transfer)
 
     def _heard(self, transfer: Transfer) -> None:
-        """A transfer was published: one that failed with a disconnect loses the link."""
+        """A transfer was published: one whose last error was one of
+        :data:`~kvfsm.machines.peer_link.LINK_LOST_BY` (by type) loses the link."""
         link = self.link
-        if (transfer.success is False and link is not None and is_disconnect(transfer.error)
+        if (transfer.success is False and link is not None and loses_link(transfer.error_type)
                 and link.state in (LinkState.CONNECTED, LinkState.LOST)):
             self.links.disconnected(link, transfer.error)
 

@@ -49,7 +49,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
-from kvfsm.lifecycle import FailureReason
+from kvfsm.machines.transfer import FailureReason
 from kvfsm.tiers.base import Lookup
 from kvfsm.transfer import JobResult, TransferJob
 

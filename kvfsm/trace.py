@@ -12,7 +12,7 @@ tier writes one JSON line a transfer as it is published::
 
 (each step: event, answer, from, to, seconds since the first step). ``success`` and ``reason``
 are the job's result (:class:`~kvfsm.transfer.JobResult`; ``reason`` is null for a success, see
-:class:`~kvfsm.lifecycle.FailureReason`), so a trace says why a job failed without a log.
+:class:`~kvfsm.machines.transfer.FailureReason`), so a trace says why a job failed without a log.
 Traces written before they were recorded have neither, and replay all the same.
 :func:`replay` runs a trace against a machine's declaration and reports the first step where
 the declaration would not have done what the trace says, so a trace from any run, on any
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvfsm.engine import Chain, Declaration, InvalidTransition
-from kvfsm.lifecycle import FailureReason
+from kvfsm.machines.transfer import FailureReason
 from kvfsm.transfer import Transfer
 
 __all__ = ["Divergence", "TraceRecorder", "read_traces", "replay", "trace_reason", "trace_steps"]

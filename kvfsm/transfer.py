@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfsm.lifecycle import FailureKind, FailureReason, TransferState
+from kvfsm.machines.transfer import TRANSFER_MACHINE, FailureKind, FailureReason
 
 __all__ = ["FailureKind", "FailureReason", "JobResult", "Leak", "Transfer", "TransferJob"]
 
@@ -31,10 +31,10 @@ class TransferJob:
 class JobResult:
     """The one result a submitted job ever publishes.
 
-    A failed job says why in ``reason`` (:class:`~kvfsm.lifecycle.FailureReason`: the call that
-    failed and what it raised or answered, or cancelled, or quarantined), so an application
-    needs no logger to learn it. The reason explains a result, it does not identify one: it
-    takes no part in comparing results.
+    A failed job says why in ``reason`` (:class:`~kvfsm.machines.transfer.FailureReason`: the
+    call that failed and what it raised or answered, or cancelled, or quarantined), so an
+    application needs no logger to learn it. The reason explains a result, it does not
+    identify one: it takes no part in comparing results.
     """
 
     job_id: int
@@ -64,6 +64,7 @@ class Transfer:
 
     __slots__ = (
         "error",
+        "error_type",
         "filed",
         "files",
         "finished_at",
@@ -86,12 +87,13 @@ class Transfer:
     )
 
     def __init__(self, job: TransferJob, nbytes: int, started_at: float,
-                 initial: Any = TransferState.SUBMITTED) -> None:
+                 initial: Any = None) -> None:
         self.job = job
         #: the job this transfer carries
         self.job_id: int = job.job_id
-        #: where its lifecycle has it (its machine's initial state to begin with)
-        self.state = initial
+        #: where its lifecycle has it (its machine's initial state to begin with: the tier
+        #: passes its machine's; by default the transfer machine's)
+        self.state = TRANSFER_MACHINE.initial if initial is None else initial
         self.nbytes = nbytes
         self.started_at = started_at
         self.finished_at = started_at
@@ -103,6 +105,9 @@ class Transfer:
         self.retry_at = 0.0
         #: the last NIXL error this transfer saw, as text
         self.error: str | None = None
+        #: that error's type, the exception's class name (None: it raised nothing); other
+        #: machines key on it (:data:`kvfsm.machines.peer_link.LINK_LOST_BY`), never on the text
+        self.error_type: str | None = None
         #: why the transfer failed, latched with a failed outcome (None: it did not fail)
         self.reason: FailureReason | None = None
         self.leaks: tuple[Leak, ...] = ()
@@ -119,7 +124,7 @@ class Transfer:
         #: where the tier's poll list keeps the transfer while NIXL runs it (-1: not there)
         self.slot = -1
         #: the state the tier's waiting list counts it under (None: not in that list)
-        self.filed: TransferState | None = None
+        self.filed: Any = None
         #: the steps taken, flat: step, time, step, time... (a chain of steps taken at once
         #: in place of a step; see :mod:`kvfsm.trace`)
         self.trace: list[Any] = []
@@ -127,11 +132,11 @@ class Transfer:
     def result(self, held: bool | None = None) -> JobResult:
         """The job's result; only meaningful once the outcome is latched. A transfer that
         ended ``held`` (in a final failure state of its machine: quarantined; by default, in
-        the transfer machine's QUARANTINED) fails, whatever NIXL answered; a failure carries
-        its reason (one the machine's actions did not record is UNKNOWN, or QUARANTINED, with
-        the last error)."""
+        one of the transfer machine's, as its declaration says) fails, whatever NIXL answered;
+        a failure carries its reason (one the machine's actions did not record is UNKNOWN, or
+        QUARANTINED, with the last error)."""
         if held is None:
-            held = self.state is TransferState.QUARANTINED
+            held = self.state in _HELD
         success = bool(self.success) and not held
         reason = None if success else self.reason
         if reason is None and not success:
@@ -149,3 +154,7 @@ class Transfer:
         outcome = {None: "pending", True: "success", False: "failure"}[self.success]
         return (f"<Transfer job={self.job_id} {self.state.name} {outcome} "
                 f"retries={self.retries} leaks={len(self.leaks)}>")
+
+
+#: the transfer machine's final failure states: a transfer ending in one is held (quarantined)
+_HELD = TRANSFER_MACHINE.final & TRANSFER_MACHINE.failure_states

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kvfsm.demo
+from examples.verify_lifecycle import VERIFY_MACHINE, VerifyState
 from kvfsm import TRANSFER_MACHINE, Declaration, TransferState
 from kvfsm.cli import main
 from kvfsm.demo import parse_fault_spec
@@ -55,6 +56,26 @@ def _publish_before_release() -> Declaration[Any, Any]:
 
 #: a user's broken machine, for ``kvfsm explore --machine tests.test_cli:PUBLISH_BEFORE_RELEASE``
 PUBLISH_BEFORE_RELEASE = _publish_before_release()
+
+
+def _lenient_verify() -> Declaration[Any, Any]:
+    """The verify lifecycle, broken: a checksum mismatch latches success."""
+    return Declaration(
+        "lenient_verify", states=VerifyState, initial=VerifyState.SUBMITTED,
+        answers=VERIFY_MACHINE.answers, guards=VERIFY_MACHINE.guards,
+        actions=VERIFY_MACHINE.actions,
+        transitions=[{**t, "dest": VerifyState.DONE, "after": "latch_success"}
+                     if t.get("conditions") == "unverified" else t
+                     for t in VERIFY_MACHINE.transitions],
+        final=VERIFY_MACHINE.final, failure_states=VERIFY_MACHINE.failure_states,
+        effects=VERIFY_MACHINE.effects, running=VERIFY_MACHINE.running)
+
+
+#: a user's broken machine with a step of its own, for ``kvfsm explore --machine
+#: tests.test_cli:LENIENT_VERIFY --steps examples.verify_lifecycle:STEPS``
+LENIENT_VERIFY = _lenient_verify()
+#: not steps: a list, and a mapping whose value is no function
+NOT_STEPS, STEPS_OF_NOTHING = ["verify"], {"verify": 3}
 
 
 def test_the_default_demo_verifies_every_byte_through_real_nixl_files() -> None:
@@ -315,6 +336,75 @@ def test_kvfsm_explore_reports_a_broken_users_machine_with_a_command_that_replay
     argv = shlex.split(command)
     assert main(argv[1:]) == 1, "the printed command replays the violation, on that machine"
     assert "RELEASE_BEFORE_PUBLISH" in capsys.readouterr().out
+
+
+def test_kvfsm_explore_runs_a_users_lifecycle_with_the_steps_it_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    options = ["--machine", "examples.verify_lifecycle:VERIFY_MACHINE", "--max-faults", "1"]
+    assert main(["explore", *options]) == 2, "without its step, the machine is refused"
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert ("kvfsm explore: MachineRefused: machine 'verify': state VERIFYING waits on effect "
+            "'verify'") in captured.err
+    assert captured.err.rstrip().endswith("name them with --steps module:ATTRIBUTE")
+    assert main(["explore", *options, "--steps", "examples.verify_lifecycle:STEPS"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("kvfsm explore: machine verify, up to 1 fault(s) a path\n")
+    explored = re.search(r"explored (\d+) paths \(\d+ NIXL calls\) in [\d.]+ s: 0 violations",
+                         out)
+    assert explored is not None, out
+    plain = main(["explore", "--max-faults", "1"])
+    assert plain == 0
+    shipped = re.search(r"explored (\d+) paths", capsys.readouterr().out)
+    assert shipped is not None
+    assert int(explored[1]) > int(shipped[1]), "the verify step fails at every step too"
+
+
+@pytest.mark.parametrize("parent", [[], ["--parent"]], ids=["tier", "parent"])
+def test_the_replay_command_of_a_broken_lifecycle_with_steps_names_its_steps(
+    parent: list[str], capsys: pytest.CaptureFixture[str],
+) -> None:
+    options = ["--machine", "tests.test_cli:LENIENT_VERIFY",
+               "--steps", "examples.verify_lifecycle:STEPS", *parent]
+    assert main(["explore", *options]) == 1
+    out = capsys.readouterr().out
+    (command,) = (line.removeprefix("replay it with: ") for line in out.splitlines()
+                  if line.startswith("replay it with: "))
+    assert command == ("kvfsm explore " + " ".join(options)
+                       + " --replay 'mode=1;verify:raise@1'")
+    assert main(shlex.split(command)[1:]) == 1, "the printed command replays the violation"
+    replayed = capsys.readouterr().out
+    assert "VERIFYING -verify[unverified]-> DONE" in replayed
+    assert "OUTCOME" in replayed
+
+
+@pytest.mark.parametrize(("steps", "message"), [
+    ("examples.verify_lifecycle", "'examples.verify_lifecycle': name steps as "
+                                  "module:ATTRIBUTE, e.g. examples.verify_lifecycle:STEPS"),
+    ("examples.verify_lifecycle:CHECKS", "'examples.verify_lifecycle:CHECKS': "
+                                         "examples.verify_lifecycle has no attribute 'CHECKS'"),
+    ("tests.test_cli:NOT_STEPS", "'tests.test_cli:NOT_STEPS' is not a mapping of effect name "
+                                 "to step function (found list)"),
+    ("tests.test_cli:STEPS_OF_NOTHING", "'tests.test_cli:STEPS_OF_NOTHING': 'verify': int is "
+                                        "not a step"),
+])
+def test_steps_that_name_no_steps_are_a_usage_error_naming_why(
+    steps: str, message: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["explore", "--machine", "examples.verify_lifecycle:VERIFY_MACHINE",
+                 "--steps", steps]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"kvfsm explore: ValueError: {message}"), captured.err
+
+
+def test_steps_for_a_machine_no_tier_runs_are_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explore", "--machine", "peer_link",
+                 "--steps", "examples.verify_lifecycle:STEPS"]) == 2
+    assert ("--steps: machine 'peer_link' declares no effects"
+            in capsys.readouterr().err)
 
 
 def test_kvfsm_explore_shows_progress_when_asked(capsys: pytest.CaptureFixture[str]) -> None:

@@ -347,8 +347,9 @@ def machine(request: pytest.FixtureRequest) -> Declaration[Any, Any]:
 # -- what the drawing says -----------------------------------------------------------------
 
 def test_kvfsm_draws_the_transfer_machine_under_its_own_name() -> None:
-    assert "kvfsm.lifecycle:TRANSFER_MACHINE" in MACHINES
-    assert load_declaration("kvfsm.lifecycle:TRANSFER_MACHINE") is TRANSFER_MACHINE
+    assert "kvfsm.machines.transfer:TRANSFER_MACHINE" in MACHINES
+    assert load_declaration("kvfsm.machines.transfer:TRANSFER_MACHINE") is TRANSFER_MACHINE
+    assert load_declaration("kvfsm.lifecycle:TRANSFER_MACHINE") is TRANSFER_MACHINE, "old name"
     assert parse_dot(to_dot(TRANSFER_MACHINE)).name == "transfer"
 
 

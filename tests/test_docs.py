@@ -5,8 +5,9 @@ A block is classified by the first word of its fence's info string:
 * ``python``: written to ``block.py`` in a temporary directory of its own and run there by this
   interpreter, in a process of its own. When the next block is a ``text`` block and the only
   prose between them is one line ending in "prints:", that block is what it must print;
-* ``sh``: run by bash in a temporary directory of its own that holds the repository's ``.venv``
-  and ``bench`` (as symbolic links), so ``.venv/bin/kvfsm ...`` is the installed CLI, as written.
+* ``sh``: run by bash in a temporary directory of its own that holds what the docs name of the
+  repository (:data:`REPOSITORY_LINKS`, as symbolic links), so ``.venv/bin/kvfsm ...`` is the
+  installed CLI and ``examples.verify_lifecycle`` the tutorial's machine, as written.
   Each command's exit status is checked; the commands in :data:`NOT_RUN` are not run, each for
   the reason given there;
 * ``text``: shown output or a drawing, never run (the case fails if it starts like a command);
@@ -90,8 +91,9 @@ READER_PACKAGE = {
         '''),
 }
 
-#: what a sh block's directory links to in the repository (the docs' paths are relative to it)
-REPOSITORY_LINKS = (".venv", "bench")
+#: what a block's directory links to in the repository (the docs' paths are relative to it):
+#: the tutorial imports ``examples`` (whose tests import ``tests``) and runs pytest as configured
+REPOSITORY_LINKS = (".venv", "bench", "examples", "tests", "pyproject.toml")
 
 #: seconds a case waits for its block (which started with all the others), within this module's
 #: 300 s per test
@@ -241,7 +243,7 @@ def start(block: Block, directory: Path, s3: S3Server | None) -> Run:
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_text(content)
     for name in REPOSITORY_LINKS:
-        (directory / name).symlink_to(ROOT / name, target_is_directory=True)
+        (directory / name).symlink_to(ROOT / name, target_is_directory=(ROOT / name).is_dir())
     env = dict(os.environ)
     source = block.text
     if block.needs_s3:
@@ -316,7 +318,7 @@ def test_block(block: Block, runs: dict[str, Run]) -> None:
 
 def test_the_docs_are_all_read() -> None:
     assert {"README.md", "docs/lifecycle.md", "docs/operations.md", "docs/peer.md",
-            "docs/performance.md"} <= set(doc_paths())
+            "docs/performance.md", "docs/tutorial.md"} <= set(doc_paths())
     assert {PYTHON, SHELL, OUTPUT} <= {block.info for block in BLOCKS}
     assert any(block.needs_s3 and block.prints for block in BLOCKS), "the README's example"
 

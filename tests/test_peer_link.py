@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvfsm import TransferJob
+from kvfsm import JobResult, TransferJob
 from kvfsm.cli import main
+from kvfsm.machines.peer_link import LINK_LOST_BY
 from kvfsm.nixl_agents import make_agent
 from kvfsm.peer import PeerReceiver, PeerSender, ReceiveState
 from kvfsm.peer_link import (
@@ -24,6 +25,7 @@ from kvfsm.peer_link import (
 )
 from kvfsm.testing import FakeNixlError, FaultyAgent, Raise, StayProc
 from kvfsm.testing.explore import explore_table
+from kvfsm.testing.faults import nixlRemoteDisconnectError
 
 from .real_nixl import require_nixl
 from .test_peer import BLOCK_BYTES, BLOCKS, NotifyingAgent, sender_metadata
@@ -168,7 +170,7 @@ def test_a_silent_sender_that_owes_jobs_is_probed_and_its_jobs_fail_only_once_it
     assert outcomes(receiver) == [(1, False), (2, False)]
     assert receiver.link_state("engine-a") is LinkState.CLOSED
     assert agent.peers == set(), "its metadata is removed"
-    assert link_of(receiver).error == f"FakeNixlError: {DISCONNECTED}"
+    assert link_of(receiver).error == f"nixlRemoteDisconnectError: {DISCONNECTED}"
 
 
 def test_a_sender_heard_from_or_owing_nothing_is_not_probed() -> None:
@@ -199,6 +201,59 @@ def test_a_probe_that_fails_another_way_keeps_the_sender_and_its_jobs() -> None:
     assert receiver.link_state("engine-a") is LinkState.CONNECTED
     assert receiver.state_of(1) is ReceiveState.EXPECTING
     assert link_of(receiver).error == "FakeNixlError: NIXL_ERR_BACKEND"
+
+
+# -- a disconnect is told by NIXL's error type, never by its text -----------------------------
+
+def real_nixl_error(name: str, text: str) -> Exception:
+    """An exception of real NIXL's own type ``name`` (skipped when NIXL is not installed)."""
+    require_nixl()
+    bindings = pytest.importorskip("nixl_cu12._bindings")
+    error: Exception = getattr(bindings, name)(text)
+    return error
+
+
+#: (what the call raised, does the peer count as gone)
+DISCONNECTS = {
+    "nixl's type, a text without the status": (
+        lambda: real_nixl_error("nixlRemoteDisconnectError", "Connection reset by remote peer"),
+        True),
+    "the fake's type, a text without the status": (
+        lambda: nixlRemoteDisconnectError("the peer went away"), True),
+    "the fake's error for the status": (lambda: FakeNixlError(DISCONNECTED), True),
+    "another nixl type whose text names the status": (
+        lambda: real_nixl_error("nixlBackendError", f"UCX said {DISCONNECTED}"), False),
+    "another type whose text names the status": (
+        lambda: ConnectionError(f"relayed: {DISCONNECTED}"), False),
+}
+
+
+def test_real_nixl_raises_the_type_kvfsm_keys_a_disconnect_on_and_the_fake_raises_it_too() -> None:
+    require_nixl()
+    bindings = pytest.importorskip("nixl_cu12._bindings")
+    assert bindings.nixlRemoteDisconnectError.__name__ in LINK_LOST_BY
+    fake = FakeNixlError(DISCONNECTED)
+    assert isinstance(fake, FakeNixlError) and type(fake).__name__ in LINK_LOST_BY
+    assert (str(fake), fake.code) == (DISCONNECTED, DISCONNECTED)
+    assert type(FakeNixlError("NIXL_ERR_BACKEND")) is FakeNixlError
+
+
+@pytest.mark.parametrize("case", list(DISCONNECTS))
+def test_a_probe_loses_the_sender_by_the_type_of_nixls_error_not_by_its_text(case: str) -> None:
+    make_error, gone = DISCONNECTS[case]
+    agent = NotifyingAgent()
+    agent.failing["send_notif"] = [make_error()]
+    receiver = receiver_on(agent, peer_timeout=0.02)
+    receiver.connect(sender_metadata())
+    expect(receiver, 1)
+    time.sleep(0.03)
+    if gone:
+        assert outcomes(receiver) == [(1, False)], "what it owed fails"
+        assert receiver.link_state("engine-a") is LinkState.CLOSED
+    else:
+        assert outcomes(receiver) == [], "an error is not a loss"
+        assert receiver.link_state("engine-a") is LinkState.CONNECTED
+        assert receiver.state_of(1) is ReceiveState.EXPECTING
 
 
 def test_without_a_peer_timeout_a_silent_sender_is_never_probed() -> None:
@@ -270,7 +325,7 @@ def test_a_write_that_fails_with_a_disconnect_loses_the_receiver_and_later_jobs_
     assert pair.sender.link_state() is LinkState.LOST
     registered = pair.agent.call_count("prep_xfer_dlist")
     with pytest.raises(PeerNotConnected, match="job 3 refused: receiver 'engine-b' is LOST "
-                                               f"\\(FakeNixlError: {DISCONNECTED}\\)"):
+                                               f"\\(nixlRemoteDisconnectError: {DISCONNECTED}\\)"):
         pair.sender.submit_store(TransferJob(3, ["2"], [2]))
     assert pair.agent.call_count("prep_xfer_dlist") == registered, "nothing was prepped"
 
@@ -282,6 +337,43 @@ def test_a_write_that_fails_with_a_disconnect_loses_the_receiver_and_later_jobs_
     assert not pair.holds_receiver(), "its metadata was removed once nothing ran to it"
     stats = pair.sender.stats()
     assert (stats["leaks"], stats["in_flight"], stats["link"]) == (0, {}, "CLOSED")
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("case", list(DISCONNECTS))
+def test_a_write_loses_the_receiver_by_the_type_of_nixls_error_not_by_its_text(
+    pair: Sender, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_error, gone = DISCONNECTS[case]
+    error = make_error()
+    errors, post = [error], pair.agent.transfer
+
+    def transfer(handle: Any, *args: Any, **kwargs: Any) -> str:
+        if errors:
+            raise errors.pop()
+        status: str = post(handle, *args, **kwargs)
+        return status
+
+    monkeypatch.setattr(pair.agent, "transfer", transfer)
+    pair.sender.submit_store(TransferJob(1, ["0"], [0]))
+    published: list[JobResult] = []
+    while not published:
+        pair.receiver.get_finished_jobs()
+        published = pair.sender.get_finished_jobs()
+    (failed,) = published
+    assert not failed.success and failed.reason is not None
+    assert failed.reason.error_type == type(error).__name__, "kept by its type, beside its text"
+    if gone:
+        assert pair.sender.link_state() in {LinkState.LOST, LinkState.CLOSED}
+        with pytest.raises(PeerNotConnected):
+            pair.sender.submit_store(TransferJob(2, ["1"], [1]))
+    else:
+        assert pair.sender.link_state() is LinkState.CONNECTED
+        pair.sender.submit_store(TransferJob(2, ["1"], [1]))
+        results: list[tuple[int, bool]] = []
+        while not results:
+            results = pair.step()
+        assert results == [(2, True)], "the receiver is still written to"
 
 
 @pytest.mark.nixl

@@ -54,6 +54,37 @@ def test_a_success_has_no_reason_and_a_failure_names_the_call_and_its_error(
     assert str(results[2].reason) == f"check_xfer_state raised {BACKEND}"
 
 
+@pytest.mark.parametrize(("code", "error_type"), [
+    ("NIXL_ERR_BACKEND", "FakeNixlError"),
+    ("NIXL_ERR_REMOTE_DISCONNECT", "nixlRemoteDisconnectError"),  # NIXL's own type, faked
+])
+def test_a_reason_keeps_the_type_of_what_was_raised_beside_its_text(
+    code: str, error_type: str, tier: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    agent.inject("transfer", Raise(code))
+    tier.submit_store(store(1, 0))
+    tier.submit_store(store(2, 1))
+    results = results_of(tier, 2)
+    assert results[1].reason is not None and results[2].reason is None
+    assert results[1].reason.error_type == error_type
+    assert results[1].reason.error == f"{error_type}: {code}"
+    assert results[1].reason == FailureReason(FailureKind.RAISED, "transfer",
+                                              f"{error_type}: {code}"), "it explains, apart"
+    assert "type" not in json.dumps(results[1].reason.as_dict()), "traces read as before"
+
+
+def test_a_quarantined_release_keeps_the_type_of_its_last_error(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(max_attempts=3))
+    agent.inject("release_xfer_handle", Raise("NIXL_ERR_REMOTE_DISCONNECT"), times=3)
+    tier.submit_store(store(7, 0))
+    (result,) = results_of(tier, 1).values()
+    assert result.reason is not None and result.reason.kind is FailureKind.QUARANTINED
+    assert result.reason.error_type == "nixlRemoteDisconnectError"
+    tier.shutdown(timeout=0)
+
+
 @pytest.mark.parametrize("call", ["register_memory", "prep_xfer_dlist", "make_prepped_xfer",
                                   "transfer"])
 def test_each_submit_call_that_raises_is_named(

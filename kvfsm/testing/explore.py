@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from kvfsm.driver import StepFunction
+from kvfsm.driver import MachineRefused, StepFunction, check_runnable
 from kvfsm.engine import Declaration
-from kvfsm.lifecycle import TRANSFER_MACHINE
+from kvfsm.lifecycle import TRANSFER_MACHINE, TransferEvent
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_agent import FakeNixlAgent
 from kvfsm.testing.faults import STATUS_CALLS, FakeNixlError, Fault, Raise, ReturnErr, StayProc
@@ -537,8 +537,8 @@ class Exploration:
     counterexample: Path | None = None
     violations: list[Violation] = field(default_factory=list)
     #: the ``kvfsm explore`` options that explore the same machine the same way (``--machine``,
-    #: ``--parent``): the replay command printed must run the path on what found it, not on
-    #: the shipped lifecycle
+    #: ``--steps``, ``--parent``): the replay command printed must run the path on what found
+    #: it, not on the shipped lifecycle
     options: tuple[str, ...] = ()
 
     @property
@@ -570,6 +570,7 @@ def explore(
     max_polls: int = 40,
     stop_at_first: bool = True,
     spec: str | None = None,
+    steps_spec: str | None = None,
     progress: bool = False,
 ) -> Exploration:
     """Run the scenario on every path with at most ``max_faults`` faults; check every invariant.
@@ -588,10 +589,12 @@ def explore(
         stop_at_first: stop at the first violating path (a shortest one).
         spec: how ``kvfsm explore --machine`` names ``machine`` (``module:ATTRIBUTE``), for the
             replay command of :meth:`Exploration.report`; not needed for kvfsm's own machines.
+        steps_spec: how ``kvfsm explore --steps`` names ``steps`` (``module:ATTRIBUTE``), for
+            the same command.
         progress: show progress bars on stderr, one per mode and number of faults (the paths
             with one more fault are known once these ran): rate and time left.
     """
-    found = Exploration(options=_options(machine, spec, parent))
+    found = Exploration(options=_options(machine, spec, parent, steps, steps_spec))
     started = time.perf_counter()
     for polls in (1, 0):  # transfers that complete on a poll, and ones that complete at once
         level: list[tuple[Path, int]] = [(Path(polls), -1)]
@@ -617,14 +620,19 @@ def explore(
     return found
 
 
-def _options(machine: Declaration[Any, Any], spec: str | None,
-             parent: bool) -> tuple[str, ...]:
-    """The ``kvfsm explore`` options that name ``machine`` and the scenario's mode."""
+def _options(machine: Declaration[Any, Any], spec: str | None, parent: bool,
+             steps: dict[str, StepFunction] | None = None,
+             steps_spec: str | None = None) -> tuple[str, ...]:
+    """The ``kvfsm explore`` options that name ``machine``, its steps and the scenario's mode."""
     options: list[str] = []
-    if spec is not None and spec not in {"transfer", "kvfsm.lifecycle:TRANSFER_MACHINE"}:
+    if spec is not None and machine is not TRANSFER_MACHINE:  # (named any way: the default)
         options += ["--machine", spec]
     elif spec is None and machine is not TRANSFER_MACHINE:
         options += ["--machine", f"MODULE:ATTRIBUTE_OF_{machine.name.upper()}"]
+    if steps_spec is not None:
+        options += ["--steps", steps_spec]
+    elif steps:
+        options += ["--steps", f"MODULE:ATTRIBUTE_OF_{machine.name.upper()}_STEPS"]
     if parent:
         options.append("--parent")
     return tuple(options)
@@ -783,6 +791,10 @@ def add_arguments(parser: Any) -> None:
                              "A lifecycle "
                              "over kvfsm's TransferState runs through the real tier with NIXL "
                              "faults; any other machine is explored at the level of its table")
+    parser.add_argument("--steps", metavar="SPEC",
+                        help="the steps of the machine's own effects: module:ATTRIBUTE of a "
+                             "dict of effect name to step function, as a tier is given them "
+                             "(steps={'verify': fn}); each step call also fails at every step")
     parser.add_argument("--max-faults", type=int, default=2,
                         help="the most faults on one path (2)")
     parser.add_argument("--max-stall", type=int, default=2,
@@ -800,16 +812,21 @@ def add_arguments(parser: Any) -> None:
 
 def run(args: Any) -> int:
     """``kvfsm explore``: 0 when no path violates an invariant, 1 when one does."""
-    from kvfsm.machines import load_machine  # noqa: PLC0415 - the CLI's own import
+    from kvfsm.machines import load_machine, load_steps  # noqa: PLC0415 - the CLI's own import
 
     machine = load_machine(args.machine)
+    steps = load_steps(args.steps) if args.steps else None
     if not machine.effects:  # not a lifecycle a tier runs: explore its table
+        if steps:
+            raise ValueError(f"--steps: machine {machine.name!r} declares no effects, so it is "
+                             "explored at the level of its table, where no step runs")
         return _run_table(machine)
     if args.max_faults < 0 or args.max_stall < 1:
         raise ValueError("--max-faults must be at least 0 and --max-stall at least 1")
+    _check_steps(machine, steps)
     if args.replay:
         path = parse_path(args.replay)
-        calls, violations, taken = replay(path, machine, parent=args.parent)
+        calls, violations, taken = replay(path, machine, parent=args.parent, steps=steps)
         print(f"path {path}: {len(calls)} NIXL calls")
         print("  calls: " + " ".join(calls))
         print("  transitions taken:")
@@ -819,10 +836,23 @@ def run(args: Any) -> int:
             print(f"  {violation}")
         print("0 violations" if not violations else f"{len(violations)} violation(s)")
         return 1 if violations else 0
-    found = explore(machine, parent=args.parent, max_faults=args.max_faults,
+    found = explore(machine, steps=steps, parent=args.parent, max_faults=args.max_faults,
                     max_stall=args.max_stall, stop_at_first=not args.all, spec=args.machine,
+                    steps_spec=args.steps,
                     progress=sys.stderr.isatty() if args.progress is None else args.progress)
     print(f"kvfsm explore: machine {machine.name}, up to {args.max_faults} fault(s) a path"
           + (", through the tiering manager" if args.parent else ""))
     print(found.report())
     return 0 if found.ok else 1
+
+
+def _check_steps(machine: Declaration[Any, Any], steps: dict[str, StepFunction] | None) -> None:
+    """Refuse, before the first path, a machine the tier cannot run with these steps; a step
+    the machine waits on and was not given is named with the option that gives it."""
+    try:
+        check_runnable(machine, steps or {}, _POLICY)
+    except MachineRefused as refused:
+        if steps is None and set(machine.effects.values()) - set(TransferEvent):
+            raise MachineRefused(f"{refused}; on the command line, name them with --steps "
+                                 "module:ATTRIBUTE") from None
+        raise

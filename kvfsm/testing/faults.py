@@ -36,13 +36,34 @@ FAULTABLE_CALLS = frozenset({
 class FakeNixlError(Exception):
     """A failure real NIXL would report; ``str(error)`` is the NIXL code, as in real NIXL.
 
+    Real NIXL raises one exception type per status. Where kvfsm tells errors apart by that type
+    (:data:`kvfsm.machines.peer_link.LINK_LOST_BY`), the fake's error is of a subclass named as
+    NIXL's: ``FakeNixlError("NIXL_ERR_REMOTE_DISCONNECT")`` is a
+    :class:`nixlRemoteDisconnectError`, so a fault injected as that code (``Raise``, the fault
+    grammar, chaos) is recognized as real NIXL's would be. Other codes keep this type.
+
     Args:
         code: the NIXL status name, e.g. "NIXL_ERR_BACKEND".
     """
 
+    def __new__(cls, code: str) -> FakeNixlError:
+        """An error of the type real NIXL raises for ``code``, where kvfsm keys on it."""
+        typed = _TYPED.get(code, cls) if cls is FakeNixlError else cls
+        error: FakeNixlError = super().__new__(typed, code)
+        return error
+
     def __init__(self, code: str) -> None:
         super().__init__(code)
         self.code = code
+
+
+class nixlRemoteDisconnectError(FakeNixlError):
+    """NIXL_ERR_REMOTE_DISCONNECT, named as real NIXL 1.5.1 names its type: the peer is gone."""
+
+
+#: the codes whose fake error is of the type real NIXL raises for them
+_TYPED: dict[str, type[FakeNixlError]] = {
+    "NIXL_ERR_REMOTE_DISCONNECT": nixlRemoteDisconnectError}
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 from kvfsm.agent import LOCAL_AGENT, NixlAgent
 from kvfsm.driver import NIXL_RUNNING, RemoteSide, StepFunction, TransferDriver, check_runnable
 from kvfsm.engine import Declaration
-from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
+from kvfsm.machines.transfer import TRANSFER_MACHINE, Answer, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
@@ -148,7 +148,7 @@ class SecondaryTier:
             blocks.
         agent: a NIXL agent (``nixl_agent`` or :class:`kvfsm.testing.FakeNixlAgent`).
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls while transfers run.
-        machine: the lifecycle to run, by default :data:`~kvfsm.lifecycle.TRANSFER_MACHINE`
+        machine: the lifecycle to run, by default :data:`~kvfsm.machines.transfer.TRANSFER_MACHINE`
             (the explorer's tests run deliberately broken variants through the same tier).
         policy: bounds on retrying failed releases and waiting for running transfers
             (:class:`~kvfsm.policy.RetryPolicy`; by default a release is retried for 60 s).

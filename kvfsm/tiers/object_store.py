@@ -14,7 +14,7 @@ import torch
 from kvfsm.agent import NixlAgent
 from kvfsm.driver import StepFunction, StorageSide, check_runnable
 from kvfsm.engine import Declaration
-from kvfsm.lifecycle import TRANSFER_MACHINE
+from kvfsm.machines.transfer import TRANSFER_MACHINE
 from kvfsm.policy import RetryPolicy
 from kvfsm.tiers.base import KnownNames, Lookup, SecondaryTier, key_text, logger
 from kvfsm.transfer import Transfer
