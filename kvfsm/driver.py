@@ -342,8 +342,15 @@ class TransferDriver:
         self.machine.fire(transfer, name, answer, None if why is None else CallFailed(name, why))
 
     def cancel(self, transfer: Transfer) -> None:
-        """The caller cancelled the job; the machine says what that means in its state."""
-        self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK)
+        """The caller cancelled the job; the machine says what that means in its state.
+
+        A state that declares no ``cancel`` is one NIXL no longer runs in (a tier refuses a
+        machine whose running states lack it): the transfer is over, keeps its outcome and goes
+        on to its result, as a cancelled job that already ended does. (An interrupt during the
+        cleanup calls leaves a transfer in XFER_RELEASED, which is such a state.)
+        """
+        if TransferEvent.CANCEL in self.machine.table.get(transfer.state, {}):
+            self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK)
 
     def give_up(self, transfer: Transfer, why: str) -> None:
         """The retry policy's bound is spent for a transfer still waiting on NIXL: fire the

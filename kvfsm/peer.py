@@ -722,7 +722,12 @@ class PeerSender(SecondaryTier):
         """A transfer was published: one whose last error was one of
         :data:`~kvfsm.machines.peer_link.LINK_LOST_BY` (by type) loses the link."""
         link = self.link
-        if (transfer.success is False and link is not None and loses_link(transfer.error_type)
+        reason = transfer.reason
+        # the failure that ended the write (latched), or an error NIXL gave it afterwards (a
+        # cancelled write's state check); a release retried later does not hide either
+        lost = loses_link(reason.error_type if reason is not None else None) or loses_link(
+            transfer.error_type)
+        if (transfer.success is False and link is not None and lost
                 and link.state in (LinkState.CONNECTED, LinkState.LOST)):
             self.links.disconnected(link, transfer.error)
 

@@ -313,3 +313,37 @@ def test_a_tier_that_is_shut_down_answers_no_lookup(tier: ObjectStoreTier) -> No
     tier.shutdown(timeout=5)
     with pytest.raises(TierClosedError, match=r"shut down; lookup\('stored'\) refused"):
         tier.lookup("stored")
+
+
+def test_drain_returns_when_another_threads_poll_published_the_last_job(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    tier = ObjectStoreTier(primary, agent=agent)
+    inside, let_go = threading.Event(), threading.Event()
+    tier.on_published.append(lambda transfer: (inside.set(), let_go.wait(10)))
+    tier.submit_store(store(1, "only"))
+    poller = threading.Thread(target=tier.get_finished_jobs)
+    poller.start()
+    assert inside.wait(5)  # job 1 is published; the poll still holds the tier
+    tier.drain_jobs(timeout=0.1)  # nothing is unpublished: no DrainTimeout
+    let_go.set()
+    poller.join(5)
+    tier.shutdown(timeout=5)
+
+
+def test_the_names_waiting_for_a_probe_stay_bounded_while_the_store_is_slow(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    from kvfsm.tiers.object_store import MAX_WANTED  # noqa: PLC0415
+
+    stalled = StalledStore()
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=stalled)
+    tier.lookup("first")
+    assert stalled.asked.wait(5)  # the probe thread is stuck in its first query
+    for index in range(3 * MAX_WANTED):
+        assert tier.lookup(f"name-{index}") is Lookup.RETRY
+    assert tier.stats()["probes_waiting"] <= MAX_WANTED
+    tier.shutdown(timeout=0)
+    stalled.go.set()
+    assert stalled.finished.wait(5)
+    stalled.close()

@@ -31,8 +31,10 @@ from hypothesis import strategies as st
 
 from kvfsm import JobResult, TransferJob, TransferState
 from kvfsm.nixl_agents import make_agent
-from kvfsm.testing import FakeNixlAgent, FaultyAgent, StayProc
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent, FaultyAgent, Raise, StayProc
 from kvfsm.tiers import DrainTimeout, FileTier, InvalidJobError, Lookup
+from kvfsm.tiers import file as file_tier
 
 from .real_nixl import require_nixl
 
@@ -350,6 +352,153 @@ def test_a_flushing_tier_leaks_no_descriptor_or_thread_and_is_freed_at_once(
         assert sorted(p.name for p in (tmp_path / str(shut_down)).iterdir()) == sorted(
             f"k{job}" for job in range(4)), "no temporary file, no writer file left"
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def flusher_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvfsm-file-flush"]
+
+
+@real_nixl
+def test_shutdown_leaves_the_flush_of_a_published_store_to_end_by_itself_at_its_deadline(
+    cache: torch.Tensor, tmp_path: Path, fsync: BlockingFsync
+) -> None:
+    """A store whose state check fails once NIXL finished it is published (failed) while its
+    flush is still under way: shutdown returns at its deadline without waiting for that flush
+    (it never touches the primary cache). The flusher ends by itself, closes its descriptors,
+    holds no tier, and keeps the writer's lock until it ended, so no tier's remove_stale
+    takes the writer's temporary files for stale meanwhile."""
+    tier = FileTier(cache, tmp_path, agent=posix(faulty=True))
+    before = open_fds()
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    while not fsync.entered.is_set():
+        assert tier.get_finished_jobs() == []
+    tier.agent.inject("check_xfer_state", Raise())  # after NIXL's DONE: the store fails
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False)]
+    [flusher] = flusher_threads()
+    writer_id = tier.writer_id
+    writer = tmp_path / f".kvfsm-writer-{writer_id}"
+    in_use = tmp_path / f".kvfsm-partial-{writer_id}-99-b"  # stands for a file it may rename
+    in_use.touch()
+    tier.shutdown(timeout=0.01)
+    assert tier.closed
+    assert flusher.is_alive() and not fsync.release.is_set(), "the fsync is still held"
+    assert tier.writer_id is None
+    assert writer.exists(), "the writer's lock is held while its flusher runs"
+    cleaning = FileTier(cache, tmp_path, agent=FakeNixlAgent())
+    assert cleaning.remove_stale() == 0
+    assert tier.remove_stale() == 0
+    assert in_use.exists()
+    gone = weakref.ref(tier)
+    gc.disable()
+    try:
+        del tier
+        assert gone() is None, "the flusher left running keeps the tier alive"
+    finally:
+        gc.enable()
+    fsync.release.set()
+    flusher.join(30)
+    assert not flusher.is_alive()
+    assert not writer.exists(), "the flusher gave the writer's claim up as it ended"
+    assert cleaning.remove_stale() == 1, "its files are stale now"
+    cleaning.shutdown()
+    assert temporary_files(tmp_path) == []
+    assert not (tmp_path / "a").exists(), "the failed store's file was removed, not renamed"
+    assert open_fds() == before, "the flusher closed its copies of the descriptors"
+
+
+@real_nixl
+def test_a_flusher_thread_that_fails_to_start_fails_only_that_store(
+    cache: torch.Tensor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread that cannot start (a thread limit) fails the store that needed it, leaking
+    no descriptor; the next store starts one and is published, and shutdown ends it."""
+    real_start = threading.Thread.start
+    refused: list[threading.Thread] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "kvfsm-file-flush" and not refused:
+            refused.append(thread)
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    tier = FileTier(cache, tmp_path, agent=posix())
+    before = open_fds()
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    failed = results_of(tier, timeout=10)[1]
+    assert refused and not failed.success
+    assert failed.reason is not None and failed.reason.call == "commit"
+    assert "can't start new thread" in failed.reason.error
+    tier.submit_store(TransferJob(2, ["b"], [1]))
+    assert results_of(tier, timeout=10)[2].success
+    assert tier.path_of("b").read_bytes() == block(cache, 1)
+    [flusher] = flusher_threads()
+    tier.shutdown(timeout=10)
+    assert tier.closed and not flusher.is_alive()
+    assert temporary_files(tmp_path, ("b",)) == []
+    assert open_fds() == before, "the copies made for the thread that never ran were closed"
+
+
+@real_nixl
+def test_a_flusher_thread_that_died_is_replaced_and_no_store_waits_for_it(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flusher thread that ended by an error (only a bug makes one) is started again by
+    the next store, which is published."""
+    real_flush = file_tier._flush
+    died: list[threading.Thread] = []
+    uncaught: list[type[BaseException] | None] = []
+
+    class Bug(Exception):
+        pass
+
+    def flush_then_die(batch: list[Any], root: str) -> None:
+        real_flush(batch, root)
+        if not died:
+            died.append(threading.current_thread())
+            raise Bug  # ends the thread, after the batch it took
+
+    monkeypatch.setattr(file_tier, "_flush", flush_then_die)
+    monkeypatch.setattr(threading, "excepthook", lambda args: uncaught.append(args.exc_type))
+    tier = FileTier(cache, tmp_path, agent=posix())
+    tiers.append(tier)
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    assert results_of(tier, timeout=10)[1].success
+    died[0].join(10)
+    assert not died[0].is_alive() and uncaught == [Bug]
+    tier.submit_store(TransferJob(2, ["b"], [1]))
+    assert results_of(tier, timeout=10)[2].success
+    assert tier.path_of("b").read_bytes() == block(cache, 1)
+
+
+@real_nixl
+def test_max_running_seconds_bounds_a_store_whose_flush_hangs_and_releases_its_handle(
+    cache: torch.Tensor, tmp_path: Path, fsync: BlockingFsync
+) -> None:
+    """NIXL answered DONE, so the store is not quarantined: it fails as a commit that raised,
+    its handles released (nothing is held at shutdown)."""
+    tier = FileTier(cache, tmp_path, agent=posix(), policy=RetryPolicy(max_running_seconds=60))
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    while not fsync.entered.is_set():
+        assert tier.get_finished_jobs() == []
+    assert tier.get_finished_jobs() == [] and tier.state_of(1) is TransferState.PROCESSING
+    transfer = tier.transfer_of(1)
+    assert transfer is not None
+    transfer.started_at -= 120  # submitted long ago: past the bound (no sleeping for it)
+    [result] = tier.get_finished_jobs()
+    assert not result.success
+    assert result.reason is not None and result.reason.call == "commit"
+    assert "max_running_seconds" in result.reason.error
+    assert tier.stats()["quarantined"] == 0 and tier.stats()["quarantined_running"] == 0
+    fsync.release.set()
+    tier.shutdown(timeout=30)
+    assert tier.closed
+    assert tier.stats()["quarantined"] == 0
+    assert temporary_files(tmp_path) == []
 
 
 # -- other processes: alive, and killed mid-store -------------------------------------------------

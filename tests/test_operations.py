@@ -499,3 +499,93 @@ def test_a_state_check_that_raises_stopiteration_fails_its_transfer_and_no_other
     results = {r.job_id: r.success for r in tier.get_finished_jobs()}
     assert results == {0: True, 1: False, 2: True}, "the raise is that transfer's answer (F4)"
     assert tier.transfer_of(1) is None and agent.live_xfer_handles() == 0
+
+
+# -- found by review: interrupts and re-entry around a result ------------------------------------
+
+class _CtrlCWhileLogged(logging.Handler):
+    """Ctrl-C lands while kvfsm logs a failed job (a handler is code of the application's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.armed and "failed" in record.getMessage():
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+def test_an_interrupt_while_a_failure_is_logged_keeps_a_running_transfers_registration(
+    primary: torch.Tensor,
+) -> None:
+    """The tier's books are written before any handler or listener runs: a transfer given up
+    while NIXL still runs it stays counted, and shutdown keeps the primary registration its
+    handles use."""
+    handler = _CtrlCWhileLogged()
+    logging.getLogger("kvfsm").addHandler(handler)
+    agent = FakeNixlAgent(name="ctrl-c")
+    try:
+        tier = ObjectStoreTier(primary, agent=agent,
+                               policy=RetryPolicy(max_running_seconds=0.01))
+        agent.inject("transfer", StayProc(10**6))  # NIXL keeps running it
+        tier.submit_store(store(1, 0))
+        time.sleep(0.02)
+        with pytest.raises(KeyboardInterrupt):
+            tier.get_finished_jobs()  # quarantined while it may still run; logged, interrupted
+        assert not handler.armed
+        assert tier.stats()["quarantined_running"] == 1
+        assert tier.stats()["quarantined"] == 1
+        tier.shutdown(timeout=1)
+        assert agent.live_registrations("DRAM") == 1, "kept: a running transfer refers to it"
+        assert agent.misuses == []
+    finally:
+        logging.getLogger("kvfsm").removeHandler(handler)
+
+
+class _CtrlCInCleanup(FakeNixlAgent):
+    def __init__(self) -> None:
+        super().__init__(name="ctrl-c-cleanup")
+        self.armed = True
+
+    def release_dlist_handle(self, handle: Any) -> None:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt  # Ctrl-C while the cleanup runs
+        super().release_dlist_handle(handle)
+
+
+def test_cancel_and_shutdown_after_an_interrupted_cleanup_finish_the_job(
+    primary: torch.Tensor,
+) -> None:
+    agent = _CtrlCInCleanup()
+    tier = ObjectStoreTier(primary, agent=agent)
+    tier.submit_store(store(1, 0))
+    with pytest.raises(KeyboardInterrupt):
+        tier.get_finished_jobs()
+    assert tier.state_of(1) is TransferState.XFER_RELEASED, "released, not yet cleaned"
+    tier.cancel(1)  # over already: keeps its outcome
+    tier.shutdown(timeout=5)
+    assert tier.closed
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    assert agent.misuses == []
+    agent.close()
+
+
+@pytest.mark.parametrize("policy", [None, RetryPolicy(max_running_seconds=60)],
+                         ids=["fast-path", "general-path"])
+def test_a_listener_that_polls_again_costs_the_outer_poll_nothing(
+    primary: torch.Tensor, policy: RetryPolicy | None
+) -> None:
+    agent = FakeNixlAgent(name="reentrant")
+    tier = ObjectStoreTier(primary, agent=agent, policy=policy)
+    got: list[int] = []
+    tier.on_published.append(lambda _: got.extend(r.job_id for r in tier.get_finished_jobs()))
+    tier.submit_store(store(1, 0))
+    tier.submit_store(store(2, 1))
+    agent.inject("check_xfer_state", StayProc(1), times=2)  # both answer on the same poll
+    got += [r.job_id for r in tier.get_finished_jobs()]
+    got += [r.job_id for r in tier.get_finished_jobs()]
+    assert sorted(got) == [1, 2], "each result once, none lost"
+    tier.shutdown(timeout=5)
+    agent.close()

@@ -433,3 +433,32 @@ def test_the_link_machine_explores_clean_from_the_library_and_the_command_line(
     assert found.calls == 7  # (state, outcome) pairs: LOST and REFUSED latch a failure
     assert main(["explore", "--machine", "peer_link"]) == 0
     assert "machine peer_link" in capsys.readouterr().out
+
+
+def test_a_write_that_found_the_receiver_gone_loses_the_link_even_if_its_release_is_retried(
+) -> None:
+    """The failure that ended the write decides, not the release error retried after it."""
+    require_nixl()
+    agent = FaultyAgent(make_agent("engine-a", "UCX"))
+    sender = PeerSender(torch.ones(BLOCKS, BLOCK_BYTES, dtype=torch.uint8), agent=agent)
+    receiver = PeerReceiver(torch.zeros(BLOCKS, BLOCK_BYTES, dtype=torch.uint8),
+                            agent=make_agent("engine-b", "UCX"))
+    try:
+        sender.connect(receiver.metadata(), receiver.block_descs())
+        receiver.connect(sender.metadata())
+        agent.inject("transfer", Raise(DISCONNECTED), at=1)  # the write finds it gone
+        agent.inject("release_xfer_handle", Raise(), at=1)  # and its release raises once
+        sender.submit_store(TransferJob(1, ["0"], [0]))
+        results: list[JobResult] = []
+        for _ in range(10_000):
+            receiver.get_finished_jobs()
+            results += sender.get_finished_jobs()
+            if results:
+                break
+        assert [(r.job_id, r.success) for r in results] == [(1, False)]
+        assert sender.link_state() is not LinkState.CONNECTED
+        with pytest.raises(PeerNotConnected):
+            sender.submit_store(TransferJob(2, ["1"], [1]))
+    finally:
+        sender.shutdown(timeout=5)
+        receiver.shutdown()

@@ -87,16 +87,18 @@ class KnownNames:
     probe found may be given an age past which it is asked again: another process sharing
     the store may write the block meanwhile.
 
-    One thread records (under the tier's lock) while a probe thread may offer: each call is
-    made of single dictionary operations, which CPython performs whole.
+    One thread records (under the tier's lock) while a probe thread offers and lookups read
+    without it: the writes (and the removal of an expired MISS) take a lock of the cache's
+    own, so none of them can undo another's newer verdict; a read of a live verdict takes none.
     """
 
-    __slots__ = ("_names", "limit")
+    __slots__ = ("_lock", "_names", "limit")
 
     def __init__(self, limit: int) -> None:
         if type(limit) is not int or limit < 1:
             raise ValueError(f"the lookup cache needs a limit of at least 1, got {limit!r}")
         self.limit = limit
+        self._lock = threading.Lock()
         #: a verdict, or (for a probed MISS with an age) the monotonic time it expires
         self._names: dict[str, Lookup | float] = {}
 
@@ -107,37 +109,38 @@ class KnownNames:
             return verdict  # type: ignore[return-value]
         if time.monotonic() < verdict:
             return Lookup.MISS
-        if self._names.get(name) == verdict:  # expired: ask again (unless recorded meanwhile)
-            self._names.pop(name, None)
+        with self._lock:  # expired: ask again (unless a verdict was recorded meanwhile)
+            if self._names.get(name) == verdict:
+                del self._names[name]
         return None
 
     def record(self, names: Sequence[str], verdict: Lookup) -> None:
         """A transfer's outcome: ``verdict`` on each of ``names``, now the most recent."""
         known = self._names
-        for name in names:
-            known.pop(name, None)
-            known[name] = verdict
-        if len(known) > self.limit:
-            self._forget_oldest()
+        with self._lock:
+            for name in names:
+                known.pop(name, None)
+                known[name] = verdict
+            if len(known) > self.limit:
+                self._forget_oldest()
 
     def offer(self, name: str, verdict: Lookup, miss_for: float | None = None) -> None:
         """A probe's answer: kept unless a verdict on ``name`` is known already; a MISS only
         for ``miss_for`` seconds when that is given."""
-        self._names.setdefault(name, verdict if verdict is not Lookup.MISS or miss_for is None
-                               else time.monotonic() + miss_for)
-        if len(self._names) > self.limit:
-            self._forget_oldest()
+        with self._lock:
+            self._names.setdefault(name, verdict if verdict is not Lookup.MISS
+                                   or miss_for is None else time.monotonic() + miss_for)
+            if len(self._names) > self.limit:
+                self._forget_oldest()
 
     def __len__(self) -> int:
         return len(self._names)
 
     def _forget_oldest(self) -> None:
+        """Drop the oldest verdicts past the limit (the caller holds the cache's lock)."""
         known = self._names
         while len(known) > self.limit:
-            try:
-                del known[next(iter(known))]
-            except (KeyError, RuntimeError, StopIteration):  # another thread got there first
-                return
+            del known[next(iter(known))]
 
 
 class SecondaryTier:
@@ -280,6 +283,8 @@ class SecondaryTier:
             # (behind another thread's poll) never runs past the deadline
             if not lock.acquire(timeout=-1 if deadline is None
                                 else max(0.0, deadline - time.monotonic())):
+                if not self._transfers:
+                    return  # another thread's poll published the last of them
                 raise DrainTimeout("drain_jobs", self.unpublished())
             try:
                 self._poll()
@@ -359,7 +364,7 @@ class SecondaryTier:
     def _close(self) -> None:
         self._stop_probes()
         self._closed = True
-        if self._quarantine:  # their handles still refer to the primary cache's registration
+        if self._quarantine or self._may_run:  # their handles refer to the registration
             logger.error("shutdown: %d quarantined transfer(s) hold their handles (%d may still "
                          "run); the primary cache stays registered", len(self._quarantine),
                          len(self._may_run))
@@ -610,23 +615,27 @@ class SecondaryTier:
             self._unfile(transfer)
         held = transfer.state in self._held
         result = transfer.result(held)
+        # every change to the tier's books first, then what runs code of others (logging
+        # handlers, listeners): an interrupt there must not leave a quarantined transfer
+        # uncounted (shutdown would release the registration its handles use) or a verdict
+        # unrecorded
         self._results.append(result)
         self._unreported.add(job_id)
         self._published += 1
         self._latencies.append(result.transfer_time)
-        if not result.success:
-            self._failed += 1
-            _log_failure(transfer)
-        if transfer.leaks:
-            for leak in transfer.leaks:
-                logger.warning("job %d leaked: %s raised %s", job_id, leak.call,
-                               leak.error, extra=transfer.log_fields(leak.error))
-            self._record_leaks(job_id, transfer.leaks)
         if held:
             self._quarantine.append(transfer)
+        if transfer.leaks:
+            self._record_leaks(job_id, transfer.leaks)
         # a finished store or load shows the blocks are there; after a failed one the tier
         # cannot vouch for them, and a failed load is not made again and again (F11)
         self._known.record(transfer.names, Lookup.HIT if transfer.success else Lookup.MISS)
+        if not result.success:
+            self._failed += 1
+            _log_failure(transfer)
+        for leak in transfer.leaks:
+            logger.warning("job %d leaked: %s raised %s", job_id, leak.call,
+                           leak.error, extra=transfer.log_fields(leak.error))
         for listener in self.on_published:  # best effort: a listener never costs a result (F7)
             try:
                 listener(transfer)
@@ -684,12 +693,16 @@ class SecondaryTier:
         waiting = list(self._waiting.values())  # those in it now: one call each this round
         answered = running.check(self.agent.check_xfer_state)
         stay.taken += len(running.transfers) - len(answered)
+        transfers = self._transfers
         for transfer, status in answered:
+            if transfers.get(transfer.job_id) is not transfer:
+                continue  # published meanwhile (a listener polled again)
             running.discard(transfer)
             self._answered(transfer, status)
         settle = self._settle
         for transfer in waiting:
-            settle(transfer)
+            if transfers.get(transfer.job_id) is transfer:
+                settle(transfer)
 
     def _poll_each(self) -> None:
         """The general path: every transfer through the driver and the machine, each poll."""
@@ -714,17 +727,38 @@ class SecondaryTier:
                         stay.taken += 1
                         continue
                 others.append((transfer, status))
-            elif overdue and transfer.state in running:  # bounded like a posted one, below
-                others.append((transfer, _OVERDUE))
-            else:
-                others.append((transfer, None))
+            else:  # one running past the bound in another state is bounded like a posted one
+                others.append((transfer, _OVERDUE if overdue and transfer.state in running
+                               else None))
+        self._take_answers(others, limit, started_after)
+
+    def _take_answers(self, others: list[tuple[Transfer, str | Exception | None]],
+                      limit: float | None, started_after: float) -> None:
+        """The general path's second half: what each transfer's round answered, fired."""
+        posted, transfers = self._posted, self._transfers
         for transfer, answered in others:
+            if transfers.get(transfer.job_id) is not transfer:
+                continue  # published meanwhile (a listener polled again)
             if answered is _OVERDUE:
                 self._give_up(transfer, f"still running after {limit} s")
             elif answered is None:
                 self._settle(transfer)
             else:
                 self._answered(transfer, answered)
+                if transfer.state is posted and transfer.started_at <= started_after:
+                    self._commit_overdue(transfer, limit)
+
+    def _commit_overdue(self, transfer: Transfer, limit: float | None) -> None:
+        """NIXL answered the transfer is over, but the store's commit (a flush) is not, past
+        the running bound: the bound holds for it too. NIXL no longer runs it, so it fails as
+        a commit that raised does (its handle released), rather than being quarantined."""
+        from kvfsm.machines.transfer import CallFailed  # noqa: PLC0415 - rare
+
+        self.driver.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED,
+                                 CallFailed("commit", TimeoutError(
+                                     f"not committed {limit} s after submit "
+                                     "(max_running_seconds)")))
+        self._settle(transfer)
 
 
 class _Running:

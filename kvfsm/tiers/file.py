@@ -26,13 +26,19 @@ flush over and fires DONE, or RAISED with the flush's error. The directory is fl
 batch of stores, however many. So a poll, a submit, ``drain_jobs(timeout)`` and
 ``shutdown(timeout)`` never wait on the disk; a store's result waits for its flush instead, and
 ``shutdown`` waits for a store being flushed as for one NIXL still runs (the flusher takes no
-lock of the tier's). With ``durable=False`` the renames are made inline (a rename is cheap) and
-nothing is flushed: a process crash keeps every finished store, a power loss may not.
+lock of the tier's). A flush still under way for a store already published (one that failed
+meanwhile: cancelled during its flush, a state check that failed after NIXL's DONE, past
+``max_running_seconds``) is waited for only up to ``shutdown``'s deadline: it never touches the
+primary cache, so past the deadline the flusher is left to end by itself (it holds no reference
+to the tier, and closes its copies of the descriptors). With ``durable=False`` the renames are
+made inline (a rename is cheap) and nothing is flushed: a process crash keeps every finished
+store, a power loss may not.
 
 Cancel. A store cancelled before NIXL finished it is not committed: it fails and leaves no new
 block. One cancelled while its flush is under way fails too, but the flush is not undone: its
 blocks, whole, may be in place. (So may those of a store whose state check fails after NIXL had
-answered DONE, a fault only injection makes.)
+answered DONE, a fault only injection makes, and of a store failed past
+:attr:`~kvfsm.policy.RetryPolicy.max_running_seconds` while its flush was under way.)
 
 Stale files. Each tier holds an exclusive ``flock`` on its writer file ``.kvfsm-writer-<writer>``
 from its first store until shutdown; the kernel drops the lock when the process dies, whatever
@@ -42,8 +48,11 @@ this process or another, are left alone. A pid would not do: it is reused, and i
 two tiers of one process apart. This needs every process sharing the directory to see the
 others' ``flock`` locks (a local file system does; over NFS it is as good as the lock
 emulation), and a process forked without ``exec`` shares its parent's lock, so its parent's
-files count as live while either runs. Temporary files of a store that failed are removed when
-its transfer is cleaned up.
+files count as live while either runs. The lock is given up only once the tier's flusher
+ended: a flusher left running past ``shutdown``'s deadline (or by a tier dropped mid-flush)
+keeps it, and gives it up as it ends, so no other tier removes a file it may still rename (and
+the tier's own :meth:`~FileTier.remove_stale`, after shutdown, counts them as another live
+writer's). Temporary files of a store that failed are removed when its transfer is cleaned up.
 """
 
 from __future__ import annotations
@@ -52,14 +61,16 @@ import contextlib
 import fcntl
 import hashlib
 import itertools
+import logging
 import os
 import re
 import secrets
 import stat
 import threading
+import time
 import urllib.parse
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +97,8 @@ _WRITER = ".kvfsm-writer-"
 _WRITER_ID = re.compile(r"[0-9a-f]{16}")
 #: a temporary file's name: the writer that created it is the first group
 _PARTIAL_NAME = re.compile(re.escape(_PARTIAL) + r"([0-9a-f]{16})-").match
+
+logger = logging.getLogger("kvfsm")
 
 
 class _OpenFiles:
@@ -199,60 +212,111 @@ class _Flusher:
 
     It knows nothing of the tier (no lock of the tier's, no reference to it: a dropped tier is
     freed at once) and owns only the copies of the descriptors it was handed, which it closes.
-    The thread starts with the first commit and ends at :meth:`stop`, after the flushes it was
-    handed: a commit handed over is never dropped halfway.
+    The thread starts with the first commit (again with the next one, should it have failed to
+    start or have died) and ends at :meth:`stop`, after the flushes it was handed: a commit
+    handed over is never dropped halfway, and never left to a thread that is gone.
     """
 
     def __init__(self, root: str) -> None:
         self._root = root
         self._queue: list[_Flush] = []
         self._ready = threading.Condition()  # its own lock: never the tier's
+        #: the thread, once started (None before, and once it ended)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        #: called by the thread as it ends, when stop() left it running (the writer's release)
+        self._at_end: Callable[[], None] | None = None
 
     def hand(self, fds: list[int], renames: list[tuple[str, str]]) -> _Flush:
         """Queue a store's commit; its descriptors are duplicated, so closing the transfer's
-        own never pulls a descriptor from under an ``fsync``."""
+        own never pulls a descriptor from under an ``fsync``.
+
+        Raises:
+            Exception: the copies or the thread could not be made (a thread limit, say);
+                nothing was queued, no copy is left open, and the next commit tries again.
+        """
         copies: list[int] = []
         try:
             for fd in fds:
                 copies.append(os.dup(fd))
+            flush = _Flush(copies, list(renames))
+            with self._ready:
+                if self._stopping:  # (shutdown waits for every store first: never the case)
+                    raise RuntimeError("the file tier is shut down: it commits no more stores")
+                if self._thread is None or not self._thread.is_alive():
+                    self._start()
+                self._queue.append(flush)
+                self._ready.notify()
         except BaseException:
             for fd in copies:
                 os.close(fd)
             raise
-        flush = _Flush(copies, list(renames))
-        with self._ready:
-            if self._stopping:  # (shutdown waits for every store first: never the case)
-                for fd in copies:
-                    os.close(fd)
-                raise RuntimeError("the file tier is shut down: it commits no more stores")
-            self._queue.append(flush)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvfsm-file-flush",
-                                                daemon=True)
-                self._thread.start()
-            self._ready.notify()
         return flush
 
-    def stop(self, *, wait: bool) -> None:
-        """End the thread once the flushes handed over are done; ``wait`` for it to end."""
+    def _start(self) -> None:
+        """Start a thread (with ``_ready`` held); it is recorded only once it started, so a
+        start that fails leaves no thread that never runs and no flush nobody takes."""
+        thread = threading.Thread(target=self._run, name="kvfsm-file-flush", daemon=True)
+        thread.start()  # (its first step waits for the lock held here)
+        self._thread = thread
+
+    def stop(self, timeout: float | None, at_end: Callable[[], None]) -> bool:
+        """End the thread once the flushes handed over are done, waiting up to ``timeout``
+        seconds for it (None: as long as it takes), and call ``at_end`` once no flush runs:
+        here if the thread ended in time (or never ran), else on the thread as it ends.
+
+        Returns:
+            True when the thread ended (or never ran); False when it was left running.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._ready:
             self._stopping = True
             self._ready.notify()
-            thread = self._thread
-        if wait and thread is not None and thread is not threading.current_thread():
-            thread.join()
+        while True:
+            with self._ready:  # the thread takes _at_end under this lock as it ends: one call
+                thread = self._thread
+                if thread is None or not thread.is_alive():
+                    break
+                left = None if deadline is None else deadline - time.monotonic()
+                if thread is threading.current_thread() or (left is not None and left <= 0):
+                    self._at_end = at_end
+                    return False
+            thread.join(left)
+        at_end()
+        return True
 
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._ready:
+                    while not self._queue and not self._stopping:
+                        self._ready.wait()
+                    if not self._queue:
+                        return
+                    batch, self._queue = self._queue, []
+                _flush(batch, self._root)
+        finally:
+            abandoned: list[_Flush] = []
+            at_end = None
             with self._ready:
-                while not self._queue and not self._stopping:
-                    self._ready.wait()
-                if not self._queue:
-                    return
-                batch, self._queue = self._queue, []
-            _flush(batch, self._root)
+                if self._thread is threading.current_thread():
+                    self._thread = None
+                if self._queue:  # died (only a bug, or an exit, does that): another thread
+                    try:         # takes the flushes left, or they fail: none waits for ever
+                        self._start()
+                    except Exception:
+                        abandoned, self._queue = self._queue, []
+                if self._thread is None:
+                    at_end, self._at_end = self._at_end, None
+            for flush in abandoned:
+                for fd in flush.fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                flush.fds = []
+                flush.error = RuntimeError("the flusher thread ended before this flush")
+                flush.done = True
+            if at_end is not None:
+                at_end()
 
 
 def _flush(batch: list[_Flush], root: str) -> None:
@@ -299,7 +363,8 @@ class _Writer:
     """This tier's claim on its temporary files: an exclusive ``flock`` held on its writer file
     ``.kvfsm-writer-<id>`` from the first store until :meth:`release` (or until the process
     dies, when the kernel drops it). A tier that only loads makes no file (its directory may be
-    read-only).
+    read-only). At shutdown the writer is retired at once (it claims nothing any more) but
+    released only once the flusher ended, which may be later (see :meth:`_Flusher.stop`).
 
     The file is created with ``O_EXCL`` and locked, and then checked to be still in place: a
     :func:`_writer_gone` check in another tier may take the lock between the two, find the file
@@ -316,14 +381,15 @@ class _Writer:
         self.prefix = ""
         self._path = ""
         self._fd = -1
-        self._released = False
+        #: shut down: no temporary file is claimed any more (the lock may still be held)
+        self.retired = False
 
     def claim(self) -> str:
         """The prefix of this writer's temporary files; the claim is made on the first call."""
+        if self.retired:
+            raise RuntimeError("the file tier is shut down: it writes no more files")
         if self.id is not None:
             return self.prefix
-        if self._released:
-            raise RuntimeError("the file tier is shut down: it writes no more files")
         while True:
             writer_id = secrets.token_hex(8)
             path = self._directory + _WRITER + writer_id
@@ -347,7 +413,7 @@ class _Writer:
     def release(self) -> None:
         """Give the claim up: remove the writer file while still holding its lock, so a check
         that opened it meanwhile finds it removed. Idempotent."""
-        self._released = True
+        self.retired = True
         fd, self._fd, self.id = self._fd, -1, None
         if fd < 0:
             return
@@ -444,7 +510,7 @@ class FileTier(SecondaryTier):
         self._flusher = _Flusher(str(self.root))
         # a tier dropped without shutdown still ends its thread and gives its claim up (the
         # finalizer holds neither the tier nor its agent)
-        self._release_at_drop = weakref.finalize(self, _release, self._flusher, self._writer, False)
+        self._release_at_drop = weakref.finalize(self, _release, self._flusher, self._writer, 0.0)
         try:
             if agent is None:
                 from kvfsm.nixl_agents import make_agent  # noqa: PLC0415 - NIXL is optional
@@ -467,7 +533,8 @@ class FileTier(SecondaryTier):
     def writer_id(self) -> str | None:
         """The ``<writer>`` in this tier's temporary files' names; None before its first store
         (and after shutdown)."""
-        return self._writer.id
+        writer = self._writer
+        return None if writer.retired else writer.id
 
     def path_of(self, key: bytes | str) -> Path:
         """The file block ``key`` is stored in."""
@@ -541,16 +608,27 @@ class FileTier(SecondaryTier):
         return Lookup.MISS
 
     def _stop_probes(self) -> None:
-        # shutdown found nothing in flight (a store being flushed counts as running), so the
-        # flusher is idle; once it ended, no file of ours is renamed any more
+        # shutdown found nothing in flight (a store being flushed counts as running), but a
+        # flush may still run for a store published meanwhile (one that failed during its
+        # flush): it is waited for up to shutdown's deadline only, as it never touches the
+        # primary cache; left running, it ends by itself and gives the writer's claim up then
         self._release_at_drop.detach()
-        _release(self._flusher, self._writer, True)
+        deadline = self._stop_by
+        if not _release(self._flusher, self._writer,
+                        None if deadline is None else max(0.0, deadline - time.monotonic())):
+            logger.warning("shutdown: a flush of a store already published is still under "
+                           "way; the flusher ends by itself (this tier's writer lock is held "
+                           "until then)")
 
 
-def _release(flusher: _Flusher, writer: _Writer, wait: bool) -> None:
-    """Stop the flusher (waiting for it, at shutdown) and give the writer's claim up."""
-    flusher.stop(wait=wait)
-    writer.release()
+def _release(flusher: _Flusher, writer: _Writer, timeout: float | None) -> bool:
+    """Stop the flusher, waiting up to ``timeout`` seconds for it (None: as long as it takes),
+    and give the writer's claim up once it ended: at once, or by the flusher as it ends, so no
+    file it may still rename counts as stale before (another tier's
+    :meth:`FileTier.remove_stale` leaves the files of a locked writer alone). True when the
+    flusher ended in time."""
+    writer.retired = True
+    return flusher.stop(timeout, writer.release)
 
 
 def _check_root(root: Path, read_only: object) -> bool:

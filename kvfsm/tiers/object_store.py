@@ -27,6 +27,9 @@ __all__ = ["ObjectStoreTier"]
 _DEV_ID_SPACE = 2**31
 _dev_ids = itertools.count()
 
+#: the most names a prober keeps waiting to be asked about
+MAX_WANTED = 4096
+
 #: probers whose thread may still run; told to stop when the interpreter exits
 _live_probers: weakref.WeakSet[_Prober] = weakref.WeakSet()
 
@@ -86,8 +89,11 @@ class _Prober:
         _live_probers.add(self)
 
     def want(self, name: str) -> None:
+        """Ask about ``name`` soon; ignored while :data:`MAX_WANTED` names wait already (a
+        store that answers slowly must not grow the queue without end: a later lookup asks
+        again)."""
         with self._lock:
-            if self._stopping or name in self._wanted:
+            if self._stopping or name in self._wanted or len(self._wanted) >= MAX_WANTED:
                 return
             self._wanted[name] = None
             if self._thread is None:  # none running: start one, which ends once all answered
@@ -109,6 +115,9 @@ class _Prober:
         thread.join(timeout)
         return not thread.is_alive()
 
+    def __len__(self) -> int:
+        return len(self._wanted)
+
     @property
     def busy(self) -> bool:
         """True while a query may be in flight."""
@@ -116,19 +125,24 @@ class _Prober:
         return thread is not None and thread.is_alive()
 
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._lock:  # the check for work and the thread's end are one step
+                    if self._stopping or not self._wanted:
+                        self._thread = None
+                        if self._stopping:
+                            self._agent = None  # stopped: the agent goes with the tier
+                        return
+                    names = list(itertools.islice(self._wanted, self._batch))
+                if not self._query(names):
+                    with self._lock:
+                        self._thread = None
+                        self._agent = None
+                        return
+        except BaseException:  # an unforeseen error: a later want() starts a thread again
             with self._lock:
-                if self._stopping or not self._wanted:
-                    self._thread = None
-                    if self._stopping:
-                        self._agent = None  # stopped: the agent goes with the tier
-                    return
-                names = list(itertools.islice(self._wanted, self._batch))
-            if not self._query(names):
-                with self._lock:
-                    self._thread = None
-                    self._agent = None
-                    return
+                self._thread = None
+            raise
 
     def _query(self, names: list[str]) -> bool:
         """Ask for ``names``; False when stopped while waiting for the tier's lock."""
@@ -147,6 +161,9 @@ class _Prober:
         finally:
             if shared is not None:
                 shared.release()
+        if answers is not None and len(answers) != len(names):  # not an answer per name
+            self.errors += 1
+            answers = None
         with self._lock:
             for index, name in enumerate(names):
                 self._wanted.pop(name, None)
@@ -244,6 +261,13 @@ class ObjectStoreTier(SecondaryTier):
         prefix = self.key_prefix  # a non-empty str key is its own text: no call for it
         return tuple([prefix + key if type(key) is str and key else prefix + key_text(key)
                       for key in keys])
+
+    def stats(self) -> dict[str, Any]:
+        """The tier's stats, and how many names wait for a probe (at most
+        :data:`MAX_WANTED`)."""
+        stats = super().stats()
+        stats["probes_waiting"] = len(self._prober)
+        return stats
 
     @property
     def probe_errors(self) -> int:
