@@ -237,6 +237,11 @@ class TransferDriver:
             detail = CallFailed("check_xfer_state", status)
         self.machine.fire(transfer, TransferEvent.POLL, answer, detail)
 
+    def commit_failed(self, transfer: Transfer, error: Exception) -> None:
+        """A store NIXL finished whose commit did not end (a flush past the running bound):
+        fire the poll's RAISED, as a commit that raised does."""
+        self.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED, CallFailed("commit", error))
+
     def settle(self, transfer: Transfer) -> bool:
         """After a post or poll fired: make the calls the transfer waits on now; True once it
         is in a final state."""

@@ -9,46 +9,7 @@ itself imports the declaration module.
 
 from __future__ import annotations
 
-from kvfsm.machines.transfer import (
-    ACTIONS,
-    ANSWERS,
-    GUARDS,
-    TRANSFER_MACHINE,
-    TRANSITIONS,
-    Answer,
-    CallFailed,
-    FailureKind,
-    FailureReason,
-    OutcomeAlreadyLatched,
-    TransferEvent,
-    TransferState,
-    count_retry,
-    latch_cancelled,
-    latch_failure,
-    latch_success,
-    note_error,
-    quarantine,
-    record_leaks,
-)
+from kvfsm.machines import transfer as _transfer
+from kvfsm.machines.transfer import *  # noqa: F403 - every public name, under this one too
 
-__all__ = [
-    "ACTIONS",
-    "ANSWERS",
-    "GUARDS",
-    "TRANSFER_MACHINE",
-    "TRANSITIONS",
-    "Answer",
-    "CallFailed",
-    "FailureKind",
-    "FailureReason",
-    "OutcomeAlreadyLatched",
-    "TransferEvent",
-    "TransferState",
-    "count_retry",
-    "latch_cancelled",
-    "latch_failure",
-    "latch_success",
-    "note_error",
-    "quarantine",
-    "record_leaks",
-]
+__all__ = list(_transfer.__all__)

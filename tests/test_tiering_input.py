@@ -32,46 +32,15 @@ from kvfsm.tiering import (
     TierInputRefusedError,
     TierSubmitError,
 )
-from kvfsm.tiers import FileTier, InvalidJobError, Lookup, ObjectStoreTier
+from kvfsm.tiers import FileTier, InvalidJobError, ObjectStoreTier
+
+from .test_tiering import DictTier  # a user's own tier, with no remote_name
 
 BLOCK_BYTES = 256
 #: a key and a bytes key with the same text: two keys to the primary, one block to a tier
 ALIKE = ("6b", b"k")
 #: a str no file name can hold (a lone surrogate has no UTF-8), which an object store takes
 UNNAMEABLE = "\ud800"
-
-
-class DictTier:
-    """A user's own tier: blocks kept in a dict, copied at submit, results on the next poll
-    from ``pending`` (which a test may change). It has no ``remote_name``."""
-
-    def __init__(self, cache: torch.Tensor) -> None:
-        self.cache = cache
-        self.blocks: dict[bytes | str, torch.Tensor] = {}
-        self.pending: list[JobResult] = []
-
-    def submit_store(self, job: TransferJob) -> None:
-        for key, block_id in zip(job.keys, job.block_ids, strict=True):
-            self.blocks[key] = self.cache[block_id].clone()
-        self.pending.append(JobResult(job.job_id, True))
-
-    def submit_load(self, job: TransferJob) -> None:
-        for key, block_id in zip(job.keys, job.block_ids, strict=True):
-            self.cache[block_id] = self.blocks[key]
-        self.pending.append(JobResult(job.job_id, True))
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        results, self.pending = self.pending, []
-        return results
-
-    def has_pending_work(self) -> bool:
-        return bool(self.pending)
-
-    def lookup(self, key: bytes | str) -> Lookup:
-        return Lookup.HIT if key in self.blocks else Lookup.MISS
-
-    def shutdown(self) -> None:
-        pass
 
 
 @dataclass

@@ -82,6 +82,13 @@ __all__ = [
     "OutcomeAlreadyLatched",
     "TransferEvent",
     "TransferState",
+    "count_retry",
+    "latch_cancelled",
+    "latch_failure",
+    "latch_success",
+    "note_error",
+    "quarantine",
+    "record_leaks",
 ]
 
 

@@ -54,7 +54,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import TracebackType
-from typing import SupportsIndex, TypeAlias, TypeVar
+from typing import Any, SupportsIndex, TypeAlias, TypeVar
 
 from kvfsm.testing.faults import FakeNixlError, Fault, FaultPlan, Raise, ReturnErr, StayProc
 
@@ -893,26 +893,27 @@ class FakeNixlAgent:
 
     def _xfer(self, call: str, handle: object) -> _Xfer:
         """The live transfer behind ``handle``, or NixlMisuseError."""
-        if isinstance(handle, FakeXferHandle):
-            xfer = self._xfers.get(handle._handle)
-            if xfer is not None and xfer.handle is handle:
-                return xfer
-            if handle._released and handle._owner == self._serial:
-                raise self._misuse(f"{call}: {handle!r} was already released")
-        raise self._misuse(
-            f"{call}: {handle!r} is not a transfer handle made by agent {self.name!r}"
-        )
+        xfer: _Xfer = self._live(call, handle, FakeXferHandle, self._xfers, "transfer")
+        return xfer
 
     def _dlist(self, call: str, handle: object) -> _Prepped:
         """The live prepped list behind ``handle``, or NixlMisuseError."""
-        if isinstance(handle, FakeDlistHandle):
-            prepped = self._dlists.get(handle._handle)
-            if prepped is not None and prepped.handle is handle:
-                return prepped
+        prepped: _Prepped = self._live(call, handle, FakeDlistHandle, self._dlists, "dlist")
+        return prepped
+
+    def _live(self, call: str, handle: object,
+              kind: type[FakeXferHandle] | type[FakeDlistHandle], table: dict[int, Any],
+              what: str) -> Any:
+        """What ``table`` keeps live behind ``handle`` (a handle of ``kind`` this agent made
+        and has not released), or NixlMisuseError saying which it is not."""
+        if isinstance(handle, kind):
+            found = table.get(handle._handle)
+            if found is not None and found.handle is handle:
+                return found
             if handle._released and handle._owner == self._serial:
                 raise self._misuse(f"{call}: {handle!r} was already released")
         raise self._misuse(
-            f"{call}: {handle!r} is not a dlist handle made by agent {self.name!r}"
+            f"{call}: {handle!r} is not a {what} handle made by agent {self.name!r}"
         )
 
     def _file(self, entry: _Entry) -> None:

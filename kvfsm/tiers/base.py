@@ -752,12 +752,8 @@ class SecondaryTier:
         """NIXL answered the transfer is over, but the store's commit (a flush) is not, past
         the running bound: the bound holds for it too. NIXL no longer runs it, so it fails as
         a commit that raised does (its handle released), rather than being quarantined."""
-        from kvfsm.machines.transfer import CallFailed  # noqa: PLC0415 - rare
-
-        self.driver.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED,
-                                 CallFailed("commit", TimeoutError(
-                                     f"not committed {limit} s after submit "
-                                     "(max_running_seconds)")))
+        self.driver.commit_failed(transfer, TimeoutError(
+            f"not committed {limit} s after submit (max_running_seconds)"))
         self._settle(transfer)
 
 
