@@ -121,7 +121,7 @@ def _kvfsm(primary: torch.Tensor, agent: ZeroAgent, blocks_per_job: int) -> Runn
 
 def _kvfsm_untraced(primary: torch.Tensor, agent: ZeroAgent, blocks_per_job: int) -> Runner:
     tier = ObjectStoreTier(primary, agent=agent, key_prefix="kv/")
-    tier.driver.machine.trace = False
+    tier.machine.trace = False
     return _tier_runner(tier)
 
 

@@ -116,7 +116,7 @@ def test_on_the_fake_agent_the_transfer_passes_through_verifying(cache: torch.Te
     assert_the_corrupted_load_failed(store_corrupt_load(tier, cache, corrupt), cache)
     assert set(checksums.crcs) == {"a", "b", "c", "d"}
     taken = {(e.source, e.event, e.dest): n
-             for e, n in tier.driver.machine.transition_counts().items() if n}
+             for e, n in tier.machine.transition_counts().items() if n}
     assert taken[("PROCESSING", "poll", "VERIFYING")] == 3
     assert taken[("VERIFYING", "verify", "FAILED")] == 1
     tier.shutdown()
@@ -183,7 +183,8 @@ def test_the_tutorial_declares_the_machine_word_for_word_as_this_example_does() 
     tutorial = (root / "docs" / "tutorial.md").read_text()
     block = tutorial.split("```python\n", 1)[1].split("```\n", 1)[0]
     imports, _, declaration = block.partition("\n\n\n")
-    assert "VERIFY_MACHINE: Declaration[Any, Any] = Declaration(" in declaration
+    assert "VERIFY_MACHINE: Declaration[Any, Any] = TRANSFER_MACHINE.extend(" in declaration
+    assert len(declaration.strip().splitlines()) <= 32  # the machine in about 30 lines
     assert declaration in example
     lines = example.splitlines()
     assert [line for line in imports.splitlines() if line and line not in lines] == []

@@ -39,14 +39,10 @@ import torch
 
 from kvfsm import TRANSFER_MACHINE, Declaration
 from kvfsm.driver import StepFunction
-from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSITIONS, Answer, TransferEvent
+from kvfsm.lifecycle import Answer
 from kvfsm.transfer import Transfer
 
 __all__ = ["STEPS", "VERIFY_MACHINE", "Checksums", "Verified", "VerifyState"]
-
-#: the shipped states, and VERIFYING: NIXL finished, the blocks are being checked
-VerifyState = enum.Enum(  # type: ignore[misc]
-    "VerifyState", [*(state.name for state in TRANSFER_MACHINE.states), "VERIFYING"])
 
 
 class Verified(enum.Enum):
@@ -58,46 +54,26 @@ class Verified(enum.Enum):
     MISMATCH = "MISMATCH"
 
 
-def _ours(state: Any) -> Any:
-    return VerifyState[state.name]
-
-
-def _transitions() -> list[dict[str, Any]]:
-    """The shipped table on these states, with DONE from NIXL leading to VERIFYING."""
-    table = []
-    for transition in TRANSITIONS:
-        edge = {**transition, "source": _ours(transition["source"]),
-                "dest": _ours(transition["dest"])}
-        if edge["dest"] is VerifyState.DONE and edge["source"] in (
-                VerifyState.SUBMITTED, VerifyState.PROCESSING):
-            edge = {**edge, "dest": VerifyState.VERIFYING, "after": []}  # not latched yet
-        table.append(edge)
-    verifying = VerifyState.VERIFYING
-    return [*table,
-            {"trigger": "verify", "source": verifying, "dest": VerifyState.DONE,
-             "conditions": "matched", "after": "latch_success"},
-            {"trigger": "verify", "source": verifying, "dest": VerifyState.FAILED,
-             "conditions": "unverified", "after": "latch_failure"},
-            {"trigger": TransferEvent.CANCEL, "source": verifying, "dest": verifying}]
-
-
-#: the transfer lifecycle with a checksum check of every block after NIXL's DONE
-VERIFY_MACHINE: Declaration[Any, Any] = Declaration(
+#: the transfer lifecycle with a checksum check of every block after NIXL's DONE: DONE from
+#: NIXL leads to VERIFYING instead (nothing latched yet), which waits on the step ``verify``
+VERIFY_MACHINE: Declaration[Any, Any] = TRANSFER_MACHINE.extend(
     "verify",
-    states=VerifyState,
-    initial=VerifyState.SUBMITTED,
-    answers={**ANSWERS, "verify": (Verified.MATCH, Verified.MISMATCH, Answer.RAISED)},
-    guards={**GUARDS, "matched": (Verified.MATCH,),
-            "unverified": (Verified.MISMATCH, Answer.RAISED)},
-    actions=ACTIONS,
-    transitions=_transitions(),
-    final=map(_ours, TRANSFER_MACHINE.final),
-    failure_states=map(_ours, TRANSFER_MACHINE.failure_states),
-    calls={**TRANSFER_MACHINE.calls, "verify": "crc32"},
-    effects={**{_ours(s): e for s, e in TRANSFER_MACHINE.effects.items()},
-             VerifyState.VERIFYING: "verify"},
-    running=map(_ours, TRANSFER_MACHINE.running),
+    states=["VERIFYING"],
+    replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
+             ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+    answers={"verify": (Verified.MATCH, Verified.MISMATCH, Answer.RAISED)},
+    guards={"matched": (Verified.MATCH,), "unverified": (Verified.MISMATCH, Answer.RAISED)},
+    transitions=[
+        {"trigger": "verify", "source": "VERIFYING", "dest": "DONE", "conditions": "matched",
+         "after": "latch_success"},
+        {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
+         "conditions": "unverified", "after": "latch_failure"},
+        {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
+    effects={"VERIFYING": "verify"},
+    calls={"verify": "crc32"},
 )
+#: its states: the shipped ones, and VERIFYING (NIXL finished, the blocks are being checked)
+VerifyState: Any = VERIFY_MACHINE.states
 
 
 class Checksums:

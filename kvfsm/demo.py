@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvfsm.machines.transfer import FailureKind, FailureReason, TransferState
+from kvfsm.machines.transfer import FailureKind, FailureReason
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, Fault, FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import DrainTimeout, FileTier, ObjectStoreTier, SecondaryTier
@@ -254,8 +254,7 @@ class _RetryWait:
         if not self.enabled or now < self.next_look:
             return
         self.next_look = now + 0.2
-        retrying = [t for t in self.tier.unpublished()
-                    if t.retries and t.state in (TransferState.DONE, TransferState.FAILED)]
+        retrying = [t for t in self.tier.unpublished() if t.attempts]  # a call to try again
         if not retrying:
             self.close()
             return
@@ -500,9 +499,10 @@ def _print_failures(failures: list[_Failure]) -> None:
 
 def _report(tier: SecondaryTier, stores: dict[int, JobResult], loads: dict[int, JobResult],
             duplicates: int, stored_in: float, loaded_in: float) -> None:
-    counts = tier.driver.machine.transition_counts()
-    entered = dict.fromkeys((s.name for s in TransferState), 0)
-    entered[TransferState.SUBMITTED.name] = len(stores) + len(loads)
+    counts = tier.machine.transition_counts()
+    declaration = tier.machine.declaration
+    entered = dict.fromkeys((s.name for s in declaration.states), 0)
+    entered[declaration.initial.name] = len(stores) + len(loads)
     for edge, count in counts.items():
         if not edge.is_loop:
             entered[edge.dest] += count

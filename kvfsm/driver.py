@@ -1,45 +1,46 @@
-"""The driver: performs each NIXL call of a transfer and feeds its answer to the machine.
+"""The driver: the I/O part of the runner. It makes each NIXL call and says what it answered.
 
-The driver holds no rules. The declaration says which effect a transfer in each state waits on
-(``effects``, each named by the event it fires), which states are running and which final; the
-driver makes that effect, turns what it answered (a string, a return, or an exception) into an
-:class:`~kvfsm.machines.transfer.Answer`, in one place per kind of effect, and fires the event. The
-effects it knows are NIXL's (``post``, ``poll``, ``release``, ``clean``) and ``publish``; any
-other is a *step* of the user's, a function given to the tier (:data:`StepFunction`), whose
-answer (or raise: ``RAISED``) is fired as its event. Whether the transfer moves, stays
-or retries is the lifecycle table's decision (:mod:`kvfsm.machines.transfer`). Once a transfer
-is over, its release and cleanup calls are made one after the other and, when each answers OK,
-the steps they lead to are taken together as one chain read from the same table.
+The driver holds no rules and no books. :class:`~kvfsm.runner.Runner` (the part without I/O)
+says which effect is due for which transfer; the driver makes the calls of that effect and
+turns what they did (a status string, a return, or an exception, ``StopIteration`` and NIXL's
+typed errors included) into an :class:`~kvfsm.runner.Outcome`, in one function per kind of
+effect: :meth:`TransferDriver.post`, :meth:`~TransferDriver.check` with
+:meth:`~TransferDriver.polled`, :meth:`~TransferDriver.end` (release, then cleanup),
+:meth:`~TransferDriver.release`, :meth:`~TransferDriver.clean` and
+:meth:`~TransferDriver.step` (a user's step, a function given to the tier:
+:data:`StepFunction`). The runner fires the outcome; whether the transfer moves, stays or
+retries is the lifecycle table's decision (:mod:`kvfsm.machines.transfer`).
 
-What differs between tiers (object keys, files) is a :class:`RemoteSide`: it opens the remote
-descriptors of a transfer, commits a finished store (a file tier renames its file into place),
-and closes what it opened. Its calls are part of the NIXL call they sit beside: an error while
-opening or committing is that call's error, and an error while closing is a leak. A commit that
-is not finished yet (a file tier flushing on a thread of its own) makes the answer PROC: for the
-machine the store still runs, and the next poll asks again.
+What differs between tiers (object keys, files, a peer's memory) is a :class:`RemoteSide`: it
+opens the remote descriptors of a transfer, commits a finished store (a file tier renames its
+file into place), and closes what it opened. Its calls are part of the NIXL call they sit
+beside: an error while opening or committing is that call's error, and an error while closing is
+a leak. A commit that is not finished yet (a file tier flushing on a thread of its own) makes
+the answer PROC: for the machine the store still runs, and the next poll asks again.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
+from itertools import islice
 from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
-from kvfsm.engine import Chain, CompiledMachine, Declaration
-from kvfsm.machines.transfer import TRANSFER_MACHINE, Answer, CallFailed, TransferEvent
+from kvfsm.engine import Declaration
+from kvfsm.machines.transfer import Answer, CallFailed, TransferEvent
 from kvfsm.policy import RetryPolicy
+from kvfsm.runner import COMMITTING, END, NIXL_RUNNING, Outcome
 from kvfsm.transfer import Leak, Transfer
 
-__all__ = ["NIXL_RUNNING", "MachineRefused", "RemoteSide", "StepFunction", "StorageSide",
-           "TransferDriver", "check_runnable"]
+__all__ = ["MachineRefused", "RemoteSide", "StepFunction", "StorageSide", "TransferDriver",
+           "check_runnable"]
 
-#: what NIXL's status calls answer while a transfer runs (the tier's poll compares it in bulk)
-NIXL_RUNNING = "PROC"
-_STATUS = {NIXL_RUNNING: Answer.PROC, "DONE": Answer.DONE}
+_DONE = Outcome(Answer.DONE)
+#: what NIXL's status strings mean to the machine (any other string is an error status)
+_STATUS = {NIXL_RUNNING: Outcome(Answer.PROC), "DONE": _DONE}
+_COMMITTING = Outcome(Answer.PROC, COMMITTING)
 #: the effects the driver makes itself, each named by the event it fires, with the answers it
 #: fires that event with (a machine's event must carry them all)
 _EFFECTS: dict[str, frozenset[Answer]] = {
@@ -53,7 +54,7 @@ _EFFECTS: dict[str, frozenset[Answer]] = {
 #: cache, it answers one of its event's answers, or ``(answer, why)`` with ``why`` a text
 #: kept as the failure's reason; one that raises answers RAISED
 StepFunction = Callable[[Transfer, Any], "enum.Enum | tuple[enum.Enum, str]"]
-logger = logging.getLogger("kvfsm")
+_OK = Outcome(Answer.OK)
 
 
 class RemoteSide(Protocol):
@@ -109,157 +110,140 @@ def _describe(error: BaseException) -> str:
 
 
 class TransferDriver:
-    """Performs the NIXL calls of transfers on one agent, for one compiled lifecycle.
+    """Makes the NIXL calls of transfers on one agent, and says what each answered.
 
     Args:
         agent: the NIXL agent (real or fake).
         remote: the tier's remote side.
-        machine: the compiled lifecycle; by default a fresh compilation of
-            :data:`~kvfsm.machines.transfer.TRANSFER_MACHINE` (so its step counts are this
-            driver's own).
+        declaration: the lifecycle (its events say which answers a user's step may give).
+        steps: the functions behind the machine's own effects, by name, each given the
+            transfer (the tier binds the primary cache to them).
     """
 
-    def __init__(
-        self,
-        agent: NixlAgent,
-        remote: RemoteSide,
-        machine: CompiledMachine[Any, Any] | None = None,
-        policy: RetryPolicy | None = None,
-        steps: Mapping[str, Callable[[Transfer], Any]] | None = None,
-    ) -> None:
+    def __init__(self, agent: NixlAgent, remote: RemoteSide,
+                 declaration: Declaration[Any, Any],
+                 steps: Mapping[str, Callable[[Transfer], Any]] | None = None) -> None:
         self.agent = agent
         self.remote = remote
-        self.policy = policy if policy is not None else RetryPolicy()
-        self.machine = machine if machine is not None else TRANSFER_MACHINE.compile()
-        declaration = self.machine.declaration
         self.steps = dict(steps or {})
-        check_runnable(declaration, self.steps, self.policy)
-        #: the states a transfer is over in, and those NIXL may still run it in
-        self.final = declaration.final
-        self.running = declaration.running
-        #: the effect each state waits on, by the event it fires
-        self.effects = declaration.effects
-        # each state's call, kept as the class's functions, not bound methods: a driver that
-        # referred to itself would live (and keep its NIXL agent) until the garbage collector
-        # found the cycle. The initial state's post is made by post() alone, at submit
-        cls = type(self)
-        made: dict[str, Callable[[TransferDriver, Transfer], None]] = {
-            TransferEvent.POLL: cls.poll, TransferEvent.RELEASE: cls.release,
-            TransferEvent.CLEAN: cls.clean, TransferEvent.PUBLISH: cls.publish}
-        self._calls: dict[Any, Callable[[TransferDriver, Transfer], None]] = {
-            state: made.get(effect) or functools.partial(cls.step, name=effect)
-            for state, effect in self.effects.items() if effect != TransferEvent.POST}
+        self._answers = declaration.answers
         # a remote side that keeps StorageSide's commit or close has nothing to do there
         self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
         self._closes = getattr(type(remote), "close", None) is not StorageSide.close
-        #: per state whose call is the release (DONE, FAILED): the chain release, clean and
-        #: publish take when each answers OK, read from the table (a machine that declares
-        #: another way has none, and runs step by step)
-        self._ending: dict[Any, Chain[Any]] = {}
-        for state, call in self._calls.items():
-            ending = self._ending_chain(state) if call is cls.release else None
-            if ending is not None:
-                self._ending[state] = ending
 
-    def post(self, transfer: Transfer, local: Any, local_indices: Sequence[int]) -> None:
-        """Open, register, prep, make and post ``transfer``; fire ``post`` with the answer.
+    def makers(self) -> dict[str, Callable[[Transfer], Outcome | tuple[Outcome, Outcome]]]:
+        """For each effect the runner may say is due after the post, the function that makes
+        its calls for a transfer (``make[effect](transfer)``)."""
+        makers: dict[str, Callable[[Transfer], Outcome | tuple[Outcome, Outcome]]] = {
+            END: self.end, TransferEvent.RELEASE: self.release, TransferEvent.CLEAN: self.clean,
+            TransferEvent.PUBLISH: _publish, TransferEvent.POLL: self._poll_one}
+        for name in self.steps:
+            makers[name] = functools.partial(self.step, name=name)
+        return makers
+
+    def _poll_one(self, transfer: Transfer) -> Outcome:
+        """One transfer's state check, as a batch of one."""
+        return self.polled(transfer, self.check([transfer.xfer])[0])
+
+    def post(self, transfer: Transfer, local: Any, local_indices: Sequence[int]) -> Outcome:
+        """Open, register, prep, make and post ``transfer``.
 
         Each resource is stored on the transfer as soon as it exists, so a failure at any step
         leaves the transfer holding exactly what was created (F5). A job with no blocks makes
-        no call and answers DONE.
+        no call and answers DONE. An interrupt comes back in the outcome: PROC once
+        ``transfer()`` was called (NIXL may run it; only a poll can say it is over), else
+        RAISED.
         """
+        if not local_indices:
+            return _DONE
         agent = self.agent
-        detail: Any = None
-        answer = Answer.DONE
         posting = False
         call = "open"  # the call under way: a failure is that call's (CallFailed)
-        if local_indices:
-            try:
-                remote = self.remote
-                descs = remote.open(transfer)
-                peer = remote.peer
-                if peer is None:  # storage: register the remote side, prep it locally
-                    call = "register_memory"
-                    transfer.files = agent.register_memory(descs, remote.mem_type)
-                    call = "prep_xfer_dlist"
-                    transfer.remote = agent.prep_xfer_dlist(agent.name, transfer.files.trim())
-                    message = b""  # nobody to notify
-                else:  # another agent's memory, known from its metadata
-                    call = "prep_xfer_dlist"
-                    transfer.remote = agent.prep_xfer_dlist(
-                        peer, [d[:3] for d in descs], remote.mem_type)
-                    call = "notification"
-                    message = remote.notification(transfer)
-                call = "make_prepped_xfer"
-                transfer.xfer = agent.make_prepped_xfer(
-                    "READ" if transfer.job.is_promotion else "WRITE",
-                    local, list(local_indices), transfer.remote, list(range(len(descs))),
-                    message)
-                posting = True
-                call = "transfer"
-                status = agent.transfer(transfer.xfer)
-                answer = _STATUS.get(status, Answer.ERR)
-                if answer is Answer.ERR:
-                    detail = CallFailed("transfer", status)
-                elif answer is Answer.DONE and self._commits:
-                    answer, detail = self._commit(transfer)
-            except Exception as error:  # every failure is an answer, not an escape (F5)
-                # (its text is what is kept; its traceback would hold this frame, and through
-                # it the agent, in a cycle only the garbage collector breaks)
-                answer, detail = Answer.RAISED, CallFailed(call, error.with_traceback(None))
-            except BaseException as interrupt:  # an interrupt: the job still gets its result
-                # once transfer() was called NIXL may run it: only a poll can say it is over
-                self.machine.fire(transfer, TransferEvent.POST,
-                                  Answer.PROC if posting else Answer.RAISED, interrupt)
-                raise
-        self.machine.fire(transfer, TransferEvent.POST, answer, detail)
-
-    def poll(self, transfer: Transfer) -> None:
-        """Ask NIXL whether the transfer is still running; fire ``poll`` with the answer."""
         try:
-            status = self.agent.check_xfer_state(transfer.xfer)
-        except Exception as error:  # a raised state check is the transfer's failure (F4)
-            self.polled(transfer, error.with_traceback(None))
-            return
-        self.polled(transfer, status)
+            remote = self.remote
+            descs = remote.open(transfer)
+            peer = remote.peer
+            if peer is None:  # storage: register the remote side, prep it locally
+                call = "register_memory"
+                transfer.files = agent.register_memory(descs, remote.mem_type)
+                call = "prep_xfer_dlist"
+                transfer.remote = agent.prep_xfer_dlist(agent.name, transfer.files.trim())
+                message = b""  # nobody to notify
+            else:  # another agent's memory, known from its metadata
+                call = "prep_xfer_dlist"
+                transfer.remote = agent.prep_xfer_dlist(
+                    peer, [d[:3] for d in descs], remote.mem_type)
+                call = "notification"
+                message = remote.notification(transfer)
+            call = "make_prepped_xfer"
+            transfer.xfer = agent.make_prepped_xfer(
+                "READ" if transfer.job.is_promotion else "WRITE",
+                local, list(local_indices), transfer.remote, list(range(len(descs))), message)
+            posting = True
+            call = "transfer"
+            return self.polled(transfer, agent.transfer(transfer.xfer), "transfer")
+        except Exception as error:  # every failure is an answer, not an escape (F5)
+            # (its text is what is kept; its traceback would hold this frame, and through it
+            # the agent, in a cycle only the garbage collector breaks)
+            return Outcome(Answer.RAISED, CallFailed(call, error.with_traceback(None)))
+        except BaseException as interrupt:  # the job still gets its result
+            return Outcome(Answer.PROC if posting else Answer.RAISED,
+                           CallFailed(call, interrupt), interrupt)
 
-    def polled(self, transfer: Transfer, status: str | Exception) -> None:
-        """Fire ``poll`` with what ``check_xfer_state`` answered (a status, or what it raised)."""
-        if isinstance(status, Exception):
-            self.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED,
-                              CallFailed("check_xfer_state", status))
-            return
-        answer = _STATUS.get(status, Answer.ERR)
-        detail: Any = None
-        if answer is Answer.DONE and self._commits:
-            answer, detail = self._commit(transfer)
-        elif answer is Answer.ERR:
-            detail = CallFailed("check_xfer_state", status)
-        self.machine.fire(transfer, TransferEvent.POLL, answer, detail)
+    def check(self, handles: Sequence[Any]) -> list[str | Exception]:
+        """``check_xfer_state`` on every handle, in one ``map``: what each answered, or what
+        the call raised (``StopIteration`` included), in order. The one place kvfsm asks NIXL
+        about a running transfer."""
+        check = self.agent.check_xfer_state
+        statuses: list[str | Exception] = []
+        while len(statuses) < len(handles):
+            try:  # CPython's list.extend keeps what map produced before a call raised
+                statuses.extend(map(check, islice(handles, len(statuses), None))
+                                if statuses else map(check, handles))
+            except Exception as error:  # that handle's answer: the machine hears poll(RAISED)
+                # (its text is what is kept; its traceback would hold the poll's frames, and
+                # through them the agent, in a cycle only the garbage collector breaks)
+                statuses.append(error.with_traceback(None))
+                continue
+            if len(statuses) < len(handles):  # a StopIteration ends map quietly: that call's
+                statuses.append(RuntimeError("check_xfer_state raised StopIteration"))
+        return statuses
 
-    def commit_failed(self, transfer: Transfer, error: Exception) -> None:
-        """A store NIXL finished whose commit did not end (a flush past the running bound):
-        fire the poll's RAISED, as a commit that raised does."""
-        self.machine.fire(transfer, TransferEvent.POLL, Answer.RAISED, CallFailed("commit", error))
+    def polled(self, transfer: Transfer, status: str | Exception,
+               call: str = "check_xfer_state") -> Outcome:
+        """What a status call (``check_xfer_state``, or ``transfer`` at the post) answered, as
+        an outcome: PROC, DONE (a store's commit made), ERR, or RAISED. A store NIXL finished
+        whose commit raised answers RAISED, and one whose commit is not over yet PROC."""
+        outcome = _STATUS.get(status) if type(status) is str else None
+        if outcome is None:
+            if isinstance(status, Exception):
+                return Outcome(Answer.RAISED, CallFailed(call, status))
+            return Outcome(Answer.ERR, CallFailed(call, status))
+        if outcome is _DONE and self._commits and not transfer.job.is_promotion:
+            try:
+                committed = self.remote.commit(transfer)
+            except Exception as error:
+                return Outcome(Answer.RAISED, CallFailed("commit", error.with_traceback(None)))
+            if committed is False:
+                return _COMMITTING
+        return outcome
 
-    def settle(self, transfer: Transfer) -> bool:
-        """After a post or poll fired: make the calls the transfer waits on now; True once it
-        is in a final state."""
-        return transfer.state in self.final or self.advance(transfer)
+    def end(self, transfer: Transfer) -> tuple[Outcome, Outcome]:
+        """Release a transfer that is over, then (once released) make its cleanup calls: what
+        each answered. An interrupt during the cleanup comes back in the second."""
+        released = self.release(transfer)
+        if released.answer is not Answer.OK:
+            return released, _NONE
+        try:
+            return released, self.clean(transfer)
+        except BaseException as interrupt:  # the cleanup goes on from where it stopped
+            return released, Outcome(None, None, interrupt)
 
-    def release(self, transfer: Transfer) -> None:
-        """Release the transfer handle (a transfer that never got one has nothing to release)."""
-        released = self._release_call(transfer)
-        if released is True:
-            self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
-        elif released is not False:
-            self._release_failed(transfer, released)
+    def release(self, transfer: Transfer) -> Outcome:
+        """Release the transfer handle (a transfer that never got one has nothing to release):
+        OK, or RAISED with what the call raised (the handle is then still held).
 
-    def _release_call(self, transfer: Transfer) -> bool | Exception:
-        """Make the release call, firing nothing: True when the handle is released (or there
-        was none), False while backing off (no call), or what the call raised.
-
-        An interrupt during the call leaves the handle on the transfer, and a later poll
+        An interrupt during the call leaves the handle on the transfer, and a later round
         releases it: leaving its descriptors registered under a handle that may still hold them
         would be worse. (One that lands after NIXL released it but before this method noted it
         makes that later call a second one, which NIXL's Python wrapper ignores: its handle
@@ -267,42 +251,18 @@ class TransferDriver:
         """
         xfer = transfer.xfer
         if xfer is None:
-            return True
-        if transfer.retry_at and time.monotonic() < transfer.retry_at:
-            return False  # backing off: no call this poll
+            return _OK
         try:
             self.agent.release_xfer_handle(xfer)
-        except Exception as error:  # still held: retried on a later poll
-            return error.with_traceback(None)  # no cycle through the caller's frame
+        except Exception as error:  # still held: retried on a later round
+            return Outcome(Answer.RAISED,
+                           CallFailed("release_xfer_handle", error.with_traceback(None)))
         transfer.xfer = None  # released: never handed to NIXL again
-        return True
+        return _OK
 
-    def _release_failed(self, transfer: Transfer, error: Exception) -> None:
-        """Fire a release that raised: it stays and is retried on the next poll (F1), or is
-        quarantined once the retry policy's bound is spent."""
-        now = time.monotonic()
-        failures = transfer.retries + 1
-        failed = CallFailed("release_xfer_handle", error)
-        if self.policy.spent(failures, transfer.finished_at, now):
-            self.machine.fire(transfer, TransferEvent.RELEASE, Answer.EXHAUSTED, failed)
-            logger.error("job %d quarantined after %d failed release(s): %s",
-                         transfer.job_id, failures, transfer.error, extra=transfer.log_fields())
-            return
-        self.machine.fire(transfer, TransferEvent.RELEASE, Answer.RAISED, failed)
-        transfer.retry_at = self.policy.next_attempt(failures, now)
-        retries = transfer.retries
-        if retries & (retries - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every poll
-            logger.warning("job %d: release_xfer_handle raised (retry %d): %s",
-                           transfer.job_id, retries, transfer.error, extra=transfer.log_fields())
-
-    def clean(self, transfer: Transfer) -> None:
-        """Release the remote descriptor list, deregister, close; each failure is a leak."""
-        leaks = self._cleanup(transfer)
-        self.machine.fire(transfer, TransferEvent.CLEAN,
-                          Answer.LEAKED if leaks else Answer.OK, tuple(leaks))
-
-    def _cleanup(self, transfer: Transfer) -> list[Leak]:
-        """The cleanup calls, best effort; what could not be released."""
+    def clean(self, transfer: Transfer) -> Outcome:
+        """Release the remote descriptor list, deregister, close, best effort: OK, or LEAKED
+        with what could not be released."""
         leaks: list[Leak] = []
         if transfer.remote is not None:
             try:
@@ -321,14 +281,10 @@ class TransferDriver:
                 leaks += self.remote.close(transfer)
             except Exception as error:
                 leaks.append(Leak("close", _describe(error)))
-        return leaks
+        return Outcome(Answer.LEAKED, tuple(leaks)) if leaks else _CLEAN
 
-    def publish(self, transfer: Transfer) -> None:
-        """Hand the result out: the last step, taken once."""
-        self.machine.fire(transfer, TransferEvent.PUBLISH, Answer.OK)
-
-    def step(self, transfer: Transfer, *, name: str) -> None:
-        """Make the user's step ``name``; fire its event with what it answered.
+    def step(self, transfer: Transfer, *, name: str) -> Outcome:
+        """Make the user's step ``name``: what it answered.
 
         A step that raises, or answers what its event does not carry, answers RAISED (its
         event must carry it: :func:`check_runnable`); an answer given with a reason
@@ -337,111 +293,21 @@ class TransferDriver:
         try:
             answered = self.steps[name](transfer)
             answer, why = answered if isinstance(answered, tuple) else (answered, None)
-            if answer not in self.machine.declaration.answers[name] or answer is Answer.RAISED:
+            if answer not in self._answers[name] or answer is Answer.RAISED:
                 raise TypeError(f"step {name!r} answered {answered!r}, not one of its "
                                 "event's answers")
         except Exception as error:  # a step's failure is an answer, not an escape
-            self.machine.fire(transfer, name, Answer.RAISED,
-                              CallFailed(name, error.with_traceback(None)))
-            return
-        self.machine.fire(transfer, name, answer, None if why is None else CallFailed(name, why))
+            return Outcome(Answer.RAISED, CallFailed(name, error.with_traceback(None)))
+        return Outcome(answer, None if why is None else CallFailed(name, why))
 
-    def cancel(self, transfer: Transfer) -> None:
-        """The caller cancelled the job; the machine says what that means in its state.
 
-        A state that declares no ``cancel`` is one NIXL no longer runs in (a tier refuses a
-        machine whose running states lack it): the transfer is over, keeps its outcome and goes
-        on to its result, as a cancelled job that already ended does. (An interrupt during the
-        cleanup calls leaves a transfer in XFER_RELEASED, which is such a state.)
-        """
-        if TransferEvent.CANCEL in self.machine.table.get(transfer.state, {}):
-            self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK)
+_NONE = Outcome(None)
+_CLEAN = Outcome(Answer.OK, ())
 
-    def give_up(self, transfer: Transfer, why: str) -> None:
-        """The retry policy's bound is spent for a transfer still waiting on NIXL: fire the
-        call it waits on with EXHAUSTED (a release, or a poll of a transfer still running)."""
-        was = transfer.state
-        self.machine.fire(transfer, self.effects[was], Answer.EXHAUSTED, why)
-        logger.error("job %d quarantined in %s: %s", transfer.job_id, was.name, why,
-                     extra=transfer.log_fields())
 
-    def advance(self, transfer: Transfer) -> bool:
-        """Make calls for ``transfer`` until it waits on NIXL or is published.
-
-        A transfer that is over (in a state whose call is the release, DONE or FAILED in the
-        lifecycle) makes its release and cleanup calls and, when each answers OK, takes the
-        rest of its way (release, clean, publish) as one :class:`~kvfsm.engine.Chain`; else
-        each step is fired on its own with what its call answered, in the same order.
-
-        Returns:
-            True when the transfer is in a final state (PUBLISHED, QUARANTINED).
-        """
-        calls, endings, final = self._calls, self._ending, self.final
-        while True:
-            before = transfer.state
-            if before in final:
-                return True
-            ending = endings.get(before)
-            if ending is not None:
-                self._end(transfer, ending)
-            else:
-                call = calls.get(before)
-                if call is None:  # SUBMITTED waits on post()
-                    return False
-                call(self, transfer)
-            if transfer.state is before:  # still running, or a release to retry next poll
-                return False
-
-    def _end(self, transfer: Transfer, ending: Chain[Any]) -> None:
-        """Release and clean up a transfer that is over; publish it as one chain if every call
-        answered OK, else fire what each answered."""
-        machine = self.machine
-        released: bool | Exception = False
-        try:
-            released = self._release_call(transfer)
-            leaks = self._cleanup(transfer) if released is True else []
-        except BaseException:  # an interrupt: record the release if it was made, and go
-            if released is True:  # the cleanup goes on from where it stopped
-                machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
-            raise
-        if released is True:
-            if not leaks:
-                machine.run(transfer, ending)
-                return
-            machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
-            machine.fire(transfer, TransferEvent.CLEAN, Answer.LEAKED, tuple(leaks))
-        elif released is not False:  # False: backing off, no call this poll
-            self._release_failed(transfer, released)
-
-    def _ending_chain(self, state: Any) -> Chain[Any] | None:
-        """Release, clean and publish, each answering OK, from ``state``: the chain, when the
-        table leads them through states whose calls are exactly those, to a final state."""
-        cls = type(self)
-        moves = ((cls.release, TransferEvent.RELEASE, None),
-                 (cls.clean, TransferEvent.CLEAN, ()),
-                 (cls.publish, TransferEvent.PUBLISH, None))
-        table = self.machine.table
-        at = state
-        for call, event, _ in moves:
-            step = table.get(at, {}).get(event, {}).get(Answer.OK)
-            if self._calls.get(at) is not call or step is None or step.dest is at:
-                return None
-            at = step.dest
-        if at not in self.final:
-            return None
-        return self.machine.chain(state, [(event, Answer.OK, detail)
-                                          for _, event, detail in moves])
-
-    def _commit(self, transfer: Transfer) -> tuple[Answer, Any]:
-        """NIXL answered DONE: commit a store; a commit that raises makes the answer RAISED,
-        and one not finished yet PROC (the store is not over until its commit is)."""
-        if transfer.job.is_promotion:
-            return Answer.DONE, None
-        try:
-            committed = self.remote.commit(transfer)
-        except Exception as error:
-            return Answer.RAISED, CallFailed("commit", error.with_traceback(None))  # no cycle
-        return (Answer.PROC, None) if committed is False else (Answer.DONE, None)
+def _publish(transfer: Transfer) -> Outcome:
+    """Publishing makes no call: it answers OK."""
+    return _OK
 
 
 class MachineRefused(ValueError):
@@ -455,12 +321,13 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     Everything is read from the declaration (:attr:`~kvfsm.engine.Declaration.effects`,
     ``running``, ``final``): each state waits on an effect the driver makes or a step it was
     given; the initial state on ``post``, and ``post`` answering PROC leads to a running state;
-    running states, and only they, on the state check ``poll``, with a ``cancel`` edge (cancel()
-    and shutdown() must reach them) and, under a ``max_running_seconds`` bound, a give-up
-    (EXHAUSTED) edge; a state whose effect may leave the transfer where it is (a retry) has a
-    give-up edge out of it too, as the retry bound and the shutdown deadline need one (``post``
-    is made once, at submit: nothing retries it). A step's event carries RAISED, which a step
-    that raises answers.
+    running states, and only they, on the state check ``poll``; every state but the initial one
+    declares ``cancel`` (cancel() and shutdown() may come between any two steps: a running
+    state latches failure, one that is over typically stays); running states under a
+    ``max_running_seconds`` bound have a give-up (EXHAUSTED) edge; a state whose effect may
+    leave the transfer where it is (a retry) has a give-up edge out of it too, as the retry
+    bound and the shutdown deadline need one (``post`` is made once, at submit: nothing retries
+    it). A step's event carries RAISED, which a step that raises answers.
 
     Raises:
         MachineRefused: one line naming the machine, the state and what is missing.
@@ -515,10 +382,14 @@ def _check_state(declaration: Declaration[Any, Any], moves: Mapping[str, Any], s
             "would be released while NIXL may run it)")
     if state in declaration.unreachable:
         return
+    if effect != TransferEvent.POST and TransferEvent.CANCEL not in moves:
+        raise MachineRefused(
+            f"{where} declares no 'cancel' edge: cancel() and shutdown() could not end its "
+            "jobs" if state in declaration.running else
+            f"{where} declares no 'cancel' edge: a cancel() or shutdown() may come while a "
+            "transfer waits here, and the table must say what it means (a stay keeps the "
+            "outcome)")
     if state in declaration.running:
-        if TransferEvent.CANCEL not in moves:
-            raise MachineRefused(f"{where} is running and declares no 'cancel' edge: "
-                                 "cancel() and shutdown() could not end its jobs")
         if policy.max_running_seconds is not None:
             _check_give_up(where, moves, effect, "the policy's max_running_seconds")
     elif effect != TransferEvent.POST and any(step.dest is state

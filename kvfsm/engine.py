@@ -318,6 +318,90 @@ class Declaration(Generic[S, A]):
             listener(compiled)
         return compiled
 
+    def extend(
+        self,
+        name: str,
+        *,
+        states: Iterable[str] = (),
+        replace: Mapping[tuple[str, str, str], Mapping[str, Any]] | None = None,
+        transitions: Sequence[Mapping[str, Any]] = (),
+        answers: Mapping[str, Iterable[A]] | None = None,
+        guards: Mapping[str, Iterable[A]] | None = None,
+        actions: Mapping[str, Action] | None = None,
+        calls: Mapping[str, str | Sequence[str]] | None = None,
+        effects: Mapping[str, str] | None = None,
+        running: Iterable[str] = (),
+        final: Iterable[str] = (),
+        failure_states: Iterable[str] = (),
+    ) -> Declaration[Any, A]:
+        """A new machine: this one, with states, edges and effects of your own.
+
+        The new machine's states are a new Enum (:attr:`states`): this machine's states, by
+        name, then ``states``. Its table is this one's, on those states, with the edges keyed
+        ``(source, trigger, conditions)`` in ``replace`` changed as given (``conditions`` is the
+        guard's name, ``""`` for none; ``{"dest": "VERIFYING", "after": []}`` sends an edge
+        elsewhere without its actions), then ``transitions`` added. ``answers``, ``guards``,
+        ``actions``, ``calls`` and ``effects`` are added to (or replace by key) this machine's;
+        ``running``, ``final`` and ``failure_states`` are added to its sets. States are named by
+        their names (a member of this machine's Enum is taken by its name too).
+
+        Raises:
+            DeclarationError: a state, or a replaced edge, that does not exist; or whatever the
+                new declaration gets wrong (it is checked as any declaration is).
+        """
+        names = [state.name for state in self.states]
+        added = list(states)
+        clash = sorted(set(added) & set(names))
+        if clash:
+            raise DeclarationError(f"{name}: states {clash} already exist in {self.name!r}")
+        new = enum.Enum(  # type: ignore[misc]
+            name.title().replace("_", "") + "State", [*names, *added])
+        new.__hash__ = object.__hash__  # type: ignore[method-assign]  # by identity, in C
+
+        def ours(state: Any) -> Any:
+            key = state.name if isinstance(state, enum.Enum) else state
+            try:
+                return new[key]
+            except KeyError:
+                raise DeclarationError(f"{name}: no state {key!r} (states: "
+                                       f"{', '.join(new.__members__)})") from None
+
+        def mapped(transition: Mapping[str, Any]) -> dict[str, Any]:
+            edge = dict(transition)
+            for end in ("source", "dest"):
+                value = edge[end]
+                edge[end] = ([ours(v) for v in value] if isinstance(value, list | tuple)
+                             else ours(value))
+            return edge
+
+        changes = {(ours(s).name, str(t), c): dict(v) for (s, t, c), v in (replace or {}).items()}
+        table = []
+        for transition in self.transitions:
+            key = (ours(transition["source"]).name, str(transition["trigger"]),
+                   transition.get("conditions", ""))
+            change = changes.pop(key, None)
+            table.append(mapped({**transition, **change} if change else transition))
+        if changes:
+            raise DeclarationError(f"{name}: replace names edges {self.name!r} does not have: "
+                                   f"{sorted(changes)}")
+        effects_now = {ours(s): e for s, e in self.effects.items()}
+        effects_now.update({ours(s): e for s, e in (effects or {}).items()})
+        return Declaration(
+            name,
+            states=new,
+            initial=ours(self.initial),
+            answers={**self.answers, **(answers or {})},
+            guards={**self.guards, **(guards or {})},
+            actions={**self.actions, **(actions or {})},
+            transitions=[*table, *map(mapped, transitions)],
+            final=[*map(ours, self.final), *map(ours, final)],
+            failure_states=[*map(ours, self.failure_states), *map(ours, failure_states)],
+            unreachable=map(ours, self.unreachable),
+            calls={**self.calls, **(calls or {})},
+            effects=effects_now or None,
+            running=[*map(ours, self.running), *map(ours, running)],
+        )
+
     def edges_from(self, source: S, event: str) -> list[Edge]:
         """The edges leaving ``source`` on ``event``, in the order their guards are tried."""
         return [e for e in self.edges if e.source == source.name and e.event == event]

@@ -92,16 +92,17 @@ connection already used, the first probe raised. So a dead sender is found withi
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import re
 import threading
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from kvfsm.contract import Books, JobSide
 from kvfsm.machines.peer_link import PEER_LINK, LinkState, loses_link
 from kvfsm.machines.peer_receive import (
     PEER_RECEIVE,
@@ -211,7 +212,7 @@ class _Expected:
         self.trace: list[Any] = []
 
 
-class PeerReceiver:
+class PeerReceiver(JobSide):
     """The receiving engine's side: registers its KV cache once, expects jobs, publishes one
     result for each when its notification arrives or its sender is gone.
 
@@ -227,8 +228,10 @@ class PeerReceiver:
             by itself: only NIXL answering that the sender is gone does (module docstring).
     """
 
+    _noun = "expected job(s)"
+
     def __init__(self, primary: torch.Tensor, *, agent: Any,
-                 peer_timeout: float | None = 30.0) -> None:
+                 peer_timeout: float | None = 30.0, poll_interval: float = 0.0002) -> None:
         _check_primary(primary)
         if peer_timeout is not None and not peer_timeout > 0:
             raise ValueError(f"peer_timeout must be > 0 seconds or None, got {peer_timeout!r}")
@@ -242,7 +245,10 @@ class PeerReceiver:
         self.links = PeerLinks(agent)
         self._registration = agent.register_memory(
             [(primary.data_ptr(), self.num_blocks * self.block_bytes, 0, "")], "DRAM")
-        self._expected: dict[int, _Expected] = {}
+        self.poll_interval = poll_interval
+        self._books = Books()
+        #: the expected jobs not yet published, by job id
+        self._expected: dict[int, _Expected] = self._books.records
         #: each open link's notifications, by its nonce
         self._inboxes: dict[str, _Inbox] = {}
         #: nonces of links that closed, with their sender: their notifications never count
@@ -253,9 +259,11 @@ class PeerReceiver:
         #: notifications pushed out of the unknown store; notifications that could never count
         self._dropped = 0
         self._discarded = 0
+        #: get_new_notifs calls that raised; cleanup calls that failed (call, error)
+        self._notif_errors = 0
+        self._leaks: list[tuple[str, str]] = []
         #: how many unpublished jobs each link owes
         self._owed: dict[PeerLink, int] = {}
-        self._results: list[JobResult] = []
         self._lock = threading.RLock()
         self._closed = False
 
@@ -351,38 +359,44 @@ class PeerReceiver:
             if link is not None and link.state not in PEER_LINK.final:
                 self._close(link)
 
-    def get_finished_jobs(self) -> list[JobResult]:
-        """Take NIXL's new notifications, watch the senders; the results published since."""
-        with self._lock:
-            now = time.monotonic()
-            dropped = self._dropped
-            for sender, messages in self.agent.get_new_notifs().items():
-                name = _peer_name(sender)
-                link = self.links.get(name)
-                if link is not None:
-                    link.quiet_since = now  # heard from: it is there
-                for message in messages:
-                    self._take(name, bytes(message))
-            if self._dropped > dropped:
-                logger.warning("dropped the %d oldest notification(s) carrying a nonce no link "
-                               "has: the store of %d was full (%d dropped in all)",
-                               self._dropped - dropped, MAX_UNKNOWN_NOTIFICATIONS,
-                               self._dropped)
-            self._watch_links(now)
-            if self._expected:
-                for expected in list(self._expected.values()):
-                    if expected.state is ReceiveState.EXPECTING:
-                        link = expected.link
-                        if link.state in RECEIVE_FAILS_WHEN_LINK_IN:
-                            self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE,
-                                              f"sender {expected.peer} is gone: "
-                                              f"{link.error or 'forgotten'}")
-                        else:
-                            self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.PRESENT)
-                    if expected.state is not ReceiveState.EXPECTING:
-                        self._publish(expected)
-            results, self._results = self._results, []
-            return results
+    def _poll(self) -> None:
+        """Take NIXL's new notifications, watch the senders, publish what is over."""
+        now = time.monotonic()
+        dropped = self._dropped
+        try:
+            arrived = self.agent.get_new_notifs()
+        except Exception as error:  # a NIXL error is the receiver's to report, not to raise
+            # (F7): no notification this round; the senders are still watched
+            self._notif_errors += 1
+            if self._notif_errors & (self._notif_errors - 1) == 0:  # 1st, 2nd, 4th...: not all
+                logger.warning("get_new_notifs raised (%d time(s) so far): %s: %s",
+                               self._notif_errors, type(error).__name__, error)
+            arrived = {}
+        for sender, messages in arrived.items():
+            name = _peer_name(sender)
+            link = self.links.get(name)
+            if link is not None:
+                link.quiet_since = now  # heard from: it is there
+            for message in messages:
+                self._take(name, bytes(message))
+        if self._dropped > dropped:
+            logger.warning("dropped the %d oldest notification(s) carrying a nonce no link "
+                           "has: the store of %d was full (%d dropped in all)",
+                           self._dropped - dropped, MAX_UNKNOWN_NOTIFICATIONS,
+                           self._dropped)
+        self._watch_links(now)
+        if self._expected:
+            for expected in list(self._expected.values()):
+                if expected.state is ReceiveState.EXPECTING:
+                    link = expected.link
+                    if link.state in RECEIVE_FAILS_WHEN_LINK_IN:
+                        self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE,
+                                          f"sender {expected.peer} is gone: "
+                                          f"{link.error or 'forgotten'}")
+                    else:
+                        self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.PRESENT)
+                if expected.state is not ReceiveState.EXPECTING:
+                    self._publish(expected)
 
     def stats(self) -> dict[str, int]:
         """What the receiver holds and has thrown away.
@@ -391,14 +405,19 @@ class PeerReceiver:
         for their :meth:`expect`; ``unknown``: notifications whose nonce no link has yet (at
         most :data:`MAX_UNKNOWN_NOTIFICATIONS`); ``dropped``: those pushed out of that store
         since the receiver was made; ``discarded``: notifications that could never count (not
-        kvfsm's, another sender's nonce, a closed link's), since it was made.
+        kvfsm's, another sender's nonce, a closed link's), since it was made;
+        ``notify_errors``: ``get_new_notifs`` calls that raised (each a round with no
+        notification taken); ``leaks``: cleanup calls that failed (the cache's registration
+        at shutdown, the links' metadata removals).
         """
         with self._lock:
             return {"expected": len(self._expected),
                     "early": sum(sum(inbox.early.values()) for inbox in self._inboxes.values()),
                     "unknown": len(self._unknown),
                     "dropped": self._dropped,
-                    "discarded": self._discarded}
+                    "discarded": self._discarded,
+                    "notify_errors": self._notif_errors,
+                    "leaks": len(self._leaks) + len(self.links.leaks())}
 
     def _take(self, sender: str, message: bytes) -> None:
         """One notification from NIXL: it completes a job, or is kept, dropped or discarded."""
@@ -474,25 +493,6 @@ class PeerReceiver:
             if link.state is LinkState.LOST:
                 self._close(link)
 
-    def has_pending_work(self) -> bool:
-        """True while a job is expected or a result not handed out."""
-        return bool(self._expected) or bool(self._results)
-
-    def drain_jobs(self, timeout: float | None = None, step: Callable[[], Any] | None = None
-                   ) -> None:
-        """Wait until every expected job is published (``step`` also runs the sender's side
-        when both live in one process)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._expected:
-            if step is not None:
-                step()
-            with self._lock:
-                self._results += self.get_finished_jobs()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"{len(self._expected)} expected job(s) never arrived: "
-                                   f"{sorted(self._expected)}")
-            time.sleep(0.0002)
-
     def shutdown(self) -> None:
         """Cut every sender off, fail what they owed, release the cache. Idempotent."""
         with self._lock:
@@ -500,8 +500,13 @@ class PeerReceiver:
                 return
             for link in self.links.open_links():
                 self._close(link)
-            self._results += self.get_finished_jobs()  # also lets UCX retire a lost sender
-            self.agent.deregister_memory(self._registration)
+            self._poll()  # also lets UCX retire a lost sender
+            try:
+                self.agent.deregister_memory(self._registration)
+            except Exception as error:  # best effort, as a tier's cleanup: a leak, kept
+                self._leaks.append(("deregister_memory", f"{type(error).__name__}: {error}"))
+                logger.warning("shutdown: deregister_memory of the receiver's cache raised: "
+                               "%s: %s", type(error).__name__, error)
             self._closed = True
 
     def state_of(self, job_id: int) -> ReceiveState | None:
@@ -522,11 +527,39 @@ class PeerReceiver:
             inbox.waiting.pop(notification_for(expected.link.nonce, expected.job.job_id,
                                                expected.job.block_ids), None)
         success = bool(expected.success)
-        self._results.append(JobResult(
+        self._books.publish(JobResult(
             expected.job.job_id, success,
             len(expected.job.block_ids) * self.block_bytes if success else 0,
             expected.finished_at - expected.started_at,
             None if success else expected.reason))
+
+
+class _Receiver:
+    """Who the sender writes to: the link to the receiver (the last one connected) and the
+    descriptors of the receiver's blocks. The sender changes them as links come and go; its
+    remote side and its books read them, and hold no reference to the sender itself."""
+
+    __slots__ = ("blocks", "link")
+
+    def __init__(self) -> None:
+        self.link: PeerLink | None = None
+        self.blocks: list[tuple[int, int, int]] = []
+
+    @property
+    def peer(self) -> str | None:
+        """The receiver's agent name, while its link is not over; else None."""
+        link = self.link
+        return None if link is None or link.state in PEER_LINK.final else link.name
+
+    def index(self, key: bytes | str) -> int:
+        """The receiver block a key names."""
+        text = key.decode() if isinstance(key, bytes) else key
+        if not isinstance(text, str) or not text.isdigit():
+            raise ValueError(f"a peer key is the receiver's block index, got {key!r}")
+        index = int(text)
+        if self.blocks and index >= len(self.blocks):
+            raise ValueError(f"receiver block {index} is out of range [0, {len(self.blocks)})")
+        return index
 
 
 class _PeerMemory:
@@ -534,25 +567,25 @@ class _PeerMemory:
 
     mem_type = "DRAM"
 
-    def __init__(self, tier: PeerSender) -> None:
-        self._tier: PeerSender = weakref.proxy(tier)  # the tier holds this side: no cycle
+    def __init__(self, receiver: _Receiver) -> None:
+        self._receiver = receiver
 
     @property
     def peer(self) -> str | None:
-        return self._tier.peer
+        return self._receiver.peer
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
-        tier = self._tier
-        if tier.peer is None:
+        receiver = self._receiver
+        if receiver.peer is None:
             raise ConnectionError("no receiver is connected")
-        return [(*tier.receiver_blocks[tier.remote_index(key)], "") for key in transfer.job.keys]
+        return [(*receiver.blocks[receiver.index(key)], "") for key in transfer.job.keys]
 
     def notification(self, transfer: Transfer) -> bytes:
-        tier, keys = self._tier, transfer.job.keys
-        if tier.link is None:
+        receiver, keys = self._receiver, transfer.job.keys
+        if receiver.link is None:
             raise ConnectionError("no receiver is connected")
-        return notification_for(tier.link.nonce, transfer.job.job_id,
-                                [tier.remote_index(k) for k in keys])
+        return notification_for(receiver.link.nonce, transfer.job.job_id,
+                                [receiver.index(k) for k in keys])
 
     def commit(self, transfer: Transfer) -> None:
         """The receiver learns of the write from the notification; nothing to commit."""
@@ -594,20 +627,28 @@ class PeerSender(SecondaryTier):
 
     def __init__(self, primary: torch.Tensor, *, agent: Any,
                  policy: RetryPolicy | None = None, poll_interval: float = 0.0002) -> None:
-        self.receiver_blocks: list[tuple[int, int, int]] = []
         self.links = PeerLinks(agent)
-        #: the link to the receiver (the last one connected)
-        self.link: PeerLink | None = None
+        self._receiver = _Receiver()
         #: the nonce of the link being made, or open; a new one is drawn when it closes
         self._nonce = new_nonce()
-        super().__init__(primary, agent=agent, remote=_PeerMemory(self),
+        super().__init__(primary, agent=agent, remote=_PeerMemory(self._receiver),
                          poll_interval=poll_interval, policy=policy)
+        self._runner.on_final.append(functools.partial(_heard, self._receiver, self.links))
+
+    @property
+    def link(self) -> PeerLink | None:
+        """The link to the receiver (the last one connected), or None before the first."""
+        return self._receiver.link
+
+    @property
+    def receiver_blocks(self) -> list[tuple[int, int, int]]:
+        """The descriptors of the receiver's blocks, as :meth:`connect` was given them."""
+        return self._receiver.blocks
 
     @property
     def peer(self) -> str | None:
         """The receiver's agent name, while its link is not over; else None."""
-        link = self.link
-        return None if link is None or link.state in PEER_LINK.final else link.name
+        return self._receiver.peer
 
     def metadata(self) -> bytes:
         """What the receiver's :meth:`PeerReceiver.connect` takes: this agent's metadata and the
@@ -633,9 +674,9 @@ class PeerSender(SecondaryTier):
             if self.link is not None and self.link.state not in PEER_LINK.final:
                 raise PeerLinkError(f"already linked to receiver {self.link.name!r} "
                                     f"({self.link.state.name}); forget_peer() first")
-            self.link = self.links.connect(receiver_metadata, self._nonce)
-            self.receiver_blocks = [tuple(d) for d in receiver_blocks]  # type: ignore[misc]
-            return str(self.link.name)
+            link = self._receiver.link = self.links.connect(receiver_metadata, self._nonce)
+            self._receiver.blocks = [tuple(d) for d in receiver_blocks]  # type: ignore[misc]
+            return str(link.name)
 
     def link_state(self) -> LinkState:
         """The state of the link to the receiver (UNKNOWN before the first connect)."""
@@ -652,9 +693,10 @@ class PeerSender(SecondaryTier):
             link = self.link
             if link is None or link.state in PEER_LINK.final:
                 return
-            if self._transfers:
-                raise RuntimeError(f"receiver {link.name!r}: {len(self._transfers)} transfer(s) "
-                                   "not yet published; drain_jobs() or cancel() them first")
+            unpublished = len(self._runner.records)
+            if unpublished:
+                raise RuntimeError(f"receiver {link.name!r}: {unpublished} transfer(s) not yet "
+                                   "published; drain_jobs() or cancel() them first")
             self._close_link(link)
 
     def get_finished_jobs(self) -> list[JobResult]:
@@ -685,14 +727,7 @@ class PeerSender(SecondaryTier):
 
     def remote_index(self, key: bytes | str) -> int:
         """The receiver block a key names."""
-        text = key.decode() if isinstance(key, bytes) else key
-        if not isinstance(text, str) or not text.isdigit():
-            raise ValueError(f"a peer key is the receiver's block index, got {key!r}")
-        index = int(text)
-        if self.receiver_blocks and index >= len(self.receiver_blocks):
-            raise ValueError(f"receiver block {index} is out of range "
-                             f"[0, {len(self.receiver_blocks)})")
-        return index
+        return self._receiver.index(key)
 
     def remote_name(self, key: bytes | str) -> str:
         """A key's receiver block, as text."""
@@ -714,23 +749,6 @@ class PeerSender(SecondaryTier):
                                    "nothing was posted")
         super()._submit(job, load=load)
 
-    def _finish(self, transfer: Transfer) -> None:
-        super()._finish(transfer)
-        self._heard(transfer)
-
-    def _heard(self, transfer: Transfer) -> None:
-        """A transfer was published: one whose last error was one of
-        :data:`~kvfsm.machines.peer_link.LINK_LOST_BY` (by type) loses the link."""
-        link = self.link
-        reason = transfer.reason
-        # the failure that ended the write (latched), or an error NIXL gave it afterwards (a
-        # cancelled write's state check); a release retried later does not hide either
-        lost = loses_link(reason.error_type if reason is not None else None) or loses_link(
-            transfer.error_type)
-        if (transfer.success is False and link is not None and lost
-                and link.state in (LinkState.CONNECTED, LinkState.LOST)):
-            self.links.disconnected(link, transfer.error)
-
     def _settle_link(self) -> None:
         """A connecting link is checked again; a lost one is closed once nothing runs to it."""
         link = self.link
@@ -738,7 +756,7 @@ class PeerSender(SecondaryTier):
             return
         if link.state is LinkState.CONNECTING:
             self.links.recheck(link)
-        if link.state is LinkState.LOST and not self._transfers:
+        if link.state is LinkState.LOST and not self._runner.records:
             self._close_link(link)
 
     def _close_link(self, link: PeerLink) -> None:
@@ -752,3 +770,17 @@ class PeerSender(SecondaryTier):
             self.agent.get_new_notifs()  # type: ignore[attr-defined]
         except Exception as error:
             logger.warning("get_new_notifs raised while closing a peer link: %s", error)
+
+
+def _heard(receiver: _Receiver, links: PeerLinks, transfer: Transfer, result: JobResult) -> None:
+    """A write was published: one whose last error was one of
+    :data:`~kvfsm.machines.peer_link.LINK_LOST_BY` (by type) loses the link."""
+    link = receiver.link
+    reason = transfer.reason
+    # the failure that ended the write (latched), or an error NIXL gave it afterwards (a
+    # cancelled write's state check); a release retried later does not hide either
+    lost = loses_link(reason.error_type if reason is not None else None) or loses_link(
+        transfer.error_type)
+    if (transfer.success is False and link is not None and lost
+            and link.state in (LinkState.CONNECTED, LinkState.LOST)):
+        links.disconnected(link, transfer.error)

@@ -63,6 +63,7 @@ class Transfer:
     """
 
     __slots__ = (
+        "attempts",
         "error",
         "error_type",
         "filed",
@@ -101,8 +102,11 @@ class Transfer:
         self.success: bool | None = None
         #: how many times releasing the transfer handle raised and was retried
         self.retries = 0
-        #: monotonic time before which a failed release is not retried (0: at once)
+        #: monotonic time before which a failed release (or step) is not retried (0: at once)
         self.retry_at = 0.0
+        #: failed tries of the effect the transfer waits on now, for the retry policy (a
+        #: release that raised, a step answering a stay): back to 0 when it moves on
+        self.attempts = 0
         #: the last NIXL error this transfer saw, as text
         self.error: str | None = None
         #: that error's type, the exception's class name (None: it raised nothing); other
@@ -121,9 +125,9 @@ class Transfer:
         self.opened: Any = None
         #: the remote name of each key (object names, file names), as the tier checked them
         self.names: tuple[str, ...] = ()
-        #: where the tier's poll list keeps the transfer while NIXL runs it (-1: not there)
+        #: where the runner's running list keeps the transfer while NIXL runs it (-1: not there)
         self.slot = -1
-        #: the state the tier's waiting list counts it under (None: not in that list)
+        #: the state the runner counts it under (None: not filed yet, or published)
         self.filed: Any = None
         #: the steps taken, flat: step, time, step, time... (a chain of steps taken at once
         #: in place of a step; see :mod:`kvfsm.trace`)

@@ -22,7 +22,7 @@ def run(seed: int, *, chained: bool) -> dict[str, Any]:
                            policy=RetryPolicy(max_attempts=2, max_seconds=None))
     agent.faults.chaos(0.12, seed=seed)  # the transfers' calls fail at random from here
     if not chained:  # the same tier with its chains taken away: every step fired on its own
-        tier.driver._ending.clear()
+        tier._runner._ending.clear()
     steps: dict[int, list[tuple[str, ...]]] = {}
 
     def keep_steps(transfer: Any) -> None:
@@ -49,7 +49,7 @@ def run(seed: int, *, chained: bool) -> dict[str, Any]:
     stats = tier.stats()
     tier.shutdown()
     counts = {(e.source, e.event, e.dest, e.guard_label): n
-              for e, n in tier.driver.machine.transition_counts().items()}
+              for e, n in tier.machine.transition_counts().items()}
     return {"calls": list(agent.calls), "rounds": rounds, "steps": steps, "counts": counts,
             "misuses": list(agent.misuses), "retries": stats["retries"],
             "leaks": stats["leaked"], "quarantined": stats["quarantined"]}

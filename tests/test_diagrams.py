@@ -391,7 +391,9 @@ def test_the_transfer_drawing_matches_the_table_written_out_by_hand() -> None:
         ("FAILED", "cancel", None, (), (), "FAILED"),
         ("XFER_RELEASED", "clean", 1, ("cleaned",), (), "CLEANED"),
         ("XFER_RELEASED", "clean", 2, ("leaked",), ("record_leaks",), "CLEANED"),
+        ("XFER_RELEASED", "cancel", None, (), (), "XFER_RELEASED"),
         ("CLEANED", "publish", None, (), (), "PUBLISHED"),
+        ("CLEANED", "cancel", None, (), (), "CLEANED"),
     }
 
 
@@ -471,7 +473,9 @@ def test_the_success_path_avoids_failed_and_the_failure_path_goes_through_it() -
         ("FAILED", "FAILED", "cancel", ()): "stay",
         ("XFER_RELEASED", "CLEANED", "clean", ("cleaned",)): "success",
         ("XFER_RELEASED", "CLEANED", "clean", ("leaked",)): "success",
+        ("XFER_RELEASED", "XFER_RELEASED", "cancel", ()): "stay",
         ("CLEANED", "PUBLISHED", "publish", ()): "success",
+        ("CLEANED", "CLEANED", "cancel", ()): "stay",
     }
 
 

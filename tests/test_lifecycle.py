@@ -48,7 +48,9 @@ EXPECTED: dict[tuple[TransferState, TransferEvent, Answer], TransferState] = {
     (S.FAILED, E.RELEASE, A.RAISED): S.FAILED,
     (S.XFER_RELEASED, E.CLEAN, A.OK): S.CLEANED,
     (S.XFER_RELEASED, E.CLEAN, A.LEAKED): S.CLEANED,
+    (S.XFER_RELEASED, E.CANCEL, A.OK): S.XFER_RELEASED,  # over: the outcome is kept
     (S.CLEANED, E.PUBLISH, A.OK): S.PUBLISHED,
+    (S.CLEANED, E.CANCEL, A.OK): S.CLEANED,
 }
 
 

@@ -330,7 +330,8 @@ def test_the_receiver_publishes_on_its_notification_and_fails_what_a_lost_peer_o
     agent.inbox = {"engine-a": [notification_for(nonce, 2, [1])]}  # too late: link closed
     assert receiver.get_finished_jobs() == []
     assert receiver.stats() == {"expected": 0, "early": 0, "unknown": 0, "dropped": 0,
-                                "discarded": 3}, "unrelated; job 1's other blocks; too late"
+                                "discarded": 3, "notify_errors": 0, "leaks": 0}, (
+        "unrelated; job 1's other blocks; too late")
     receiver.shutdown()
     assert agent.registered == 0
 
@@ -408,7 +409,7 @@ def test_a_new_link_of_a_sender_that_restarts_its_job_ids_never_shares_a_notific
     agent.inbox = {"engine-a": [notification_for(second, 1, [0])]}
     assert outcomes(receiver) == [(1, True)]
     assert receiver.stats() == {"expected": 0, "early": 0, "unknown": 0, "dropped": 0,
-                                "discarded": 1}
+                                "discarded": 1, "notify_errors": 0, "leaks": 0}
 
     with pytest.raises(PeerLinkError, match=f"sender 'engine-a': this metadata is that of a link "
                                             f"that closed \\(nonce {first} is spent\\)"):
@@ -434,7 +435,7 @@ def test_a_flood_of_unknown_notifications_stays_bounded_and_never_drops_an_open_
     assert receiver.get_finished_jobs() == []
     assert receiver.stats() == {"expected": 0, "early": 1, "unknown": MAX_UNKNOWN_NOTIFICATIONS,
                                 "dropped": flood - MAX_UNKNOWN_NOTIFICATIONS,
-                                "discarded": flood}
+                                "discarded": flood, "notify_errors": 0, "leaks": 0}
     receiver.expect(promotion(1, 2), "engine-a")
     assert outcomes(receiver) == [(1, True)]
 
@@ -450,12 +451,12 @@ def test_a_notification_that_comes_before_its_sender_is_connected_counts_once_it
     assert receiver.stats()["unknown"] == 3
     receiver.connect(metadata)
     assert receiver.stats() == {"expected": 0, "early": 2, "unknown": 0, "dropped": 0,
-                                "discarded": 1}
+                                "discarded": 1, "notify_errors": 0, "leaks": 0}
     receiver.expect(promotion(1, 0), "engine-a")
     assert outcomes(receiver) == [(1, True)]
     receiver.forget_peer("engine-a")  # what its link kept and no job claimed goes with it
     assert receiver.stats() == {"expected": 0, "early": 0, "unknown": 0, "dropped": 0,
-                                "discarded": 2}
+                                "discarded": 2, "notify_errors": 0, "leaks": 0}
 
 
 def test_the_receiving_machine_explores_clean() -> None:

@@ -60,7 +60,11 @@ def test_effects_and_running_states_are_checked_when_declared(changes: dict[str,
     (lifecycle("no_effects", effects=None, running=()), RetryPolicy(),
      "machine 'no_effects' declares no effects"),
     (lifecycle("no_cancel", drop=((S.CANCELLING, "cancel", ""),)), RetryPolicy(),
-     "machine 'no_cancel': state CANCELLING is running and declares no 'cancel' edge"),
+     "machine 'no_cancel': state CANCELLING declares no 'cancel' edge: cancel.. and "
+     "shutdown.. could not end its jobs"),
+    (lifecycle("no_cancel_when_over", drop=((S.XFER_RELEASED, "cancel", ""),)), RetryPolicy(),
+     "machine 'no_cancel_when_over': state XFER_RELEASED declares no 'cancel' edge: a cancel.. "
+     "or shutdown.. may come while a transfer waits here"),
     (lifecycle("release_while_running", effects={**TRANSFER_MACHINE.effects,
                                                   S.DONE: "poll"},
                transitions=[*TRANSITIONS, {"trigger": "poll", "source": S.DONE,

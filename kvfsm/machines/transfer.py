@@ -38,8 +38,9 @@ Every event is one NIXL call, and carries what NIXL answered (an :class:`Answer`
 * ``publish``: CLEANED -> PUBLISHED, entered exactly once; the transfer leaves the tier's table
   only here or in QUARANTINED, and its one result is handed out (F6).
 * ``cancel``: from PROCESSING, CANCELLING latches failure; it still waits for ``poll`` to answer
-  DONE or an error before FAILED lets the handle go (F10). A transfer already over keeps its
-  outcome.
+  DONE or an error before FAILED lets the handle go (F10). A transfer already over (DONE,
+  FAILED, XFER_RELEASED, CLEANED) keeps its outcome: cancel is declared there as a stay, so a
+  cancel may arrive between any two steps and the table says what it means.
 * ``EXHAUSTED`` (the tier's :class:`~kvfsm.policy.RetryPolicy` says a bound is spent) moves a
   release that keeps raising, or a transfer still running at the shutdown deadline, to
   QUARANTINED: its handles are never released, and its result is a failure (F9).
@@ -402,8 +403,10 @@ TRANSITIONS: list[dict[str, Any]] = [
     {"trigger": E.CLEAN, "source": S.XFER_RELEASED, "dest": S.CLEANED, "conditions": "cleaned"},
     {"trigger": E.CLEAN, "source": S.XFER_RELEASED, "dest": S.CLEANED, "conditions": "leaked",
      "after": "record_leaks"},
+    {"trigger": E.CANCEL, "source": S.XFER_RELEASED, "dest": S.XFER_RELEASED},
     # CLEANED: the result is handed out
     {"trigger": E.PUBLISH, "source": S.CLEANED, "dest": S.PUBLISHED},
+    {"trigger": E.CANCEL, "source": S.CLEANED, "dest": S.CLEANED},
 ]
 
 #: The transfer lifecycle, declared once.

@@ -1,4 +1,5 @@
-"""kvfsm's public test toolkit: a fake NIXL agent, and fault injection into fake or real agents."""
+"""kvfsm's public test toolkit: a fake NIXL agent, fake UCX agents for the peer seam, and fault
+injection into fake or real agents."""
 
 from kvfsm.testing.fake_agent import (
     FakeDlistHandle,
@@ -8,6 +9,7 @@ from kvfsm.testing.fake_agent import (
     FakeXferHandle,
     NixlMisuseError,
 )
+from kvfsm.testing.fake_ucx import FakeUcxAgent, FakeUcxFabric, fake_ucx_pair
 from kvfsm.testing.faults import FakeNixlError, Fault, FaultPlan, Raise, ReturnErr, StayProc
 from kvfsm.testing.faulty import FaultyAgent
 
@@ -16,6 +18,8 @@ __all__ = [
     "FakeNixlAgent",
     "FakeNixlError",
     "FakeRegDList",
+    "FakeUcxAgent",
+    "FakeUcxFabric",
     "FakeXferDList",
     "FakeXferHandle",
     "Fault",
@@ -25,4 +29,5 @@ __all__ = [
     "Raise",
     "ReturnErr",
     "StayProc",
+    "fake_ucx_pair",
 ]

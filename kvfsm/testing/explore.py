@@ -681,7 +681,7 @@ def replay(path: Path, machine: Declaration[Any, Any] = TRANSFER_MACHINE,
     calls, violations, tier = (_run_with_parent if parent else _run)(path, machine, max_polls,
                                                                      steps)
     taken = {f"{e.source} -{e.event}[{e.guard_label}]-> {e.dest}": n
-             for e, n in tier.driver.machine.transition_counts().items() if n}
+             for e, n in tier.machine.transition_counts().items() if n}
     return calls, violations, taken
 
 
@@ -795,8 +795,8 @@ def add_arguments(parser: Any) -> None:
                         help="the steps of the machine's own effects: module:ATTRIBUTE of a "
                              "dict of effect name to step function, as a tier is given them "
                              "(steps={'verify': fn}); each step call also fails at every step")
-    parser.add_argument("--max-faults", type=int, default=2,
-                        help="the most faults on one path (2)")
+    parser.add_argument("--max-faults", type=int, default=None,
+                        help="the most faults on one path (2; 1 with --peer)")
     parser.add_argument("--max-stall", type=int, default=2,
                         help="the most extra PROC answers one stall adds (2)")
     parser.add_argument("--parent", action="store_true",
@@ -808,12 +808,28 @@ def add_arguments(parser: Any) -> None:
                         help="run one path again, as printed: 'mode=1;release_xfer_handle:raise@1'")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="a progress bar on stderr (default: when stderr is a terminal)")
+    parser.add_argument("--peer", action="store_true",
+                        help="explore the peer machines at the level of NIXL calls instead: a "
+                             "PeerSender and a PeerReceiver over fake UCX agents "
+                             "(kvfsm.testing.explore_peer); --max-faults (default 1 here), "
+                             "--max-stall, --all and --replay apply")
+    parser.add_argument("--receiver", metavar="NAME",
+                        help="with --peer: explore one of the broken receivers "
+                             "(kvfsm.testing.explore_peer.BROKEN_RECEIVERS) to see it caught")
 
 
 def run(args: Any) -> int:
     """``kvfsm explore``: 0 when no path violates an invariant, 1 when one does."""
     from kvfsm.machines import load_machine, load_steps  # noqa: PLC0415 - the CLI's own import
 
+    if getattr(args, "peer", False):
+        from kvfsm.testing.explore_peer import run_peer  # noqa: PLC0415 - only this mode
+
+        return run_peer(args)
+    if getattr(args, "receiver", None) is not None:
+        raise ValueError("--receiver: only with --peer")
+    if args.max_faults is None:
+        args.max_faults = 2
     machine = load_machine(args.machine)
     steps = load_steps(args.steps) if args.steps else None
     if not machine.effects:  # not a lifecycle a tier runs: explore its table

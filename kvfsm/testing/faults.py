@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
 
-__all__ = ["FAULTABLE_CALLS", "STATUS_CALLS", "FakeNixlError", "Fault", "FaultPlan", "Raise",
-           "ReturnErr", "StayProc"]
+__all__ = ["FAULTABLE_CALLS", "PEER_CALLS", "STATUS_CALLS", "FakeNixlError", "Fault", "FaultPlan",
+           "Raise", "ReturnErr", "StayProc"]
 
 #: the calls that answer a transfer's status, and so take ReturnErr and StayProc faults
 STATUS_CALLS = frozenset({"transfer", "check_xfer_state"})
@@ -30,6 +30,16 @@ FAULTABLE_CALLS = frozenset({
     "check_xfer_state",
     "release_xfer_handle",
     "release_dlist_handle",
+})
+#: the calls of the peer seam (UCX): metadata exchange, notifications; they take ``Raise``
+#: faults (:class:`kvfsm.testing.fake_ucx.FakeUcxAgent` serves them)
+PEER_CALLS = frozenset({
+    "get_agent_metadata",
+    "add_remote_agent",
+    "check_remote_metadata",
+    "remove_remote_agent",
+    "get_new_notifs",
+    "send_notif",
 })
 
 
@@ -123,10 +133,14 @@ class FaultPlan:
 
     Args:
         owner: the agent class's name, for error messages.
+        calls: the NIXL calls a fault can be injected into (:data:`FAULTABLE_CALLS`; a peer
+            agent's add :data:`PEER_CALLS`).
     """
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, calls: frozenset[str] = FAULTABLE_CALLS) -> None:
         self.owner = owner
+        #: the calls this plan takes faults for
+        self.faultable = calls
         #: the name of every call made, in order, failed ones included
         self.calls: list[str] = []
         self._counts: Counter[str] = Counter()
@@ -142,9 +156,9 @@ class FaultPlan:
         or stall for up to ``max_stall`` polls; other calls raise. Armed faults come first.
         A rate of 0 (or an empty mapping) turns chaos off."""
         rates = (dict(rate) if isinstance(rate, Mapping)
-                 else dict.fromkeys(FAULTABLE_CALLS, float(rate)))
+                 else dict.fromkeys(self.faultable, float(rate)))
         bad = {call: r for call, r in rates.items()
-               if call not in FAULTABLE_CALLS or not 0 <= r <= 1}
+               if call not in self.faultable or not 0 <= r <= 1}
         if bad:
             raise ValueError(f"chaos: rates must be in [0, 1] for NIXL calls; got {bad}")
         rates = {call: r for call, r in rates.items() if r}
@@ -164,9 +178,9 @@ class FaultPlan:
             ValueError: unknown call, a fault kind that call cannot take, a bad ``at`` or
                 ``times``, or calls that already have a fault armed.
         """
-        if call not in FAULTABLE_CALLS:
+        if call not in self.faultable:
             raise ValueError(f"inject: {call!r} is not a NIXL call of {self.owner}; one of "
-                             + ", ".join(sorted(FAULTABLE_CALLS)))
+                             + ", ".join(sorted(self.faultable)))
         if not isinstance(fault, Raise | ReturnErr | StayProc):
             raise ValueError(f"inject: {fault!r} is not a Fault")
         if not isinstance(fault, Raise) and call not in STATUS_CALLS:

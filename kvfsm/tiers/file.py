@@ -81,7 +81,7 @@ from kvfsm.driver import StepFunction, StorageSide, check_runnable
 from kvfsm.engine import Declaration
 from kvfsm.machines.transfer import TRANSFER_MACHINE
 from kvfsm.policy import RetryPolicy
-from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier, key_text
+from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier, _check_primary, key_text
 from kvfsm.transfer import Leak, Transfer, TransferJob
 
 __all__ = ["FileTier"]
@@ -118,14 +118,19 @@ class _Files(StorageSide):
 
     mem_type = "FILE"
 
-    def __init__(self, tier: FileTier) -> None:
-        self._tier: FileTier = weakref.proxy(tier)  # the tier holds this side: no cycle
+    def __init__(self, directory: str, block_bytes: int, writer: _Writer, durable: bool,
+                 flusher: _Flusher) -> None:
+        self.directory = directory
+        self.block_bytes = block_bytes
+        self.durable = durable
+        self._writer = writer
+        self._flusher = flusher
+        self._partials = itertools.count()
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
-        tier = self._tier
         opened = transfer.opened = _OpenFiles()
         descs = []
-        directory, size, fds = tier.directory, tier.block_bytes, opened.fds
+        directory, size, fds = self.directory, self.block_bytes, opened.fds
         for name in transfer.names:
             final = directory + name
             if transfer.job.is_promotion:
@@ -133,7 +138,7 @@ class _Files(StorageSide):
             else:
                 # a name no other tier, and no earlier store of this one, ever used: O_EXCL
                 # says so, rather than truncating a file someone else may still commit
-                partial = f"{tier._writer.claim()}{next(tier._partials)}-{name}"
+                partial = f"{self._writer.claim()}{next(self._partials)}-{name}"
                 fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                              0o644)
                 opened.partial.append((partial, final))
@@ -154,12 +159,12 @@ class _Files(StorageSide):
         if flush is None:
             if transfer.success is False or not opened.partial:
                 return True
-            if not self._tier.durable:
+            if not self.durable:
                 for partial, final in opened.partial:
                     os.replace(partial, final)
                 opened.committed = True
                 return True
-            opened.flush = self._tier._flusher.hand(opened.fds, opened.partial)
+            opened.flush = self._flusher.hand(opened.fds, opened.partial)
             return False
         if not flush.done:
             return False
@@ -506,7 +511,6 @@ class FileTier(SecondaryTier):
         self.directory = os.path.join(self.root, "")
         self.durable = durable
         self._writer = _Writer(self.directory)
-        self._partials = itertools.count()
         self._flusher = _Flusher(str(self.root))
         # a tier dropped without shutdown still ends its thread and gives its claim up (the
         # finalizer holds neither the tier nor its agent)
@@ -516,7 +520,10 @@ class FileTier(SecondaryTier):
                 from kvfsm.nixl_agents import make_agent  # noqa: PLC0415 - NIXL is optional
 
                 agent = make_agent(f"kvfsm-file-{id(self):x}", "POSIX")
-            super().__init__(primary, agent=agent, remote=_Files(self),
+            _check_primary(primary)
+            files = _Files(self.directory, int(primary[0].nbytes), self._writer, durable,
+                           self._flusher)
+            super().__init__(primary, agent=agent, remote=files,
                              poll_interval=poll_interval, machine=machine, policy=policy,
                              steps=steps)
         except BaseException:
@@ -578,7 +585,7 @@ class FileTier(SecondaryTier):
                     writers.add(name[len(_WRITER):])
         # taken after the listing: a file of ours listed and still in flight is in here
         with self._lock:
-            in_flight = {p for t in self._transfers.values() if t.opened is not None
+            in_flight = {p for t in self.unpublished() if t.opened is not None
                          for p, _ in t.opened.partial}
         removed = 0
         for writer_id in writers | by_writer.keys():

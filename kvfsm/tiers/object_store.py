@@ -16,7 +16,14 @@ from kvfsm.driver import StepFunction, StorageSide, check_runnable
 from kvfsm.engine import Declaration
 from kvfsm.machines.transfer import TRANSFER_MACHINE
 from kvfsm.policy import RetryPolicy
-from kvfsm.tiers.base import KnownNames, Lookup, SecondaryTier, key_text, logger
+from kvfsm.tiers.base import (
+    KnownNames,
+    Lookup,
+    SecondaryTier,
+    _check_primary,
+    key_text,
+    logger,
+)
 from kvfsm.transfer import Transfer
 
 __all__ = ["ObjectStoreTier"]
@@ -50,11 +57,11 @@ class _Objects(StorageSide):
 
     mem_type = "OBJ"
 
-    def __init__(self, tier: ObjectStoreTier) -> None:
-        self._tier: ObjectStoreTier = weakref.proxy(tier)  # the tier holds this: no cycle
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
-        size, dev_ids = self._tier.block_bytes, _dev_ids
+        size, dev_ids = self.block_bytes, _dev_ids
         return [(0, size, next(dev_ids) % _DEV_ID_SPACE, name) for name in transfer.names]
 
 
@@ -235,7 +242,9 @@ class ObjectStoreTier(SecondaryTier):
                 raise ValueError("ObjectStoreTier needs agent= (a NIXL agent) or store= "
                                  "(a kvfsm.nixl_agents.StoreConfig)")
             agent, probe_agent = _agents_for(store, probe_agent)
-        super().__init__(primary, agent=agent, remote=_Objects(self), poll_interval=poll_interval,
+        _check_primary(primary)
+        super().__init__(primary, agent=agent, remote=_Objects(int(primary[0].nbytes)),
+                         poll_interval=poll_interval,
                          machine=machine, policy=policy, steps=steps)
         if type(probe_batch) is not int or probe_batch < 1:
             raise ValueError(f"probe_batch must be an int of at least 1, got {probe_batch!r}")

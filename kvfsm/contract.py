@@ -1,0 +1,125 @@
+"""The job contract every kvfsm side that takes jobs keeps, in one place.
+
+Tiers (:class:`~kvfsm.tiers.base.SecondaryTier` and its subclasses, the peer sender) and the
+peer receiver (:class:`~kvfsm.peer.PeerReceiver`) hand results out the same way: one lock, one
+book of unpublished records and published results (:class:`Books`), one
+``get_finished_jobs`` (advance once, then hand out what was published since the last call),
+one ``drain_jobs`` with one timeout error (:class:`DrainTimeout`), one ``has_pending_work``.
+What differs is how a side advances its records once (:meth:`JobSide._poll`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvfsm.transfer import JobResult
+
+__all__ = ["Books", "DrainTimeout", "JobSide"]
+
+
+class DrainTimeout(TimeoutError):
+    """Jobs were still unpublished at the deadline; lists each with its state and error."""
+
+    def __init__(self, what: str, stuck: Sequence[Any], noun: str = "transfer(s)") -> None:
+        self.stuck = tuple(stuck)
+        lines = [f"job {r.job_id}: {r.state.name}, retries={getattr(r, 'retries', 0)}, "
+                 f"last error: {r.error}" for r in self.stuck]
+        super().__init__(f"{what}: {len(self.stuck)} {noun} not published\n  "
+                         + "\n  ".join(lines))
+
+
+class Books:
+    """Unpublished records by job id, and the results published but not yet handed out."""
+
+    __slots__ = ("records", "results", "unreported")
+
+    def __init__(self) -> None:
+        #: every unpublished record, by job id, in submission order
+        self.records: dict[int, Any] = {}
+        #: results published since they were last handed out
+        self.results: list[JobResult] = []
+        #: the job ids of those results (a job id is not taken again before its result is out)
+        self.unreported: set[int] = set()
+
+    def publish(self, result: JobResult) -> None:
+        """Keep ``result`` for the next :meth:`take_results`."""
+        self.results.append(result)
+        self.unreported.add(result.job_id)
+
+    def take_results(self) -> list[JobResult]:
+        """The results published since the last call, handed out once."""
+        results, self.results = self.results, []
+        self.unreported.clear()
+        return results
+
+
+class JobSide:
+    """The contract's calls, over a side's :class:`Books`, its lock and its :meth:`_poll`.
+
+    A subclass sets ``_books``, ``_lock`` (an ``RLock``) and ``poll_interval``, and says how its
+    records advance once (:meth:`_poll`).
+    """
+
+    _books: Books
+    _lock: threading.RLock
+    #: seconds :meth:`drain_jobs` sleeps between polls while jobs are unpublished
+    poll_interval: float
+    #: what a :class:`DrainTimeout` calls the records it lists
+    _noun = "transfer(s)"
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Advance every job once; return each result published since the last call."""
+        with self._lock:
+            self._poll()
+            return self._books.take_results()
+
+    def has_pending_work(self) -> bool:
+        """True while a job is unpublished or a result is not yet handed out."""
+        books = self._books
+        return bool(books.records) or bool(books.results)
+
+    def unpublished(self) -> list[Any]:
+        """The records of the jobs not yet published, in submission order."""
+        return list(self._books.records.values())
+
+    def drain_jobs(self, timeout: float | None = None,
+                   step: Callable[[], Any] | None = None) -> None:
+        """Block until every job is published; results surface in get_finished_jobs.
+
+        Returns or raises by the deadline, or at most one poll after it (a poll under way at
+        the deadline is finished, never cut short); waiting for another thread's call to let
+        go of the lock counts against the deadline. ``step``, if given, is called before each
+        poll (the other side of a link living in the same process, for one).
+
+        Raises:
+            DrainTimeout: ``timeout`` seconds passed with jobs still unpublished; they stay
+                where they are, untouched, and a later poll goes on with them.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lock, records = self._lock, self._books.records
+        while True:
+            if step is not None:
+                step()
+            # the lock is released while sleeping, so other threads can submit; waiting for it
+            # (behind another thread's poll) never runs past the deadline
+            if not lock.acquire(timeout=-1 if deadline is None
+                                else max(0.0, deadline - time.monotonic())):
+                if not records:
+                    return  # another thread's poll published the last of them
+                raise DrainTimeout("drain_jobs", self.unpublished(), self._noun)
+            try:
+                self._poll()
+                if not records:
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DrainTimeout("drain_jobs", self.unpublished(), self._noun)
+            finally:
+                lock.release()
+            time.sleep(self.poll_interval)
+
+    def _poll(self) -> None:
+        """Advance every unpublished job once (the caller holds the lock)."""
+        raise NotImplementedError

@@ -1,0 +1,506 @@
+"""The runner: the records of one lifecycle's transfers, and what is due for each. No I/O.
+
+A :class:`Runner` knows nothing of NIXL. It keeps every unpublished transfer filed where its
+state says: in the *running* list (the declaration's running states, whose effect is the state
+check; their transfer handles kept side by side, so a poll round is one batch of calls) or in
+the *waiting* list (a release to retry, a step of the user's). From the declaration alone it
+says what is due: the handles whose state must be checked (:attr:`Runner.handles`), then, one
+transfer at a time, the effect each waiting transfer waits on (:meth:`Runner.due`). Whoever
+makes those calls (:class:`~kvfsm.driver.TransferDriver`, the I/O part) hands back what each
+answered as an :class:`Outcome`, and :meth:`Runner.take` fires it, files the transfer again, and
+publishes it once it is final.
+
+What the runner decides itself, each once and from the table:
+
+* a stay: NIXL answering PROC for a running transfer whose table declares that answer a
+  self-loop without actions is counted, never fired (the hot path);
+* a retry: an effect whose answer leaves the transfer where it was (a release that raised, a
+  user step answering "not yet") is tried again on a later round after the policy's backoff,
+  and once the :class:`~kvfsm.policy.RetryPolicy` bound is spent the answer becomes EXHAUSTED,
+  the declared give-up edge;
+* a running bound: a transfer still running ``max_running_seconds`` after submit gives up
+  (EXHAUSTED on the state check), found in submit order at a cost of the transfers it finds;
+* the end of a transfer: from a state whose effect is the release, release, clean and publish
+  are one :class:`~kvfsm.engine.Chain` when each answers OK (read from the table; a machine that
+  leads elsewhere runs step by step).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import operator
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import compress, repeat
+from typing import Any
+
+from kvfsm.contract import Books
+from kvfsm.engine import Chain, CompiledMachine
+from kvfsm.machines.transfer import Answer, CallFailed, TransferEvent
+from kvfsm.policy import RetryPolicy
+from kvfsm.transfer import JobResult, Leak, Transfer
+
+__all__ = ["END", "NIXL_RUNNING", "Outcome", "Runner"]
+
+#: what NIXL's state check answers while a transfer runs (compared in bulk on the hot path)
+NIXL_RUNNING = "PROC"
+#: the effect of a transfer that is over: its release and then its cleanup calls, made one after
+#: the other (:meth:`kvfsm.driver.TransferDriver.end`), taken as one chain when both answer OK
+END = "end"
+logger = logging.getLogger("kvfsm")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an effect answered, as the machine hears it.
+
+    ``answer`` is one of the event's answers (None: no call was made); ``detail`` goes to the
+    step's actions (a :class:`~kvfsm.machines.transfer.CallFailed`, leaks); ``interrupt`` is a
+    ``KeyboardInterrupt`` or the like that arrived during the calls: the answer is taken first,
+    then the interrupt raised again, so the transfer is filed where its answer took it.
+    """
+
+    answer: Any
+    detail: Any = None
+    interrupt: BaseException | None = None
+
+
+#: the outcome of a store NIXL finished whose commit (a flush) is not over: PROC for the machine
+COMMITTING = "committing"
+
+
+#: the NIXL call behind each effect whose give-up the transfer machine's quarantine names by
+#: itself (any other effect is named as it is: a user's step)
+_NIXL_WAITS: dict[str, str] = {TransferEvent.POLL: "check_xfer_state",
+                               TransferEvent.RELEASE: "release_xfer_handle"}
+
+
+class Runner(Books):
+    """The books of one lifecycle's transfers: where each is, what is due, what was published.
+
+    Args:
+        machine: the compiled lifecycle (its declaration says effects, running and final
+            states); the tier checked it can run it (:func:`kvfsm.driver.check_runnable`).
+        policy: the retry and running bounds.
+        on_final: called with each transfer that reached a final state and its result, after
+            the runner's books and before logging and listeners (the tier records what its
+            keys hold here); more may be appended to :attr:`on_final`.
+    """
+
+    def __init__(self, machine: CompiledMachine[Any, Any], policy: RetryPolicy,
+                 on_final: Callable[[Transfer, JobResult], None] | None = None) -> None:
+        super().__init__()
+        declaration = machine.declaration
+        self.machine = machine
+        self.policy = policy
+        self.effects = declaration.effects
+        self.running_states = declaration.running
+        self.final = declaration.final
+        #: final failure states: a transfer ending there is held (its handles kept for good)
+        self.held = declaration.final & declaration.failure_states
+        self.initial = declaration.initial
+        table = machine.table
+        self.table = table
+        #: where a posted transfer NIXL runs waits (post answering PROC leads there)
+        self.posted = table[declaration.initial][TransferEvent.POST][Answer.PROC].dest
+        #: per running state, the step NIXL's PROC takes there
+        self._proc = {state: table[state][TransferEvent.POLL][Answer.PROC]
+                      for state in declaration.running}
+        #: True when every one of them is a stay: PROC answers are then only counted
+        self._proc_stays = all(step.is_stay for step in self._proc.values())
+        #: the name a give-up or a retry says the transfer waited on, per effect
+        self._call_of = {str(effect): _NIXL_WAITS.get(effect, str(effect))
+                         for effect in self.effects.values()}
+        #: per state whose effect is the release: the chain of its ending, when declared so
+        self._ending: dict[Any, Chain[Any]] = {}
+        for state, effect in self.effects.items():
+            if effect == TransferEvent.RELEASE:
+                chain = self._ending_chain(state)
+                if chain is not None:
+                    self._ending[state] = chain
+        #: the steps a retry takes (a self-loop of an effect other than the state check):
+        #: their counts are the retries stats() reports
+        self._retry_steps = [step for state, effect in self.effects.items()
+                             if effect not in (TransferEvent.POLL, TransferEvent.POST)
+                             for step in table.get(state, {}).get(effect, {}).values()
+                             if step.dest is state]
+        #: (state, effect, answer) of each retry, for the policy to bound
+        self._retries = {(step.source, step.edge.event, step.answer)
+                         for step in self._retry_steps}
+        #: called with each transfer that reached a final state, once the books are written
+        self.on_final: list[Callable[[Transfer, JobResult], None]] = (
+            [] if on_final is None else [on_final])
+        #: called with each transfer as it is published, after the books (best effort)
+        self.on_published: list[Callable[[Transfer], None]] = []
+        self.running = _Running()  # those in a running state, and their handles
+        self.waiting: dict[int, Transfer] = {}  # the others
+        #: how many unpublished transfers are in each state
+        self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
+        self._committing: set[int] = set()  # stores NIXL finished whose commit is not over
+        limit = policy.max_running_seconds
+        #: transfers in submit order, for the running bound (None: no bound)
+        self._by_start: collections.deque[Transfer] | None = (
+            None if limit is None else collections.deque())
+        self.published = 0
+        self.failed = 0
+        self.latencies: collections.deque[float] = collections.deque(maxlen=4096)
+        self.quarantined: list[Transfer] = []
+        self.may_run: set[int] = set()  # ids of quarantined transfers NIXL may still run
+        self.leaks: collections.deque[tuple[int, Leak]] = collections.deque(maxlen=256)
+        self.leak_count = 0
+
+    # -- what is due -------------------------------------------------------------------------
+
+    @property
+    def handles(self) -> list[Any]:
+        """The transfer handles to check this round, one per running transfer (in the order
+        :meth:`take_checks` expects their answers)."""
+        return self.running.handles
+
+    def take_checks(self, statuses: Sequence[str | Exception]) -> list[tuple[Transfer, Any]]:
+        """What the state checks of :attr:`handles` answered (a status, or what the call
+        raised), in order: the answers PROC are counted where they are stays; the transfers
+        whose answer must be fired come back with it (each stays in the running list until
+        :meth:`take` files it where its new state says)."""
+        running = self.running
+        if self._proc_stays:
+            answered = running.answered(statuses)
+            if len(answered) < len(statuses):
+                self._count_stays(answered)
+        else:  # a machine with actions on PROC: every answer is fired
+            answered = list(zip(running.transfers, statuses, strict=True))
+        return answered
+
+    def _count_stays(self, answered: list[tuple[Transfer, Any]]) -> None:
+        """Count the PROC stay of every running transfer not in ``answered``."""
+        proc = self._proc
+        if len(proc) == 1 or not answered:
+            for state, step in proc.items():
+                step.taken += self.in_state[state] - sum(
+                    1 for t, _ in answered if t.state is state)
+            return
+        left = collections.Counter(t.state for t, _ in answered)
+        for state, step in proc.items():
+            step.taken += self.in_state[state] - left[state]
+
+    def overdue(self) -> list[tuple[Transfer, str]]:
+        """Transfers still running ``max_running_seconds`` after submit: each given up now
+        (EXHAUSTED on its state check), or, for a store whose commit is not over, failed as a
+        commit that raised; the second (returned, with what failed) makes no further call.
+        Costs the transfers submitted too long ago, not those in flight."""
+        by_start = self._by_start
+        if by_start is None or not by_start:
+            return []
+        limit = self.policy.max_running_seconds
+        cutoff = time.monotonic() - limit  # type: ignore[operator]
+        found: list[tuple[Transfer, str]] = []
+        while by_start and by_start[0].started_at <= cutoff:
+            transfer = by_start.popleft()
+            if (self.records.get(transfer.job_id) is not transfer
+                    or transfer.state not in self.running_states):
+                continue
+            if transfer.job_id in self._committing:
+                found.append((transfer, f"not committed {limit} s after submit "
+                                        "(max_running_seconds)"))
+            else:
+                self.give_up(transfer, f"still running after {limit} s")
+        return found
+
+    def due(self, transfers: Iterable[Transfer] | None = None) -> Iterator[tuple[Transfer, str]]:
+        """Yield (transfer, effect) for each call to make now, and again for the same transfer
+        after :meth:`take` moved it on, until it waits on NIXL (running: a transfer an effect
+        moved back into a running state gets one state check first), is published, stays where
+        it was (a retry: the next round tries again) or backs off.
+
+        ``transfers`` (by default the waiting list as it is now) are gone through in order;
+        the effect ``END`` stands for the release and cleanup calls of a transfer that is over.
+        """
+        records, final, running = self.records, self.final, self.running_states
+        effects, ending = self.effects, self._ending
+        batch = list(self.waiting.values()) if transfers is None else transfers
+        for transfer in batch:
+            made = checked = False
+            while records.get(transfer.job_id) is transfer:
+                state = transfer.state
+                if state in final:
+                    break
+                if state in running:  # one an effect moved back into a running state is
+                    if made and not checked:  # checked this round too, then waits for the next
+                        checked = True
+                        yield transfer, TransferEvent.POLL
+                        continue
+                    break
+                if transfer.retry_at and time.monotonic() < transfer.retry_at:
+                    break  # backing off: no call this round
+                effect = END if state in ending else effects[state]
+                if effect == TransferEvent.POST:
+                    break  # posted once, at submit
+                made = True
+                yield transfer, effect
+                if transfer.state is state:
+                    break  # stayed (a retry, or backing off): a later round goes on
+
+    # -- the answers -------------------------------------------------------------------------
+
+    def add(self, transfer: Transfer) -> None:
+        """A new transfer, in its initial state, before its post is made."""
+        self.records[transfer.job_id] = transfer
+        if self._by_start is not None:
+            self._by_start.append(transfer)
+
+    def take(self, transfer: Transfer, effect: str,
+             outcome: Outcome | tuple[Outcome, Outcome]) -> None:
+        """Fire what ``effect`` answered for ``transfer``, file it where its state says (or
+        publish it), then raise the outcome's interrupt, if any."""
+        try:
+            if effect == END:  # the release's outcome, then the cleanup's
+                self._take_end(transfer, outcome[0], outcome[1])  # type: ignore[index]
+            else:
+                answer, detail = outcome.answer, outcome.detail  # type: ignore[union-attr]
+                interrupt = outcome.interrupt  # type: ignore[union-attr]
+                if answer is None:
+                    pass  # no call was made
+                elif (transfer.state, effect, answer) in self._retries:
+                    self._retry(transfer, effect, answer, detail)
+                else:
+                    self.machine.fire(transfer, effect, answer, detail)
+                    if transfer.attempts:
+                        transfer.attempts = 0  # moved on: the next effect's count is fresh
+                if detail is COMMITTING:
+                    self._committing.add(transfer.job_id)
+                if interrupt is not None:
+                    raise interrupt
+        finally:  # an interrupt or an action that raised: the transfer is filed all the same
+            self._file(transfer)
+
+    def give_up(self, transfer: Transfer, why: str) -> None:
+        """The policy's bound is spent for a transfer waiting on its effect (the shutdown
+        deadline, the running bound): fire that effect's EXHAUSTED; it is published."""
+        was = transfer.state
+        effect = self.effects[was]
+        if was in self.running_states:
+            self.may_run.add(transfer.job_id)
+        try:
+            self.machine.fire(transfer, effect, Answer.EXHAUSTED,
+                              why if effect in _NIXL_WAITS else CallFailed(effect, why))
+            logger.error("job %d quarantined in %s: %s", transfer.job_id, was.name, why,
+                         extra=transfer.log_fields())
+        finally:
+            self._file(transfer)
+
+    def cancel(self, transfer: Transfer) -> None:
+        """The caller cancelled the job: fire ``cancel``; the table says what that means in
+        the transfer's state (a running one latches failure, one that is over keeps its
+        outcome). Every state a transfer waits in declares it
+        (:func:`~kvfsm.driver.check_runnable`)."""
+        try:
+            self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK)
+        finally:
+            self._file(transfer)
+
+    def _fire(self, transfer: Transfer, effect: str, answer: Any, detail: Any) -> None:
+        """Fire one answer (a retry bounded by the policy, as :meth:`_retry` says)."""
+        if (transfer.state, effect, answer) in self._retries:
+            self._retry(transfer, effect, answer, detail)
+            return
+        self.machine.fire(transfer, effect, answer, detail)
+        if transfer.attempts:
+            transfer.attempts = 0  # moved on: the next effect's count is fresh
+
+    def _retry(self, transfer: Transfer, effect: str, answer: Any, detail: Any) -> None:
+        """An answer that keeps the transfer where it is, to try again: bounded by the policy,
+        it is EXHAUSTED (the give-up edge) once the bound is spent, else fired, and the next
+        try waits for the backoff."""
+        now = time.monotonic()
+        failures = transfer.attempts + 1
+        if self.policy.spent(failures, transfer.finished_at, now):
+            self.machine.fire(transfer, effect, Answer.EXHAUSTED, detail)
+            logger.error("job %d quarantined after %d failed %s(s): %s", transfer.job_id,
+                         failures, self._call_of.get(effect, effect), transfer.error,
+                         extra=transfer.log_fields())
+            return
+        self.machine.fire(transfer, effect, answer, detail)
+        transfer.attempts = failures
+        transfer.retry_at = self.policy.next_attempt(failures, now)
+        if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every round
+            logger.warning("job %d: %s failed (retry %d): %s", transfer.job_id,
+                           self._call_of.get(effect, effect), failures, transfer.error,
+                           extra=transfer.log_fields())
+
+    def _take_end(self, transfer: Transfer, released: Outcome, cleaned: Outcome) -> None:
+        """The release and cleanup of a transfer that is over: one chain when both answered
+        OK, else each fired as it answered, in the same order (a cleanup that was cut short
+        by an interrupt fires nothing: it goes on from where it stopped next round)."""
+        if released.answer is Answer.OK:
+            if cleaned.answer is Answer.OK and cleaned.interrupt is None:
+                self.machine.run(transfer, self._ending[transfer.state])
+                return
+            self.machine.fire(transfer, TransferEvent.RELEASE, Answer.OK)
+            if cleaned.answer is not None:
+                self.machine.fire(transfer, TransferEvent.CLEAN, cleaned.answer, cleaned.detail)
+            if cleaned.interrupt is not None:
+                raise cleaned.interrupt
+        elif released.answer is not None:  # None: backing off, no call this round
+            self._fire(transfer, TransferEvent.RELEASE, released.answer, released.detail)
+
+    # -- filing ------------------------------------------------------------------------------
+
+    def _file(self, transfer: Transfer) -> None:
+        """Keep a transfer in the list its state says, counted under its state; hand its one
+        result out once it is final."""
+        if self.records.get(transfer.job_id) is not transfer:
+            return  # published already (a listener that polled again got there first)
+        state = transfer.state
+        filed = transfer.filed
+        if filed is state:
+            return  # where it was: in the list its state says already
+        if state in self.final:
+            self._finish(transfer)
+            return
+        in_state = self.in_state
+        if filed is not None:
+            in_state[filed] -= 1
+        in_state[state] += 1
+        transfer.filed = state
+        if state in self.running_states:
+            if filed is not None and filed not in self.running_states:
+                del self.waiting[transfer.job_id]
+            if transfer.slot < 0:
+                self.running.add(transfer)
+        else:
+            if transfer.slot >= 0:
+                self.running.discard(transfer)
+                if self._committing:
+                    self._committing.discard(transfer.job_id)
+            self.waiting[transfer.job_id] = transfer
+
+    def _finish(self, transfer: Transfer) -> None:
+        """A transfer reached a final state: its one result, and the books, then listeners."""
+        job_id = transfer.job_id
+        del self.records[job_id]
+        if transfer.slot >= 0:
+            self.running.discard(transfer)
+        filed = transfer.filed
+        if filed is not None:
+            if filed not in self.running_states:
+                del self.waiting[job_id]
+            self.in_state[filed] -= 1
+            transfer.filed = None
+        if self._committing:
+            self._committing.discard(job_id)
+        held = transfer.state in self.held
+        result = transfer.result(held)
+        # every change to the books first, then what runs code of others (logging handlers,
+        # listeners): an interrupt there must not leave a quarantined transfer uncounted
+        # (shutdown would release the registration its handles use) or a verdict unrecorded
+        self.results.append(result)
+        self.unreported.add(job_id)
+        self.published += 1
+        self.latencies.append(result.transfer_time)
+        if held:
+            self.quarantined.append(transfer)
+        if transfer.leaks:
+            self.record_leaks(job_id, transfer.leaks)
+        if not result.success:
+            self.failed += 1
+        for book in self.on_final:
+            book(transfer, result)
+        if not result.success:
+            _log_failure(transfer)
+        for leak in transfer.leaks:
+            logger.warning("job %d leaked: %s raised %s", job_id, leak.call,
+                           leak.error, extra=transfer.log_fields(leak.error))
+        for listener in self.on_published:  # best effort: a listener never costs a result (F7)
+            try:
+                listener(transfer)
+            except Exception:
+                logger.exception("job %d: an on_published listener raised", job_id,
+                                 extra=transfer.log_fields())
+
+    def record_leaks(self, job_id: int, leaks: Sequence[Leak]) -> None:
+        """Count ``leaks`` and keep the most recent ones (job -1: the tier's own)."""
+        self.leak_count += len(leaks)
+        self.leaks.extend((job_id, leak) for leak in leaks)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, Any]:
+        """The books as figures (no lock: each read is one operation CPython does whole)."""
+        in_state = dict(self.in_state)
+        latencies = sorted(self.latencies.copy())
+        return {
+            "in_flight": {state.name: count for state, count in in_state.items() if count},
+            "published": self.published,
+            "failed": self.failed,
+            "retries": sum(step.count for step in self._retry_steps),
+            "leaks": self.leak_count,
+            "leaked": list(self.leaks.copy()),
+            "quarantined": len(self.quarantined),
+            "quarantined_running": len(self.may_run),
+            "latency": {name: latencies[min(len(latencies) - 1, int(q * len(latencies)))]
+                        for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))}
+            if latencies else {},
+        }
+
+    def _ending_chain(self, state: Any) -> Chain[Any] | None:
+        """Release, clean and publish, each answering OK, from ``state``: the chain, when the
+        table leads them through states waiting on exactly those effects, to a final state."""
+        moves = ((TransferEvent.RELEASE, None), (TransferEvent.CLEAN, ()),
+                 (TransferEvent.PUBLISH, None))
+        at = state
+        for event, _ in moves:
+            step = self.table.get(at, {}).get(event, {}).get(Answer.OK)
+            if self.effects.get(at) != event or step is None or step.dest is at:
+                return None
+            at = step.dest
+        if at not in self.final:
+            return None
+        return self.machine.chain(state, [(event, Answer.OK, detail) for event, detail in moves])
+
+
+class _Running:
+    """The transfers in a running state and their handles, in two parallel lists.
+
+    A poll round is then one ``map`` of the state check over the handles, a loop in C, and a
+    count of the answers that are still PROC: nothing else is touched for a transfer whose
+    answer did not change. Each transfer knows its slot, and one that leaves has the last one
+    moved into its place, so joining and leaving cost the same at any number in flight.
+    """
+
+    __slots__ = ("handles", "transfers")
+
+    def __init__(self) -> None:
+        self.transfers: list[Transfer] = []
+        self.handles: list[Any] = []
+
+    def add(self, transfer: Transfer) -> None:
+        transfer.slot = len(self.transfers)
+        self.transfers.append(transfer)
+        self.handles.append(transfer.xfer)
+
+    def discard(self, transfer: Transfer) -> None:
+        slot = transfer.slot
+        if slot < 0:
+            return
+        transfer.slot = -1
+        last, handle = self.transfers.pop(), self.handles.pop()
+        if last is not transfer:
+            self.transfers[slot] = last
+            self.handles[slot] = handle
+            last.slot = slot
+
+    def answered(self, statuses: Sequence[Any]) -> list[tuple[Transfer, Any]]:
+        """The transfers whose answer was not PROC, with it, in the order they are kept."""
+        if statuses.count(NIXL_RUNNING) == len(statuses):
+            return []
+        return list(compress(zip(self.transfers, statuses, strict=True),
+                             map(operator.ne, statuses, repeat(NIXL_RUNNING))))
+
+
+def _log_failure(transfer: Transfer) -> None:
+    job = transfer.job
+    logger.warning("job %d: %s of %d block(s) failed: %s", job.job_id,
+                   "load" if job.is_promotion else "store", len(transfer.names),
+                   transfer.reason or transfer.error, extra=transfer.log_fields())

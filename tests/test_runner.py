@@ -1,0 +1,260 @@
+"""The runner alone: the declaration drives it, and it makes no call of its own.
+
+These stories drive :class:`kvfsm.runner.Runner` by hand, as a tier's I/O part does: they ask
+what is due, answer it with an :class:`~kvfsm.runner.Outcome` and hand it back. No agent is
+involved, so a story may stop between any two steps, which is how a cancel that arrives at
+each of those points is checked here.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from examples.verify_lifecycle import VERIFY_MACHINE, Verified, VerifyState
+from kvfsm import Declaration, TransferJob
+from kvfsm.driver import MachineRefused
+from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, CallFailed, TransferState
+from kvfsm.machines.transfer import FailureKind
+from kvfsm.policy import RetryPolicy
+from kvfsm.runner import END, Outcome, Runner
+from kvfsm.testing import FakeNixlAgent
+from kvfsm.tiers import ObjectStoreTier
+from kvfsm.transfer import Leak, Transfer
+
+S = TransferState
+OK, CLEAN_OK = Outcome(Answer.OK), Outcome(Answer.OK, ())
+KVFSM = pathlib.Path(__file__).resolve().parent.parent / "kvfsm"
+
+
+def runner(policy: RetryPolicy | None = None) -> Runner:
+    return Runner(TRANSFER_MACHINE.compile(), policy or RetryPolicy())
+
+
+def submitted(books: Runner, job_id: int = 1) -> Transfer:
+    transfer = Transfer(TransferJob(job_id, ["k"], [0]), 64, 0.0, books.initial)
+    transfer.xfer = f"handle-{job_id}"  # what the I/O part would have made
+    books.add(transfer)
+    return transfer
+
+
+def answer_due(books: Runner, answers: dict[str, Any]) -> list[str]:
+    """Answer every due effect from ``answers``; the effects made, in order."""
+    made = []
+    for transfer, effect in books.due():
+        made.append(effect)
+        books.take(transfer, effect, answers[effect])
+    return made
+
+
+def test_a_transfer_runs_its_whole_way_on_answers_alone() -> None:
+    books = runner()
+    transfer = submitted(books)
+    books.take(transfer, "post", Outcome(Answer.PROC))
+    assert books.handles == ["handle-1"] and books.in_state[S.PROCESSING] == 1
+
+    # NIXL still runs it: nothing to fire, the stay is only counted
+    assert books.take_checks(["PROC"]) == []
+    assert books.table[S.PROCESSING]["poll"][Answer.PROC].taken == 1
+
+    # NIXL says DONE: that answer comes back to be fired, then its release and cleanup are due
+    assert books.take_checks(["DONE"]) == [(transfer, "DONE")]
+    books.take(transfer, "poll", Outcome(Answer.DONE))
+    assert list(books.waiting) == [1] and books.handles == []
+    assert answer_due(books, {END: (OK, CLEAN_OK)}) == [END]
+
+    [result] = books.take_results()
+    assert result.success and result.job_id == 1
+    assert not books.records and books.counts()["in_flight"] == {}
+
+
+def test_a_cleanup_that_leaks_is_fired_step_by_step_and_the_transfer_still_publishes() -> None:
+    books = runner()
+    transfer = submitted(books)
+    books.take(transfer, "post", Outcome(Answer.DONE))
+    leak = Leak("deregister_memory", "RuntimeError: gone")
+    made = answer_due(books, {END: (OK, Outcome(Answer.LEAKED, (leak,))), "publish": OK})
+    assert made == [END, "publish"]  # it paused in CLEANED between the two
+    [result] = books.take_results()
+    assert result.success
+    assert books.counts()["leaks"] == 1 and books.counts()["leaked"] == [(1, leak)]
+
+
+def test_a_release_that_raises_stays_and_is_bounded_by_the_policy() -> None:
+    books = runner(RetryPolicy(max_attempts=3, max_seconds=None))
+    transfer = submitted(books)
+    books.take(transfer, "post", Outcome(Answer.DONE))
+    raised = Outcome(Answer.RAISED, CallFailed("release_xfer_handle", RuntimeError("busy")))
+    for attempt in (1, 2):
+        assert answer_due(books, {END: (raised, Outcome(None))}) == [END]
+        assert transfer.state is S.DONE and transfer.attempts == attempt
+    answer_due(books, {END: (raised, Outcome(None))})
+    [result] = books.take_results()
+    assert transfer.state is S.QUARANTINED and not result.success
+    assert result.reason is not None and result.reason.kind is FailureKind.QUARANTINED
+    assert result.reason.call == "release_xfer_handle"
+    assert books.counts()["retries"] == 2 and books.counts()["quarantined"] == 1
+
+
+# Each pause is (the answers given before the cancel, the state the cancel finds the transfer
+# in, whether the job then succeeds). The cancel comes between two effects, where the runner
+# hands control back; the story then answers whatever is due until the job is published.
+PAUSES = [
+    ([], S.PROCESSING, False),                                   # NIXL still runs it
+    (["DONE"], S.DONE, True),                                    # over: its outcome is kept
+    (["DONE", "interrupted cleanup"], S.XFER_RELEASED, True),    # released, not cleaned yet
+    (["DONE", "leaked cleanup"], S.CLEANED, True),               # about to publish
+]
+
+
+@pytest.mark.parametrize(("before", "found_in", "succeeds"), PAUSES,
+                         ids=[state.name for _, state, _ in PAUSES])
+def test_a_cancel_between_any_two_steps_keeps_one_result_and_an_outcome_already_latched(
+    before: list[str], found_in: TransferState, succeeds: bool,
+) -> None:
+    books = runner()
+    transfer = submitted(books)
+    books.take(transfer, "post", Outcome(Answer.PROC))
+    leak = Leak("release_dlist_handle", "RuntimeError: gone")
+    for step in before:
+        if step == "DONE":
+            books.take_checks(["DONE"])
+            books.take(transfer, "poll", Outcome(Answer.DONE))
+        elif step == "interrupted cleanup":
+            with pytest.raises(KeyboardInterrupt):
+                books.take(transfer, END, (OK, Outcome(None, None, KeyboardInterrupt())))
+        else:
+            books.take(transfer, END, (OK, Outcome(Answer.LEAKED, (leak,))))
+    assert transfer.state is found_in
+
+    books.cancel(transfer)
+    books.cancel(transfer)  # twice: still one result
+
+    if found_in is S.PROCESSING:  # cancelled while running: NIXL must still say it is over
+        assert transfer.state is S.CANCELLING and books.handles == ["handle-1"]
+        books.take_checks(["DONE"])
+        books.take(transfer, "poll", Outcome(Answer.DONE))
+    answer_due(books, {END: (OK, CLEAN_OK), "clean": CLEAN_OK, "publish": OK})
+    results = books.take_results()
+    assert [(r.job_id, r.success) for r in results] == [(1, succeeds)]
+    if not succeeds:
+        assert results[0].reason is not None
+        assert results[0].reason.kind is FailureKind.CANCELLED
+
+
+def test_the_running_bound_costs_the_transfers_it_finds_not_those_in_flight() -> None:
+    books = runner(RetryPolicy(max_running_seconds=5.0))
+    old = submitted(books, 1)
+    fresh = [submitted(books, job_id) for job_id in range(2, 6)]
+    for transfer in (old, *fresh):
+        transfer.started_at = time.monotonic()
+        books.take(transfer, "post", Outcome(Answer.PROC))
+    old.started_at -= 100.0  # submitted long ago
+    assert books.overdue() == []  # given up at once: no call to make
+    assert old.state is S.QUARANTINED
+    assert all(t.state is S.PROCESSING for t in fresh)
+    assert books.counts()["quarantined_running"] == 1
+    assert len(books._by_start or ()) == len(fresh)  # the old one was taken off the front
+
+
+def failing_verify_machine() -> Declaration[Any, Any]:
+    """The verify lifecycle, with a step that raises retried in place (and a give-up edge)."""
+    verifying = VerifyState.VERIFYING
+    transitions = [t for t in VERIFY_MACHINE.transitions
+                   if not (t["source"] is verifying and t.get("conditions") == "unverified")]
+    transitions += [
+        {"trigger": "verify", "source": verifying, "dest": VerifyState.FAILED,
+         "conditions": "mismatched", "after": "latch_failure"},
+        {"trigger": "verify", "source": verifying, "dest": verifying,
+         "conditions": "raised", "after": "count_retry"},
+        {"trigger": "verify", "source": verifying, "dest": VerifyState.QUARANTINED,
+         "conditions": "exhausted", "after": "quarantine"}]
+    return Declaration(
+        "verify_retried", states=VerifyState, initial=VerifyState.SUBMITTED,
+        answers={**VERIFY_MACHINE.answers,
+                 "verify": (Verified.MATCH, Verified.MISMATCH, Answer.RAISED, Answer.EXHAUSTED)},
+        guards={**VERIFY_MACHINE.guards, "mismatched": (Verified.MISMATCH,),
+                "raised": (Answer.RAISED,)},
+        actions=VERIFY_MACHINE.actions, transitions=transitions, final=VERIFY_MACHINE.final,
+        failure_states=VERIFY_MACHINE.failure_states, calls=VERIFY_MACHINE.calls,
+        effects=VERIFY_MACHINE.effects, running=VERIFY_MACHINE.running)
+
+
+def test_a_users_step_retried_in_place_is_bounded_by_the_policy_and_named_in_the_reason(
+) -> None:
+    calls = []
+
+    def flaky_verify(transfer: Transfer, primary: torch.Tensor) -> Any:
+        calls.append(transfer.job_id)
+        raise OSError("checksum index unreachable")
+
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent, machine=failing_verify_machine(),
+                           steps={"verify": flaky_verify},
+                           policy=RetryPolicy(max_attempts=3, max_seconds=None))
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    results = []
+    for _ in range(10):
+        results += tier.get_finished_jobs()
+    assert calls == [1, 1, 1]  # tried three times, then given up: not retried forever
+    [result] = results
+    assert not result.success and result.reason is not None
+    assert result.reason.kind is FailureKind.QUARANTINED
+    assert result.reason.call == "verify"  # the step it waited on, not a NIXL call
+    assert "checksum index unreachable" in result.reason.error
+    assert tier.stats()["retries"] == 2 and tier.stats()["quarantined"] == 1
+    tier.shutdown()
+
+
+def test_a_step_retried_in_place_without_a_give_up_edge_is_refused_at_construction() -> None:
+    machine = failing_verify_machine()
+    no_give_up = Declaration(
+        "verify_forever", states=VerifyState, initial=VerifyState.SUBMITTED,
+        answers=machine.answers, guards=machine.guards, actions=machine.actions,
+        transitions=[{**t, "dest": VerifyState.VERIFYING, "after": []}  # EXHAUSTED stays
+                     if t.get("conditions") == "exhausted" and t["source"] is VerifyState.VERIFYING
+                     else t for t in machine.transitions],
+        final=machine.final, failure_states=machine.failure_states,
+        effects=machine.effects, running=machine.running)
+    agent = FakeNixlAgent()
+    with pytest.raises(MachineRefused, match="'verify_forever': state VERIFYING has no give-up"):
+        ObjectStoreTier(torch.zeros(4, 8), agent=agent, machine=no_give_up,
+                        steps={"verify": lambda transfer, primary: Answer.RAISED})
+    assert agent.calls == []
+
+
+def _names_outside(attribute_of: str, allowed: set[str]) -> list[str]:
+    """``attribute_of.X`` attribute reads in kvfsm's modules outside ``allowed``."""
+    found = []
+    for path in sorted(KVFSM.rglob("*.py")):
+        relative = path.relative_to(KVFSM.parent).as_posix()
+        if relative in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == attribute_of and node.attr.isupper()):
+                found.append(f"{relative}:{node.lineno}: {attribute_of}.{node.attr}")
+    return found
+
+
+def test_no_module_but_the_declaration_names_a_state_of_the_transfer_machine() -> None:
+    assert _names_outside("TransferState", {"kvfsm/machines/transfer.py"}) == []
+
+
+def test_one_place_asks_nixl_about_a_running_transfer() -> None:
+    """``check_xfer_state`` is called in kvfsm's execution layer in one place (the fakes in
+    kvfsm.testing implement it, which is another matter)."""
+    callers = []
+    for path in sorted(KVFSM.rglob("*.py")):
+        relative = path.relative_to(KVFSM.parent).as_posix()
+        if relative.startswith("kvfsm/testing/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "check_xfer_state":
+                callers.append(relative)
+    assert callers == ["kvfsm/driver.py"]

@@ -1,0 +1,586 @@
+"""What a tier's user sees when a transfer goes wrong: each quarantine path, leaks, and F11.
+
+Every story here is told through the tier's public contract only: the results
+``get_finished_jobs`` hands out (``success``, ``reason``, ``transfer_size``, ``transfer_time``),
+what ``lookup`` answers afterwards, what ``stats()`` counts, and what ``shutdown`` leaves held.
+The NIXL side is a :class:`~kvfsm.testing.FakeNixlAgent` (its counters say what is still
+registered or held), and, for the leak and F11 stories, a real POSIX agent wrapped in a
+:class:`~kvfsm.testing.FaultyAgent` under a :class:`~kvfsm.tiers.FileTier`.
+
+The quarantine paths (docs/operations.md, "Retries and quarantine"):
+
+(a) a transfer finished, then its release kept raising until the retry bound was spent;
+(b) the same after the transfer failed (the first reason stays);
+(c) a transfer NIXL still ran past ``max_running_seconds``;
+(d) the shutdown deadline passed with a release still failing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfsm import FailureKind, FailureReason, JobResult, TransferJob, TransferState
+from kvfsm.nixl_agents import make_agent
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent, FaultyAgent, Raise, ReturnErr, StayProc
+from kvfsm.tiering import CPUPrimaryTier, TieringManager
+from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, TierClosedError
+from kvfsm.transfer import Leak
+
+from .real_nixl import require_nixl
+
+#: what the fake agent's injected Raise() says, as a reason's error text
+BACKEND = "FakeNixlError: NIXL_ERR_BACKEND"
+KEYS = ["seq0/blk0", "seq0/blk1"]
+_agent_names = itertools.count()
+
+Tier = ObjectStoreTier | FileTier
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+def results_of(tier: Tier, jobs: int, timeout: float = 10) -> dict[int, JobResult]:
+    """Poll as the engine's scheduler does, until ``jobs`` results arrived; each job once."""
+    results: dict[int, JobResult] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < jobs:
+        for result in tier.get_finished_jobs():
+            assert result.job_id not in results, f"job {result.job_id} published twice"
+            results[result.job_id] = result
+        if len(results) < jobs:
+            assert time.monotonic() < deadline, f"only {sorted(results)} of {jobs} published"
+            time.sleep(0.001)
+    assert tier.get_finished_jobs() == [], "nothing more is published"
+    return results
+
+
+def stored(tier: Tier, job_id: int, keys: list[str], blocks: list[int]) -> JobResult:
+    """Store ``keys`` from ``blocks``; it must succeed and make the keys HIT."""
+    tier.submit_store(TransferJob(job_id, keys, blocks))
+    result = results_of(tier, 1)[job_id]
+    assert result.success, result.reason
+    assert [tier.lookup(key) for key in keys] == [Lookup.HIT] * len(keys)
+    return result
+
+
+def submit(tier: Tier, job: TransferJob) -> None:
+    (tier.submit_load if job.is_promotion else tier.submit_store)(job)
+
+
+def job_for(tier: Tier, direction: str, job_id: int) -> TransferJob:
+    """A store of KEYS from blocks 0 and 1; or (after storing them) a load into blocks 4, 5."""
+    if direction == "store":
+        return TransferJob(job_id, KEYS, [0, 1])
+    stored(tier, job_id - 1, KEYS, [0, 1])
+    return TransferJob(job_id, KEYS, [4, 5], is_promotion=True)
+
+
+def logged(caplog: pytest.LogCaptureFixture, level: int, job_id: int | None,
+           *words: str) -> int:
+    """How many lines the ``kvfsm`` logger wrote at ``level`` about ``job_id`` (its
+    ``kvfsm_job_id`` record attribute; None: about no job) that contain each of ``words``."""
+    return sum(1 for r in caplog.records
+               if r.name == "kvfsm" and r.levelno == level
+               and getattr(r, "kvfsm_job_id", None) == job_id
+               and all(word in r.getMessage() for word in words))
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeNixlAgent]:
+    """A fake agent the test may leave with a quarantined transfer running: it is checked for
+    misuse at the end, and closed only when nothing runs (closing would be a misuse then)."""
+    agent = FakeNixlAgent(f"outcomes-{next(_agent_names)}")
+    yield agent
+    assert agent.misuses == [], agent.misuses
+    if agent.running_transfers() == 0:
+        agent.close()
+
+
+def assert_primary_kept_registered(tier: Tier, agent: FakeNixlAgent, held: int) -> None:
+    """Shut down with ``held`` quarantined transfers: the tier is closed, but the primary
+    cache's registration (which their handles refer to) and their handles stay."""
+    assert tier.closed
+    assert agent.live_registrations("DRAM") == 1, "the primary cache stays registered"
+    assert agent.live_dlist_handles() == 1 + held, "its descriptor list, and theirs"
+    assert agent.live_xfer_handles() == held, "the quarantined handles are held for good"
+    with pytest.raises(TierClosedError):
+        tier.lookup(KEYS[0])
+
+
+# -- (a) a finished transfer whose release keeps raising ----------------------------------------
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_a_finished_transfer_whose_release_keeps_raising_is_quarantined_not_recomputed(
+    direction: str, primary: torch.Tensor, fake: FakeNixlAgent, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """NIXL said DONE; then releasing the handle raised three times with a bound of three.
+
+    The success latched at DONE is never recomputed: the state is not checked again, and the
+    job fails only because its handle is held for good, saying so (QUARANTINED, naming the
+    release and its last error). The engine goes idle, and shutdown keeps the primary cache
+    registered under the held handle. (Its keys must be MISS from then on, as after any
+    failure: the next test, which shows they are not.)"""
+    caplog.set_level(logging.WARNING, logger="kvfsm")
+    tier = ObjectStoreTier(primary, agent=fake, policy=RetryPolicy(max_attempts=3))
+    job = job_for(tier, direction, job_id=2)
+    checks = fake.call_count("check_xfer_state")
+    fake.inject("release_xfer_handle", Raise(), times=3)
+    submit(tier, job)
+
+    assert tier.get_finished_jobs() == [], "poll 1: DONE, but the release raised: no result"
+    assert tier.state_of(job.job_id) is TransferState.DONE
+    assert tier.stats()["in_flight"] == {"DONE": 1}
+    assert tier.stats()["retries"] == 1
+    assert tier.has_pending_work()
+    assert tier.get_finished_jobs() == [], "poll 2: raised again, retried again"
+    assert tier.stats()["retries"] == 2
+    (result,) = tier.get_finished_jobs()  # poll 3: the bound is spent
+
+    assert result.job_id == job.job_id
+    assert (result.success, result.transfer_size) == (False, 0)
+    assert result.reason == FailureReason(FailureKind.QUARANTINED, "release_xfer_handle",
+                                          f"retry bound spent; last error: {BACKEND}")
+    assert fake.call_count("check_xfer_state") == checks + 1, "DONE was latched once, never " \
+                                                               "polled again"
+    # its keys should now be MISS: the next test, marked as a known bug, shows they are not
+    stats = tier.stats()
+    assert stats["in_flight"] == {}
+    assert (stats["quarantined"], stats["quarantined_running"]) == (1, 0)
+    assert (stats["failed"], stats["retries"], stats["leaks"]) == (1, 2, 0)
+    assert stats["published"] == (1 if direction == "store" else 2)
+    assert 0 <= result.transfer_time <= stats["latency"]["p99"]
+    if direction == "store":  # its only job: every percentile is its time
+        assert set(stats["latency"].values()) == {result.transfer_time}
+    assert not tier.has_pending_work()
+    tier.drain_jobs(timeout=1)  # nothing left to wait for (F9)
+    assert logged(caplog, logging.ERROR, job.job_id, "quarantined", BACKEND) == 1
+
+    releases = fake.call_count("release_xfer_handle")
+    tier.shutdown(timeout=1)
+    assert_primary_kept_registered(tier, fake, held=1)
+    assert fake.call_count("release_xfer_handle") == releases, "never released again"
+    assert tier.stats()["leaks"] == 0, "the primary registration was not even tried"
+    assert logged(caplog, logging.ERROR, None, "quarantined", "stays registered") == 1
+    assert tier.get_finished_jobs() == []
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_the_keys_of_a_job_quarantined_after_it_finished_are_a_miss(
+    direction: str, primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    """One rule after any failure (docs/lifecycle.md): a job that publishes a failure makes its
+    keys MISS in that tier, until a later store of them succeeds. A job quarantined after NIXL
+    said DONE publishes a failure, so the engine counts the store (or load) as failed: the tier
+    must not offer the keys all the same."""
+    tier = ObjectStoreTier(primary, agent=fake, policy=RetryPolicy(max_attempts=1))
+    job = job_for(tier, direction, job_id=2)
+    fake.inject("release_xfer_handle", Raise())
+    submit(tier, job)
+    result = results_of(tier, 1)[2]
+    assert result.success is False
+    assert result.reason is not None and result.reason.kind is FailureKind.QUARANTINED
+    try:
+        assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS, Lookup.MISS]
+    finally:
+        tier.shutdown(timeout=1)
+        assert_primary_kept_registered(tier, fake, held=1)
+
+
+def test_the_time_a_quarantined_job_took_is_its_transfers_not_its_retries(
+    primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    """transfer_time (and the latency stats) measure submit to NIXL's DONE: the retries that
+    followed, backing off, are not the transfer's time."""
+    tier = ObjectStoreTier(primary, agent=fake,
+                           policy=RetryPolicy(max_attempts=3, backoff=0.1, max_backoff=0.1))
+    fake.inject("release_xfer_handle", Raise(), times=3)
+    started = time.monotonic()
+    tier.submit_store(TransferJob(1, KEYS, [0, 1]))
+    result = results_of(tier, 1)[1]
+    took = time.monotonic() - started
+    assert result.reason is not None and result.reason.kind is FailureKind.QUARANTINED
+    assert took >= 0.2, "two retries, 0.1 s apart each"
+    assert 0 <= result.transfer_time < 0.1 <= took - result.transfer_time
+    assert tier.stats()["latency"] == {"p50": result.transfer_time, "p90": result.transfer_time,
+                                       "p99": result.transfer_time}
+    tier.shutdown(timeout=1)
+    assert_primary_kept_registered(tier, fake, held=1)
+
+
+def test_cancelling_a_finished_job_whose_release_is_retried_keeps_its_success(
+    primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    """The outcome latched at DONE is kept by a cancel too: once the release goes through, the
+    job publishes its success and its keys are HIT."""
+    tier = ObjectStoreTier(primary, agent=fake, policy=RetryPolicy(max_attempts=3))
+    fake.inject("release_xfer_handle", Raise())
+    tier.submit_store(TransferJob(1, KEYS, [0, 1]))
+    assert tier.get_finished_jobs() == []
+    assert tier.state_of(1) is TransferState.DONE
+    tier.cancel(1)
+    assert tier.state_of(1) is TransferState.DONE
+    result = results_of(tier, 1)[1]
+    assert (result.success, result.reason) == (True, None)
+    assert result.transfer_size == 2 * primary[0].nbytes
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.HIT, Lookup.HIT]
+    stats = tier.stats()
+    assert (stats["published"], stats["failed"], stats["retries"], stats["quarantined"]) == \
+        (1, 0, 1, 0)
+    tier.shutdown(timeout=1)
+    assert tier.closed
+    assert (fake.live_registrations(), fake.live_xfer_handles()) == (0, 0)
+
+
+# -- (b) a failed transfer whose release keeps raising --------------------------------------------
+
+def _err_on_check(tier: Tier, agent: FakeNixlAgent, job: TransferJob) -> None:
+    agent.inject("check_xfer_state", ReturnErr())
+    tier.submit_store(job)
+
+
+def _raise_on_check(tier: Tier, agent: FakeNixlAgent, job: TransferJob) -> None:
+    agent.inject("check_xfer_state", Raise())
+    tier.submit_store(job)
+
+
+def _err_on_post(tier: Tier, agent: FakeNixlAgent, job: TransferJob) -> None:
+    agent.inject("transfer", ReturnErr())
+    tier.submit_store(job)
+
+
+def _cancelled_while_running(tier: Tier, agent: FakeNixlAgent, job: TransferJob) -> None:
+    agent.inject("check_xfer_state", StayProc(2))
+    tier.submit_store(job)
+    assert tier.get_finished_jobs() == []
+    tier.cancel(job.job_id)
+    assert tier.state_of(job.job_id) is TransferState.CANCELLING
+
+
+@pytest.mark.parametrize(("fail", "reason"), [
+    (_err_on_check, FailureReason(FailureKind.ERR, "check_xfer_state", "answered 'ERR'")),
+    (_raise_on_check, FailureReason(FailureKind.RAISED, "check_xfer_state", BACKEND)),
+    (_err_on_post, FailureReason(FailureKind.ERR, "transfer", "answered 'ERR'")),
+    (_cancelled_while_running, FailureReason(FailureKind.CANCELLED, None, "cancelled")),
+], ids=["check-answered-ERR", "check-raised", "transfer-answered-ERR", "cancelled"])
+def test_a_failed_transfer_whose_release_keeps_raising_is_quarantined_with_its_first_reason(
+    fail: Callable[[Tier, FakeNixlAgent, TransferJob], None], reason: FailureReason,
+    primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    """The keys were stored once (HIT); a second store of them failed, then its release raised
+    until the bound was spent. The job says what failed it first, not the quarantine; the tier
+    no longer vouches for the keys; the held handle keeps the primary registered."""
+    tier = ObjectStoreTier(primary, agent=fake, policy=RetryPolicy(max_attempts=3))
+    stored(tier, 1, KEYS, [0, 1])
+    fake.inject("release_xfer_handle", Raise(), times=3)
+    fail(tier, fake, TransferJob(2, KEYS, [2, 3]))
+
+    result = results_of(tier, 1)[2]
+    assert (result.success, result.transfer_size) == (False, 0)
+    assert result.reason == reason
+    assert result.reason is not None and result.reason.kind is not FailureKind.QUARANTINED
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS, Lookup.MISS]
+    stats = tier.stats()
+    assert (stats["published"], stats["failed"], stats["retries"]) == (2, 1, 2)
+    assert (stats["quarantined"], stats["quarantined_running"]) == (1, 0)
+    assert stats["in_flight"] == {}
+    assert len(stats["latency"]) == 3 and result.transfer_time >= 0
+    assert not tier.has_pending_work()
+
+    tier.shutdown(timeout=1)
+    assert_primary_kept_registered(tier, fake, held=1)
+
+
+# -- (c) a transfer still running past max_running_seconds ----------------------------------------
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_a_transfer_running_past_max_running_seconds_is_quarantined_and_counted_as_running(
+    direction: str, primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    """NIXL keeps answering PROC for one job; another job beside it finishes. Past the bound the
+    stuck job fails as quarantined while running (its keys MISS), the other succeeds (HIT), and
+    shutdown does not wait for the stuck one, nor release anything it may still use."""
+    tier = ObjectStoreTier(primary, agent=fake, policy=RetryPolicy(max_running_seconds=0.05))
+    stuck = job_for(tier, direction, job_id=2)
+    fake.inject("check_xfer_state", StayProc(10**6))  # the next check: the stuck job's first
+    submit(tier, stuck)
+    tier.submit_store(TransferJob(3, ["other"], [6]))
+
+    results = results_of(tier, 2)
+    assert results[3].success and results[3].reason is None
+    result = results[2]
+    assert (result.success, result.transfer_size) == (False, 0)
+    assert result.reason == FailureReason(FailureKind.QUARANTINED, "check_xfer_state",
+                                          "still running after 0.05 s")
+    assert result.transfer_time >= 0.05, "it ran (as far as the tier knows) until given up"
+    assert tier.stats()["latency"]["p99"] == result.transfer_time, "the slowest, by far"
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS, Lookup.MISS]
+    assert tier.lookup("other") is Lookup.HIT
+    stats = tier.stats()
+    assert (stats["quarantined"], stats["quarantined_running"]) == (1, 1)
+    assert (stats["failed"], stats["retries"], stats["in_flight"]) == (1, 0, {})
+    assert fake.running_transfers() == 1, "NIXL still runs it: nothing was released under it"
+
+    started = time.monotonic()
+    tier.shutdown()  # the default deadline (30 s) is not waited for: the job was given up
+    assert time.monotonic() - started < 5
+    assert_primary_kept_registered(tier, fake, held=1)
+    assert fake.running_transfers() == 1
+
+
+# -- (d) the shutdown deadline passes with a release still failing --------------------------------
+
+def test_a_release_still_failing_at_the_shutdown_deadline_is_quarantined_by_shutdown(
+    primary: torch.Tensor, fake: FakeNixlAgent, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No retry bound of its own (it would retry forever): the shutdown deadline is the bound.
+    Shutdown returns by it, the job finished but held gets its one failure, saying the deadline
+    was why, and a job that had ended well before keeps its success."""
+    caplog.set_level(logging.WARNING, logger="kvfsm")
+    tier = ObjectStoreTier(primary, agent=fake, policy=RetryPolicy(max_seconds=None,
+                                                                   backoff=0.01))
+    stored(tier, 1, ["before"], [7])
+    fake.inject("release_xfer_handle", Raise(), times=10**6)
+    tier.submit_store(TransferJob(2, KEYS, [0, 1]))
+    assert tier.get_finished_jobs() == []
+    assert tier.state_of(2) is TransferState.DONE
+    assert tier.lookup(KEYS[0]) is not Lookup.HIT, "not vouched for before its result"
+
+    started = time.monotonic()
+    tier.shutdown(timeout=0.2)
+    assert time.monotonic() - started < 2, "returns by its deadline, plus a poll"
+    (result,) = tier.get_finished_jobs()
+    assert (result.job_id, result.success, result.transfer_size) == (2, False, 0)
+    assert result.reason == FailureReason(
+        FailureKind.QUARANTINED, "release_xfer_handle",
+        f"shutdown deadline passed; last error: {BACKEND}")
+    assert result.transfer_time < 0.2, "the transfer itself was quick"
+    stats = tier.stats()
+    assert (stats["published"], stats["failed"]) == (2, 1)
+    assert (stats["quarantined"], stats["quarantined_running"]) == (1, 0)
+    assert stats["retries"] >= 1 and stats["in_flight"] == {}
+    assert_primary_kept_registered(tier, fake, held=1)
+    assert logged(caplog, logging.ERROR, 2, "quarantined", "shutdown deadline passed") == 1
+    tier.shutdown(timeout=0.2)  # idempotent
+    assert tier.get_finished_jobs() == []
+    fake.clear_faults()
+
+
+def test_a_failed_transfer_still_unreleased_at_the_shutdown_deadline_keeps_its_reason(
+    primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    tier = ObjectStoreTier(primary, agent=fake, policy=RetryPolicy(max_seconds=None))
+    fake.inject("check_xfer_state", ReturnErr())
+    fake.inject("release_xfer_handle", Raise(), times=10**6)
+    tier.submit_store(TransferJob(1, KEYS, [0, 1]))
+    assert tier.get_finished_jobs() == []
+    assert tier.state_of(1) is TransferState.FAILED
+    tier.shutdown(timeout=0.1)
+    (result,) = tier.get_finished_jobs()
+    assert result.reason == FailureReason(FailureKind.ERR, "check_xfer_state", "answered 'ERR'")
+    stats = tier.stats()
+    assert (stats["failed"], stats["quarantined"], stats["quarantined_running"]) == (1, 1, 0)
+    assert_primary_kept_registered(tier, fake, held=1)
+    fake.clear_faults()
+
+
+# -- leaks: a cleanup call that fails costs no result ---------------------------------------------
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+def test_a_cleanup_that_leaks_still_publishes_the_success_and_records_each_leak(
+    direction: str, primary: torch.Tensor, fake: FakeNixlAgent,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvfsm")
+    tier = ObjectStoreTier(primary, agent=fake)
+    job = job_for(tier, direction, job_id=2)
+    fake.inject("release_dlist_handle", Raise())
+    fake.inject("deregister_memory", Raise("NIXL_ERR_NOT_FOUND"))
+    submit(tier, job)
+
+    result = results_of(tier, 1)[2]
+    assert (result.success, result.reason) == (True, None), "a leak fails nothing"
+    assert result.transfer_size == 2 * primary[0].nbytes
+    if direction == "load":
+        assert torch.equal(primary[4:6], primary[0:2]), "the bytes arrived"
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.HIT, Lookup.HIT]
+    stats = tier.stats()
+    assert stats["leaks"] == 2
+    assert stats["leaked"] == [
+        (2, Leak("release_dlist_handle", BACKEND)),
+        (2, Leak("deregister_memory", "FakeNixlError: NIXL_ERR_NOT_FOUND"))]
+    assert (stats["failed"], stats["quarantined"], stats["retries"]) == (0, 0, 0)
+    assert logged(caplog, logging.WARNING, 2, "leak", "release_dlist_handle", BACKEND) == 1
+    assert logged(caplog, logging.WARNING, 2, "leak", "deregister_memory",
+                  "FakeNixlError: NIXL_ERR_NOT_FOUND") == 1
+    assert logged(caplog, logging.WARNING, 2) == 2, "a line for each leak, and nothing else"
+    assert fake.live_registrations("OBJ") == len(KEYS), "the leaked registration (a descriptor " \
+                                                        "a key), as NIXL keeps it"
+
+    tier.shutdown(timeout=1)
+    assert tier.closed
+    assert tier.stats()["leaks"] == 2, "shutdown released the primary's handles cleanly"
+    assert fake.live_registrations("DRAM") == 0
+    assert fake.live_xfer_handles() == 0
+
+
+def test_a_primary_registration_that_cannot_be_released_at_shutdown_is_a_leak_of_no_job(
+    primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    tier = ObjectStoreTier(primary, agent=fake)
+    stored(tier, 1, KEYS, [0, 1])
+    fake.inject("deregister_memory", Raise())
+    tier.shutdown(timeout=1)
+    assert tier.closed
+    assert tier.stats()["leaked"] == [(-1, Leak("deregister_memory", BACKEND))]
+    assert tier.stats()["leaks"] == 1
+    assert fake.live_registrations("DRAM") == 1
+
+
+# -- F11: a failed load is not made again and again -----------------------------------------------
+
+def test_f11_a_failed_load_makes_the_keys_miss_until_a_store_succeeds_again(
+    fake: FakeNixlAgent,
+) -> None:
+    """The manager promotes from a tier whose lookup says HIT. After a load from it failed,
+    the tier says MISS, so the manager stops trying (no load is submitted); a later store
+    that succeeds makes the key HIT again, and the load then brings the bytes back."""
+    primary = CPUPrimaryTier(8, 256, torch.uint8)
+    tier = ObjectStoreTier(primary.cache, agent=fake)
+    manager = TieringManager(primary, {"objects": tier})
+    (block,) = primary.allocate(["k"])
+    primary.cache[block] = 7
+    primary.complete_write([block], success=True)
+    manager.store([block])
+    assert [f.success for f in manager.drain(timeout=5)] == [True]
+    assert tier.lookup("k") is Lookup.HIT
+    primary.free([block])
+
+    fake.inject("check_xfer_state", Raise())  # the load's first state check
+    failed = manager.load(["k"])
+    assert failed is not None
+    assert [(f.job_id, f.success) for f in manager.drain(timeout=5)] == [(failed, False)]
+    assert tier.lookup("k") is Lookup.MISS, "the tier no longer offers it"
+    loads = fake.call_count("make_prepped_xfer")
+    for _ in range(3):  # the engine asks again on later steps: nothing is submitted
+        assert manager.load(["k"]) is None
+        assert manager.step() == []
+    assert fake.call_count("make_prepped_xfer") == loads
+    assert tier.stats()["failed"] == 1
+
+    (block,) = primary.allocate(["k"])
+    primary.cache[block] = 9
+    primary.complete_write([block], success=True)
+    manager.store([block])
+    assert [f.success for f in manager.drain(timeout=5)] == [True]
+    assert tier.lookup("k") is Lookup.HIT, "stored again: offered again"
+    primary.free([block])
+    primary.cache.zero_()
+    loaded = manager.load(["k"])
+    assert [(f.job_id, f.success) for f in manager.drain(timeout=5)] == [(loaded, True)]
+    again = primary.block_of("k")
+    assert again is not None and bool((primary.cache[again] == 9).all())
+    manager.shutdown(timeout=5)
+    assert tier.closed and fake.live_registrations() == 0
+
+
+@pytest.mark.parametrize("fault", [Raise(), ReturnErr()], ids=["raised", "answered-ERR"])
+def test_f11_on_the_tier_a_failed_store_or_load_is_a_miss_a_later_store_a_hit(
+    fault: Raise | ReturnErr, primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    tier = ObjectStoreTier(primary, agent=fake)
+    stored(tier, 1, KEYS, [0, 1])
+    fake.inject("check_xfer_state", fault)
+    tier.submit_load(TransferJob(2, KEYS, [4, 5], is_promotion=True))
+    assert results_of(tier, 1)[2].success is False
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS, Lookup.MISS]
+
+    stored(tier, 3, KEYS[:1], [0])  # one of the two stored again
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.HIT, Lookup.MISS]
+    fake.inject("check_xfer_state", fault)
+    tier.submit_store(TransferJob(4, KEYS[:1], [2]))
+    assert results_of(tier, 1)[4].success is False
+    assert tier.lookup(KEYS[0]) is Lookup.MISS, "a failed store is not vouched for"
+    stored(tier, 5, KEYS, [0, 1])
+    stats = tier.stats()
+    assert (stats["published"], stats["failed"], stats["quarantined"]) == (5, 2, 0)
+    tier.shutdown(timeout=1)
+
+
+# -- the leak and F11 stories on real NIXL (POSIX files) ------------------------------------------
+
+@pytest.fixture
+def real_files(tmp_path: Path) -> Iterator[tuple[FileTier, FaultyAgent, torch.Tensor]]:
+    """A file tier on a real POSIX agent that faults can be injected into."""
+    require_nixl()
+    cache = torch.randint(0, 256, (8, 4096), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(11))
+    agent = FaultyAgent(make_agent(f"tier-outcomes-{next(_agent_names)}", "POSIX"))
+    tier = FileTier(cache, tmp_path / "blocks", agent=agent, durable=False)
+    yield tier, agent, cache
+    tier.shutdown(timeout=30)
+    assert tier.closed
+    assert agent.misuses == [], agent.misuses
+
+
+@pytest.mark.nixl
+def test_a_cleanup_that_leaks_on_real_nixl_still_publishes_the_success(
+    real_files: tuple[FileTier, FaultyAgent, torch.Tensor], caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvfsm")
+    tier, agent, cache = real_files
+    agent.inject("release_dlist_handle", Raise())
+    agent.inject("deregister_memory", Raise())
+    tier.submit_store(TransferJob(1, KEYS, [0, 1]))
+    result = results_of(tier, 1, timeout=30)[1]
+    assert (result.success, result.reason) == (True, None)
+    assert result.transfer_size == 2 * cache[0].nbytes
+    for key, block in zip(KEYS, (0, 1), strict=True):
+        assert tier.path_of(key).read_bytes() == cache[block].numpy().tobytes()
+        assert tier.lookup(key) is Lookup.HIT
+    stats = tier.stats()
+    assert stats["leaks"] == 2
+    assert stats["leaked"] == [(1, Leak("release_dlist_handle", BACKEND)),
+                               (1, Leak("deregister_memory", BACKEND))]
+    assert (stats["failed"], stats["quarantined"]) == (0, 0)
+    assert stats["latency"]["p50"] == result.transfer_time > 0
+    assert logged(caplog, logging.WARNING, 1, "leak", "release_dlist_handle", BACKEND) == 1
+    assert logged(caplog, logging.WARNING, 1, "leak", "deregister_memory", BACKEND) == 1
+    assert logged(caplog, logging.WARNING, 1) == 2, "a line for each leak, and nothing else"
+
+    cache[2:4] = 0  # the leak cost nothing: the blocks load back whole
+    tier.submit_load(TransferJob(2, KEYS, [2, 3], is_promotion=True))
+    assert results_of(tier, 1, timeout=30)[2].success
+    assert torch.equal(cache[2:4], cache[0:2])
+    assert tier.stats()["leaks"] == 2
+
+
+@pytest.mark.nixl
+def test_f11_on_real_nixl_a_failed_load_is_a_miss_though_the_file_is_there(
+    real_files: tuple[FileTier, FaultyAgent, torch.Tensor],
+) -> None:
+    tier, agent, cache = real_files
+    original = cache[0].clone()
+    stored(tier, 1, KEYS[:1], [0])
+    agent.inject("check_xfer_state", Raise())  # answered once NIXL finished reading
+    tier.submit_load(TransferJob(2, KEYS[:1], [5], is_promotion=True))
+    result = results_of(tier, 1, timeout=30)[2]
+    assert result.success is False and result.reason is not None
+    assert (result.reason.kind, result.reason.call) == (FailureKind.RAISED, "check_xfer_state")
+    assert tier.path_of(KEYS[0]).exists(), "the file is whole on disk..."
+    assert tier.lookup(KEYS[0]) is Lookup.MISS, "...but the tier no longer offers it"
+    assert tier.stats()["failed"] == 1
+
+    stored(tier, 3, KEYS[:1], [0])
+    assert tier.lookup(KEYS[0]) is Lookup.HIT
+    cache[5] = 0
+    tier.submit_load(TransferJob(4, KEYS[:1], [5], is_promotion=True))
+    assert results_of(tier, 1, timeout=30)[4].success
+    assert torch.equal(cache[5], original)
+
