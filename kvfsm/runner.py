@@ -48,7 +48,7 @@ __all__ = ["END", "NIXL_RUNNING", "Outcome", "Runner"]
 NIXL_RUNNING = "PROC"
 #: the effect of a transfer that is over: its release and then its cleanup calls, made one after
 #: the other (:meth:`kvfsm.driver.TransferDriver.end`), taken as one chain when both answer OK
-END = "end"
+END = "release+clean"  # not an identifier: no event of a machine can be named so
 logger = logging.getLogger("kvfsm")
 
 
