@@ -100,6 +100,8 @@ class JobSide:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         lock, records = self._lock, self._books.records
+        if not records:
+            return  # nothing to wait for (results not handed out yet stay for the next call)
         while True:
             if step is not None:
                 step()

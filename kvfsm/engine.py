@@ -38,6 +38,7 @@ one before left off, so it is exactly what firing them one by one would do), and
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -340,7 +341,8 @@ class Declaration(Generic[S, A]):
         name, then ``states``. Its table is this one's, on those states, with the edges keyed
         ``(source, trigger, conditions)`` in ``replace`` changed as given (``conditions`` is the
         guard's name, ``""`` for none; ``{"dest": "VERIFYING", "after": []}`` sends an edge
-        elsewhere without its actions), then ``transitions`` added. ``answers``, ``guards``,
+        elsewhere without its actions; an edge from several sources, or under several guards,
+        is not replaced), then ``transitions`` added. ``answers``, ``guards``,
         ``actions``, ``calls`` and ``effects`` are added to (or replace by key) this machine's;
         ``running``, ``final`` and ``failure_states`` are added to its sets. States are named by
         their names (a member of this machine's Enum is taken by its name too).
@@ -351,11 +353,16 @@ class Declaration(Generic[S, A]):
         """
         names = [state.name for state in self.states]
         added = list(states)
-        clash = sorted(set(added) & set(names))
+        clash = sorted(set(added) & set(names)) or sorted(
+            {state for state in added if added.count(state) > 1})
         if clash:
-            raise DeclarationError(f"{name}: states {clash} already exist in {self.name!r}")
+            raise DeclarationError(f"{name}: states {clash} are named twice (states of "
+                                   f"{self.name!r}: {', '.join(names)})")
+        # made in the caller's module, so a state pickles once the caller keeps the Enum
+        # under its name there (``VerifyState = VERIFY_MACHINE.states``)
         new = enum.Enum(  # type: ignore[misc]
-            name.title().replace("_", "") + "State", [*names, *added])
+            name.title().replace("_", "") + "State", [*names, *added],
+            module=sys._getframe(1).f_globals.get("__name__"))
         new.__hash__ = object.__hash__  # type: ignore[method-assign]  # by identity, in C
 
         def ours(state: Any) -> Any:
@@ -374,11 +381,14 @@ class Declaration(Generic[S, A]):
                              else ours(value))
             return edge
 
-        changes = {(ours(s).name, str(t), c): dict(v) for (s, t, c), v in (replace or {}).items()}
+        changes: dict[tuple[Any, ...], dict[str, Any]] = {
+            (ours(s).name, str(t), c): dict(v) for (s, t, c), v in (replace or {}).items()}
         table = []
         for transition in self.transitions:
-            key = (ours(transition["source"]).name, str(transition["trigger"]),
-                   transition.get("conditions", ""))
+            source, conditions = transition["source"], transition.get("conditions", "")
+            key = (ours(source).name if not isinstance(source, list | tuple) else None,
+                   str(transition["trigger"]),
+                   conditions if isinstance(conditions, str) else tuple(conditions))
             change = changes.pop(key, None)
             table.append(mapped({**transition, **change} if change else transition))
         if changes:

@@ -195,11 +195,12 @@ class _Inbox:
 class _Expected:
     """One job the receiver expects: the record its machine moves."""
 
-    __slots__ = ("error", "finished_at", "job", "link", "peer", "reason", "started_at",
-                 "state", "success", "trace")
+    __slots__ = ("error", "finished_at", "job", "job_id", "link", "peer", "reason",
+                 "started_at", "state", "success", "trace")
 
     def __init__(self, job: TransferJob, peer: str, link: PeerLink) -> None:
         self.job = job
+        self.job_id = job.job_id
         self.peer = peer
         #: the link the job is owed over (a later connect of the same sender is another link)
         self.link = link

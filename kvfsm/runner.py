@@ -185,28 +185,34 @@ class Runner(Books):
         for state, step in proc.items():
             step.taken += self.in_state[state] - left[state]
 
-    def overdue(self) -> list[tuple[Transfer, str]]:
-        """Transfers still running ``max_running_seconds`` after submit: each given up now
-        (EXHAUSTED on its state check), or, for a store whose commit is not over, failed as a
-        commit that raised; the second (returned, with what failed) makes no further call.
-        Costs the transfers submitted too long ago, not those in flight."""
+    def overdue(self) -> list[Transfer]:
+        """Take the running bound: a transfer still running ``max_running_seconds`` after
+        submit is given up (EXHAUSTED on its state check, published); a store NIXL finished
+        whose commit is not over fails as a commit that raised (its handle is then released:
+        NIXL no longer runs it). Returns those now waiting on their release, for this round.
+
+        Costs the transfers submitted too long ago, not those in flight. Each is taken off the
+        submit-order queue only once it was handled and filed (an interrupt leaves the rest
+        queued for the next round)."""
         by_start = self._by_start
-        if by_start is None or not by_start:
+        if not by_start:
             return []
         limit = self.policy.max_running_seconds
         cutoff = time.monotonic() - limit  # type: ignore[operator]
-        found: list[tuple[Transfer, str]] = []
+        moved: list[Transfer] = []
         while by_start and by_start[0].started_at <= cutoff:
-            transfer = by_start.popleft()
-            if (self.records.get(transfer.job_id) is not transfer
-                    or transfer.state not in self.running_states):
-                continue
-            if transfer.job_id in self._committing:
-                found.append((transfer, f"not committed {limit} s after submit "
-                                        "(max_running_seconds)"))
-            else:
-                self.give_up(transfer, f"still running after {limit} s")
-        return found
+            transfer = by_start[0]
+            if (self.records.get(transfer.job_id) is transfer
+                    and transfer.state in self.running_states):
+                if transfer.job_id in self._committing:
+                    self.take(transfer, TransferEvent.POLL, Outcome(
+                        Answer.RAISED, CallFailed("commit", TimeoutError(
+                            f"not committed {limit} s after submit (max_running_seconds)"))))
+                    moved.append(transfer)
+                else:
+                    self.give_up(transfer, f"still running after {limit} s")
+            by_start.popleft()
+        return moved
 
     def due(self, transfers: Iterable[Transfer] | None = None) -> Iterator[tuple[Transfer, str]]:
         """Yield (transfer, effect) for each call to make now, and again for the same transfer
@@ -266,8 +272,8 @@ class Runner(Books):
                     self._retry(transfer, effect, answer, detail)
                 else:
                     self.machine.fire(transfer, effect, answer, detail)
-                    if transfer.attempts:
-                        transfer.attempts = 0  # moved on: the next effect's count is fresh
+                    if transfer.attempts:  # moved on: the next effect's count is fresh
+                        transfer.attempts, transfer.retry_at = 0, 0.0
                 if detail is COMMITTING:
                     self._committing.add(transfer.job_id)
                 if interrupt is not None:
@@ -296,6 +302,11 @@ class Runner(Books):
         outcome). Every state a transfer waits in declares it
         (:func:`~kvfsm.driver.check_runnable`)."""
         try:
+            if transfer.state is self.initial:  # an interrupt came before its post answered:
+                # NIXL may run it once it has a handle (a poll says), else nothing runs
+                self.machine.fire(transfer, TransferEvent.POST,
+                                  Answer.PROC if transfer.xfer is not None else Answer.RAISED,
+                                  CallFailed("post", "interrupted before NIXL answered"))
             self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK)
         finally:
             self._file(transfer)
@@ -306,8 +317,8 @@ class Runner(Books):
             self._retry(transfer, effect, answer, detail)
             return
         self.machine.fire(transfer, effect, answer, detail)
-        if transfer.attempts:
-            transfer.attempts = 0  # moved on: the next effect's count is fresh
+        if transfer.attempts:  # moved on: the next effect's count is fresh
+            transfer.attempts, transfer.retry_at = 0, 0.0
 
     def _retry(self, transfer: Transfer, effect: str, answer: Any, detail: Any) -> None:
         """An answer that keeps the transfer where it is, to try again: bounded by the policy,
@@ -316,6 +327,8 @@ class Runner(Books):
         now = time.monotonic()
         failures = transfer.attempts + 1
         if self.policy.spent(failures, transfer.finished_at, now):
+            if effect not in _NIXL_WAITS and not isinstance(detail, CallFailed):
+                detail = CallFailed(effect, detail or "retry bound spent")  # name the step
             self.machine.fire(transfer, effect, Answer.EXHAUSTED, detail)
             logger.error("job %d quarantined after %d failed %s(s): %s", transfer.job_id,
                          failures, self._call_of.get(effect, effect), transfer.error,
@@ -334,6 +347,8 @@ class Runner(Books):
         OK, else each fired as it answered, in the same order (a cleanup that was cut short
         by an interrupt fires nothing: it goes on from where it stopped next round)."""
         if released.answer is Answer.OK:
+            if transfer.attempts:  # released at last: the next effect's count is fresh
+                transfer.attempts, transfer.retry_at = 0, 0.0
             if cleaned.answer is Answer.OK and cleaned.interrupt is None:
                 self.machine.run(transfer, self._ending[transfer.state])
                 return
@@ -390,6 +405,8 @@ class Runner(Books):
             transfer.filed = None
         if self._committing:
             self._committing.discard(job_id)
+        if self._by_start is not None and len(self._by_start) > 2 * len(self.records) + 64:
+            self._compact()
         held = transfer.state in self.held
         result = transfer.result(held)
         # every change to the books first, then what runs code of others (logging handlers,
@@ -407,17 +424,31 @@ class Runner(Books):
             self.failed += 1
         for book in self.on_final:
             book(transfer, result)
+        self._announce(transfer, result)
+
+    def _announce(self, transfer: Transfer, result: JobResult) -> None:
+        """Once the books are written: the log lines of a failure and its leaks, then the
+        listeners (best effort: a listener never costs a result, F7)."""
+        job_id = transfer.job_id
         if not result.success:
             _log_failure(transfer)
         for leak in transfer.leaks:
             logger.warning("job %d leaked: %s raised %s", job_id, leak.call,
                            leak.error, extra=transfer.log_fields(leak.error))
-        for listener in self.on_published:  # best effort: a listener never costs a result (F7)
+        for listener in self.on_published:
             try:
                 listener(transfer)
             except Exception:
                 logger.exception("job %d: an on_published listener raised", job_id,
                                  extra=transfer.log_fields())
+
+    def _compact(self) -> None:
+        """Keep in the submit-order queue only the transfers the running bound may still
+        apply to (the unpublished): done when it holds over twice as many, so each published
+        transfer is dropped once, and the queue stays bounded by what is in flight."""
+        records = self.records
+        self._by_start = collections.deque(
+            t for t in self._by_start or () if records.get(t.job_id) is t)
 
     def record_leaks(self, job_id: int, leaks: Sequence[Leak]) -> None:
         """Count ``leaks`` and keep the most recent ones (job -1: the tier's own)."""

@@ -21,7 +21,7 @@ from kvfsm.peer import (
 from kvfsm.peer_link import DISCONNECTED, LinkState, PeerLinkError
 from kvfsm.testing import FakeNixlAgent, FakeNixlError
 from kvfsm.testing.explore import explore_table
-from kvfsm.tiers import InvalidJobError
+from kvfsm.tiers import DrainTimeout, InvalidJobError
 
 from .real_nixl import require_nixl
 
@@ -463,3 +463,15 @@ def test_the_receiving_machine_explores_clean() -> None:
     found = explore_table(PEER_RECEIVE)
     assert found.ok, found.report()
     assert found.paths == 5
+
+
+def test_a_receiver_drain_past_its_deadline_raises_drain_timeout_naming_the_job() -> None:
+    """Found by review: the shared drain listed a record's ``job_id``, which the receiver's
+    records lacked, so the timeout came out as an AttributeError."""
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=NotifyingAgent())
+    sender = receiver.connect(sender_metadata())
+    receiver.expect(promotion(1, 0), sender)
+    stuck = r"1 expected job\(s\) not published\n  job 1: EXPECTING"
+    with pytest.raises(DrainTimeout, match=stuck):
+        receiver.drain_jobs(timeout=0.01)
+    assert receiver.state_of(1) is ReceiveState.EXPECTING  # untouched: a later drain goes on

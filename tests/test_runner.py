@@ -9,6 +9,8 @@ each of those points is checked here.
 from __future__ import annotations
 
 import ast
+import enum
+import itertools
 import pathlib
 import time
 from typing import Any
@@ -18,13 +20,14 @@ import torch
 
 from examples.verify_lifecycle import VERIFY_MACHINE, Verified, VerifyState
 from kvfsm import Declaration, TransferJob
-from kvfsm.driver import MachineRefused
+from kvfsm.driver import MachineRefused, StorageSide
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, CallFailed, TransferState
 from kvfsm.machines.transfer import FailureKind
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import END, Outcome, Runner
-from kvfsm.testing import FakeNixlAgent
+from kvfsm.testing import FakeNixlAgent, StayProc
 from kvfsm.tiers import ObjectStoreTier
+from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
 from kvfsm.transfer import Leak, Transfer
 
 S = TransferState
@@ -258,3 +261,139 @@ def test_one_place_asks_nixl_about_a_running_transfer() -> None:
             if isinstance(node, ast.Attribute) and node.attr == "check_xfer_state":
                 callers.append(relative)
     assert callers == ["kvfsm/driver.py"]
+
+
+# -- found by review: each is a story that failed before its fix --------------------------------
+
+class _Side(StorageSide):
+    """Object-like remote side whose commit says whether a finished store is in place yet."""
+
+    mem_type = "OBJ"
+
+    def __init__(self, block_bytes: int, committed: bool = True) -> None:
+        self.block_bytes, self.committed = block_bytes, committed
+        self.opened = 0
+
+    def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
+        self.opened += len(transfer.names)
+        return [(0, self.block_bytes, self.opened, name) for name in transfer.names]
+
+    def commit(self, transfer: Transfer) -> bool:
+        return self.committed
+
+
+class _Tier(SecondaryTier):
+    def remote_name(self, key: bytes | str) -> str:
+        return key_text(key)
+
+    def _probe(self, name: str) -> Lookup:
+        return Lookup.MISS
+
+
+def test_an_interrupt_in_one_overdue_transfer_leaves_the_bound_on_the_others() -> None:
+    """Job 1's commit never ends and job 2 never finishes; past the running bound a listener
+    interrupts the poll at job 2's quarantine. Job 1 must still be failed by the bound on a
+    later poll, not left running for good."""
+    agent = FakeNixlAgent(complete_after_polls=1)
+    primary = torch.zeros(8, 16)
+    tier = _Tier(primary, agent=agent, remote=_Side(int(primary[0].nbytes), committed=False),
+                 policy=RetryPolicy(max_running_seconds=0.05))
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    agent.inject("check_xfer_state", StayProc(10**6), at=2)
+    tier.submit_store(TransferJob(2, ["b"], [1]))
+    assert tier.get_finished_jobs() == []
+    time.sleep(0.1)
+    interrupted: list[int] = []
+
+    def interrupt_once(transfer: Transfer) -> None:
+        if not interrupted:
+            interrupted.append(transfer.job_id)
+            raise KeyboardInterrupt
+
+    tier.on_published.append(interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+        tier.get_finished_jobs()
+    results = {r.job_id: r for r in tier.get_finished_jobs() + tier.get_finished_jobs()}
+    assert sorted(results) == [1, 2] and not tier.unpublished()
+    assert results[1].reason is not None and results[1].reason.call == "commit"
+    assert results[2].reason is not None and results[2].reason.kind is FailureKind.QUARANTINED
+
+
+def test_the_running_bound_keeps_no_published_transfer() -> None:
+    """The submit-order queue of the running bound held every transfer until the bound
+    expired (an hour here): 1 KB a job, unbounded at a high job rate."""
+    books = runner(RetryPolicy(max_running_seconds=3600.0))
+    for job_id in range(2000):
+        transfer = submitted(books, job_id)
+        books.take(transfer, "post", Outcome(Answer.DONE))
+        answer_due(books, {END: (OK, CLEAN_OK)})
+    assert len(books.take_results()) == 2000 and not books.records
+    assert len(books._by_start or ()) <= 64
+
+
+def test_a_step_answering_not_yet_in_place_is_bounded_and_named() -> None:
+    """A step whose plain answer is a self-loop (no exception): once the bound is spent the
+    reason names the step, not a NIXL call; the backoff spaces the tries."""
+
+    class Pending(enum.Enum):
+        MATCH = "MATCH"
+        PENDING = "PENDING"
+
+    machine = TRANSFER_MACHINE.extend(
+        "verify_pending", states=["VERIFYING"],
+        replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
+                 ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+        answers={"verify": (Pending.MATCH, Pending.PENDING, Answer.RAISED, Answer.EXHAUSTED)},
+        guards={"matched": (Pending.MATCH,), "pending": (Pending.PENDING,),
+                "step_raised": (Answer.RAISED,)},
+        transitions=[
+            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
+             "conditions": "matched", "after": "latch_success"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "VERIFYING",
+             "conditions": "pending"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
+             "conditions": "step_raised", "after": "latch_failure"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "QUARANTINED",
+             "conditions": "exhausted", "after": "quarantine"},
+            {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
+        effects={"VERIFYING": "verify"})
+    tries: list[float] = []
+
+    def not_yet(transfer: Transfer, primary: torch.Tensor) -> Any:
+        tries.append(time.monotonic())
+        return Pending.PENDING
+
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=FakeNixlAgent(), machine=machine,
+                           steps={"verify": not_yet},
+                           policy=RetryPolicy(max_attempts=3, backoff=0.02, max_backoff=0.02))
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    results = []
+    deadline = time.monotonic() + 5
+    while not results and time.monotonic() < deadline:
+        results += tier.get_finished_jobs()
+    [result] = results
+    assert len(tries) == 3 and all(b - a >= 0.02 for a, b in itertools.pairwise(tries))
+    assert result.reason is not None and result.reason.kind is FailureKind.QUARANTINED
+    assert result.reason.call == "verify"
+    tier.shutdown()
+
+
+@pytest.mark.parametrize("has_handle", [False, True], ids=["before-a-handle", "with-a-handle"])
+def test_a_cancel_of_a_transfer_whose_post_never_answered_publishes_one_failure(
+    has_handle: bool,
+) -> None:
+    """An interrupt between a submit's bookkeeping and its post's answer leaves a transfer in
+    SUBMITTED; cancel (and so shutdown) must settle it, not raise. One with a handle may be
+    running: it is waited for as any cancelled running transfer is."""
+    books = runner()
+    transfer = submitted(books)
+    if not has_handle:
+        transfer.xfer = None
+    books.cancel(transfer)
+    if has_handle:
+        assert transfer.state is S.CANCELLING and books.handles == ["handle-1"]
+        books.take_checks(["DONE"])
+        books.take(transfer, "poll", Outcome(Answer.DONE))
+    answer_due(books, {END: (OK, CLEAN_OK)})
+    [result] = books.take_results()
+    assert not result.success

@@ -335,10 +335,15 @@ def quarantine(transfer: Any, answer: Answer, detail: Any) -> None:
         transfer.success = False
         transfer.finished_at = time.monotonic()
     last, last_type = transfer.error, getattr(transfer, "error_type", None)
-    _keep_error(transfer, answer, detail or "retry bound spent")
+    # a call that failed once too often (what it raised), or the tier giving up on a call
+    # (why, as text: the shutdown deadline, a step's retry bound)
+    gave_up = isinstance(detail, CallFailed) and not isinstance(detail.error, BaseException)
+    _keep_error(transfer, answer, detail.error if gave_up else (detail or "retry bound spent"))
     if not running and transfer.success is False:
         return  # it had failed (or was cancelled) before: that is why the job failed
-    if isinstance(detail, CallFailed):
+    if gave_up:
+        call, why = detail.call, str(detail.error)
+    elif isinstance(detail, CallFailed):
         call, why, last = detail.call, "retry bound spent", transfer.error
         last_type = _error_type(detail)
     else:  # the tier gave up (shutdown deadline, running too long): say so

@@ -382,9 +382,17 @@ class SecondaryTier(JobSide):
         transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic(),
                             runner.initial)
         transfer.names = names
-        runner.add(transfer)
-        runner.take(transfer, TransferEvent.POST,
-                    self._driver.post(transfer, self._local, block_ids))
+        outcome: Outcome | None = None
+        try:
+            runner.add(transfer)
+            outcome = self._driver.post(transfer, self._local, block_ids)
+        finally:
+            if outcome is None:  # an interrupt before the post answered: once it has a
+                # handle NIXL may run it (a poll says), else nothing runs
+                outcome = Outcome(Answer.PROC if transfer.xfer is not None else Answer.RAISED,
+                                  CallFailed("post", "interrupted before NIXL answered"))
+            if transfer.job_id in runner.records:
+                runner.take(transfer, TransferEvent.POST, outcome)
         if transfer.slot < 0:  # over at once: DONE or FAILED
             self._advance((transfer,))
 
@@ -405,12 +413,11 @@ class SecondaryTier(JobSide):
             self._take_polls(answered)
         overdue = runner.overdue()
         if overdue:
-            self._take_polls([(t, Outcome(Answer.RAISED, CallFailed("commit", TimeoutError(why))))
-                              for t, why in overdue], converted=True)
+            self._advance(overdue)
         if waiting:
             self._advance(waiting)
 
-    def _take_polls(self, answered: list[tuple[Transfer, Any]], converted: bool = False) -> None:
+    def _take_polls(self, answered: list[tuple[Transfer, Any]]) -> None:
         """Fire each state check's answer, then take the transfer as far as it goes."""
         runner, driver = self._runner, self._driver
         records, running = runner.records, runner.running_states
@@ -419,8 +426,7 @@ class SecondaryTier(JobSide):
         for transfer, status in answered:
             if records.get(transfer.job_id) is not transfer or transfer.state not in running:
                 continue  # moved meanwhile (a listener polled again)
-            runner.take(transfer, TransferEvent.POLL,
-                        status if converted else driver.polled(transfer, status))
+            runner.take(transfer, TransferEvent.POLL, driver.polled(transfer, status))
             if transfer.slot < 0:
                 over.append(transfer)
         if over:
