@@ -262,6 +262,31 @@ def test_a_store_that_fails_never_leaves_a_block_that_reads_as_valid(
     assert tier.lookup("new") is Lookup.MISS
 
 
+def test_a_faulty_agent_over_real_nixl_keeps_no_released_handle_and_still_catches_a_second(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[SecondaryTier]
+) -> None:
+    """FaultyAgent used to keep every released transfer handle alive (so that an id is never
+    reused), which grew without bound over a long run. NIXL's own handles keep a released flag:
+    that is what catches a second release now, and nothing is kept."""
+    require_nixl()
+    agent = FaultyAgent(make_agent("faulty-keep", "POSIX"))
+    tier = FileTier(cache, tmp_path, agent=agent, durable=False)
+    tiers.append(tier)
+    for job_id in range(50):
+        tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id % len(cache)]))
+        assert collect(tier, 1)[job_id].success
+    assert agent._keep == [] and agent._released == set()
+    agent.inject("transfer", StayProc(2))  # running after submit: its handle can be seen
+    tier.submit_store(TransferJob(99, ["last"], [0]))
+    transfer = tier.transfer_of(99)
+    assert transfer is not None
+    handle = transfer.xfer
+    assert collect(tier, 1)[99].success  # released by the tier, once
+    with pytest.raises(RuntimeError, match="already released"):
+        agent.release_xfer_handle(handle)
+    assert agent.misuses and "released twice" in agent.misuses[0]
+
+
 def test_a_load_of_a_missing_file_publishes_one_failure(
     file_tier: FileTier, cache: torch.Tensor
 ) -> None:

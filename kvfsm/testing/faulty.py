@@ -38,8 +38,11 @@ class FaultyAgent:
         self.faults = FaultPlan(f"FaultyAgent({type(agent).__name__})")
         self._held: dict[int, int] = {}  # id(handle) -> checks still to answer PROC
         self._failing: dict[int, Fault] = {}  # id(handle) -> failure waiting for the end
-        self._released: set[int] = set()  # ids of transfer handles released, while alive
-        self._keep: list[Any] = []  # released handles, so their ids are not reused
+        # ids of released transfer handles that keep no released flag (NIXL's own do, and are
+        # not remembered here: a long run on a real agent keeps no handle), and those handles,
+        # kept so that their ids are not reused
+        self._released: set[int] = set()
+        self._keep: list[Any] = []
         #: what would crash real NIXL, caught before it reached it (a handle released twice)
         self.misuses: list[str] = []
 
@@ -90,14 +93,16 @@ class FaultyAgent:
 
     def release_xfer_handle(self, handle: Any) -> None:
         """release_xfer_handle, unless a fault is armed; a second release is refused."""
-        if id(handle) in self._released:
+        flag = getattr(handle, "_released", None)  # NIXL's own handles keep one
+        if flag is True or (flag is None and id(handle) in self._released):
             self.misuses.append(f"release_xfer_handle: {handle!r} released twice")
             raise RuntimeError(f"kvfsm FaultyAgent: {handle!r} was already released")
         self._plain("release_xfer_handle", handle)
         self._held.pop(id(handle), None)
         self._failing.pop(id(handle), None)
-        self._released.add(id(handle))
-        self._keep.append(handle)
+        if flag is None:  # a handle with no flag of its own: remembered here, and kept alive
+            self._released.add(id(handle))  # so that its id is not reused
+            self._keep.append(handle)
 
     def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> str:
         """Post, unless a Raise or ReturnErr fault is armed; StayProc holds its answers."""
