@@ -1,5 +1,5 @@
 # The two commands a newcomer needs: `make demo` and `make test`.
-.PHONY: setup demo test lint diagrams docs
+.PHONY: setup demo test lint diagrams docs mutation
 
 setup:
 	@./scripts/setup
@@ -29,3 +29,12 @@ docs: setup
 	rm -rf build/api
 	.venv/bin/python -W error -m pdoc --docformat google --no-show-source --output-directory build/api $(API_MODULES)
 	@echo "the API reference: build/api/index.html"
+
+# Mutation testing on demand, not in `make test` or CI (over an hour on 2 cores for all six
+# modules: run one or two at a time with MUTANTS, as docs/testing.md shows): installs
+# mutmut (pyproject.toml's "mutation" extra) into .venv and runs it in a copy of the tree under
+# build/mutation, over the modules [tool.mutmut] names, against the fast tests; prints the score
+# per module and the mutants that survived. One module: `make mutation MUTANTS='kvfsm.runner.*'`.
+# docs/testing.md keeps the last scores and a verdict on each survivor.
+mutation: setup
+	set -f; ./scripts/mutation $(MUTANTS)  # set -f: the names are globs for mutmut, not files
