@@ -46,7 +46,15 @@ from kvfsm.engine import Declaration
 from kvfsm.lifecycle import TRANSFER_MACHINE, TransferEvent
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_agent import FakeNixlAgent
-from kvfsm.testing.faults import STATUS_CALLS, FakeNixlError, Fault, Raise, ReturnErr, StayProc
+from kvfsm.testing.faults import (
+    STATUS_CALLS,
+    FakeNixlError,
+    Fault,
+    Raise,
+    ReturnErr,
+    StayProc,
+    fault_kind,
+)
 from kvfsm.tiers.base import SecondaryTier
 from kvfsm.tiers.object_store import ObjectStoreTier
 from kvfsm.transfer import JobResult, TransferJob
@@ -92,13 +100,7 @@ class Choice:
     fault: Fault
 
     def __str__(self) -> str:
-        if isinstance(self.fault, Raise):
-            kind = "raise"
-        elif isinstance(self.fault, ReturnErr):
-            kind = "err"
-        else:
-            kind = f"proc={self.fault.polls}"
-        return f"{self.call}:{kind}@{self.occurrence}"
+        return f"{self.call}:{fault_kind(self.fault)}@{self.occurrence}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,7 +73,7 @@ from kvfsm.peer import PeerReceiver, PeerSender
 from kvfsm.peer_link import LinkState, PeerLinkError, PeerNotConnected, loses_link
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_ucx import DISCONNECT, FakeUcxAgent, FakeUcxFabric
-from kvfsm.testing.faults import STATUS_CALLS, Fault, Raise, ReturnErr, StayProc
+from kvfsm.testing.faults import STATUS_CALLS, Fault, Raise, ReturnErr, StayProc, fault_kind
 from kvfsm.tiers.base import InvalidJobError
 from kvfsm.transfer import JobResult, TransferJob
 
@@ -150,13 +150,7 @@ class PeerChoice:
     fault: Fault
 
     def __str__(self) -> str:
-        fault = self.fault
-        if isinstance(fault, Raise):
-            kind = "disconnect" if fault.code == DISCONNECT else "raise"
-        elif isinstance(fault, ReturnErr):
-            kind = "err"
-        else:
-            kind = f"proc={fault.polls}"
+        kind = fault_kind(self.fault, {DISCONNECT: "disconnect"})
         return f"{self.role}.{self.call}:{kind}@{self.occurrence}"
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 __all__ = ["FAULTABLE_CALLS", "PEER_CALLS", "STATUS_CALLS", "FakeNixlError", "Fault", "FaultPlan",
-           "Raise", "ReturnErr", "StayProc"]
+           "Raise", "ReturnErr", "StayProc", "fault_kind"]
 
 #: the calls that answer a transfer's status, and so take ReturnErr and StayProc faults
 STATUS_CALLS = frozenset({"transfer", "check_xfer_state"})
@@ -112,6 +112,16 @@ class StayProc:
         """Reject a count below 1."""
         if isinstance(self.polls, bool) or not isinstance(self.polls, int) or self.polls < 1:
             raise ValueError(f"StayProc: polls must be an int >= 1, got {self.polls!r}")
+
+
+def fault_kind(fault: Fault, names: dict[str, str] | None = None) -> str:
+    """How an explorer's path names a fault: ``raise``, ``err`` or ``proc=N``; a raise whose
+    NIXL code ``names`` maps is named so (the peer explorer's ``disconnect``)."""
+    if isinstance(fault, Raise):
+        return (names or {}).get(fault.code, "raise")
+    if isinstance(fault, ReturnErr):
+        return "err"
+    return f"proc={fault.polls}"
 
 
 #: a fault to inject with :meth:`FaultPlan.inject`
