@@ -175,14 +175,8 @@ class Runner(Books):
 
     def _count_stays(self, answered: list[tuple[Transfer, Any]]) -> None:
         """Count the PROC stay of every running transfer not in ``answered``."""
-        proc = self._proc
-        if len(proc) == 1 or not answered:
-            for state, step in proc.items():
-                step.taken += self.in_state[state] - sum(
-                    1 for t, _ in answered if t.state is state)
-            return
         left = collections.Counter(t.state for t, _ in answered)
-        for state, step in proc.items():
+        for state, step in self._proc.items():
             step.taken += self.in_state[state] - left[state]
 
     def overdue(self) -> list[Transfer]:
@@ -266,14 +260,8 @@ class Runner(Books):
             else:
                 answer, detail = outcome.answer, outcome.detail  # type: ignore[union-attr]
                 interrupt = outcome.interrupt  # type: ignore[union-attr]
-                if answer is None:
-                    pass  # no call was made
-                elif (transfer.state, effect, answer) in self._retries:
-                    self._retry(transfer, effect, answer, detail)
-                else:
-                    self.machine.fire(transfer, effect, answer, detail)
-                    if transfer.attempts:  # moved on: the next effect's count is fresh
-                        transfer.attempts, transfer.retry_at = 0, 0.0
+                if answer is not None:  # None: no call was made
+                    self._fire(transfer, effect, answer, detail)
                 if detail is COMMITTING:
                     self._committing.add(transfer.job_id)
                 if interrupt is not None:
