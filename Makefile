@@ -7,7 +7,10 @@ setup:
 demo: setup
 	.venv/bin/kvfsm demo
 
+# the tests need vLLM 0.33 too (kvfsm.vllm is tested under vLLM's own manager): installed once,
+# about 3 minutes and 2.4 GB the first time (scripts/install-vllm)
 test: setup lint
+	./scripts/setup --vllm
 	.venv/bin/kvfsm diagrams --check
 	.venv/bin/python -m pytest --kvfsm-coverage-fail
 

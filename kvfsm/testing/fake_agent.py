@@ -439,6 +439,14 @@ class FakeNixlAgent:
 
     # -- fault injection and introspection ------------------------------------------------
 
+    def remove_objects(self, names: Sequence[str]) -> int:
+        """Delete objects from the store (what an S3 client would do: NIXL cannot), e.g. as
+        an :class:`~kvfsm.tiers.ObjectStoreTier`'s ``remove=``; returns 0 (none failed), and
+        deleting an absent object is no error, as in S3."""
+        for name in names:
+            self.objects.pop(name, None)
+        return 0
+
     def inject(self, call: str, fault: Fault, *, at: int | None = None, times: int = 1) -> None:
         """Arm ``fault`` for ``times`` calls of ``call`` (see :meth:`FaultPlan.inject`)."""
         self.faults.inject(call, fault, at=at, times=times)

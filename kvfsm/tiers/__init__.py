@@ -2,10 +2,12 @@
 
 from kvfsm.tiers.base import (
     DrainTimeout,
+    HoldingEvent,
     InvalidJobError,
     Lookup,
     SecondaryTier,
     TierClosedError,
+    TierFullError,
     UnknownJobError,
 )
 from kvfsm.tiers.file import FileTier
@@ -14,10 +16,12 @@ from kvfsm.tiers.object_store import ObjectStoreTier
 __all__ = [
     "DrainTimeout",
     "FileTier",
+    "HoldingEvent",
     "InvalidJobError",
     "Lookup",
     "ObjectStoreTier",
     "SecondaryTier",
     "TierClosedError",
+    "TierFullError",
     "UnknownJobError",
 ]

@@ -31,14 +31,17 @@ from kvfsm.engine import CompiledMachine, Declaration
 from kvfsm.machines.transfer import TRANSFER_MACHINE, Answer, CallFailed, TransferEvent
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import Outcome, Runner
+from kvfsm.tiers.holdings import HoldingEvent, Holdings, Remove, TierFullError
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
     "DrainTimeout",
+    "HoldingEvent",
     "InvalidJobError",
     "Lookup",
     "SecondaryTier",
     "TierClosedError",
+    "TierFullError",
     "UnknownJobError",
     "key_text",
 ]
@@ -149,6 +152,12 @@ class SecondaryTier(JobSide):
             an effect the tier does not make, such as ``verify``): each gets the transfer and
             the primary cache and answers one of its event's answers
             (:data:`~kvfsm.driver.StepFunction`).
+        capacity_bytes: the most bytes of blocks the tier keeps stored (None: no bound); past
+            it a store first removes the least recently used blocks no transfer uses
+            (:mod:`kvfsm.tiers.holdings`), or is refused with :class:`TierFullError`.
+        record_events: keep what the tier stored and removed for :meth:`take_events` (with
+            ``capacity_bytes`` only).
+        remove: how the subclass removes stored blocks by name (needed with a capacity).
 
     Raises:
         MachineRefused: the machine cannot run in a tier (:func:`~kvfsm.driver.check_runnable`
@@ -168,7 +177,9 @@ class SecondaryTier(JobSide):
                  poll_interval: float = 0.0005,
                  machine: Declaration[Any, Any] | None = None,
                  policy: RetryPolicy | None = None,
-                 steps: Mapping[str, StepFunction] | None = None) -> None:
+                 steps: Mapping[str, StepFunction] | None = None,
+                 capacity_bytes: int | None = None, record_events: bool = False,
+                 remove: Remove | None = None) -> None:
         _check_primary(primary)
         self.primary = primary
         self.agent = agent
@@ -182,10 +193,14 @@ class SecondaryTier(JobSide):
         self.machine: CompiledMachine[Any, Any] = declaration.compile(trace=True)
         #: what the tier knows of recent remote names: set by results, filled in by probes
         self._known = KnownNames(self.known_names)
+        #: what the tier stored, within its capacity (None: no capacity, nothing tracked)
+        self._holdings = _holdings(self._known, self.block_bytes, capacity_bytes,
+                                   record_events, remove)
         #: what is due and what was published: the books, no I/O (:class:`~kvfsm.runner.Runner`)
         #: (what it calls back holds no reference to the tier: no cycle keeps a tier alive)
         self._runner = self._books = Runner(
-            self.machine, self.policy, on_final=functools.partial(_record_verdicts, self._known))
+            self.machine, self.policy,
+            on_final=functools.partial(_record_verdicts, self._known, self._holdings))
         self._runner.leaks = collections.deque(maxlen=self.leak_record)
         #: the calls, and what they answered (:class:`~kvfsm.driver.TransferDriver`)
         self._driver = TransferDriver(agent, remote, declaration, _bind(steps or {}, primary))
@@ -316,7 +331,39 @@ class SecondaryTier(JobSide):
             raise TierClosedError(f"{type(self).__name__} is shut down; lookup({key!r}) refused")
         name = self.remote_name(key)
         known = self._known.get(name)
-        return known if known is not None else self._probe(name)
+        if known is None:
+            return self._probe(name)
+        if known is Lookup.HIT and self._holdings is not None:
+            self._holdings.use(name)
+        return known
+
+    def holds(self, key: bytes | str) -> bool:
+        """True when the tier knows it holds block ``key`` (a store or load of it succeeded, or
+        a probe found it, and nothing failed or removed it since); never probes.
+
+        Raises:
+            ValueError: ``key`` is not a non-empty str or bytes.
+        """
+        return self._known.get(self.remote_name(key)) is Lookup.HIT
+
+    def touch(self, keys: Sequence[bytes | str]) -> None:
+        """Count blocks as used now (the last the most recent): they are removed last when
+        the tier needs room. Keys the tier does not hold are ignored.
+
+        Raises:
+            ValueError: a key is not a non-empty str or bytes; nothing was counted.
+        """
+        holdings = self._holdings
+        if holdings is not None:
+            names = self._remote_names(keys)
+            with self._lock:
+                holdings.touch(names)
+
+    def take_events(self) -> list[HoldingEvent]:
+        """What the tier stored and removed since the last call, oldest first (kept only when
+        built with ``record_events=True``)."""
+        holdings = self._holdings
+        return [] if holdings is None else holdings.take_events()
 
     def state_of(self, job_id: int) -> Any:
         """The state of a job's transfer, or None when it is published or unknown.
@@ -348,6 +395,8 @@ class SecondaryTier(JobSide):
         """
         stats = self._runner.counts()
         stats["lookup_cache"] = len(self._known)
+        if self._holdings is not None:
+            stats["holdings"] = self._holdings.stats()
         return stats
 
     @property
@@ -382,6 +431,12 @@ class SecondaryTier(JobSide):
         transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic(),
                             runner.initial)
         transfer.names = names
+        holdings = self._holdings
+        if holdings is not None:  # a store past the capacity is refused here: nothing changed
+            if load:
+                holdings.pin(names)
+            else:
+                holdings.reserve(names, job.keys)
         outcome: Outcome | None = None
         try:
             runner.add(transfer)
@@ -524,11 +579,34 @@ class SecondaryTier(JobSide):
 logger = logging.getLogger("kvfsm")
 
 
-def _record_verdicts(known: KnownNames, transfer: Transfer, result: JobResult) -> None:
+def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Transfer,
+                     result: JobResult) -> None:
     """A finished store or load shows the blocks are there; after a failed one (a job
     quarantined after NIXL finished it included: it publishes a failure) the tier cannot vouch
-    for them, and a failed load is not made again and again (F11)."""
+    for them, and a failed load is not made again and again (F11). The holdings unpin them."""
     known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS)
+    if holdings is not None:
+        holdings.finished(transfer.names, transfer.job.keys, load=transfer.job.is_promotion,
+                          success=result.success)
+
+
+def _holdings(known: KnownNames, block_bytes: int, capacity_bytes: int | None,
+              record_events: bool, remove: Remove | None) -> Holdings | None:
+    if capacity_bytes is None:
+        if record_events:
+            raise ValueError("record_events=True needs capacity_bytes: a tier keeps track of "
+                             "what it stored only within a capacity")
+        return None
+    if remove is None:
+        raise ValueError("capacity_bytes needs a way to remove blocks (remove=)")
+    return Holdings(capacity_bytes, block_bytes, functools.partial(_forget, known, remove),
+                    record_events=record_events)
+
+
+def _forget(known: KnownNames, remove: Remove, names: Sequence[str]) -> int | None:
+    """Removed blocks are MISS from now on, then removed."""
+    known.record(names, Lookup.MISS)
+    return remove(names)
 
 
 def _bind(steps: Mapping[str, StepFunction], primary: torch.Tensor,

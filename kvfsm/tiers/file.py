@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import itertools
 import logging
@@ -70,7 +71,7 @@ import threading
 import time
 import urllib.parse
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -488,6 +489,11 @@ class FileTier(SecondaryTier):
         policy: retry bounds (:class:`~kvfsm.policy.RetryPolicy`).
         steps: the functions behind the machine's own effects (see
             :class:`~kvfsm.tiers.base.SecondaryTier`).
+        capacity_bytes: the most bytes of block files the tier keeps (None: no bound); past
+            it a store first deletes the least recently used files no transfer uses
+            (:mod:`kvfsm.tiers.holdings`). Files it did not store itself are not counted.
+        record_events: keep what the tier stored and removed for
+            :meth:`~kvfsm.tiers.base.SecondaryTier.take_events`.
     """
 
     def __init__(
@@ -502,6 +508,8 @@ class FileTier(SecondaryTier):
         machine: Declaration[Any, Any] | None = None,
         policy: RetryPolicy | None = None,
         steps: Mapping[str, StepFunction] | None = None,
+        capacity_bytes: int | None = None,
+        record_events: bool = False,
     ) -> None:
         # a machine the tier cannot run is refused before any agent is made
         check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
@@ -525,7 +533,9 @@ class FileTier(SecondaryTier):
                            self._flusher)
             super().__init__(primary, agent=agent, remote=files,
                              poll_interval=poll_interval, machine=machine, policy=policy,
-                             steps=steps)
+                             steps=steps, capacity_bytes=capacity_bytes,
+                             record_events=record_events,
+                             remove=functools.partial(_unlink, self.directory))
         except BaseException:
             self._release_at_drop()
             raise
@@ -626,6 +636,20 @@ class FileTier(SecondaryTier):
             logger.warning("shutdown: a flush of a store already published is still under "
                            "way; the flusher ends by itself (this tier's writer lock is held "
                            "until then)")
+
+
+def _unlink(directory: str, names: Sequence[str]) -> int:
+    """Delete the block files ``names``; returns how many could not be deleted (one already
+    gone counts as deleted)."""
+    failed = 0
+    for name in names:
+        try:
+            os.unlink(directory + name)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            failed += 1
+    return failed
 
 
 def _release(flusher: _Flusher, writer: _Writer, timeout: float | None) -> bool:

@@ -6,7 +6,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,9 +24,9 @@ from kvfsm.tiers.base import (
     key_text,
     logger,
 )
-from kvfsm.transfer import Transfer
+from kvfsm.transfer import Transfer, TransferJob
 
-__all__ = ["ObjectStoreTier"]
+__all__ = ["ObjectStoreTier", "s3_deleter"]
 
 # NIXL's OBJ backend maps a descriptor's device id to its object key, so every descriptor
 # registered at the same time, by any tier of the process, needs its own id; they are reused
@@ -182,6 +182,125 @@ class _Prober:
         return True
 
 
+class _Remover:
+    """Deletes objects on a thread of its own, in batches, so that an eviction never waits
+    for the store: the tier forgets a block at once (its lookups answer MISS), and its object
+    goes a little later. A store of a name still waiting to be deleted takes it back
+    (:meth:`keep`): its delete is not sent. A delete already sent when the same name is stored
+    again may land after the new object; a later load of it then fails, is reported as failed
+    and the block is a MISS from then on: bytes are never wrong, only missing.
+
+    Its thread runs only while names wait, and is not a daemon (a delete in flight is waited
+    for at exit, as a probe is).
+    """
+
+    def __init__(self, delete: Callable[[list[str]], int | None], batch: int = 1000) -> None:
+        self._delete = delete
+        self._batch = batch
+        self._waiting: dict[str, None] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        #: objects whose delete failed or was never sent (they stay in the store)
+        self.errors = 0
+        #: objects deleted
+        self.deleted = 0
+
+    def __call__(self, names: Sequence[str]) -> int:
+        with self._lock:
+            if self._stopping:
+                self.errors += len(names)
+                return 0
+            self._waiting.update(dict.fromkeys(names))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvfsm-object-remove")
+                self._thread.start()
+        return 0
+
+    def keep(self, names: Sequence[str]) -> None:
+        """``names`` are being stored again: do not delete them (if not sent yet)."""
+        if self._waiting:
+            with self._lock:
+                for name in names:
+                    self._waiting.pop(name, None)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def wait(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds until no delete waits or runs; True when none does."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            thread = self._thread
+            if thread is None:
+                return True
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return False
+
+    def stop(self, timeout: float | None) -> bool:
+        """Send what waits, then stop; wait up to ``timeout`` seconds (None: as long as it
+        takes). True when no delete runs any more."""
+        with self._lock:
+            self._stopping = True
+            thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        if thread.is_alive():
+            with self._lock:  # not sent: left in the store
+                self.errors += len(self._waiting)
+                self._waiting.clear()
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    self._thread = None
+                    return
+                names = list(itertools.islice(self._waiting, self._batch))
+                for name in names:
+                    del self._waiting[name]
+            try:
+                failed = self._delete(names) or 0
+            except Exception:
+                failed = len(names)
+            self.errors += failed
+            self.deleted += len(names) - failed
+
+
+def s3_deleter(store: Any) -> Callable[[list[str]], int]:
+    """Deletes objects of ``store`` (a :class:`~kvfsm.nixl_agents.StoreConfig`) with an S3
+    client (boto3; NIXL's OBJ backend can write, read and query objects, not delete them);
+    the function returns how many deletes failed.
+
+    Raises:
+        ValueError: boto3 is not installed.
+    """
+    try:
+        import boto3  # noqa: PLC0415 - needed only by tiers with a capacity
+        from botocore.config import Config  # noqa: PLC0415
+    except ImportError as error:
+        raise ValueError("an ObjectStoreTier with capacity_bytes deletes objects with boto3: "
+                         f"pip install boto3, or pass remove= ({error})") from None
+    client = boto3.client(
+        "s3", endpoint_url=store.endpoint, region_name=store.region,
+        aws_access_key_id=store.access_key, aws_secret_access_key=store.secret_key,
+        config=Config(s3={"addressing_style": "virtual" if store.use_virtual_addressing
+                          else "path"},
+                      connect_timeout=5, read_timeout=30, retries={"max_attempts": 3}))
+    bucket = store.bucket
+
+    def delete(names: list[str]) -> int:
+        answer = client.delete_objects(
+            Bucket=bucket, Delete={"Objects": [{"Key": name} for name in names], "Quiet": True})
+        return len(answer.get("Errors", ()))
+
+    return delete
+
+
 class ObjectStoreTier(SecondaryTier):
     """Stores each block as one object, named ``key_prefix`` + the block key.
 
@@ -214,6 +333,15 @@ class ObjectStoreTier(SecondaryTier):
         policy: retry bounds (:class:`~kvfsm.policy.RetryPolicy`).
         steps: the functions behind the machine's own effects (see
             :class:`~kvfsm.tiers.base.SecondaryTier`).
+        capacity_bytes: the most bytes of objects the tier keeps (None: no bound); past it a
+            store first deletes the least recently used objects no transfer uses
+            (:mod:`kvfsm.tiers.holdings`), on a thread of the tier's own. Objects it did not
+            store itself are not counted.
+        record_events: keep what the tier stored and removed for
+            :meth:`~kvfsm.tiers.base.SecondaryTier.take_events`.
+        remove: deletes objects by name, returning how many it could not (with
+            ``capacity_bytes``): by default :func:`s3_deleter` of ``store``; needed with
+            ``agent=`` (a :class:`~kvfsm.testing.FakeNixlAgent`'s ``remove_objects``).
     """
 
     def __init__(
@@ -229,6 +357,9 @@ class ObjectStoreTier(SecondaryTier):
         machine: Declaration[Any, Any] | None = None,
         policy: RetryPolicy | None = None,
         steps: Mapping[str, StepFunction] | None = None,
+        capacity_bytes: int | None = None,
+        record_events: bool = False,
+        remove: Callable[[list[str]], int | None] | None = None,
     ) -> None:
         # a machine the tier cannot run is refused before any agent is made
         check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
@@ -237,15 +368,25 @@ class ObjectStoreTier(SecondaryTier):
         if not isinstance(key_prefix, str):
             raise ValueError(f"key_prefix must be a str, got {type(key_prefix).__name__}")
         self.key_prefix = key_prefix
+        if agent is None and store is None:
+            raise ValueError("ObjectStoreTier needs agent= (a NIXL agent) or store= "
+                             "(a kvfsm.nixl_agents.StoreConfig)")
+        self._remover: _Remover | None = None
+        if capacity_bytes is not None:
+            if remove is None:
+                if store is None:
+                    raise ValueError("an ObjectStoreTier built with agent= and capacity_bytes "
+                                     "needs remove= (NIXL cannot delete objects)")
+                remove = s3_deleter(store)
+            self._remover = _Remover(remove)
         if agent is None:
-            if store is None:
-                raise ValueError("ObjectStoreTier needs agent= (a NIXL agent) or store= "
-                                 "(a kvfsm.nixl_agents.StoreConfig)")
             agent, probe_agent = _agents_for(store, probe_agent)
         _check_primary(primary)
         super().__init__(primary, agent=agent, remote=_Objects(int(primary[0].nbytes)),
                          poll_interval=poll_interval,
-                         machine=machine, policy=policy, steps=steps)
+                         machine=machine, policy=policy, steps=steps,
+                         capacity_bytes=capacity_bytes, record_events=record_events,
+                         remove=self._remover)
         if type(probe_batch) is not int or probe_batch < 1:
             raise ValueError(f"probe_batch must be an int of at least 1, got {probe_batch!r}")
         self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,
@@ -276,7 +417,25 @@ class ObjectStoreTier(SecondaryTier):
         :data:`MAX_WANTED`)."""
         stats = super().stats()
         stats["probes_waiting"] = len(self._prober)
+        remover = self._remover
+        if remover is not None:
+            holdings = stats["holdings"]
+            holdings["removes_waiting"] = len(remover)
+            holdings["removed"] = remover.deleted
+            holdings["remove_errors"] += remover.errors
         return stats
+
+    def wait_for_removals(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: as long as it takes) until every object this
+        tier evicted was deleted (or its delete failed); True when none is left to send."""
+        remover = self._remover
+        return remover is None or remover.wait(timeout)
+
+    def _submit(self, job: TransferJob, *, load: bool) -> None:
+        remover = self._remover
+        if remover is not None and not load and len(remover):
+            remover.keep(self._remote_names(job.keys))
+        super()._submit(job, load=load)
 
     @property
     def probe_errors(self) -> int:
@@ -293,6 +452,11 @@ class ObjectStoreTier(SecondaryTier):
                                  else max(0.0, deadline - time.monotonic())):
             logger.warning("shutdown: a lookup probe is still waiting for the object store; "
                            "its agent is dropped when NIXL answers or gives up")
+        remover = self._remover
+        if remover is not None and not remover.stop(
+                None if deadline is None else max(0.0, deadline - time.monotonic())):
+            logger.warning("shutdown: deleting evicted objects did not finish by the deadline; "
+                           "%d were left in the store", remover.errors)
 
 
 def _agents_for(store: Any, probe_agent: Any) -> tuple[Any, Any]:

@@ -1,0 +1,232 @@
+"""What a tier holds: a capacity in bytes, least recently used blocks removed first.
+
+A tier built with ``capacity_bytes`` keeps a :class:`Holdings`: the blocks it stored, in order
+of last use, and the blocks transfers in flight read or write (pinned). A store that would take
+the tier past its capacity first removes the least recently used blocks nothing pins; if too few
+are free, the store is refused (:class:`TierFullError`) before anything is registered. What
+counts as a use: a store, a load, a lookup answered HIT, and :meth:`Holdings.touch`. A block is
+never removed while a transfer or a load uses it.
+
+What the capacity bounds is what this tier stored while it runs: blocks found in the store by a
+probe (stored by an earlier process, or another) are loaded but not counted, and never removed.
+
+The events (what was stored and what was removed, :class:`HoldingEvent`) are kept, when asked
+for, until :meth:`Holdings.take_events` hands them out.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["HoldingEvent", "Holdings", "TierFullError"]
+
+#: removes stored blocks by their remote names (a file tier unlinks, an object store deletes);
+#: returns how many it could not remove (None: all removed)
+Remove = Callable[[Sequence[str]], "int | None"]
+
+
+class TierFullError(RuntimeError):
+    """A store would take the tier past its capacity and too few stored blocks are free to
+    remove (transfers in flight use them); nothing was registered."""
+
+
+@dataclass(frozen=True, slots=True)
+class HoldingEvent:
+    """Blocks the tier stored (``removed`` False) or removed (True), by their keys."""
+
+    keys: tuple[Any, ...]
+    removed: bool
+
+
+class Holdings:
+    """The blocks a tier stored, least recently used first, within ``capacity_bytes``.
+
+    Called under the tier's lock, except :meth:`use` (a lookup's HIT), which may race with it
+    and is then simply not counted.
+
+    Args:
+        capacity_bytes: the most bytes of blocks the tier keeps (at least one block).
+        block_bytes: the size of one block.
+        remove: removes blocks by name; called with the blocks evicted, never with one a
+            transfer uses. An error it raises is counted (``remove_errors``), never raised to
+            the caller: the block is forgotten either way.
+        record_events: keep :class:`HoldingEvent` records for :meth:`take_events`.
+        event_limit: the most events kept between two :meth:`take_events` calls (the oldest
+            are dropped past it, and counted).
+    """
+
+    def __init__(self, capacity_bytes: int, block_bytes: int, remove: Remove, *,
+                 record_events: bool = False, event_limit: int = 1 << 16) -> None:
+        if type(capacity_bytes) is not int or capacity_bytes < block_bytes:
+            raise ValueError(f"capacity_bytes must be an int of at least one block "
+                             f"({block_bytes} bytes), got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self.block_bytes = block_bytes
+        #: how many blocks fit
+        self.capacity_blocks = capacity_bytes // block_bytes
+        self._remove = remove
+        #: stored blocks, name -> key, least recently used first
+        self._held: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        #: how many stores in flight write each name
+        self._writers: collections.Counter[str] = collections.Counter()
+        #: names being written that the tier does not hold yet (counted against the capacity)
+        self._fresh: set[str] = set()
+        #: how many transfers in flight use each name
+        self._pins: collections.Counter[str] = collections.Counter()
+        self.record_events = record_events
+        self._events: collections.deque[HoldingEvent] = collections.deque(maxlen=event_limit)
+        self._lock = threading.Lock()  # between the tier's thread and take_events
+        self.removed = 0
+        self.remove_errors = 0
+        self.events_dropped = 0
+
+    # -- a transfer's part -------------------------------------------------------------------
+
+    def reserve(self, names: Sequence[str], keys: Sequence[Any]) -> None:
+        """Make room for a store of ``names`` and pin them; removes the least recently used
+        free blocks it needs to.
+
+        Raises:
+            TierFullError: too few blocks are free to make room; nothing changed.
+        """
+        held, writers, fresh = self._held, self._writers, self._fresh
+        new = {name for name in names if name not in held and name not in writers}
+        over = len(held) + len(fresh) + len(new) - self.capacity_blocks
+        victims: list[str] = []
+        if over > 0:
+            pins, wanted = self._pins, set(names)
+            for name in held:
+                if not pins[name] and name not in wanted:
+                    victims.append(name)
+                    if len(victims) == over:
+                        break
+            if len(victims) < over:
+                raise TierFullError(
+                    f"a store of {len(names)} block(s) needs {over} block(s) removed to stay "
+                    f"within capacity_bytes={self.capacity_bytes} ({self.capacity_blocks} "
+                    f"blocks), and only {len(victims)} stored block(s) are free: the rest "
+                    f"are being written or read")
+        pins = self._pins
+        for name in names:
+            pins[name] += 1
+            writers[name] += 1
+        fresh |= new
+        if victims:
+            self._evict(victims)
+
+    def pin(self, names: Iterable[str]) -> None:
+        """A load of ``names`` starts: they count as used, and are not removed until it ends."""
+        pins, held = self._pins, self._held
+        for name in names:
+            pins[name] += 1
+            if name in held:
+                held.move_to_end(name)
+
+    def finished(self, names: Sequence[str], keys: Sequence[Any], *, load: bool,
+                 success: bool) -> None:
+        """A transfer of ``names`` published its result: unpin them; a store that succeeded
+        holds its blocks now. A failed store's blocks are removed unless the tier held them
+        before (a failed write may have landed, and nothing vouches for it); a failed load's
+        blocks are removed too (the tier cannot vouch for them either)."""
+        pins, held = self._pins, self._held
+        _drop_one(pins, names)
+        if load:
+            if not success:
+                self._evict([name for name in names if name in held and not pins[name]])
+            return
+        writers, fresh = self._writers, self._fresh
+        _drop_one(writers, names)
+        stored: list[Any] = []
+        dropped: list[str] = []
+        for name, key in zip(names, keys, strict=True):
+            if not writers[name]:
+                fresh.discard(name)
+            if success:
+                fresh.discard(name)
+                if name not in held:
+                    stored.append(key)
+                held[name] = key
+                held.move_to_end(name)
+            elif name not in held and not pins[name]:
+                dropped.append(name)
+        if stored:
+            self._event(HoldingEvent(tuple(stored), removed=False))
+        if dropped:
+            self._call_remove(dropped)
+
+    # -- the tier's users --------------------------------------------------------------------
+
+    def use(self, name: str) -> None:
+        """``name`` was used (a lookup answered HIT for it): it is now the most recent."""
+        with contextlib.suppress(KeyError):  # not held (not this tier's, or removed meanwhile)
+            self._held.move_to_end(name)
+
+    def touch(self, names: Iterable[str]) -> None:
+        """Count ``names`` as used now, in order (the last the most recent)."""
+        for name in names:
+            self.use(name)
+
+    def holds(self, name: str) -> bool:
+        """True when this tier stored ``name`` and still keeps it."""
+        return name in self._held
+
+    def take_events(self) -> list[HoldingEvent]:
+        """The events since the last call, oldest first (empty unless ``record_events``)."""
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+        return events
+
+    def stats(self) -> dict[str, int]:
+        """What the tier holds and removed, in figures."""
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "held_blocks": len(self._held),
+            "held_bytes": len(self._held) * self.block_bytes,
+            "writing_blocks": len(self._writers),
+            "removed": self.removed,
+            "remove_errors": self.remove_errors,
+            "events_dropped": self.events_dropped,
+        }
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _evict(self, names: list[str]) -> None:
+        if not names:
+            return
+        held = self._held
+        keys = tuple(held.pop(name) for name in names)
+        self._event(HoldingEvent(keys, removed=True))
+        self._call_remove(names)
+
+    def _call_remove(self, names: list[str]) -> None:
+        try:
+            failed = self._remove(names) or 0
+        except Exception:  # the blocks stay where they are; the tier forgot them all the same
+            failed = len(names)
+        self.remove_errors += failed
+        self.removed += len(names) - failed
+
+    def _event(self, event: HoldingEvent) -> None:
+        if not self.record_events:
+            return
+        with self._lock:
+            events = self._events
+            if len(events) == events.maxlen:
+                self.events_dropped += 1
+            events.append(event)
+
+
+def _drop_one(counts: collections.Counter[str], names: Iterable[str]) -> None:
+    """One use fewer of each name; a name none uses any more is forgotten."""
+    for name in names:
+        left = counts[name] - 1
+        if left > 0:
+            counts[name] = left
+        else:
+            del counts[name]

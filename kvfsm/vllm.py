@@ -1,0 +1,444 @@
+"""kvfsm's tiers as secondary tiers of vLLM 0.33's tiered KV offload.
+
+vLLM's ``TieringOffloadingManager`` loads an out-of-tree secondary tier by class name and module
+path. Naming one of these in vLLM's offloading configuration puts kvfsm's object-store or file
+tier behind vLLM's primary CPU cache::
+
+    "secondary_tiers": [
+        {"type": "ObjectStoreTier", "module_path": "kvfsm.vllm",
+         "bucket": "kv-cache", "endpoint": "http://127.0.0.1:9000",
+         "capacity_bytes": 64 << 30, "retry": {"max_seconds": 30}},
+        {"type": "FileTier", "module_path": "kvfsm.vllm", "directory": "/mnt/nvme/kv",
+         "capacity_bytes": 256 << 30},
+    ]
+
+Every other key of an entry is the tier's own setting (see :class:`ObjectStoreTier` and
+:class:`FileTier`). What vLLM's contract asks, and how it is kept:
+
+- the primary is vLLM's memoryview, wrapped without a copy (``torch.frombuffer``); keys are
+  vLLM's ``OffloadKey`` bytes, paired with ``chunk_ids`` in the job's iteration order;
+- a submit never raises into the manager (the job's chunks are pinned already): a job the tier
+  cannot start (a bad job, a full tier, a closed tier, a NIXL call that raised) is a failed
+  result on the next ``get_finished_jobs()``;
+- a store skips the keys the tier knows it holds and reports the bytes it moved;
+- a promotion loads the keys the tier holds; one whose keys were removed since the lookup (the
+  tier evicted them) fails and names the keys that did load (``successful_keys``); a key whose
+  load failed is a MISS from then on, for every request (no reload loop);
+- ``drain_jobs()`` waits for NIXL, never aborts a running transfer, and leaves every result for
+  the next ``get_finished_jobs()``; ``shutdown()`` leaves nothing registered and drops every
+  array over the view, so vLLM can unmap its primary;
+- ``build_metric_definitions`` / ``get_stats`` report kvfsm's figures as vLLM metrics, and
+  ``take_events`` what the tier stored and removed.
+
+This module imports vLLM; ``import kvfsm`` never does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult as VllmResult
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import TransferJob as VllmJob
+
+from kvfsm import tiers
+from kvfsm.contract import DrainTimeout
+from kvfsm.nixl_agents import StoreConfig
+from kvfsm.policy import RetryPolicy
+from kvfsm.tiers.base import Lookup, SecondaryTier
+from kvfsm.transfer import TransferJob
+
+__all__ = ["FileTier", "ObjectStoreTier"]
+
+logger = logging.getLogger("kvfsm.vllm")
+
+_LOOKUP = {Lookup.HIT: LookupResult.HIT, Lookup.MISS: LookupResult.MISS,
+           Lookup.RETRY: LookupResult.RETRY}
+
+#: the label every kvfsm metric carries: the tier's ``type`` (vLLM's own ``tier`` label is the
+#: manager's, which a tier does not know)
+TIER = "kvfsm_tier"
+_PREFIX = "vllm:kv_offload_kvfsm_"
+JOBS = _PREFIX + "jobs"
+BYTES = _PREFIX + "bytes"
+RETRIES = _PREFIX + "release_retries"
+LEAKS = _PREFIX + "leaks"
+QUARANTINED = _PREFIX + "quarantined"
+IN_FLIGHT = _PREFIX + "in_flight"
+SECONDS = _PREFIX + "transfer_seconds"
+REMOVED = _PREFIX + "removed_blocks"
+HELD = _PREFIX + "held_bytes"
+
+#: the most events kept for ``take_events`` when vLLM does not take them (oldest dropped)
+EVENT_LIMIT = 1 << 16
+
+
+@dataclass(slots=True)
+class _Job:
+    """What the adapter remembers of a job it handed to the kvfsm tier."""
+
+    load: bool
+    #: the keys given to the kvfsm tier
+    moved: list[OffloadKey]
+    #: a promotion's keys the tier no longer held (not loaded: the result fails)
+    missing: list[OffloadKey] = field(default_factory=list)
+
+
+class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-checked here
+    """The vLLM side of one kvfsm tier (see the module docstring)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, *, capacity_bytes: int | None = None,
+                 retry: Mapping[str, Any] | None = None, shutdown_timeout: float | None = 30.0,
+                 enable_kv_events: bool = False, locality: str | None = None,
+                 **settings: Any) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
+        self.shutdown_timeout = shutdown_timeout
+        events_on = bool(enable_kv_events) and bool(getattr(
+            getattr(offloading_spec, "kv_events_config", None), "enable_kv_cache_events", False))
+        self._events: deque[OffloadingEvent] | None = (
+            deque(maxlen=EVENT_LIMIT) if events_on else None)
+        #: without a capacity the tier records nothing it holds: stores are reported from here
+        self._report_stores = capacity_bytes is None
+        policy = _policy(retry)
+        chunks = len(primary_kv_view)
+        chunk_bytes = self.block_size_bytes
+        # zero copy: the tensor is vLLM's memory (dropped again in shutdown)
+        primary = torch.frombuffer(primary_kv_view, dtype=torch.uint8).view(chunks, chunk_bytes)
+        self._tier: SecondaryTier | None = self._build(
+            primary, policy=policy, capacity_bytes=capacity_bytes,
+            record_events=capacity_bytes is not None, **settings)
+        self._jobs: dict[int, _Job] = {}
+        #: results made without a transfer (refused jobs, stores with nothing to move)
+        self._ready: list[VllmResult] = []
+        #: what get_stats reported last (its counters report what grew since)
+        self._reported: dict[str, float] = {}
+        self._observed: list[tuple[str, float]] = []  # (kind, seconds) since get_stats
+        self._counts: dict[tuple[str, str], int] = {}  # (kind, outcome) -> jobs
+        self._bytes: dict[str, int] = {"store": 0, "load": 0}
+
+    def _build(self, primary: torch.Tensor, **options: Any) -> SecondaryTier:
+        raise NotImplementedError
+
+    @property
+    def tier(self) -> SecondaryTier:
+        """The kvfsm tier behind this adapter (its stats, its state per job)."""
+        if self._tier is None:
+            raise tiers.TierClosedError(f"{self.tier_type} is shut down")
+        return self._tier
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        tier = self._tier
+        if tier is None:
+            return LookupResult.MISS
+        try:
+            return _LOOKUP[tier.lookup(key)]
+        except Exception as error:  # a key the tier cannot name, a closed tier: not held
+            logger.warning("%s: lookup of %s answered MISS: %s", self.tier_type, key.hex(),
+                           error)
+            return LookupResult.MISS
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        tier = self._tier
+        if tier is not None:
+            try:
+                tier.touch(list(keys))
+            except ValueError as error:
+                logger.warning("%s: touch ignored: %s", self.tier_type, error)
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    def submit_store(self, job_metadata: VllmJob) -> None:
+        self._submit(job_metadata, load=False)
+
+    def submit_load(self, job_metadata: VllmJob) -> None:
+        self._submit(job_metadata, load=True)
+
+    def _submit(self, job: VllmJob, *, load: bool) -> None:
+        kind = "load" if load else "store"
+        try:
+            tier = self.tier
+            keys = list(job.keys)
+            chunks = [int(c) for c in job.chunk_ids]
+            if len(keys) != len(chunks):
+                raise tiers.InvalidJobError(f"{len(keys)} keys but {len(chunks)} chunk ids")
+            if load:  # what the tier no longer holds (removed since the lookup) is not loaded
+                pairs = [(k, c) for k, c in zip(keys, chunks, strict=True) if tier.holds(k)]
+                missing = [k for k in keys if not tier.holds(k)] if len(pairs) < len(keys) else []
+            else:  # a block the tier holds already is not written again
+                pairs = [(k, c) for k, c in zip(keys, chunks, strict=True) if not tier.holds(k)]
+                missing = []
+            if not pairs:
+                self._ready_result(job.job_id, kind, success=not load, outcome=(
+                    "missing" if load else "skipped"))
+                return
+            moved = [k for k, _ in pairs]
+            entry = _Job(load, moved, missing)
+            self._jobs[job.job_id] = entry  # before the submit: a result may come at once
+            try:
+                submit = tier.submit_load if load else tier.submit_store
+                submit(TransferJob(job.job_id, moved, [c for _, c in pairs],
+                                   is_promotion=load))
+            except BaseException:
+                del self._jobs[job.job_id]
+                raise
+        except Exception as error:  # never into the manager: the job fails, its pins go
+            logger.warning("%s: %s job %d refused, reported as failed: %s: %s", self.tier_type,
+                           kind, job.job_id, type(error).__name__, error)
+            self._ready_result(job.job_id, kind, success=False, outcome="refused")
+
+    def _ready_result(self, job_id: int, kind: str, *, success: bool, outcome: str) -> None:
+        self._count(kind, outcome)
+        self._ready.append(VllmResult(job_id=job_id, success=success,
+                                      successful_keys=None if success else [],
+                                      transfer_time=0.0, transfer_bytes=0))
+
+    def get_finished_jobs(self) -> Iterable[VllmResult]:
+        results, self._ready = self._ready, []
+        tier = self._tier
+        if tier is None:
+            return results
+        for done in tier.get_finished_jobs():
+            job = self._jobs.pop(done.job_id)
+            kind = "load" if job.load else "store"
+            success = done.success and not job.missing
+            self._bytes[kind] += done.transfer_size
+            self._observed.append((kind, done.transfer_time))
+            self._count(kind, "ok" if success else "failed")
+            if success and not job.load and self._report_stores and self._events is not None:
+                self._events.append(self._event(job.moved, removed=False))
+            results.append(VllmResult(
+                job_id=done.job_id, success=success,
+                successful_keys=None if success else (list(job.moved) if done.success else []),
+                transfer_time=done.transfer_time, transfer_bytes=done.transfer_size))
+        return results
+
+    def has_pending_work(self) -> bool:
+        tier = self._tier
+        return bool(self._ready) or (tier is not None and tier.has_pending_work())
+
+    def drain_jobs(self) -> None:
+        """Wait until NIXL finished every transfer (never aborting one); the results come
+        with the next ``get_finished_jobs()``. A transfer still running after 5 s is logged
+        (with its state) and waited for; a release that keeps failing ends in quarantine as
+        the retry policy says, a failure result like any other."""
+        tier = self._tier
+        if tier is None:
+            return
+        try:
+            tier.drain_jobs(5.0)
+        except DrainTimeout as waiting:
+            logger.warning("%s: drain_jobs still waiting after 5 s: %s", self.tier_type, waiting)
+            tier.drain_jobs(None)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def shutdown(self) -> None:
+        """Cancel what is unfinished, wait for NIXL up to ``shutdown_timeout`` seconds,
+        release every handle and registration, and drop the tensor over vLLM's view.
+
+        Raises:
+            DrainTimeout: NIXL still ran transfers at the deadline: the primary stays
+                registered (vLLM then keeps its region mapped); calling shutdown again waits
+                on.
+        """
+        tier = self._tier
+        if tier is None:
+            return
+        tier.shutdown(self.shutdown_timeout)
+        leftover = tier.get_finished_jobs()  # the cancelled jobs' results: nobody asks now
+        for done in leftover:
+            self._jobs.pop(done.job_id, None)
+        self._tier = None  # the tier held the only tensor over the view
+
+    # -- events and metrics ----------------------------------------------------------------
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        tier, events = self._tier, self._events
+        if events is None:
+            if tier is not None:
+                tier.take_events()  # not wanted: keep the record from growing
+            return []
+        if tier is not None:
+            events.extend(self._event(list(event.keys), removed=event.removed)
+                          for event in tier.take_events())
+        taken = list(events)
+        events.clear()
+        return taken
+
+    def _event(self, keys: list[Any], *, removed: bool) -> OffloadingEvent:
+        return OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
+                               locality=self.locality, ownership=self.tier_type)
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any],
+                                 ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            JOBS: OffloadingCounterMetadata(
+                "Jobs a kvfsm tier reported, by kind (store, load) and outcome (ok, failed; "
+                "refused: never started; skipped: a store of blocks held already; missing: a "
+                "load of blocks removed since the lookup).", (TIER, "kind", "outcome")),
+            BYTES: OffloadingCounterMetadata(
+                "Bytes a kvfsm tier moved, by kind.", (TIER, "kind")),
+            RETRIES: OffloadingCounterMetadata(
+                "Failed NIXL releases a kvfsm tier retried (bounded by its retry policy).",
+                (TIER,)),
+            LEAKS: OffloadingCounterMetadata(
+                "Best-effort NIXL cleanup calls that failed (metadata, never memory).", (TIER,)),
+            QUARANTINED: OffloadingGaugeMetadata(
+                "Transfers a kvfsm tier gave up releasing: their handles stay held.", (TIER,)),
+            IN_FLIGHT: OffloadingGaugeMetadata(
+                "A kvfsm tier's transfers in flight, by lifecycle state.", (TIER, "state")),
+            SECONDS: OffloadingHistogramMetadata(
+                "Seconds from a kvfsm tier's submit to its transfer's end, by kind.",
+                (TIER, "kind"),
+                buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30)),
+            REMOVED: OffloadingCounterMetadata(
+                "Blocks a kvfsm tier removed to stay within its capacity.", (TIER,)),
+            HELD: OffloadingGaugeMetadata(
+                "Bytes of blocks a kvfsm tier holds (with a capacity).", (TIER,)),
+        }
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        tier = self._tier
+        stats = OffloadingConnectorStats()
+        label = (self.tier_type,)
+        for (kind, outcome), count in self._counts.items():
+            stats.increase_counter(JOBS, count, (*label, kind, outcome))
+        self._counts.clear()
+        for kind, moved in self._bytes.items():
+            if moved:
+                stats.increase_counter(BYTES, moved, (*label, kind))
+                self._bytes[kind] = 0
+        for kind, seconds in self._observed:
+            stats.observe_histogram(SECONDS, seconds, (*label, kind))
+        self._observed.clear()
+        if tier is None:
+            return stats
+        figures = tier.stats()
+        holdings = figures.get("holdings")
+        totals = {RETRIES: figures["retries"], LEAKS: figures["leaks"]}
+        if holdings is not None:
+            totals[REMOVED] = holdings["removed"]
+            stats.set_gauge(HELD, holdings["held_bytes"], label)
+        for name, total in totals.items():
+            grew = total - self._reported.get(name, 0)
+            if grew:
+                stats.increase_counter(name, grew, label)
+            self._reported[name] = total
+        stats.set_gauge(QUARANTINED, figures["quarantined"], label)
+        for state in tier.machine.declaration.states:
+            stats.set_gauge(IN_FLIGHT, figures["in_flight"].get(state.name, 0),
+                            (*label, state.name))
+        return stats
+
+    def _count(self, kind: str, outcome: str) -> None:
+        self._counts[kind, outcome] = self._counts.get((kind, outcome), 0) + 1
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("kvfsm_capacity_bytes",)
+
+    def config_info(self) -> Mapping[str, str | int | float | bool]:
+        tier = self._tier
+        holdings = None if tier is None else tier.stats().get("holdings")
+        return {"kvfsm_capacity_bytes": 0 if holdings is None else holdings["capacity_bytes"]}
+
+
+class ObjectStoreTier(_Adapter):
+    """kvfsm's object-store tier (:class:`kvfsm.tiers.ObjectStoreTier`) for vLLM.
+
+    Settings (keywords of the tier's entry in vLLM's ``secondary_tiers``):
+
+    - ``bucket`` (required), ``endpoint`` (``http(s)://host:port``; None for AWS),
+      ``access_key``/``secret_key``, ``region``, ``use_virtual_addressing``,
+      ``req_checksum``, ``io_threads``, ``prefix`` (prepended to object names): the store
+      (:class:`kvfsm.nixl_agents.StoreConfig`);
+    - ``capacity_bytes``: the most bytes of objects kept; the least recently used are deleted
+      (with boto3) to make room (None: no bound);
+    - ``retry``: the :class:`kvfsm.policy.RetryPolicy` fields, as a dict;
+    - ``shutdown_timeout``: seconds shutdown waits for NIXL (None: as long as it takes);
+    - ``enable_kv_events``, ``locality``: as vLLM's own tiers;
+    - ``agent``, ``probe_agent``, ``remove``: a NIXL agent (and its deleter) to drive instead
+      of making them (tests inject faults this way).
+    """
+
+    def _build(self, primary: torch.Tensor, *, bucket: str | None = None,
+               endpoint: str | None = None, access_key: str | None = None,
+               secret_key: str | None = None, region: str = "us-east-1",
+               use_virtual_addressing: bool = False, req_checksum: str = "required",
+               io_threads: int | None = None, prefix: str = "", agent: Any = None,
+               probe_agent: Any = None, remove: Any = None,
+               **options: Any) -> SecondaryTier:
+        store = None
+        if agent is None or (options.get("capacity_bytes") is not None and remove is None):
+            if bucket is None:
+                raise ValueError(f"{self.tier_type}: the tier's settings need a bucket")
+            store = StoreConfig(bucket, endpoint=endpoint, access_key=access_key,
+                                secret_key=secret_key, region=region,
+                                use_virtual_addressing=use_virtual_addressing,
+                                req_checksum=req_checksum, io_threads=io_threads,
+                                key_prefix=prefix)
+        if agent is not None:
+            return tiers.ObjectStoreTier(primary, agent=agent, store=store, key_prefix=prefix,
+                                         probe_agent=probe_agent, remove=remove, **options)
+        return tiers.ObjectStoreTier(primary, store=store, probe_agent=probe_agent,
+                                     remove=remove, **options)
+
+
+class FileTier(_Adapter):
+    """kvfsm's file tier (:class:`kvfsm.tiers.FileTier`) for vLLM: one file per block.
+
+    Settings: ``directory`` (required), ``durable`` (fsync before a store succeeds; default
+    True), ``capacity_bytes``, ``retry``, ``shutdown_timeout``, ``enable_kv_events``,
+    ``locality`` (as :class:`ObjectStoreTier`), ``agent`` (a NIXL agent with the POSIX
+    backend, instead of one made by the tier).
+    """
+
+    def _build(self, primary: torch.Tensor, *, directory: str | None = None,
+               durable: bool = True, agent: Any = None, **options: Any) -> SecondaryTier:
+        if directory is None:
+            raise ValueError(f"{self.tier_type}: the tier's settings need a directory")
+        return tiers.FileTier(primary, directory, durable=durable, agent=agent, **options)
+
+
+def _policy(retry: Mapping[str, Any] | None) -> RetryPolicy:
+    """The retry policy from the settings' dict (RetryPolicy's fields)."""
+    if retry is None:
+        return RetryPolicy()
+    if not isinstance(retry, Mapping):
+        raise ValueError(f"retry must be a dict of RetryPolicy fields, got {retry!r}")
+    fields = set(RetryPolicy.__dataclass_fields__)
+    unknown = sorted(set(retry) - fields)
+    if unknown:
+        raise ValueError(f"retry: unknown field(s) {', '.join(unknown)}; RetryPolicy has "
+                         f"{', '.join(sorted(fields))}")
+    return RetryPolicy(**retry)
+

@@ -1,0 +1,194 @@
+"""A tier with a capacity: the least recently used blocks are removed to make room, never one a
+transfer uses, and what was stored and removed comes back as events."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfsm import JobResult, TransferJob
+from kvfsm.testing import FakeNixlAgent, Raise, StayProc
+from kvfsm.tiers import (
+    FileTier,
+    HoldingEvent,
+    Lookup,
+    ObjectStoreTier,
+    SecondaryTier,
+    TierFullError,
+)
+
+from .conftest import NUM_BLOCKS
+
+BLOCK = 256  # bytes of one block of the conftest primary
+
+
+def store(job_id: int, *pairs: tuple[str, int]) -> TransferJob:
+    return TransferJob(job_id, [k for k, _ in pairs], [b for _, b in pairs])
+
+
+def load(job_id: int, *pairs: tuple[str, int]) -> TransferJob:
+    return TransferJob(job_id, [k for k, _ in pairs], [b for _, b in pairs], is_promotion=True)
+
+
+def settle(tier: SecondaryTier, polls: int = 50) -> list[JobResult]:
+    """Every result, once the tier is idle and (an object store) deleted what it evicted."""
+    results: list[JobResult] = []
+    for _ in range(polls):
+        results += tier.get_finished_jobs()
+        if not tier.has_pending_work():
+            break
+    if isinstance(tier, ObjectStoreTier):
+        assert tier.wait_for_removals(5)
+    return results
+
+
+@pytest.fixture
+def small(primary: torch.Tensor, agent: FakeNixlAgent) -> ObjectStoreTier:
+    """An object store that keeps three blocks."""
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=3 * BLOCK, record_events=True,
+                           remove=agent.remove_objects)
+    yield tier
+    tier.shutdown(timeout=5)
+
+
+def test_the_least_recently_used_block_goes_first_and_a_lookup_counts_as_use(
+    small: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    small.submit_store(store(1, ("a", 0), ("b", 1), ("c", 2)))
+    assert [r.success for r in settle(small)] == [True]
+    assert small.take_events() == [HoldingEvent(("a", "b", "c"), removed=False)]
+    assert small.lookup("a") is Lookup.HIT  # a is now the most recent: b is the oldest
+
+    small.submit_store(store(2, ("d", 3)))
+    assert [r.success for r in settle(small)] == [True]
+    assert sorted(agent.objects) == ["a", "c", "d"]
+    assert small.lookup("b") is Lookup.MISS
+    assert small.take_events() == [HoldingEvent(("b",), removed=True),
+                                   HoldingEvent(("d",), removed=False)]
+    holdings = small.stats()["holdings"]
+    assert (holdings["held_blocks"], holdings["held_bytes"], holdings["removed"]) == (
+        3, 3 * BLOCK, 1)
+
+
+def test_touch_and_a_load_count_as_use(small: ObjectStoreTier, agent: FakeNixlAgent) -> None:
+    small.submit_store(store(1, ("a", 0), ("b", 1), ("c", 2)))
+    settle(small)
+    small.touch(["a"])  # order now b, c, a
+    small.submit_load(load(2, ("b", 5)))  # order now c, a, b
+    assert [r.success for r in settle(small)] == [True]
+    small.submit_store(store(3, ("d", 3), ("e", 4)))
+    settle(small)
+    assert sorted(agent.objects) == ["b", "d", "e"]
+
+
+def test_a_block_a_load_still_reads_is_never_removed(
+    small: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    small.submit_store(store(1, ("a", 0), ("b", 1), ("c", 2)))
+    settle(small)
+    agent.inject("check_xfer_state", StayProc(3))  # the load runs a while
+    small.submit_load(load(2, ("a", 5)))
+    small.submit_store(store(3, ("d", 3)))  # a is the oldest, but read: b goes
+    assert small.wait_for_removals(5)
+    assert "a" in agent.objects and "b" not in agent.objects
+    assert sorted((r.job_id, r.success) for r in settle(small)) == [(2, True), (3, True)]
+
+
+def test_a_store_that_cannot_make_room_is_refused_and_changes_nothing(
+    small: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    agent.inject("check_xfer_state", StayProc(10))
+    small.submit_store(store(1, ("a", 0), ("b", 1)))  # being written: not removable
+    with pytest.raises(TierFullError, match=r"needs 1 block\(s\) removed .* only 0"):
+        small.submit_store(store(2, ("c", 2), ("d", 3)))
+    assert small.state_of(2) is None
+    assert small.stats()["holdings"]["writing_blocks"] == 2
+    small.submit_store(store(2, ("c", 2)))  # fits: the same job id is free to use
+    assert sorted((r.job_id, r.success) for r in settle(small)) == [(1, True), (2, True)]
+    assert sorted(agent.objects) == ["a", "b", "c"]
+
+
+def test_a_failed_store_of_a_new_block_removes_what_may_have_landed(
+    small: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    agent.objects["a"] = b"half a block"  # what a broken write may leave
+    agent.inject("check_xfer_state", Raise("NIXL_ERR_BACKEND"))
+    small.submit_store(store(1, ("a", 0)))
+    (result,) = settle(small)
+    assert not result.success
+    assert "a" not in agent.objects
+    assert small.lookup("a") is Lookup.MISS
+    holdings = small.stats()["holdings"]
+    assert (holdings["held_blocks"], holdings["writing_blocks"]) == (0, 0)
+    assert small.take_events() == []  # nothing was ever held
+
+
+def test_a_failed_load_forgets_the_block(small: ObjectStoreTier, agent: FakeNixlAgent) -> None:
+    small.submit_store(store(1, ("a", 0), ("b", 1)))
+    settle(small)
+    agent.inject("check_xfer_state", Raise("NIXL_ERR_BACKEND"))
+    small.submit_load(load(2, ("a", 5)))
+    (result,) = settle(small)
+    assert not result.success
+    assert small.lookup("a") is Lookup.MISS
+    assert sorted(agent.objects) == ["b"]
+    assert small.stats()["holdings"]["held_blocks"] == 1
+
+
+def test_capacity_needs_a_way_to_remove_and_at_least_one_block(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    with pytest.raises(ValueError, match="needs remove="):
+        ObjectStoreTier(primary, agent=agent, capacity_bytes=4 * BLOCK)
+    with pytest.raises(ValueError, match=r"at least one block \(256 bytes\), got 100"):
+        ObjectStoreTier(primary, agent=agent, capacity_bytes=100,
+                        remove=agent.remove_objects)
+    with pytest.raises(ValueError, match="record_events=True needs capacity_bytes"):
+        ObjectStoreTier(primary, agent=agent, record_events=True)
+    assert agent.live_registrations() == 0  # refused before any NIXL call
+
+
+def test_a_removal_that_fails_is_counted_and_the_block_forgotten(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    def refuse(names: list[str]) -> int:
+        raise OSError("the store refused the delete")
+
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=refuse)
+    try:
+        tier.submit_store(store(1, ("a", 0)))
+        settle(tier)
+        tier.submit_store(store(2, ("b", 1)))
+        assert [r.success for r in settle(tier)] == [True]
+        tier.shutdown(timeout=5)
+        holdings = tier.stats()["holdings"]
+        assert (holdings["removed"], holdings["remove_errors"]) == (0, 1)
+        assert sorted(agent.objects) == ["a", "b"]  # a stays in the store, unknown to the tier
+        assert tier.stats()["holdings"]["held_blocks"] == 1
+    finally:
+        tier.shutdown(timeout=5)
+
+
+def test_a_file_tier_deletes_its_least_recently_used_files(
+    tmp_path: object, primary: torch.Tensor
+) -> None:
+    from kvfsm.nixl_agents import nixl_available  # noqa: PLC0415
+
+    if not nixl_available():
+        pytest.skip("needs real NIXL (POSIX)")
+    tier = FileTier(primary, tmp_path, capacity_bytes=2 * BLOCK, durable=False,
+                    record_events=True)
+    try:
+        for job_id in range(NUM_BLOCKS):
+            tier.submit_store(store(job_id, (f"k{job_id}", job_id)))
+            assert [r.success for r in settle(tier)] == [True]
+        assert sorted(p.name for p in tier.root.iterdir() if not p.name.startswith(".")) == [
+            "k6", "k7"]
+        events = tier.take_events()
+        assert [e.keys for e in events if e.removed] == [(f"k{i}",) for i in range(6)]
+        primary.zero_()
+        tier.submit_load(load(99, ("k7", 0)))
+        assert [r.success for r in settle(tier)] == [True]
+        assert torch.equal(primary[0], torch.arange(7 * 64, 8 * 64, dtype=torch.float32))
+    finally:
+        tier.shutdown(timeout=5)

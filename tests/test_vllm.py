@@ -1,0 +1,392 @@
+"""kvfsm's tiers inside vLLM 0.33's tiered KV offload, driven by vLLM's own manager.
+
+Each test builds vLLM's ``TieringOffloadingManager`` from an offloading configuration that names
+a kvfsm tier (``{"type": "FileTier", "module_path": "kvfsm.vllm", ...}``), on real NIXL: POSIX
+files in a temporary directory, or the OBJ backend against the local S3 server the tests start.
+The scheduler steps are played as vLLM's connector plays them (tests/vllm_engine.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvfsm.testing import FaultyAgent, Raise, ReturnErr, StayProc
+
+from .real_nixl import S3Server, require_nixl, s3_server  # noqa: F401 - a fixture
+from .vllm_engine import CHUNK_BYTES, Engine, block, key, require_vllm
+
+pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]  # the first test imports vLLM
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm() -> None:
+    require_nixl()
+    require_vllm()
+
+
+def file_entry(directory: Path, **settings: Any) -> dict[str, Any]:
+    return {"type": "FileTier", "module_path": "kvfsm.vllm", "directory": str(directory),
+            "durable": False, **settings}
+
+
+def object_entry(server: S3Server, **settings: Any) -> dict[str, Any]:
+    from .real_nixl import ACCESS_KEY, SECRET_KEY  # noqa: PLC0415
+
+    return {"type": "ObjectStoreTier", "module_path": "kvfsm.vllm",
+            "bucket": server.new_bucket(), "endpoint": server.endpoint,
+            "access_key": ACCESS_KEY, "secret_key": SECRET_KEY, **settings}
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[..., Engine]]:
+    """Builds engines; each is shut down after the test (if the test did not) and must leave
+    no shared-memory file behind."""
+    made: list[Engine] = []
+
+    def make(*tiers: dict[str, Any], **options: Any) -> Engine:
+        engine = Engine(tiers, **options)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        if engine.tier_objects and engine.tier_objects[0]._tier is not None:
+            engine.shutdown()
+        assert engine.shm_files() == [], "the primary's region is still there"
+
+
+def blocks(*seeds: int) -> dict[bytes, bytes]:
+    return {key(seed): block(seed) for seed in seeds}
+
+
+def the_tier(engine: Engine) -> Any:
+    (tier,) = engine.tier_objects
+    return tier
+
+
+# -- the round trip ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["files", "objects"])
+def test_vllm_cascades_evicts_and_promotes_through_a_kvfsm_tier(
+    kind: str, tmp_path: Path, s3_server: S3Server, engines: Callable[..., Engine]  # noqa: F811
+) -> None:
+    entry = (file_entry(tmp_path, enable_kv_events=True) if kind == "files"
+             else object_entry(s3_server, enable_kv_events=True))
+    engine = engines(entry)
+    tier = the_tier(engine)
+    a, b = blocks(1, 2, 3), blocks(4, 5, 6, 7)
+    assert engine.offload("A", a) == list(a)
+    engine.settle()
+    engine.offload("B", b)  # the 4-chunk primary evicts A's chunks
+    engine.settle()
+    assert tier.tier.stats()["published"] == 2
+
+    found = engine.fetch("C", list(a))  # A comes back from the kvfsm tier
+    assert found == a
+    engine.settle()
+    assert engine.pinned_chunks() == 0
+    assert engine.manager._jobs == {}
+    ours = [(e.medium.name, e.removed, sorted(e.keys)) for e in engine.events
+            if e.ownership in {"FileTier", "ObjectStoreTier"}]
+    assert ours == [("STORAGE", False, sorted(a)), ("STORAGE", False, sorted(b))]
+    engine.reset_cache()
+    engine.shutdown()
+    assert engine.shm_files() == []
+
+
+def test_a_capacity_removes_the_least_recently_used_files_and_says_so(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    engine = engines(file_entry(tmp_path, capacity_bytes=4 * CHUNK_BYTES,
+                                enable_kv_events=True))
+    tier = the_tier(engine)
+    engine.offload("A", blocks(1, 2))
+    engine.settle()
+    engine.offload("B", blocks(3, 4))
+    engine.settle()
+    engine.offload("C", blocks(5, 6))  # past 4 blocks: A's two go
+    engine.settle()
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert names == sorted(tier.tier.remote_name(key(s)) for s in (3, 4, 5, 6))
+    ours = [(e.removed, sorted(e.keys)) for e in engine.events if e.ownership == "FileTier"]
+    assert ours == [(False, sorted([key(1), key(2)])), (False, sorted([key(3), key(4)])),
+                    (True, sorted([key(1), key(2)])), (False, sorted([key(5), key(6)]))]
+    assert all(e.medium.name == "STORAGE" for e in engine.events if e.ownership == "FileTier")
+    found = engine.fetch("D", [key(1), key(3)])  # A is gone from both tiers, B is not
+    assert found == {key(1): None, key(3): block(3)}
+
+
+def test_a_capacity_deletes_objects_from_the_bucket(
+    s3_server: S3Server, engines: Callable[..., Engine]  # noqa: F811
+) -> None:
+    entry = object_entry(s3_server, capacity_bytes=2 * CHUNK_BYTES, prefix="kv/")
+    engine = engines(entry)
+    tier = the_tier(engine)
+    for seed in range(6):
+        engine.offload(f"R{seed}", blocks(seed))
+        engine.settle()
+    assert tier.tier.wait_for_removals(10)
+    listed = s3_server.client().list_objects_v2(Bucket=entry["bucket"]).get("Contents", [])
+    assert sorted(o["Key"] for o in listed) == sorted(
+        tier.tier.object_key(key(s)) for s in (4, 5))
+    assert tier.tier.stats()["holdings"]["removed"] == 4
+
+
+def test_a_store_of_blocks_the_tier_holds_moves_nothing(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    engine = engines(file_entry(tmp_path), primary_chunks=2)
+    tier = the_tier(engine)
+    engine.offload("A", blocks(1, 2))
+    engine.settle()
+    engine.offload("B", blocks(3, 4))  # evicts A from the primary
+    engine.settle()
+    # computed again without asking the tiers: the primary stores A again, and cascades it
+    assert engine.offload("A again", blocks(1, 2), lookup=False) == [key(1), key(2)]
+    engine.settle()
+    assert tier.tier.stats()["published"] == 2  # the third cascade made no transfer
+    stats = tier.get_stats()
+    jobs = stats.data["data"]["vllm:kv_offload_kvfsm_jobs"]
+    assert jobs[("FileTier", "store", "ok")] == 2
+    assert jobs[("FileTier", "store", "skipped")] == 1
+    assert stats.data["data"]["vllm:kv_offload_kvfsm_bytes"][("FileTier", "store")] == (
+        4 * CHUNK_BYTES)
+
+
+# -- failures, as vLLM sees them -----------------------------------------------------------------
+
+def test_a_failed_promotion_is_a_miss_afterwards_and_never_loaded_again(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    agent = FaultyAgent(make_agent("vllm-failed-load", "POSIX"))
+    engine = engines(file_entry(tmp_path, agent=agent), primary_chunks=2)
+    engine.offload("A", blocks(1, 2))
+    engine.settle()
+    engine.offload("B", blocks(3, 4))
+    engine.settle()
+    agent.inject("check_xfer_state", Raise("NIXL_ERR_BACKEND"))  # the promotion's read fails
+    assert engine.fetch("C", [key(1), key(2)]) == {key(1): None, key(2): None}
+    engine.settle()
+    posts = agent.call_count("transfer")
+    assert engine.fetch("D", [key(1), key(2)]) == {key(1): None, key(2): None}
+    assert agent.call_count("transfer") == posts  # a MISS: no reload loop
+    assert engine.pinned_chunks() == 0
+    assert agent.misuses == []
+
+
+def test_a_promotion_of_blocks_removed_since_the_lookup_names_what_did_load(
+    tmp_path: Path
+) -> None:
+    """Straight through the factory and vLLM's own job types: the tier evicts a block between
+    the lookup's HIT and the load."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: PLC0415
+    from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: PLC0415
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: PLC0415
+
+    cache = torch.zeros((4, CHUNK_BYTES), dtype=torch.int8)
+    view = memoryview(cache.numpy())
+    tier = SecondaryTierFactory.create_secondary_tier(
+        file_entry(tmp_path, capacity_bytes=2 * CHUNK_BYTES), view, None)
+    try:
+        context = ReqContext(req_id="r")
+        for chunk, seed in enumerate((1, 2)):
+            view.cast("B")[chunk * CHUNK_BYTES:(chunk + 1) * CHUNK_BYTES] = block(seed)
+        tier.submit_store(TransferJob(1, [key(1), key(2)], np.array([0, 1], np.int32), False,
+                                      context))
+        tier.drain_jobs()
+        assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+        assert tier.lookup(key(1), context) is LookupResult.HIT
+        tier.touch([key(1)], context)  # key 2 is now the least recently used
+        view.cast("B")[2 * CHUNK_BYTES:3 * CHUNK_BYTES] = block(3)
+        tier.submit_store(TransferJob(2, [key(3)], np.array([2], np.int32), False, context))
+        tier.drain_jobs()
+        cache.zero_()
+        tier.submit_load(TransferJob(3, [key(2), key(1)], np.array([3, 0], np.int32), True,
+                                     context))
+        tier.drain_jobs()
+        results = {r.job_id: r for r in tier.get_finished_jobs()}
+        assert results[2].success and results[2].transfer_bytes == CHUNK_BYTES
+        load = results[3]
+        assert (load.success, load.successful_keys) == (False, [key(1)])
+        assert bytes(view.cast("B")[:CHUNK_BYTES]) == block(1)
+        assert tier.lookup(key(2), context) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+
+
+def test_a_job_the_tier_cannot_start_is_a_failed_result_not_an_exception(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """A cascade of three blocks into a tier that holds two is refused by kvfsm
+    (TierFullError); vLLM gets a failed result, not the exception, and unpins the chunks."""
+    engine = engines(file_entry(tmp_path, capacity_bytes=2 * CHUNK_BYTES))
+    engine.offload("A", blocks(1, 2, 3))
+    engine.settle()
+    assert engine.manager._jobs == {}
+    assert engine.pinned_chunks() == 0
+    jobs = the_tier(engine).get_stats().data["data"]["vllm:kv_offload_kvfsm_jobs"]
+    assert jobs == {("FileTier", "store", "refused"): 1}
+    assert [p for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+    engine.offload("B", blocks(4, 5))  # the tier still works
+    engine.settle()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == sorted(
+        the_tier(engine).tier.remote_name(key(s)) for s in (4, 5))
+
+
+def test_reset_cache_drains_transfers_still_running_without_aborting_them(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    agent = FaultyAgent(make_agent("vllm-drain", "POSIX"))
+    engine = engines(file_entry(tmp_path, agent=agent))
+    agent.inject("transfer", StayProc(40))  # NIXL says PROC for 40 checks
+    context = engine.request("A")
+    with engine.locked() as manager:
+        prepared = manager.prepare_store([key(1)], context)
+    engine.end_step()
+    with engine.locked() as manager:
+        manager.complete_store({key(1)}, context)
+    assert the_tier(engine).has_pending_work()
+    engine.reset_cache()  # asserts inside vLLM if any job's result is not ready
+    assert prepared is not None
+    assert engine.manager._jobs == {}
+    assert agent.call_count("check_xfer_state") >= 40
+    assert (tmp_path / the_tier(engine).tier.remote_name(key(1))).exists()
+
+
+def test_metrics_are_declared_and_labelled_as_vllm_requires(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    engine = engines(file_entry(tmp_path, capacity_bytes=2 * CHUNK_BYTES))
+    definitions = engine.spec.build_metric_definitions(engine.spec.extra_config)
+    engine.offload("A", blocks(1, 2))
+    engine.settle()
+    engine.offload("B", blocks(3))  # the tier removes one of A's
+    engine.settle()
+    stats = engine.manager.get_stats()
+    ours = {name: values for name, values in stats.data["data"].items()
+            if name.startswith("vllm:kv_offload_kvfsm_")}
+    assert {"vllm:kv_offload_kvfsm_jobs", "vllm:kv_offload_kvfsm_in_flight",
+            "vllm:kv_offload_kvfsm_held_bytes"} <= ours.keys()
+    for name, values in ours.items():
+        assert name in definitions, name
+        for labels in values:
+            assert len(labels) == len(definitions[name].labelnames), (name, labels)
+    assert ours["vllm:kv_offload_kvfsm_held_bytes"][("FileTier",)] == 2 * CHUNK_BYTES
+    assert ours["vllm:kv_offload_kvfsm_removed_blocks"][("FileTier",)] == 1
+
+
+# -- every NIXL call failing -------------------------------------------------------------------
+
+CALLS = ["register_memory", "deregister_memory", "prep_xfer_dlist", "make_prepped_xfer",
+         "transfer", "check_xfer_state", "release_xfer_handle", "release_dlist_handle",
+         "query_memory"]
+FAULTS = [(kind, call, fault) for kind in ("files", "objects") for call in CALLS
+          if not (kind == "files" and call == "query_memory")  # a file tier stats, never asks
+          for fault in ([Raise("NIXL_ERR_BACKEND")]
+                        + ([ReturnErr(), StayProc(3)] if call in ("transfer", "check_xfer_state")
+                           else []))]
+
+
+def run_workload(engine: Engine) -> None:
+    """Stores that evict each other from the primary, and promotions; then the checks vLLM's
+    users need: every job reported once (none left in the manager), no pin left, and every
+    block read back either the bytes stored or a miss, never other bytes."""
+    stored = blocks(*range(8))
+    for seed in range(0, 8, 2):
+        engine.offload(f"S{seed}", {key(s): stored[key(s)] for s in (seed, seed + 1)})
+        engine.settle()
+    found = engine.fetch("L", [key(s) for s in range(4)])
+    for k, got in found.items():
+        assert got is None or got == stored[k], "a load returned bytes that were not stored"
+    engine.settle()
+    assert engine.manager._jobs == {}
+    assert engine.pinned_chunks() == 0
+
+
+@pytest.mark.parametrize(("kind", "call", "fault"), FAULTS,
+                         ids=[f"{k}-{c}-{type(f).__name__}" for k, c, f in FAULTS])
+def test_every_nixl_call_failing_under_vllms_manager(
+    kind: str, call: str, fault: Any, tmp_path: Path, s3_server: S3Server,  # noqa: F811
+    engines: Callable[..., Engine]
+) -> None:
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    if kind == "files":
+        agent = FaultyAgent(make_agent(f"vllm-{call}", "POSIX"))
+        entry = file_entry(tmp_path, agent=agent, capacity_bytes=6 * CHUNK_BYTES,
+                           retry={"max_attempts": 5})
+    else:
+        entry = object_entry(s3_server, capacity_bytes=6 * CHUNK_BYTES,
+                             retry={"max_attempts": 5})
+        store = _store_of(entry)
+        agent = FaultyAgent(make_agent(f"vllm-obj-{call}", "OBJ", store.backend_params()))
+        entry.update(agent=agent, probe_agent=agent)
+    engine = engines(entry, primary_chunks=2)
+    agent.inject(call, fault, times=2)
+    run_workload(engine)
+    engine.reset_cache()
+    engine.shutdown()
+    assert agent.faults.pending() == [], "the fault never fired"
+    assert agent.misuses == []
+
+
+@pytest.mark.parametrize("kind", ["files", "objects"])
+def test_random_faults_in_every_call_under_vllms_manager(
+    kind: str, tmp_path: Path, s3_server: S3Server,  # noqa: F811
+    engines: Callable[..., Engine]
+) -> None:
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    if kind == "files":
+        agent = FaultyAgent(make_agent("vllm-chaos", "POSIX"))
+        entry = file_entry(tmp_path, agent=agent, capacity_bytes=6 * CHUNK_BYTES,
+                           retry={"max_attempts": 5})
+    else:
+        entry = object_entry(s3_server, capacity_bytes=6 * CHUNK_BYTES,
+                             retry={"max_attempts": 5})
+        agent = FaultyAgent(make_agent("vllm-obj-chaos", "OBJ",
+                                       _store_of(entry).backend_params()))
+        entry.update(agent=agent, probe_agent=agent)
+    engine = engines(entry, primary_chunks=2)
+    for seed in range(3):
+        agent.chaos(0.2, seed=seed)
+        run_workload(engine)
+    agent.chaos(0)
+    engine.reset_cache()
+    engine.shutdown()
+    assert agent.misuses == []
+
+
+def _store_of(entry: dict[str, Any]) -> Any:
+    from kvfsm.nixl_agents import StoreConfig  # noqa: PLC0415
+
+    return StoreConfig(entry["bucket"], endpoint=entry["endpoint"],
+                       access_key=entry["access_key"], secret_key=entry["secret_key"])
+
+
+# -- kvfsm without vLLM ------------------------------------------------------------------------
+
+def test_kvfsm_imports_without_vllm() -> None:
+    """``import kvfsm`` (and its tiers, its testing kit) never imports vLLM: run with vLLM made
+    unimportable."""
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "import kvfsm, kvfsm.tiers, kvfsm.testing, kvfsm.tiering\n"
+            "assert not any(m.startswith('vllm') and sys.modules[m] is not None "
+            "for m in sys.modules)\n"
+            "try:\n    import kvfsm.vllm\nexcept ImportError:\n    print('refused')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "refused"
