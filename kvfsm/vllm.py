@@ -36,31 +36,37 @@ This module imports vLLM; ``import kvfsm`` never does.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-    OffloadingConnectorStats,
-)
-from vllm.v1.kv_offload.base import (
-    Locality,
-    LookupResult,
-    Medium,
-    OffloadingCounterMetadata,
-    OffloadingEvent,
-    OffloadingGaugeMetadata,
-    OffloadingHistogramMetadata,
-    OffloadingMetricMetadata,
-    OffloadKey,
-    ReqContext,
-    RequestOffloadingContext,
-)
-from vllm.v1.kv_offload.tiering.base import JobResult as VllmResult
-from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
-from vllm.v1.kv_offload.tiering.base import TransferJob as VllmJob
+
+# vLLM's own import chain warns about torch APIs it uses (DeprecationWarning): not something a
+# kvfsm user can act on, so it is not shown
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+    from vllm.v1.kv_offload.base import (
+        Locality,
+        LookupResult,
+        Medium,
+        OffloadingCounterMetadata,
+        OffloadingEvent,
+        OffloadingGaugeMetadata,
+        OffloadingHistogramMetadata,
+        OffloadingMetricMetadata,
+        OffloadKey,
+        ReqContext,
+        RequestOffloadingContext,
+    )
+    from vllm.v1.kv_offload.tiering.base import JobResult as VllmResult
+    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+    from vllm.v1.kv_offload.tiering.base import TransferJob as VllmJob
 
 from kvfsm import tiers
 from kvfsm.contract import DrainTimeout

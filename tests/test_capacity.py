@@ -192,3 +192,34 @@ def test_a_file_tier_deletes_its_least_recently_used_files(
         assert torch.equal(primary[0], torch.arange(7 * 64, 8 * 64, dtype=torch.float32))
     finally:
         tier.shutdown(timeout=5)
+
+
+def test_lookups_on_another_thread_never_break_an_eviction(
+    small: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    """A lookup's HIT counts as use without taking the tier's lock: it is noted, and the next
+    store counts it; lookups racing with evictions neither raise nor block them."""
+    import threading  # noqa: PLC0415
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def look() -> None:
+        try:
+            while not stop.is_set():
+                for name in ("k0", "k1", "k2", "k3"):
+                    small.lookup(name)
+        except BaseException as error:
+            errors.append(error)
+
+    looker = threading.Thread(target=look)
+    looker.start()
+    try:
+        for job_id in range(60):
+            small.submit_store(store(job_id, (f"k{job_id % 5}", job_id % NUM_BLOCKS)))
+            assert [r.success for r in settle(small)] == [True]
+    finally:
+        stop.set()
+        looker.join(10)
+    assert errors == []
+    assert small.stats()["holdings"]["held_blocks"] == 3

@@ -59,6 +59,7 @@ def engines() -> Iterator[Callable[..., Engine]]:
         if engine.tier_objects and engine.tier_objects[0]._tier is not None:
             engine.shutdown()
         assert engine.shm_files() == [], "the primary's region is still there"
+        assert not engine.mapped(), "something still holds an array over vLLM's primary"
 
 
 def blocks(*seeds: int) -> dict[bytes, bytes]:
@@ -98,6 +99,7 @@ def test_vllm_cascades_evicts_and_promotes_through_a_kvfsm_tier(
     engine.reset_cache()
     engine.shutdown()
     assert engine.shm_files() == []
+    assert not engine.mapped()
 
 
 def test_a_capacity_removes_the_least_recently_used_files_and_says_so(

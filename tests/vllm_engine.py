@@ -203,6 +203,12 @@ class Engine:
     def shutdown(self) -> None:
         self.manager.shutdown()
 
+    def mapped(self) -> bool:
+        """True while this process still maps the primary's region (an array over vLLM's view
+        left alive keeps it mapped after vLLM's shutdown)."""
+        with open("/proc/self/maps") as maps:
+            return self.engine_id in maps.read()
+
     def shm_files(self) -> list[str]:
         """This engine's shared-memory files under /dev/shm."""
         return [name for name in os.listdir("/dev/shm") if self.engine_id in name]

@@ -25,6 +25,9 @@ from typing import Any
 
 __all__ = ["HoldingEvent", "Holdings", "TierFullError"]
 
+#: lookups' uses noted between two calls under the tier's lock (older ones are dropped)
+USES_NOTED = 4096
+
 #: removes stored blocks by their remote names (a file tier unlinks, an object store deletes);
 #: returns how many it could not remove (None: all removed)
 Remove = Callable[[Sequence[str]], "int | None"]
@@ -46,8 +49,9 @@ class HoldingEvent:
 class Holdings:
     """The blocks a tier stored, least recently used first, within ``capacity_bytes``.
 
-    Called under the tier's lock, except :meth:`use` (a lookup's HIT), which may race with it
-    and is then simply not counted.
+    Called under the tier's lock, except :meth:`use` (a lookup's HIT, which never waits for
+    that lock): it only notes the name, and the next call under the lock counts it (the last
+    :data:`USES_NOTED` noted, which is all a store's eviction can tell apart anyway).
 
     Args:
         capacity_bytes: the most bytes of blocks the tier keeps (at least one block).
@@ -78,6 +82,8 @@ class Holdings:
         self._fresh: set[str] = set()
         #: how many transfers in flight use each name
         self._pins: collections.Counter[str] = collections.Counter()
+        #: names lookups found, not yet counted as used (appending is safe from any thread)
+        self._used: collections.deque[str] = collections.deque(maxlen=USES_NOTED)
         self.record_events = record_events
         self._events: collections.deque[HoldingEvent] = collections.deque(maxlen=event_limit)
         self._lock = threading.Lock()  # between the tier's thread and take_events
@@ -94,6 +100,7 @@ class Holdings:
         Raises:
             TierFullError: too few blocks are free to make room; nothing changed.
         """
+        self._count_uses()
         held, writers, fresh = self._held, self._writers, self._fresh
         new = {name for name in names if name not in held and name not in writers}
         over = len(held) + len(fresh) + len(new) - self.capacity_blocks
@@ -121,6 +128,7 @@ class Holdings:
 
     def pin(self, names: Iterable[str]) -> None:
         """A load of ``names`` starts: they count as used, and are not removed until it ends."""
+        self._count_uses()
         pins, held = self._pins, self._held
         for name in names:
             pins[name] += 1
@@ -162,14 +170,25 @@ class Holdings:
     # -- the tier's users --------------------------------------------------------------------
 
     def use(self, name: str) -> None:
-        """``name`` was used (a lookup answered HIT for it): it is now the most recent."""
-        with contextlib.suppress(KeyError):  # not held (not this tier's, or removed meanwhile)
-            self._held.move_to_end(name)
+        """``name`` was used (a lookup answered HIT for it): noted, from any thread, and made
+        the most recent by the next call under the tier's lock."""
+        self._used.append(name)
 
     def touch(self, names: Iterable[str]) -> None:
         """Count ``names`` as used now, in order (the last the most recent)."""
+        self._count_uses()
+        held = self._held
         for name in names:
-            self.use(name)
+            with contextlib.suppress(KeyError):  # not held (not this tier's, or removed)
+                held.move_to_end(name)
+
+    def _count_uses(self) -> None:
+        """Make the names lookups noted the most recent, in the order they were found."""
+        used, held = self._used, self._held
+        while used:
+            name = used.popleft()
+            with contextlib.suppress(KeyError):
+                held.move_to_end(name)
 
     def holds(self, name: str) -> bool:
         """True when this tier stored ``name`` and still keeps it."""
