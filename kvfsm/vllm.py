@@ -75,7 +75,7 @@ from kvfsm.policy import RetryPolicy
 from kvfsm.tiers.base import Lookup, SecondaryTier
 from kvfsm.transfer import TransferJob
 
-__all__ = ["FileTier", "ObjectStoreTier"]
+__all__ = ["FileTier", "HandlesHeld", "ObjectStoreTier"]
 
 logger = logging.getLogger("kvfsm.vllm")
 
@@ -100,6 +100,11 @@ HELD = _PREFIX + "held_bytes"
 EVENT_LIMIT = 1 << 16
 
 
+class HandlesHeld(RuntimeError):
+    """Shutdown found transfers quarantined with their NIXL handles held: vLLM's CPU cache
+    stays registered with NIXL, so it must not be unmapped."""
+
+
 @dataclass(slots=True)
 class _Job:
     """What the adapter remembers of a job it handed to the kvfsm tier."""
@@ -120,9 +125,14 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                  backpressure_detector: Any = None, *, capacity_bytes: int | None = None,
                  retry: Mapping[str, Any] | None = None, shutdown_timeout: float | None = 30.0,
                  enable_kv_events: bool = False, locality: str | None = None,
-                 **settings: Any) -> None:
+                 label: str | None = None, **settings: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
+        if label is not None and (not isinstance(label, str) or not label):
+            raise ValueError(f"{tier_type}: label must be a non-empty str, got {label!r}")
+        #: what the tier's metrics and events are labelled with: ``label``, else its type (two
+        #: tiers of one type need labels of their own, or vLLM counts them as one)
+        self.label = label or tier_type
         self.shutdown_timeout = shutdown_timeout
         events_on = bool(enable_kv_events) and bool(getattr(
             getattr(offloading_spec, "kv_events_config", None), "enable_kv_cache_events", False))
@@ -166,7 +176,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         try:
             return _LOOKUP[tier.lookup(key)]
         except Exception as error:  # a key the tier cannot name, a closed tier: not held
-            logger.warning("%s: lookup of %s answered MISS: %s", self.tier_type, key.hex(),
+            logger.warning("%s: lookup of %s answered MISS: %s", self.label, key.hex(),
                            error)
             return LookupResult.MISS
 
@@ -176,7 +186,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
             try:
                 tier.touch(list(keys))
             except ValueError as error:
-                logger.warning("%s: touch ignored: %s", self.tier_type, error)
+                logger.warning("%s: touch ignored: %s", self.label, error)
 
     # -- jobs ------------------------------------------------------------------------------
 
@@ -194,12 +204,14 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
             chunks = [int(c) for c in job.chunk_ids]
             if len(keys) != len(chunks):
                 raise tiers.InvalidJobError(f"{len(keys)} keys but {len(chunks)} chunk ids")
-            if load:  # what the tier no longer holds (removed since the lookup) is not loaded
-                pairs = [(k, c) for k, c in zip(keys, chunks, strict=True) if tier.holds(k)]
-                missing = [k for k in keys if not tier.holds(k)] if len(pairs) < len(keys) else []
-            else:  # a block the tier holds already is not written again
-                pairs = [(k, c) for k, c in zip(keys, chunks, strict=True) if not tier.holds(k)]
-                missing = []
+            pairs: list[tuple[OffloadKey, int]] = []
+            missing: list[OffloadKey] = []
+            for k, c in zip(keys, chunks, strict=True):
+                verdict = tier.verdict(k)
+                if load and verdict is Lookup.MISS:  # removed (or failed) since the lookup
+                    missing.append(k)
+                elif load or verdict is not Lookup.HIT:  # a store skips what the tier holds
+                    pairs.append((k, c))
             if not pairs:
                 self._ready_result(job.job_id, kind, success=not load, outcome=(
                     "missing" if load else "skipped"))
@@ -215,7 +227,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                 del self._jobs[job.job_id]
                 raise
         except Exception as error:  # never into the manager: the job fails, its pins go
-            logger.warning("%s: %s job %d refused, reported as failed: %s: %s", self.tier_type,
+            logger.warning("%s: %s job %d refused, reported as failed: %s: %s", self.label,
                            kind, job.job_id, type(error).__name__, error)
             self._ready_result(job.job_id, kind, success=False, outcome="refused")
 
@@ -260,7 +272,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         try:
             tier.drain_jobs(5.0)
         except DrainTimeout as waiting:
-            logger.warning("%s: drain_jobs still waiting after 5 s: %s", self.tier_type, waiting)
+            logger.warning("%s: drain_jobs still waiting after 5 s: %s", self.label, waiting)
             tier.drain_jobs(None)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -272,8 +284,11 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
 
         Raises:
             DrainTimeout: NIXL still ran transfers at the deadline: the primary stays
-                registered (vLLM then keeps its region mapped); calling shutdown again waits
-                on.
+                registered and mapped; calling shutdown again waits on.
+            HandlesHeld: a transfer was quarantined with its handles held (a release that
+                kept failing, or one NIXL still ran past ``max_running_seconds``), so vLLM's
+                memory stays registered with NIXL. vLLM's manager re-raises it and so leaves
+                its CPU cache mapped, rather than unmapping memory NIXL still knows.
         """
         tier = self._tier
         if tier is None:
@@ -282,6 +297,12 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         leftover = tier.get_finished_jobs()  # the cancelled jobs' results: nobody asks now
         for done in leftover:
             self._jobs.pop(done.job_id, None)
+        figures = tier.stats()
+        if figures["quarantined"] or figures["quarantined_running"]:
+            raise HandlesHeld(
+                f"{self.label}: {figures['quarantined']} quarantined transfer(s) keep NIXL "
+                f"handles over vLLM's CPU cache ({figures['quarantined_running']} of them may "
+                "still run): it stays registered with NIXL, and must stay mapped")
         self._tier = None  # the tier held the only tensor over the view
 
     # -- events and metrics ----------------------------------------------------------------
@@ -301,7 +322,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
 
     def _event(self, keys: list[Any], *, removed: bool) -> OffloadingEvent:
         return OffloadingEvent(keys=keys, medium=self.medium, removed=removed,
-                               locality=self.locality, ownership=self.tier_type)
+                               locality=self.locality, ownership=self.label)
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any],
@@ -335,7 +356,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
     def get_stats(self) -> OffloadingConnectorStats | None:
         tier = self._tier
         stats = OffloadingConnectorStats()
-        label = (self.tier_type,)
+        label = (self.label,)
         for (kind, outcome), count in self._counts.items():
             stats.increase_counter(JOBS, count, (*label, kind, outcome))
         self._counts.clear()
@@ -392,6 +413,8 @@ class ObjectStoreTier(_Adapter):
     - ``retry``: the :class:`kvfsm.policy.RetryPolicy` fields, as a dict;
     - ``shutdown_timeout``: seconds shutdown waits for NIXL (None: as long as it takes);
     - ``enable_kv_events``, ``locality``: as vLLM's own tiers;
+    - ``label``: names the tier in metrics and events (by default its ``type``; two tiers of
+      one type need labels of their own);
     - ``agent``, ``probe_agent``, ``remove``: a NIXL agent (and its deleter) to drive instead
       of making them (tests inject faults this way).
     """
@@ -424,7 +447,7 @@ class FileTier(_Adapter):
 
     Settings: ``directory`` (required), ``durable`` (fsync before a store succeeds; default
     True), ``capacity_bytes``, ``retry``, ``shutdown_timeout``, ``enable_kv_events``,
-    ``locality`` (as :class:`ObjectStoreTier`), ``agent`` (a NIXL agent with the POSIX
+    ``locality``, ``label`` (as :class:`ObjectStoreTier`), ``agent`` (a NIXL agent with the POSIX
     backend, instead of one made by the tier).
     """
 

@@ -123,16 +123,21 @@ def test_a_failed_store_of_a_new_block_removes_what_may_have_landed(
     assert small.take_events() == []  # nothing was ever held
 
 
-def test_a_failed_load_forgets_the_block(small: ObjectStoreTier, agent: FakeNixlAgent) -> None:
+def test_a_failed_load_is_a_miss_and_its_block_goes_when_its_turn_comes(
+    small: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
     small.submit_store(store(1, ("a", 0), ("b", 1)))
     settle(small)
     agent.inject("check_xfer_state", Raise("NIXL_ERR_BACKEND"))
     small.submit_load(load(2, ("a", 5)))
     (result,) = settle(small)
     assert not result.success
-    assert small.lookup("a") is Lookup.MISS
-    assert sorted(agent.objects) == ["b"]
-    assert small.stats()["holdings"]["held_blocks"] == 1
+    assert small.lookup("a") is Lookup.MISS  # F11: not loaded again and again
+    assert sorted(agent.objects) == ["a", "b"]  # the failure may not be the bytes' fault
+    small.lookup("b")  # b is used, a is not: a goes first
+    small.submit_store(store(3, ("c", 2), ("d", 3)))
+    settle(small)
+    assert sorted(agent.objects) == ["b", "c", "d"]
 
 
 def test_capacity_needs_a_way_to_remove_and_at_least_one_block(
@@ -223,3 +228,76 @@ def test_lookups_on_another_thread_never_break_an_eviction(
         looker.join(10)
     assert errors == []
     assert small.stats()["holdings"]["held_blocks"] == 3
+
+
+def test_a_refused_store_leaves_the_deletes_waiting_as_they_were(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """A store that names a block waiting to be deleted takes it back only once admitted: a
+    refused one leaves the delete to be sent, so nothing stays in the store untracked."""
+    import threading  # noqa: PLC0415
+
+    from kvfsm.tiers.object_store import _stop_all_probers  # noqa: PLC0415
+
+    gate = threading.Event()
+
+    def slow_remove(names: list[str]) -> int:
+        gate.wait(10)
+        return agent.remove_objects(names)
+
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=2 * BLOCK, remove=slow_remove)
+    try:
+        for job_id, name in enumerate("abcd"):  # c evicts a (its delete held), d evicts b
+            tier.submit_store(store(job_id, (name, job_id)))
+            settle_only = tier.get_finished_jobs
+            while tier.has_pending_work():
+                settle_only()
+        assert tier.stats()["holdings"]["removes_waiting"] >= 1
+        with pytest.raises(TierFullError):
+            tier.submit_store(store(10, ("b", 4), ("e", 5), ("f", 6)))
+        gate.set()
+        assert tier.wait_for_removals(10)
+        assert sorted(agent.objects) == ["c", "d"]
+        _stop_all_probers()  # what interpreter exit does: nothing is left waiting
+    finally:
+        gate.set()
+        tier.shutdown(timeout=5)
+
+
+def test_a_cancelled_load_keeps_the_block_it_was_reading(
+    small: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    """A load that fails for a reason of its own (cancelled here) removes nothing: the block
+    stays stored and counted; the tier answers MISS for it until a store succeeds again."""
+    small.submit_store(store(1, ("a", 0)))
+    settle(small)
+    agent.inject("check_xfer_state", StayProc(5))
+    small.submit_load(load(2, ("a", 5)))
+    small.cancel(2)
+    (result,) = settle(small)
+    assert not result.success
+    assert "a" in agent.objects
+    assert small.stats()["holdings"]["held_blocks"] == 1
+    assert small.lookup("a") is Lookup.MISS
+    assert not small.holds("a")
+    small.submit_store(store(3, ("a", 0)))  # not skipped by anyone: it is a MISS
+    assert [r.success for r in settle(small)] == [True]
+    assert small.lookup("a") is Lookup.HIT
+
+
+def test_what_the_capacity_keeps_is_held_when_the_lookup_cache_forgot_it(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    class Forgetful(ObjectStoreTier):
+        known_names = 2  # far fewer than the capacity's blocks
+
+    tier = Forgetful(primary, agent=agent, capacity_bytes=8 * BLOCK,
+                     remove=agent.remove_objects)
+    try:
+        tier.submit_store(store(1, ("a", 0), ("b", 1), ("c", 2), ("d", 3)))
+        settle(tier)
+        assert tier.stats()["lookup_cache"] == 2
+        assert all(tier.holds(name) for name in "abcd")
+        assert tier.verdict("zz") is None
+    finally:
+        tier.shutdown(timeout=5)

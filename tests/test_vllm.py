@@ -161,6 +161,102 @@ def test_a_store_of_blocks_the_tier_holds_moves_nothing(
         4 * CHUNK_BYTES)
 
 
+def test_vllms_touch_counts_as_use_and_no_events_are_kept_unless_asked_for(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    engine = engines(file_entry(tmp_path, capacity_bytes=2 * CHUNK_BYTES))
+    tier = the_tier(engine)
+    engine.offload("A", blocks(1))
+    engine.settle()
+    engine.offload("B", blocks(2))
+    engine.settle()
+    request = engine.request("T")
+    with engine.locked() as manager:
+        manager.touch([key(1)], request)  # 2 is now the least recently used
+    engine.offload("C", blocks(3))
+    engine.settle()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == sorted(
+        tier.tier.remote_name(key(s)) for s in (1, 3))
+    assert [e for e in engine.events if e.ownership == "FileTier"] == []  # not enabled
+    assert tier.tier.take_events() == []  # and not piling up either
+
+
+def test_a_job_for_a_closed_or_confused_tier_is_a_failed_result(tmp_path: Path) -> None:
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from vllm.v1.kv_offload.base import ReqContext  # noqa: PLC0415
+    from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: PLC0415
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: PLC0415
+
+    view = memoryview(torch.zeros((4, CHUNK_BYTES), dtype=torch.int8).numpy())
+    tier = SecondaryTierFactory.create_secondary_tier(file_entry(tmp_path), view, None)
+    context = ReqContext(req_id="r")
+    tier.submit_store(TransferJob(1, [key(1), key(2)], np.array([0], np.int32), False, context))
+    tier.submit_load(TransferJob(2, [key(1)], np.array([9], np.int32), True, context))
+    tier.shutdown()
+    tier.submit_store(TransferJob(3, [key(3)], np.array([0], np.int32), False, context))
+    results = {r.job_id: (r.success, r.successful_keys) for r in tier.get_finished_jobs()}
+    assert results == {1: (False, []), 2: (False, []), 3: (False, [])}
+    assert not tier.has_pending_work()
+
+
+def test_blocks_an_earlier_engine_stored_are_found_and_loaded(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """The file tier answers a lookup from the directory itself: a block this process never
+    stored (an engine before a restart, or another engine sharing the directory) is a HIT and
+    is loaded, once, with its bytes."""
+    first = engines(file_entry(tmp_path))
+    first.offload("A", blocks(1, 2))
+    first.settle()
+    first.shutdown()
+    second = engines(file_entry(tmp_path))
+    assert second.fetch("B", [key(1), key(2)]) == blocks(1, 2)
+    second.settle()
+    jobs = the_tier(second).get_stats().data["data"]["vllm:kv_offload_kvfsm_jobs"]
+    assert jobs == {("FileTier", "load", "ok"): 1}
+
+
+def test_two_tiers_of_one_type_are_told_apart_by_their_labels(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    engine = engines(file_entry(tmp_path / "fast", label="nvme", enable_kv_events=True),
+                     file_entry(tmp_path / "slow", label="disk", enable_kv_events=True))
+    engine.offload("A", blocks(1, 2))
+    engine.settle()
+    held = engine.manager.get_stats().data["data"]["vllm:kv_offload_kvfsm_bytes"]
+    assert held == {("nvme", "store"): 2 * CHUNK_BYTES, ("disk", "store"): 2 * CHUNK_BYTES}
+    assert sorted(e.ownership for e in engine.events if e.ownership) == ["disk", "nvme"]
+
+
+def test_a_quarantined_transfer_keeps_vllms_cache_mapped_after_shutdown(
+    tmp_path: Path
+) -> None:
+    """A release that keeps failing ends in quarantine: the job fails, vLLM unpins, and the
+    transfer's handle stays held over vLLM's CPU cache; shutdown then keeps that memory
+    registered with NIXL and mapped, instead of letting vLLM unmap memory NIXL still knows."""
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    agent = FaultyAgent(make_agent("vllm-quarantine", "POSIX"))
+    engine = Engine([file_entry(tmp_path, agent=agent, retry={"max_attempts": 2})])
+    try:
+        agent.inject("release_xfer_handle", Raise("NIXL_ERR_BACKEND"), times=2)
+        engine.offload("A", blocks(1))
+        engine.settle()
+        assert engine.manager._jobs == {}
+        assert engine.pinned_chunks() == 0
+        assert the_tier(engine).tier.stats()["quarantined"] == 1
+        from kvfsm.vllm import HandlesHeld  # noqa: PLC0415
+
+        with pytest.raises(HandlesHeld, match="1 quarantined transfer"):
+            engine.shutdown()  # vLLM's manager re-raises, and leaves its cache alone
+        assert engine.mapped(), "vLLM unmapped its cache under a NIXL registration"
+        assert agent.misuses == []
+    finally:
+        for name in engine.shm_files():
+            Path("/dev/shm", name).unlink()
+
+
 # -- failures, as vLLM sees them -----------------------------------------------------------------
 
 def test_a_failed_promotion_is_a_miss_afterwards_and_never_loaded_again(

@@ -338,13 +338,27 @@ class SecondaryTier(JobSide):
         return known
 
     def holds(self, key: bytes | str) -> bool:
-        """True when the tier knows it holds block ``key`` (a store or load of it succeeded, or
-        a probe found it, and nothing failed or removed it since); never probes.
+        """True when the tier knows it holds block ``key``: a store or load of it succeeded,
+        or a probe found it, or (with a capacity) the tier stored it and still keeps it; and
+        nothing failed or removed it since. Never probes.
 
         Raises:
             ValueError: ``key`` is not a non-empty str or bytes.
         """
-        return self._known.get(self.remote_name(key)) is Lookup.HIT
+        return self.verdict(key) is Lookup.HIT
+
+    def verdict(self, key: bytes | str) -> Lookup | None:
+        """What the tier knows of block ``key`` without asking the store: HIT, MISS (it was
+        removed, or its last transfer failed), or None (not known: a lookup would probe).
+
+        Raises:
+            ValueError: ``key`` is not a non-empty str or bytes.
+        """
+        name = self.remote_name(key)
+        known = self._known.get(name)
+        if known is None and self._holdings is not None and self._holdings.holds(name):
+            return Lookup.HIT  # the lookup cache forgot it; the capacity still counts it
+        return known
 
     def touch(self, keys: Sequence[bytes | str]) -> None:
         """Count blocks as used now (the last the most recent): they are removed last when
@@ -421,6 +435,9 @@ class SecondaryTier(JobSide):
     def _stop_probes(self) -> None:
         """Stop any background probing; called once by shutdown."""
 
+    def _admitted(self, names: Sequence[str]) -> None:
+        """A store of ``names`` was admitted within the capacity (under the tier's lock)."""
+
     # -- internals --------------------------------------------------------------------------
 
     def _submit(self, job: TransferJob, *, load: bool) -> None:
@@ -437,6 +454,7 @@ class SecondaryTier(JobSide):
                 holdings.pin(names)
             else:
                 holdings.reserve(names, job.keys)
+                self._admitted(names)
         outcome: Outcome | None = None
         try:
             runner.add(transfer)

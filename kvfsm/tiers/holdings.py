@@ -139,13 +139,13 @@ class Holdings:
                  success: bool) -> None:
         """A transfer of ``names`` published its result: unpin them; a store that succeeded
         holds its blocks now. A failed store's blocks are removed unless the tier held them
-        before (a failed write may have landed, and nothing vouches for it); a failed load's
-        blocks are removed too (the tier cannot vouch for them either)."""
+        before (a failed write may have landed, and nothing vouches for it). A failed load
+        removes nothing (it may have failed for a reason that has nothing to do with the stored
+        bytes: cancelled, a release that kept failing, a store that did not answer): its blocks
+        stay counted, and go when their turn comes (the tier answers MISS for them meanwhile)."""
         pins, held = self._pins, self._held
         _drop_one(pins, names)
         if load:
-            if not success:
-                self._evict([name for name in names if name in held and not pins[name]])
             return
         writers, fresh = self._writers, self._fresh
         _drop_one(writers, names)

@@ -24,7 +24,7 @@ from kvfsm.tiers.base import (
     key_text,
     logger,
 )
-from kvfsm.transfer import Transfer, TransferJob
+from kvfsm.transfer import Transfer
 
 __all__ = ["ObjectStoreTier", "s3_deleter"]
 
@@ -37,15 +37,18 @@ _dev_ids = itertools.count()
 #: the most names a prober keeps waiting to be asked about
 MAX_WANTED = 4096
 
-#: probers whose thread may still run; told to stop when the interpreter exits
+#: probers and removers whose thread may still run; told to stop when the interpreter exits
 _live_probers: weakref.WeakSet[_Prober] = weakref.WeakSet()
+_live_removers: weakref.WeakSet[_Remover] = weakref.WeakSet()
 
 
 def _stop_all_probers() -> None:
-    """At interpreter exit, before it waits for threads: drop every name not yet asked, so it
-    waits only for the queries in flight."""
+    """At interpreter exit, before it waits for threads: drop every name not yet asked (and
+    every object not yet deleted), so it waits only for the calls in flight."""
     for prober in list(_live_probers):
         prober.stop(0.0)
+    for remover in list(_live_removers):
+        remover.drop()
 
 
 # runs before the interpreter joins its non-daemon threads (atexit handlers run after that)
@@ -205,6 +208,15 @@ class _Remover:
         self.errors = 0
         #: objects deleted
         self.deleted = 0
+        _live_removers.add(self)
+
+    def drop(self) -> None:
+        """Send no more deletes (those waiting stay in the store, counted as errors); the one
+        in flight ends by itself."""
+        with self._lock:
+            self._stopping = True
+            self.errors += len(self._waiting)
+            self._waiting.clear()
 
     def __call__(self, names: Sequence[str]) -> int:
         with self._lock:
@@ -431,11 +443,10 @@ class ObjectStoreTier(SecondaryTier):
         remover = self._remover
         return remover is None or remover.wait(timeout)
 
-    def _submit(self, job: TransferJob, *, load: bool) -> None:
+    def _admitted(self, names: Sequence[str]) -> None:
         remover = self._remover
-        if remover is not None and not load and len(remover):
-            remover.keep(self._remote_names(job.keys))
-        super()._submit(job, load=load)
+        if remover is not None and len(remover):  # written again: not to be deleted
+            remover.keep(names)
 
     @property
     def probe_errors(self) -> int:
