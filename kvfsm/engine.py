@@ -334,6 +334,7 @@ class Declaration(Generic[S, A]):
         running: Iterable[str] = (),
         final: Iterable[str] = (),
         failure_states: Iterable[str] = (),
+        unreachable: Iterable[str] = (),
     ) -> Declaration[Any, A]:
         """A new machine: this one, with states, edges and effects of your own.
 
@@ -344,8 +345,9 @@ class Declaration(Generic[S, A]):
         elsewhere without its actions; an edge from several sources, or under several guards,
         is not replaced), then ``transitions`` added. ``answers``, ``guards``,
         ``actions``, ``calls`` and ``effects`` are added to (or replace by key) this machine's;
-        ``running``, ``final`` and ``failure_states`` are added to its sets. States are named by
-        their names (a member of this machine's Enum is taken by its name too).
+        ``running``, ``final``, ``failure_states`` and ``unreachable`` (states no edge enters
+        any more once ``replace`` sent their edges elsewhere) are added to its sets. States are
+        named by their names (a member of this machine's Enum is taken by its name too).
 
         Raises:
             DeclarationError: a state, or a replaced edge, that does not exist; or whatever the
@@ -406,7 +408,7 @@ class Declaration(Generic[S, A]):
             transitions=[*table, *map(mapped, transitions)],
             final=[*map(ours, self.final), *map(ours, final)],
             failure_states=[*map(ours, self.failure_states), *map(ours, failure_states)],
-            unreachable=map(ours, self.unreachable),
+            unreachable=[*map(ours, self.unreachable), *map(ours, unreachable)],
             calls={**self.calls, **(calls or {})},
             effects=effects_now or None,
             running=[*map(ours, self.running), *map(ours, running)],
