@@ -34,42 +34,11 @@ from kvfsm.runner import END, Outcome, Runner
 from kvfsm.transfer import Transfer
 
 from .test_engine import Door, DoorRecord, Push, door_declaration, jammed_unreachable
-from .test_runner import CLEAN_OK, OK, runner, submitted
+from .test_runner import CLEAN_OK, OK, runner, submitted, verify_pending
 
 S = TransferState
 
 # -- Runner.give_up -------------------------------------------------------------------------
-
-
-class Pending(enum.Enum):
-    """What the ``verify`` step of :func:`verify_pending` answers."""
-
-    MATCH = "MATCH"
-    PENDING = "PENDING"
-
-
-def verify_pending() -> Declaration[Any, Any]:
-    """The lifecycle with a user step ``verify`` after NIXL's DONE that may answer "not yet"
-    (a retry, so the state has a give-up edge: EXHAUSTED quarantines)."""
-    base: Declaration[Any, Any] = TRANSFER_MACHINE  # its answers are not only Answer's
-    return base.extend(
-        "verify_pending", states=["VERIFYING"],
-        replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
-                 ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
-        answers={"verify": (Pending.MATCH, Pending.PENDING, Answer.RAISED, Answer.EXHAUSTED)},
-        guards={"matched": (Pending.MATCH,), "pending": (Pending.PENDING,),
-                "step_raised": (Answer.RAISED,)},
-        transitions=[
-            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
-             "conditions": "matched", "after": "latch_success"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "VERIFYING",
-             "conditions": "pending"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
-             "conditions": "step_raised", "after": "latch_failure"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "QUARANTINED",
-             "conditions": "exhausted", "after": "quarantine"},
-            {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
-        effects={"VERIFYING": "verify"})
 
 
 def without_latency(counts: dict[str, Any]) -> dict[str, Any]:

@@ -331,15 +331,18 @@ def test_the_running_bound_keeps_no_published_transfer() -> None:
     assert len(books._by_start or ()) <= 64
 
 
-def test_a_step_answering_not_yet_in_place_is_bounded_and_named() -> None:
-    """A step whose plain answer is a self-loop (no exception): once the bound is spent the
-    reason names the step, not a NIXL call; the backoff spaces the tries."""
+class Pending(enum.Enum):
+    """What the ``verify`` step of :func:`verify_pending` answers."""
 
-    class Pending(enum.Enum):
-        MATCH = "MATCH"
-        PENDING = "PENDING"
+    MATCH = "MATCH"
+    PENDING = "PENDING"
 
-    machine = TRANSFER_MACHINE.extend(
+
+def verify_pending() -> Declaration[Any, Any]:
+    """The lifecycle with a user step ``verify`` after NIXL's DONE that may answer "not yet"
+    (a retry, so the state has a give-up edge: EXHAUSTED quarantines)."""
+    base: Declaration[Any, Any] = TRANSFER_MACHINE  # its answers are not only Answer's
+    return base.extend(
         "verify_pending", states=["VERIFYING"],
         replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
                  ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
@@ -357,6 +360,13 @@ def test_a_step_answering_not_yet_in_place_is_bounded_and_named() -> None:
              "conditions": "exhausted", "after": "quarantine"},
             {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
         effects={"VERIFYING": "verify"})
+
+
+def test_a_step_answering_not_yet_in_place_is_bounded_and_named() -> None:
+    """A step whose plain answer is a self-loop (no exception): once the bound is spent the
+    reason names the step, not a NIXL call; the backoff spaces the tries."""
+
+    machine = verify_pending()
     tries: list[float] = []
 
     def not_yet(transfer: Transfer, primary: torch.Tensor) -> Any:

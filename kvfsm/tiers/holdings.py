@@ -152,10 +152,9 @@ class Holdings:
         stored: list[Any] = []
         dropped: list[str] = []
         for name, key in zip(names, keys, strict=True):
-            if not writers[name]:
+            if success or not writers[name]:  # held now, or no longer being written
                 fresh.discard(name)
             if success:
-                fresh.discard(name)
                 if name not in held:
                     stored.append(key)
                 held[name] = key
