@@ -2,26 +2,36 @@
 costs the caller's thread with N transfers in flight and 1 % of them finishing per step, and how
 long a transfer NIXL finished waits for its result to be handed out.
 
-The agent is the zero-cost one (``bench/zero_agent.py``) with two changes: a state check costs
-what real NIXL's costs on this machine (measured first, on a finished POSIX transfer in
-/dev/shm, and spun for that long), and a transfer answers PROC until the benchmark marks it done
-(the oldest 1 % each step), then DONE. Per N, after a warm-up, it records for each step the
+The agent is the zero-cost one (``bench/zero_agent.py``) with two changes: each state check
+makes one real NIXL ``check_xfer_state`` call (on a finished POSIX transfer in /dev/shm, so it
+costs what NIXL's call costs here, GIL and all) before it answers, and a transfer answers PROC
+until the benchmark marks it done, then DONE. Each step marks 1 % of those in flight done,
+either the oldest (transfers ending in the order they were posted, as a backend's queue ends
+them) or a random 1 % (the worst case for a schedule that looks at the oldest first), calls
+``get_finished_jobs()`` and submits as many new jobs as results came out.
+
+Two contenders, one tier class, side by side in one run: *every step* checks every transfer in
+flight on every step (``RetryPolicy(check_all_below=...)`` above N: what kvfsm did before the
+poll schedule), and *schedule*, kvfsm's default poll schedule (the oldest first while they are
+found ended, then the sweep's share; every transfer checked at least once every
+``max_unpolled`` = 1 s). Per N, after a warm-up of 20 steps, it records for each step the
 caller-thread time of ``get_finished_jobs()`` and, for each result, the time and the number of
 steps from the moment its transfer was marked done to the step that handed its result out.
 
-    .venv/bin/python bench/step.py            # N = 1,000 / 10,000 / 100,000 (~2 min)
+    .venv/bin/python bench/step.py            # N = 1,000 / 10,000 / 100,000 (~5 min)
     .venv/bin/python bench/step.py --quick    # N = 1,000 / 10,000, fewer steps
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
+import random
 import statistics
 import sys
 import tempfile
 import time
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import RESULTS, machine, print_machine
 from bench.zero_agent import ZeroAgent
 from kvfsm import TransferJob
+from kvfsm.policy import RetryPolicy
 from kvfsm.tiers import ObjectStoreTier
 
 FINISHING = 0.01  # of those in flight, per step
+WARM_UP = 20
 
 
 class Handle:
@@ -46,76 +58,99 @@ class Handle:
         self.done_at: float | None = None
 
 
-class PacedAgent(ZeroAgent):
-    """The zero-cost agent with a state check that costs ``check_ns`` and answers DONE only
-    for transfers marked done."""
+class RealCheck:
+    """A real NIXL agent with one finished POSIX transfer in /dev/shm: ``check()`` makes the
+    real ``check_xfer_state`` call on it."""
 
-    def __init__(self, check_ns: int) -> None:
-        super().__init__("paced")
-        self.check_ns = check_ns
-        self.running: collections.deque[Handle] = collections.deque()  # oldest first
-        self.checks = 0
+    def __init__(self) -> None:
+        from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
 
-    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Handle:  # type: ignore[override]
-        handle = Handle()
-        self.running.append(handle)
-        return handle
-
-    def check_xfer_state(self, handle: Any) -> str:
-        self.checks += 1
-        start = time.perf_counter_ns()
-        cost = self.check_ns
-        while time.perf_counter_ns() - start < cost:
-            pass
-        return "PROC" if handle.done_at is None else "DONE"
-
-    def finish_oldest(self, count: int, now: float) -> list[Handle]:
-        done = []
-        for _ in range(min(count, len(self.running))):
-            handle = self.running.popleft()
-            handle.done_at = now
-            done.append(handle)
-        return done
-
-
-def real_check_ns() -> int:
-    """What real NIXL's ``check_xfer_state`` costs here: a finished POSIX transfer's handle,
-    checked 20,000 times (the median of 5 runs), in ns."""
-    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
-
-    agent = make_agent("step-bench-check", "POSIX")
-    block = torch.zeros(4096, dtype=torch.uint8)
-    with tempfile.NamedTemporaryFile(dir="/dev/shm") as file:
-        file.write(b"\0" * 4096)
-        file.flush()
-        dram = agent.register_memory([(block.data_ptr(), 4096, 0, "")], "DRAM")
-        fd = file.fileno()
-        files = agent.register_memory([(0, 4096, fd, "")], "FILE")
-        local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(block.data_ptr(), 4096, 0)], "DRAM")
-        remote = agent.prep_xfer_dlist(agent.name, files.trim())
-        handle = agent.make_prepped_xfer("WRITE", local, [0], remote, [0])
-        state = agent.transfer(handle)
+        self.agent = agent = make_agent("step-bench-check", "POSIX")
+        self.block = torch.zeros(4096, dtype=torch.uint8)
+        self.file = tempfile.NamedTemporaryFile(dir="/dev/shm")  # noqa: SIM115
+        self.file.write(b"\0" * 4096)
+        self.file.flush()
+        self.dram = agent.register_memory([(self.block.data_ptr(), 4096, 0, "")], "DRAM")
+        self.files = agent.register_memory([(0, 4096, self.file.fileno(), "")], "FILE")
+        self.local = agent.prep_xfer_dlist("NIXL_INIT_AGENT",
+                                           [(self.block.data_ptr(), 4096, 0)], "DRAM")
+        self.remote = agent.prep_xfer_dlist(agent.name, self.files.trim())
+        self.handle = agent.make_prepped_xfer("WRITE", self.local, [0], self.remote, [0])
+        state = agent.transfer(self.handle)
         while state not in ("DONE", "ERR"):
-            state = agent.check_xfer_state(handle)
+            state = agent.check_xfer_state(self.handle)
+        self.check = lambda: agent.check_xfer_state(self.handle)
+
+    def cost_ns(self) -> int:
+        """The call's cost: 20,000 calls, the median of 5 runs, in ns."""
         runs = []
         for _ in range(5):
             start = time.perf_counter_ns()
             for _ in range(20_000):
-                agent.check_xfer_state(handle)
+                self.check()
             runs.append((time.perf_counter_ns() - start) / 20_000)
-        agent.release_xfer_handle(handle)
-        agent.release_dlist_handle(local)
-        agent.release_dlist_handle(remote)
-        agent.deregister_memory(files)
-        agent.deregister_memory(dram)
-    return round(statistics.median(runs))
+        return round(statistics.median(runs))
+
+    def close(self) -> None:
+        agent = self.agent
+        agent.release_xfer_handle(self.handle)
+        agent.release_dlist_handle(self.local)
+        agent.release_dlist_handle(self.remote)
+        agent.deregister_memory(self.files)
+        agent.deregister_memory(self.dram)
+        self.file.close()
 
 
-def run(n: int, steps: int, check_ns: int) -> dict[str, Any]:
-    """N in flight; ``steps`` measured steps after a warm-up of 20."""
-    agent = PacedAgent(check_ns)
+class PacedAgent(ZeroAgent):
+    """The zero-cost agent whose state check makes one real NIXL call and answers DONE only
+    for transfers marked done."""
+
+    def __init__(self, real: RealCheck) -> None:
+        super().__init__("paced")
+        self.real_check = real.check
+        self.running: dict[Handle, None] = {}  # not yet marked done, oldest first
+        self.checks = 0
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Handle:  # type: ignore[override]
+        handle = Handle()
+        self.running[handle] = None
+        return handle
+
+    def check_xfer_state(self, handle: Any) -> str:
+        self.checks += 1
+        self.real_check()
+        return "PROC" if handle.done_at is None else "DONE"
+
+    def finish(self, count: int, now: float, order: str, rng: random.Random) -> list[Handle]:
+        """Mark ``count`` of those running done: the oldest, or a random choice."""
+        running = self.running
+        if order == "oldest":
+            done = list(islice(running, count))
+        else:
+            done = rng.sample(list(running), min(count, len(running)))
+        for handle in done:
+            del running[handle]
+            handle.done_at = now
+        return done
+
+
+CONTENDERS = {
+    "every step": lambda n: RetryPolicy(check_all_below=n + 1),
+    "schedule": lambda n: RetryPolicy(),
+}
+
+
+def pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(real: RealCheck, contender: str, n: int, steps: int, order: str) -> dict[str, Any]:
+    """N in flight; ``steps`` measured steps after the warm-up; 1 % marked done a step."""
+    agent = PacedAgent(real)
     primary = torch.zeros((1024, 16), dtype=torch.float32)
-    tier = ObjectStoreTier(primary, agent=agent)
+    tier = ObjectStoreTier(primary, agent=agent, policy=CONTENDERS[contender](n))
+    rng = random.Random(18)
     job_ids = iter(range(1 << 62))
     handle_of: dict[int, Handle] = {}
 
@@ -123,53 +158,50 @@ def run(n: int, steps: int, check_ns: int) -> dict[str, Any]:
         for _ in range(count):
             job_id = next(job_ids)
             tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id % 1024]))
-            handle_of[job_id] = agent.running[-1]
+            handle_of[job_id] = next(reversed(agent.running))
 
     submit(n)
     per_step = max(1, int(n * FINISHING))
     step_seconds: list[float] = []
     latencies: list[float] = []
-    latency_steps: list[int] = []
-    done_step: dict[int, int] = {}
-    for step in range(20 + steps):
-        now = time.perf_counter()
-        for handle in agent.finish_oldest(per_step, now):
-            done_step[id(handle)] = step
+    latency_steps: list[float] = []
+    done_step: dict[Handle, int] = {}
+    checks = 0
+    for step in range(WARM_UP + steps):
+        for handle in agent.finish(per_step, time.perf_counter(), order, rng):
+            done_step[handle] = step
+        checks_before = agent.checks
         start = time.perf_counter()
         results = tier.get_finished_jobs()
-        spent = time.perf_counter() - start
         end = time.perf_counter()
-        if step >= 20:
-            step_seconds.append(spent)
+        if step >= WARM_UP:
+            step_seconds.append(end - start)
+            checks += agent.checks - checks_before
             for result in results:
                 handle = handle_of[result.job_id]
-                assert handle.done_at is not None
+                assert handle.done_at is not None and result.success
                 latencies.append(end - handle.done_at)
-                latency_steps.append(step - done_step[id(handle)])
+                latency_steps.append(float(step - done_step[handle]))
         for result in results:
-            handle = handle_of.pop(result.job_id)
-            done_step.pop(id(handle), None)
+            done_step.pop(handle_of.pop(result.job_id), None)
         submit(len(results))
-    for handle in agent.running:  # let every transfer end, and shut the tier down
-        handle.done_at = time.perf_counter()
+    now = time.perf_counter()  # let every transfer end, and shut the tier down
+    for handle in agent.running:
+        handle.done_at = now
     agent.running.clear()
-    tier.shutdown(timeout=60)
-
-    def pct(samples: list[float], q: float) -> float:
-        ordered = sorted(samples)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
+    tier.shutdown(timeout=600)
     return {
-        "n": n, "steps": steps, "finishing_per_step": per_step,
+        "contender": contender, "n": n, "order": order, "steps": steps,
+        "finishing_per_step": per_step,
         "step_ms": {"median": statistics.median(step_seconds) * 1e3,
                     "p99": pct(step_seconds, 0.99) * 1e3, "max": max(step_seconds) * 1e3},
         "done_to_result_ms": {"median": statistics.median(latencies) * 1e3,
                               "p99": pct(latencies, 0.99) * 1e3,
                               "max": max(latencies) * 1e3},
         "done_to_result_steps": {"median": statistics.median(latency_steps),
-                                 "p99": pct([float(s) for s in latency_steps], 0.99),
+                                 "p99": pct(latency_steps, 0.99),
                                  "max": max(latency_steps)},
-        "checks_per_step": agent.checks / (20 + steps),
+        "checks_per_step": checks / steps,
     }
 
 
@@ -179,21 +211,33 @@ def main() -> int:
     args = parser.parse_args()
     info = machine()
     print_machine(info)
-    check_ns = real_check_ns()
+    real = RealCheck()
+    check_ns = real.cost_ns()
     print(f"real NIXL check_xfer_state (POSIX, a finished transfer): {check_ns} ns a call; "
-          "the paced agent spins that long")
+          "each state check of the paced agent makes one")
     sizes = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
     steps = 30 if args.quick else 100
-    rows = [run(n, steps, check_ns) for n in sizes]
+    rows = []
+    for order in ("oldest", "random"):
+        for n in sizes:
+            for contender in CONTENDERS:
+                rows.append(run(real, contender, n, steps, order))
+                print(f"  {order} {n:,} {contender}: "
+                      f"{rows[-1]['step_ms']['median']:.3f} ms a step", flush=True)
+    real.close()
     print()
-    print("| N in flight | finishing a step | caller time a step, median / p99 (ms) | "
-          "DONE to result, median / p99 / max (ms) | DONE to result (steps), median / p99 / "
-          "max | state checks a step |")
-    print("|---:|---:|---|---|---|---:|")
+    print("| done first | N in flight | finishing a step | contender | caller time a step, "
+          "median / p99 (ms) | vs every step | DONE to result, median / p99 / max (ms) | "
+          "DONE to result (steps), median / p99 / max | state checks a step |")
+    print("|---|---:|---:|---|---|---:|---|---|---:|")
+    base: dict[tuple[str, int], float] = {}
     for row in rows:
         step, lat, lst = row["step_ms"], row["done_to_result_ms"], row["done_to_result_steps"]
-        print(f"| {row['n']:,} | {row['finishing_per_step']:,} | "
-              f"{step['median']:.3f} / {step['p99']:.3f} | "
+        key = (row["order"], row["n"])
+        base.setdefault(key, step["median"])
+        print(f"| {row['order']} | {row['n']:,} | {row['finishing_per_step']:,} | "
+              f"{row['contender']} | {step['median']:.3f} / {step['p99']:.3f} | "
+              f"{step['median'] / base[key]:.3f}x | "
               f"{lat['median']:.3f} / {lat['p99']:.3f} / {lat['max']:.3f} | "
               f"{lst['median']:g} / {lst['p99']:g} / {lst['max']:g} | "
               f"{row['checks_per_step']:,.0f} |")

@@ -71,7 +71,9 @@ class JobSide:
     _noun = "transfer(s)"
 
     def get_finished_jobs(self) -> list[JobResult]:
-        """Advance every job once; return each result published since the last call."""
+        """Advance the jobs once (a tier checks those its poll schedule picks:
+        :class:`~kvfsm.policy.RetryPolicy`); return each result published since the last
+        call."""
         with self._lock:
             self._poll()
             return self._books.take_results()
@@ -113,7 +115,7 @@ class JobSide:
                     return  # another thread's poll published the last of them
                 raise DrainTimeout("drain_jobs", self.unpublished(), self._noun)
             try:
-                self._poll()
+                self._poll(everything=True)
                 if not records:
                     return
                 if deadline is not None and time.monotonic() >= deadline:
@@ -122,6 +124,7 @@ class JobSide:
                 lock.release()
             time.sleep(self.poll_interval)
 
-    def _poll(self) -> None:
-        """Advance every unpublished job once (the caller holds the lock)."""
+    def _poll(self, everything: bool = False) -> None:
+        """Advance the unpublished jobs once (the caller holds the lock); ``everything``: a
+        drain waits for them all, so a side that checks only some each poll checks all."""
         raise NotImplementedError

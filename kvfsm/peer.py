@@ -360,8 +360,9 @@ class PeerReceiver(JobSide):
             if link is not None and link.state not in PEER_LINK.final:
                 self._close(link)
 
-    def _poll(self) -> None:
-        """Take NIXL's new notifications, watch the senders, publish what is over."""
+    def _poll(self, everything: bool = False) -> None:
+        """Take NIXL's new notifications, watch the senders, publish what is over (every
+        poll looks at every job: ``everything`` changes nothing)."""
         now = time.monotonic()
         dropped = self._dropped
         try:

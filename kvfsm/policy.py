@@ -15,6 +15,16 @@ engine reuse blocks a running transfer may still read (a store: the object may e
 whatever the block holds by then) or write (a load: the block may be overwritten after the
 engine reused it). So ``max_running_seconds`` is off by default; set it only where a stuck
 transfer is worse than that risk, and never below the longest time a transfer can take.
+
+The poll schedule: which running transfers a poll asks NIXL about. With ``check_all_below``
+or fewer running, every one, every poll. With more, a poll checks the oldest first, in
+batches, for as long as a batch finds one that ended (transfers mostly end in the order they
+were posted, so this finds them at a cost of what ended), and then a share of the rest in
+turn, so that each running transfer is checked at least once every ``max_unpolled`` seconds
+while polls come: a transfer that ends out of order waits at most that long for its result.
+The share costs the caller about ``N / max_unpolled`` state checks a second with N running
+(``docs/performance.md`` has the figures). ``drain_jobs`` and ``shutdown`` check every
+running transfer on every poll: the caller is waiting for them.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RetryPolicy"]
+__all__ = ["InFlightLimit", "RetryPolicy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +50,10 @@ class RetryPolicy:
         max_backoff: the longest wait between two attempts.
         max_running_seconds: a transfer NIXL still answers PROC for this long after submit is
             quarantined (None: waits as long as NIXL runs it; see the module's notes first).
+        max_unpolled: the longest a running transfer goes without a state check while polls
+            come, once more than ``check_all_below`` run (the module's notes: the poll
+            schedule).
+        check_all_below: with this many running transfers or fewer, a poll checks each.
 
     Raises:
         ValueError: a field is not what it says, naming the field and the value. Every field
@@ -48,7 +62,9 @@ class RetryPolicy:
             with it is false, so a NaN bound would silently never be reached); an infinite
             ``max_seconds`` or ``max_running_seconds`` means no bound and is kept as None (one
             spelling, and the tier's fast path); an infinite ``backoff`` or ``max_backoff`` is
-            refused (a release would never be tried again, so no bound would be reached).
+            refused (a release would never be tried again, so no bound would be reached);
+            ``max_unpolled`` is a positive, finite number of seconds, ``check_all_below`` an
+            int of at least 0.
     """
 
     max_attempts: int | None = None
@@ -56,6 +72,8 @@ class RetryPolicy:
     backoff: float = 0.0
     max_backoff: float = 1.0
     max_running_seconds: float | None = None
+    max_unpolled: float = 1.0
+    check_all_below: int = 64
 
     def __post_init__(self) -> None:
         attempts = self.max_attempts
@@ -81,6 +99,14 @@ class RetryPolicy:
             if math.isinf(value):
                 raise ValueError(f"RetryPolicy.{name} must be finite, got {value!r} (a wait "
                                  "that long never retries, so no bound is ever reached)")
+        _check_seconds("max_unpolled", self.max_unpolled, "")
+        if not 0 < self.max_unpolled < math.inf:
+            raise ValueError(f"RetryPolicy.max_unpolled must be a positive, finite number of "
+                             f"seconds, got {self.max_unpolled!r}")
+        below = self.check_all_below
+        if isinstance(below, bool) or not isinstance(below, numbers.Integral) or below < 0:
+            raise ValueError(f"RetryPolicy.check_all_below must be an int of at least 0, got "
+                             f"{_shown(below)}")
         if self.backoff < 0 or self.max_backoff < self.backoff:
             raise ValueError(f"RetryPolicy: need 0 <= backoff <= max_backoff, got "
                              f"{self.backoff} and {self.max_backoff}")
@@ -99,6 +125,50 @@ class RetryPolicy:
         # unbounded policy) it would raise OverflowError; the wait is max_backoff long before
         doubled = self.backoff * 2.0 ** min(failures - 1, 1023)
         return now + float(min(self.max_backoff, doubled))
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightLimit:
+    """Back-pressure: a bound on a tier's stores and loads in flight (submitted, no result
+    handed out by the tier yet), in jobs and in bytes.
+
+    Past it, what happens is declared here, and is the same on every tier: a store that would
+    take the tier past either bound is refused at submit with
+    :class:`~kvfsm.tiers.TierSaturatedError` (nothing registered, no result: the caller keeps
+    its block and may store it later or elsewhere), and counted in the tier's stats. A load is
+    never refused for it: loads go first, since the engine waits for the blocks they fill; a
+    load counts against the bounds like a store, so stores are refused while loads use the
+    room. :meth:`~kvfsm.tiers.SecondaryTier.saturated` says beforehand whether a store would be
+    refused, and :class:`~kvfsm.tiering.TieringManager` asks it before it pins a block for a
+    tier: it does not cascade to a saturated tier.
+
+    Args:
+        jobs: the most jobs in flight a store is admitted at (None: no bound).
+        bytes: the most bytes in flight, the store's own included (None: no bound); a store
+            larger than this is refused even on an idle tier.
+
+    Raises:
+        ValueError: a bound that is not a positive int or None, naming it.
+    """
+
+    jobs: int | None = None
+    bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("jobs", "bytes"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"InFlightLimit.{name} must be a positive int or None, got "
+                                 f"{_shown(value)}")
+
+    def admits(self, jobs: int, nbytes: int, more: int) -> bool:
+        """True when a store of ``more`` bytes fits beside ``jobs`` jobs and ``nbytes`` bytes
+        in flight."""
+        if self.jobs is not None and jobs >= self.jobs:
+            return False
+        return self.bytes is None or nbytes + more <= self.bytes
 
 
 def _check_seconds(name: str, value: Any, alternative: str) -> None:

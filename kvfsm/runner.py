@@ -18,6 +18,10 @@ What the runner decides itself, each once and from the table:
   user step answering "not yet") is tried again on a later round after the policy's backoff,
   and once the :class:`~kvfsm.policy.RetryPolicy` bound is spent the answer becomes EXHAUSTED,
   the declared give-up edge;
+* a poll schedule: with few transfers running, a poll checks each; with many, the oldest
+  first while they are found ended, then a share of the rest in turn, each at least once
+  every ``max_unpolled`` seconds (:meth:`Runner.check_round`): a poll costs what ended, plus
+  a bounded share;
 * a running bound: a transfer still running ``max_running_seconds`` after submit gives up
   (EXHAUSTED on the state check), found in submit order at a cost of the transfers it finds;
 * the end of a transfer: from a state whose effect is the release, release, clean and publish
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -69,6 +74,11 @@ class Outcome:
 
 #: the outcome of a store NIXL finished whose commit (a flush) is not over: PROC for the machine
 COMMITTING = "committing"
+#: the oldest running transfers are checked in batches of this many, for as long as a batch
+#: finds one that ended
+FRONT_BATCH = 16
+#: the poll schedule's queues a transfer is in (bits of ``Transfer.queued``)
+_IN_FRONT, _IN_SWEEP = 1, 2
 
 
 #: the NIXL call behind each effect whose give-up the transfer machine's quarantine names by
@@ -135,6 +145,13 @@ class Runner(Books):
         #: called with each transfer as it is published, after the books (best effort)
         self.on_published: list[Callable[[Transfer], None]] = []
         self.running = _Running()  # those in a running state, and their handles
+        #: the poll schedule (check_round): the running transfers oldest first, and in the
+        #: order of their turn in the sweep (due times increasing); each may still hold some
+        #: that left the running states (skipped, and dropped when met or compacted)
+        self._front: collections.deque[Transfer] = collections.deque()
+        self._sweep: collections.deque[Transfer] = collections.deque()
+        self._round = 0  # poll rounds that made scheduled checks
+        self._swept_at = time.monotonic()
         self.waiting: dict[int, Transfer] = {}  # the others
         #: how many unpublished transfers are in each state
         self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
@@ -143,6 +160,8 @@ class Runner(Books):
         #: transfers in submit order, for the running bound (None: no bound)
         self._by_start: collections.deque[Transfer] | None = (
             None if limit is None else collections.deque())
+        #: the bytes of the unpublished transfers (their jobs' blocks)
+        self.bytes_in_flight = 0
         self.published = 0
         self.failed = 0
         self.latencies: collections.deque[float] = collections.deque(maxlen=4096)
@@ -172,6 +191,120 @@ class Runner(Books):
         else:  # a machine with actions on PROC: every answer is fired
             answered = list(zip(running.transfers, statuses, strict=True))
         return answered
+
+    def check_round(self, check: Callable[[list[Any]], list[str | Exception]],
+                    everything: bool = False) -> list[tuple[Transfer, Any]]:
+        """This round's state checks, made with ``check`` (the driver's batch call, given a
+        list of handles, answering a status or an exception for each); returns, as
+        :meth:`take_checks` does, the transfers whose answer must be fired.
+
+        With ``everything`` (a drain) or at most ``policy.check_all_below`` running, every
+        running transfer is checked. Else the schedule picks: the oldest first, in batches of
+        :data:`FRONT_BATCH`, until a batch finds none that ended; then the sweep, which checks
+        each transfer whose turn is due (every running transfer's comes at most
+        ``policy.max_unpolled`` seconds after its last, or after it started running) and, to
+        spread the checks evenly, a share of the others in turn: ``max_unpolled`` split over
+        the running transfers, for the time since the last round. A transfer is checked at
+        most once a round.
+        """
+        running = self.running
+        if everything or len(running.transfers) <= self.policy.check_all_below:
+            self._swept_at = time.monotonic()
+            return self.take_checks(check(running.handles))
+        self._round += 1
+        picked, statuses = self._check_front(check)
+        swept = self._sweep_share()
+        if swept:
+            picked += swept
+            statuses += check([transfer.xfer for transfer in swept])
+        if not self._proc_stays:  # a machine with actions on PROC: every answer is fired
+            return list(zip(picked, statuses, strict=True))
+        answered = []
+        stays: collections.Counter[Any] = collections.Counter()
+        for transfer, status in zip(picked, statuses, strict=True):
+            if status == NIXL_RUNNING:
+                stays[transfer.state] += 1
+            else:
+                answered.append((transfer, status))
+        for state, count in stays.items():
+            self._proc[state].taken += count
+        return answered
+
+    def _check_front(self, check: Callable[[list[Any]], list[str | Exception]],
+                     ) -> tuple[list[Transfer], list[str | Exception]]:
+        """Check the oldest running transfers in batches, until a batch finds none ended."""
+        front, round_ = self._front, self._round
+        while front and front[0].slot < 0:  # left the running states: out of the schedule
+            front.popleft().queued &= ~_IN_FRONT
+        picked: list[Transfer] = []
+        statuses: list[str | Exception] = []
+        batch: list[Transfer] = []
+        for transfer in front:  # check() touches no queue: the deque stays as it is
+            if transfer.slot < 0 or transfer.checked == round_:
+                continue
+            transfer.checked = round_
+            batch.append(transfer)
+            if len(batch) == FRONT_BATCH:
+                answers = check([t.xfer for t in batch])
+                picked += batch
+                statuses += answers
+                if answers.count(NIXL_RUNNING) == len(answers):
+                    return picked, statuses  # none ended: those behind wait for their turn
+                batch = []
+        if batch:
+            picked += batch
+            statuses += check([t.xfer for t in batch])
+        return picked, statuses
+
+    def _sweep_share(self) -> list[Transfer]:
+        """The running transfers whose turn in the sweep is due, and the share of the others
+        for the time since the last round (each moved to the back, due again in
+        ``max_unpolled`` seconds); those not checked yet this round."""
+        now = time.monotonic()
+        limit = self.policy.max_unpolled
+        share = math.ceil(len(self.running.transfers)
+                          * min(1.0, (now - self._swept_at) / limit))
+        self._swept_at = now
+        sweep, round_, due = self._sweep, self._round, now + limit
+        picked: list[Transfer] = []
+        for _ in range(len(sweep)):  # one pass at most
+            transfer = sweep[0]
+            if transfer.slot < 0:  # left the running states: out of the schedule
+                sweep.popleft().queued &= ~_IN_SWEEP
+                continue
+            if len(picked) >= share and transfer.due > now:
+                break
+            sweep.rotate(-1)
+            transfer.due = due
+            if transfer.checked != round_:
+                transfer.checked = round_
+                picked.append(transfer)
+        return picked
+
+    def _schedule(self, transfer: Transfer) -> None:
+        """A transfer started running: the oldest-first queue and the sweep take it (its turn
+        due in ``max_unpolled`` seconds), unless it is in them still (it ran before)."""
+        queued = transfer.queued
+        if not queued & _IN_FRONT:
+            self._front.append(transfer)
+        if not queued & _IN_SWEEP:
+            transfer.due = time.monotonic() + self.policy.max_unpolled
+            self._sweep.append(transfer)
+        transfer.queued = _IN_FRONT | _IN_SWEEP
+        if len(self._front) > 2 * len(self.running.transfers) + 64:
+            self._compact_schedule()
+
+    def _compact_schedule(self) -> None:
+        """Drop from both queues the transfers no longer running: done when the oldest-first
+        queue holds over twice as many as run, so each is dropped once, and both stay bounded
+        by what runs."""
+        for queue, bit in ((self._front, _IN_FRONT), (self._sweep, _IN_SWEEP)):
+            kept = [t for t in queue if t.slot >= 0]
+            for transfer in queue:
+                if transfer.slot < 0:
+                    transfer.queued &= ~bit
+            queue.clear()
+            queue.extend(kept)
 
     def _count_stays(self, answered: list[tuple[Transfer, Any]]) -> None:
         """Count the PROC stay of every running transfer not in ``answered``."""
@@ -247,6 +380,7 @@ class Runner(Books):
     def add(self, transfer: Transfer) -> None:
         """A new transfer, in its initial state, before its post is made."""
         self.records[transfer.job_id] = transfer
+        self.bytes_in_flight += transfer.nbytes
         if self._by_start is not None:
             self._by_start.append(transfer)
 
@@ -372,6 +506,7 @@ class Runner(Books):
                 del self.waiting[transfer.job_id]
             if transfer.slot < 0:
                 self.running.add(transfer)
+                self._schedule(transfer)
         else:
             if transfer.slot >= 0:
                 self.running.discard(transfer)
@@ -383,6 +518,7 @@ class Runner(Books):
         """A transfer reached a final state: its one result, and the books, then listeners."""
         job_id = transfer.job_id
         del self.records[job_id]
+        self.bytes_in_flight -= transfer.nbytes
         if transfer.slot >= 0:
             self.running.discard(transfer)
         filed = transfer.filed

@@ -50,7 +50,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 import torch
 
 from kvfsm.machines.transfer import FailureReason
-from kvfsm.tiers.base import Lookup
+from kvfsm.tiers.base import Lookup, TierSaturatedError
 from kvfsm.transfer import JobResult, TransferJob
 
 __all__ = [
@@ -634,6 +634,9 @@ class TieringManager:
         #: every bookkeeping issue found so far (each was raised once, by step)
         self.bookkeeping_errors: list[BookkeepingIssue] = []
         self._counts = {"stores_ok": 0, "stores_failed": 0, "loads_ok": 0, "loads_failed": 0}
+        #: stores not cascaded to a saturated tier, per tier
+        self._skipped = dict.fromkeys(named, 0)
+        self._block_bytes = int(primary.cache[0].nbytes)
 
     @property
     def tiers(self) -> Mapping[str, OffloadTier]:
@@ -650,8 +653,14 @@ class TieringManager:
     def store(self, block_ids: Sequence[int]) -> list[int]:
         """Copy ready primary blocks to every secondary tier: one job per tier.
 
+        A tier that says it is saturated (its ``saturated(nbytes)``, when it has one, answers
+        True: kvfsm's tiers past their :class:`~kvfsm.policy.InFlightLimit`) is skipped: no
+        job, no pin, counted in :meth:`stats` as ``stores_skipped``; so is a tier whose submit
+        refuses the job with :class:`~kvfsm.tiers.TierSaturatedError`.
+
         Returns:
-            the job ids, one per tier, in tier order.
+            the job ids, one per tier that took the job, in tier order (empty when every tier
+            was saturated).
 
         Raises:
             ManagerClosedError: after :meth:`shutdown`.
@@ -669,7 +678,12 @@ class TieringManager:
         blocks = [operator.index(block) for block in listed]
         submitted: list[int] = []
         refusals: list[tuple[str, int, BaseException]] = []
+        nbytes = len(blocks) * self._block_bytes
         for name, tier in self._tiers.items():
+            saturated = getattr(tier, "saturated", None)
+            if saturated is not None and saturated(nbytes):  # back-pressure: no job, no pin
+                self._skipped[name] += 1
+                continue
             job = TransferJob(next(self._ids), list(keys), list(blocks))
             self.primary.pin(blocks)
             self._jobs[job.job_id] = Submitted(job, name)
@@ -678,6 +692,9 @@ class TieringManager:
             except BaseException as error:
                 del self._jobs[job.job_id]
                 self.primary.complete_read(blocks)
+                if isinstance(error, TierSaturatedError):  # saturated since it was asked
+                    self._skipped[name] += 1
+                    continue
                 if not isinstance(error, Exception):
                     raise
                 refusals.append((name, job.job_id, error))
@@ -865,11 +882,13 @@ class TieringManager:
         return done
 
     def stats(self) -> dict[str, Any]:
-        """Outstanding jobs per tier; stores and loads finalized, by outcome; bookkeeping."""
+        """Outstanding jobs per tier; stores and loads finalized, by outcome; stores not
+        cascaded to a saturated tier, per tier; bookkeeping."""
         per_tier = dict.fromkeys(self._tiers, 0)
         for submitted in self._jobs.values():
             per_tier[submitted.tier] += 1
         return {"outstanding": per_tier, **self._counts,
+                "stores_skipped": dict(self._skipped),
                 "bookkeeping_errors": len(self.bookkeeping_errors)}
 
     # -- internals ---------------------------------------------------------------------------------

@@ -21,6 +21,11 @@ Every other key of an entry is the tier's own setting (see :class:`ObjectStoreTi
   cannot start (a bad job, a full tier, a closed tier, a NIXL call that raised) is a failed
   result on the next ``get_finished_jobs()``;
 - a store skips the keys the tier knows it holds and reports the bytes it moved;
+- back-pressure: with ``in_flight`` set (the :class:`kvfsm.policy.InFlightLimit` fields, as
+  a dict) and no back-pressure of vLLM's configured for the tier, the tier's detector tells
+  vLLM's manager the tier is saturated once a store would take it past the bound, and the
+  manager does not cascade the store there (it pins nothing; vLLM counts the store dropped);
+  a store that reaches the tier past the bound all the same is a failed result;
 - a promotion loads the keys the tier holds; one whose keys were removed since the lookup (the
   tier evicted them) fails and names the keys that did load (``successful_keys``); a key whose
   load failed is a MISS from then on, for every request (no reload loop);
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -64,6 +70,7 @@ with warnings.catch_warnings():
         ReqContext,
         RequestOffloadingContext,
     )
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector, DropStorePolicy
     from vllm.v1.kv_offload.tiering.base import JobResult as VllmResult
     from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
     from vllm.v1.kv_offload.tiering.base import TransferJob as VllmJob
@@ -71,7 +78,7 @@ with warnings.catch_warnings():
 from kvfsm import tiers
 from kvfsm.contract import DrainTimeout
 from kvfsm.nixl_agents import StoreConfig
-from kvfsm.policy import RetryPolicy
+from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.tiers.base import Lookup, SecondaryTier
 from kvfsm.transfer import TransferJob
 
@@ -125,7 +132,11 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                  backpressure_detector: Any = None, *, capacity_bytes: int | None = None,
                  retry: Mapping[str, Any] | None = None, shutdown_timeout: float | None = 30.0,
                  enable_kv_events: bool = False, locality: str | None = None,
-                 label: str | None = None, **settings: Any) -> None:
+                 label: str | None = None, in_flight: Mapping[str, Any] | None = None,
+                 **settings: Any) -> None:
+        limit = _limit(in_flight)
+        if backpressure_detector is None and limit is not None:
+            backpressure_detector = _Saturation(self)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         if label is not None and (not isinstance(label, str) or not label):
@@ -147,7 +158,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         primary = torch.frombuffer(primary_kv_view, dtype=torch.uint8).view(chunks, chunk_bytes)
         self._tier: SecondaryTier | None = self._build(
             primary, policy=policy, capacity_bytes=capacity_bytes,
-            record_events=capacity_bytes is not None, **settings)
+            record_events=capacity_bytes is not None, in_flight=limit, **settings)
         self._jobs: dict[int, _Job] = {}
         #: results made without a transfer (refused jobs, stores with nothing to move)
         self._ready: list[VllmResult] = []
@@ -412,6 +423,9 @@ class ObjectStoreTier(_Adapter):
       (with boto3) to make room (None: no bound);
     - ``retry``: the :class:`kvfsm.policy.RetryPolicy` fields, as a dict;
     - ``shutdown_timeout``: seconds shutdown waits for NIXL (None: as long as it takes);
+    - ``in_flight``: back-pressure, the :class:`kvfsm.policy.InFlightLimit` fields (``jobs``,
+      ``bytes``) as a dict: past the bound vLLM's manager does not cascade stores to the tier
+      (module docstring);
     - ``enable_kv_events``, ``locality``: as vLLM's own tiers;
     - ``label``: names the tier in metrics and events (by default its ``type``; two tiers of
       one type need labels of their own);
@@ -446,7 +460,7 @@ class FileTier(_Adapter):
     """kvfsm's file tier (:class:`kvfsm.tiers.FileTier`) for vLLM: one file per block.
 
     Settings: ``directory`` (required), ``durable`` (fsync before a store succeeds; default
-    True), ``capacity_bytes``, ``retry``, ``shutdown_timeout``, ``enable_kv_events``,
+    True), ``capacity_bytes``, ``retry``, ``shutdown_timeout``, ``in_flight``, ``enable_kv_events``,
     ``locality``, ``label`` (as :class:`ObjectStoreTier`), ``agent`` (a NIXL agent with the POSIX
     backend, instead of one made by the tier).
     """
@@ -456,6 +470,59 @@ class FileTier(_Adapter):
         if directory is None:
             raise ValueError(f"{self.tier_type}: the tier's settings need a directory")
         return tiers.FileTier(primary, directory, durable=durable, agent=agent, **options)
+
+
+class _Saturation(BackpressureDetector):  # type: ignore[misc]
+    """vLLM's back-pressure hook on a kvfsm tier's :class:`~kvfsm.policy.InFlightLimit`: under
+    pressure while a store of the blocks asked about would be refused. It holds the adapter
+    weakly (the adapter holds it), and nothing once the tier is shut down."""
+
+    def __init__(self, adapter: _Adapter) -> None:
+        super().__init__(DropStorePolicy())
+        self._adapter = weakref.ref(adapter)
+        self._blocks = 0  # of the store asked about now
+
+    def should_store(self, num_blocks: int) -> bool:
+        self._blocks = num_blocks
+        try:
+            return bool(super().should_store(num_blocks))
+        finally:
+            self._blocks = 0
+
+    def is_under_pressure(self) -> bool:
+        adapter = self._adapter()
+        tier = None if adapter is None else adapter._tier
+        return tier is not None and tier.saturated(self._blocks * tier.block_bytes)
+
+    def on_store_completed(self, elapsed_s: float, num_bytes: int) -> None:
+        """Pressure is what is in flight now, not how long stores took."""
+
+    def reset(self) -> None:
+        """Nothing kept."""
+
+    @property
+    def stats(self) -> dict[str, float]:
+        adapter = self._adapter()
+        tier = None if adapter is None else adapter._tier
+        if tier is None:
+            return {}
+        figures = tier.stats()["in_flight_limit"]
+        return {"jobs": figures["jobs"], "bytes": figures["bytes"],
+                "stores_refused": figures["stores_refused"]}
+
+
+def _limit(in_flight: Mapping[str, Any] | None) -> InFlightLimit | None:
+    """The back-pressure bound from the settings' dict (InFlightLimit's fields)."""
+    if in_flight is None:
+        return None
+    if not isinstance(in_flight, Mapping):
+        raise ValueError(f"in_flight must be a dict of InFlightLimit fields, got {in_flight!r}")
+    fields = set(InFlightLimit.__dataclass_fields__)
+    unknown = sorted(set(in_flight) - fields)
+    if unknown:
+        raise ValueError(f"in_flight: unknown field(s) {', '.join(unknown)}; InFlightLimit "
+                         f"has {', '.join(sorted(fields))}")
+    return InFlightLimit(**in_flight)
 
 
 def _policy(retry: Mapping[str, Any] | None) -> RetryPolicy:

@@ -50,7 +50,7 @@ def test_the_managers_stats_count_each_outstanding_job_on_its_tier() -> None:
     manager = TieringManager(primary, {"left": left, "right": right})
     assert manager.stats() == {"outstanding": {"left": 0, "right": 0}, "stores_ok": 0,
                                "stores_failed": 0, "loads_ok": 0, "loads_failed": 0,
-                               "bookkeeping_errors": 0}
+                               "stores_skipped": {"left": 0, "right": 0}, "bookkeeping_errors": 0}
     a, b = write(primary, "a", "b")
     manager.store([a])
     manager.store([b])
@@ -58,7 +58,7 @@ def test_the_managers_stats_count_each_outstanding_job_on_its_tier() -> None:
     manager.drain(timeout=5)
     assert manager.stats() == {"outstanding": {"left": 0, "right": 0}, "stores_ok": 4,
                                "stores_failed": 0, "loads_ok": 0, "loads_failed": 0,
-                               "bookkeeping_errors": 0}
+                               "stores_skipped": {"left": 0, "right": 0}, "bookkeeping_errors": 0}
     manager.shutdown()
 
 

@@ -363,6 +363,31 @@ def test_reset_cache_drains_transfers_still_running_without_aborting_them(
     assert (tmp_path / the_tier(engine).tier.remote_name(key(1))).exists()
 
 
+def test_past_its_in_flight_bound_vllms_manager_stops_cascading_to_the_tier(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    agent = FaultyAgent(make_agent("vllm-backpressure", "POSIX"))
+    engine = engines(file_entry(tmp_path, agent=agent, in_flight={"jobs": 2}), primary_chunks=8)
+    agent.inject("transfer", StayProc(400), times=2)  # the first two stores run on a while
+    for seed in range(1, 6):
+        engine.offload(f"req-{seed}", blocks(seed))
+        assert engine.pinned_chunks() <= 2  # only what the tier took is pinned
+    tier = the_tier(engine)
+    assert tier.tier.stats()["in_flight_limit"]["jobs"] == 2
+    # vLLM's manager asked the tier's detector and dropped the other three stores itself:
+    # the tier never saw them, and nothing of theirs was pinned
+    assert tier.bp_detector.policy.pop_stores_dropped() == (3, 3)
+    assert tier.tier.stats()["in_flight_limit"]["stores_refused"] == 0
+    engine.settle()
+    assert engine.pinned_chunks() == 0
+    stored = [seed for seed in range(1, 6)
+              if (tmp_path / tier.tier.remote_name(key(seed))).exists()]
+    assert stored == [1, 2]
+    assert not tier.bp_detector.is_under_pressure()
+
+
 def test_metrics_are_declared_and_labelled_as_vllm_requires(
     tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:

@@ -8,6 +8,7 @@ from kvfsm.tiers.base import (
     SecondaryTier,
     TierClosedError,
     TierFullError,
+    TierSaturatedError,
     UnknownJobError,
 )
 from kvfsm.tiers.file import FileTier
@@ -23,5 +24,6 @@ __all__ = [
     "SecondaryTier",
     "TierClosedError",
     "TierFullError",
+    "TierSaturatedError",
     "UnknownJobError",
 ]

@@ -29,7 +29,7 @@ from kvfsm.contract import DrainTimeout, JobSide
 from kvfsm.driver import RemoteSide, StepFunction, TransferDriver, check_runnable
 from kvfsm.engine import CompiledMachine, Declaration
 from kvfsm.machines.transfer import TRANSFER_MACHINE, Answer, CallFailed, TransferEvent
-from kvfsm.policy import RetryPolicy
+from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.runner import Outcome, Runner
 from kvfsm.tiers.holdings import HoldingEvent, Holdings, Remove, TierFullError
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
@@ -42,6 +42,7 @@ __all__ = [
     "SecondaryTier",
     "TierClosedError",
     "TierFullError",
+    "TierSaturatedError",
     "UnknownJobError",
     "key_text",
 ]
@@ -68,6 +69,11 @@ class UnknownJobError(ValueError):
 
 class TierClosedError(RuntimeError):
     """The tier was shut down and takes no more jobs."""
+
+
+class TierSaturatedError(RuntimeError):
+    """A store would take the tier past its bound on jobs or bytes in flight
+    (:class:`~kvfsm.policy.InFlightLimit`); nothing was registered and no result will come."""
 
 
 class KnownNames:
@@ -158,6 +164,8 @@ class SecondaryTier(JobSide):
         record_events: keep what the tier stored and removed for :meth:`take_events` (with
             ``capacity_bytes`` only).
         remove: how the subclass removes stored blocks by name (needed with a capacity).
+        in_flight: back-pressure, a bound on the jobs and bytes in flight past which a store
+            is refused (:class:`~kvfsm.policy.InFlightLimit`; by default none).
 
     Raises:
         MachineRefused: the machine cannot run in a tier (:func:`~kvfsm.driver.check_runnable`
@@ -179,8 +187,12 @@ class SecondaryTier(JobSide):
                  policy: RetryPolicy | None = None,
                  steps: Mapping[str, StepFunction] | None = None,
                  capacity_bytes: int | None = None, record_events: bool = False,
-                 remove: Remove | None = None) -> None:
+                 remove: Remove | None = None, in_flight: InFlightLimit | None = None) -> None:
         _check_primary(primary)
+        check_in_flight(in_flight)
+        #: the bound on jobs and bytes in flight past which a store is refused
+        self.in_flight = in_flight or InFlightLimit()
+        self._stores_refused = 0
         self.primary = primary
         self.agent = agent
         self.num_blocks = int(primary.shape[0])
@@ -315,6 +327,13 @@ class SecondaryTier(JobSide):
             except Exception as error:
                 runner.record_leaks(-1, (Leak(call, f"{type(error).__name__}: {error}"),))
 
+    def saturated(self, nbytes: int = 0) -> bool:
+        """True when a store of ``nbytes`` bytes submitted now would be refused for the
+        tier's :class:`~kvfsm.policy.InFlightLimit` (never, without one). Reads the books
+        without the lock: a poll on another thread may make room meanwhile."""
+        runner = self._runner
+        return not self.in_flight.admits(len(runner.records), runner.bytes_in_flight, nbytes)
+
     def lookup(self, key: bytes | str) -> Lookup:
         """HIT, MISS, or RETRY while the answer is being found out; never blocks on I/O.
 
@@ -409,6 +428,11 @@ class SecondaryTier(JobSide):
         """
         stats = self._runner.counts()
         stats["lookup_cache"] = len(self._known)
+        limit = self.in_flight
+        stats["in_flight_limit"] = {
+            "jobs": len(self._runner.records), "bytes": self._runner.bytes_in_flight,
+            "max_jobs": limit.jobs, "max_bytes": limit.bytes,
+            "stores_refused": self._stores_refused}
         if self._holdings is not None:
             stats["holdings"] = self._holdings.stats()
         return stats
@@ -445,8 +469,17 @@ class SecondaryTier(JobSide):
             raise TierClosedError(f"{type(self).__name__} is shut down; job {job.job_id} refused")
         names, block_ids = self._validate(job, load=load)
         runner = self._runner
-        transfer = Transfer(job, len(block_ids) * self.block_bytes, time.monotonic(),
-                            runner.initial)
+        nbytes = len(block_ids) * self.block_bytes
+        if not load and not self.in_flight.admits(len(runner.records), runner.bytes_in_flight,
+                                                  nbytes):
+            self._stores_refused += 1
+            limit = self.in_flight
+            raise TierSaturatedError(
+                f"{type(self).__name__}: store job {job.job_id} ({nbytes} bytes) refused: "
+                f"{len(runner.records)} job(s) and {runner.bytes_in_flight} bytes in flight, "
+                f"bound {limit.jobs} job(s) and {limit.bytes} bytes (InFlightLimit); nothing "
+                "was registered, and no result will come")
+        transfer = Transfer(job, nbytes, time.monotonic(), runner.initial)
         transfer.names = names
         holdings = self._holdings
         if holdings is not None:  # a store past the capacity is refused here: nothing changed
@@ -469,10 +502,12 @@ class SecondaryTier(JobSide):
         if transfer.slot < 0:  # over at once: DONE or FAILED
             self._advance((transfer,))
 
-    def _poll(self) -> None:
-        """Advance every unpublished transfer once: the one poll path.
+    def _poll(self, everything: bool = False) -> None:
+        """Advance the unpublished transfers once: the one poll path.
 
-        First the state checks of every running transfer, as one batch
+        First the state checks of the running transfers the poll schedule picks (every one
+        with ``everything``, as a drain asks, or with few running; else those likely to have
+        ended and the sweep's share: :meth:`~kvfsm.runner.Runner.check_round`), in batches
         (:meth:`~kvfsm.driver.TransferDriver.check`): a transfer NIXL still runs costs its call
         and nothing else, because the table declares that answer a stay (counted, not fired);
         each other answer is fired and its transfer taken as far as it goes this round. Then
@@ -481,7 +516,7 @@ class SecondaryTier(JobSide):
         """
         runner, driver = self._runner, self._driver
         waiting = list(runner.waiting.values())  # those in it now: one round each
-        answered = runner.take_checks(driver.check(runner.handles))
+        answered = runner.check_round(driver.check, everything)
         if answered:
             self._take_polls(answered)
         overdue = runner.overdue()
@@ -664,6 +699,14 @@ def _job_id(job_id: object) -> int:
     if isinstance(job_id, int) and not isinstance(job_id, bool):
         return int(job_id)  # an int subclass (a numpy integer is not one): its value
     raise InvalidJobError(f"a job id is an int, got {type(job_id).__name__} {job_id!r}")
+
+
+def check_in_flight(in_flight: object) -> None:
+    """Refuse an ``in_flight=`` that is not an :class:`~kvfsm.policy.InFlightLimit` or None
+    (a subclass calls it before it makes any agent)."""
+    if in_flight is not None and not isinstance(in_flight, InFlightLimit):
+        raise ValueError(f"in_flight must be an InFlightLimit or None, got "
+                         f"{type(in_flight).__name__} {in_flight!r}")
 
 
 def _check_primary(primary: object) -> None:

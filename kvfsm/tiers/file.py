@@ -81,8 +81,15 @@ from kvfsm.agent import NixlAgent
 from kvfsm.driver import StepFunction, StorageSide, check_runnable
 from kvfsm.engine import Declaration
 from kvfsm.machines.transfer import TRANSFER_MACHINE
-from kvfsm.policy import RetryPolicy
-from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier, _check_primary, key_text
+from kvfsm.policy import InFlightLimit, RetryPolicy
+from kvfsm.tiers.base import (
+    InvalidJobError,
+    Lookup,
+    SecondaryTier,
+    _check_primary,
+    check_in_flight,
+    key_text,
+)
 from kvfsm.transfer import Leak, Transfer, TransferJob
 
 __all__ = ["FileTier"]
@@ -494,6 +501,8 @@ class FileTier(SecondaryTier):
             (:mod:`kvfsm.tiers.holdings`). Files it did not store itself are not counted.
         record_events: keep what the tier stored and removed for
             :meth:`~kvfsm.tiers.base.SecondaryTier.take_events`.
+        in_flight: back-pressure, the bound on jobs and bytes in flight past which a store is
+            refused (:class:`~kvfsm.policy.InFlightLimit`).
     """
 
     def __init__(
@@ -510,9 +519,11 @@ class FileTier(SecondaryTier):
         steps: Mapping[str, StepFunction] | None = None,
         capacity_bytes: int | None = None,
         record_events: bool = False,
+        in_flight: InFlightLimit | None = None,
     ) -> None:
         # a machine the tier cannot run is refused before any agent is made
         check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
+        check_in_flight(in_flight)
         self.root = Path(root)
         self.read_only = _check_root(self.root, read_only)
         #: the root as text, ending in a separator: a block's path is this and its name
@@ -534,7 +545,7 @@ class FileTier(SecondaryTier):
             super().__init__(primary, agent=agent, remote=files,
                              poll_interval=poll_interval, machine=machine, policy=policy,
                              steps=steps, capacity_bytes=capacity_bytes,
-                             record_events=record_events,
+                             record_events=record_events, in_flight=in_flight,
                              remove=functools.partial(_unlink, self.directory))
         except BaseException:
             self._release_at_drop()

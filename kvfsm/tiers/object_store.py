@@ -15,12 +15,13 @@ from kvfsm.agent import NixlAgent
 from kvfsm.driver import StepFunction, StorageSide, check_runnable
 from kvfsm.engine import Declaration
 from kvfsm.machines.transfer import TRANSFER_MACHINE
-from kvfsm.policy import RetryPolicy
+from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.tiers.base import (
     KnownNames,
     Lookup,
     SecondaryTier,
     _check_primary,
+    check_in_flight,
     key_text,
     logger,
 )
@@ -354,6 +355,8 @@ class ObjectStoreTier(SecondaryTier):
         remove: deletes objects by name, returning how many it could not (with
             ``capacity_bytes``): by default :func:`s3_deleter` of ``store``; needed with
             ``agent=`` (a :class:`~kvfsm.testing.FakeNixlAgent`'s ``remove_objects``).
+        in_flight: back-pressure, the bound on jobs and bytes in flight past which a store is
+            refused (:class:`~kvfsm.policy.InFlightLimit`).
     """
 
     def __init__(
@@ -372,9 +375,11 @@ class ObjectStoreTier(SecondaryTier):
         capacity_bytes: int | None = None,
         record_events: bool = False,
         remove: Callable[[list[str]], int | None] | None = None,
+        in_flight: InFlightLimit | None = None,
     ) -> None:
         # a machine the tier cannot run is refused before any agent is made
         check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
+        check_in_flight(in_flight)
         if key_prefix is None:
             key_prefix = store.key_prefix if store is not None else ""
         if not isinstance(key_prefix, str):
@@ -398,7 +403,7 @@ class ObjectStoreTier(SecondaryTier):
                          poll_interval=poll_interval,
                          machine=machine, policy=policy, steps=steps,
                          capacity_bytes=capacity_bytes, record_events=record_events,
-                         remove=self._remover)
+                         remove=self._remover, in_flight=in_flight)
         if type(probe_batch) is not int or probe_batch < 1:
             raise ValueError(f"probe_batch must be an int of at least 1, got {probe_batch!r}")
         self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,

@@ -1,0 +1,176 @@
+"""Back-pressure: a tier with an :class:`~kvfsm.policy.InFlightLimit` refuses a store past its
+bound on jobs or bytes in flight (nothing registered, no result), lets loads through, says so
+beforehand (``saturated``) and in its stats; the tiering manager does not cascade to a saturated
+tier, so a slow tier cannot pile up pins on the primary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvfsm import TransferJob
+from kvfsm.policy import InFlightLimit
+from kvfsm.testing import FakeNixlAgent
+from kvfsm.tiering import CPUPrimaryTier, TieringManager
+from kvfsm.tiers import Lookup, ObjectStoreTier, TierSaturatedError
+
+from .test_poll_schedule import Held
+from .test_tiering import BLOCK_BYTES, DictTier, write
+
+BLOCKS = 16
+
+
+def tier_on(agent: FakeNixlAgent, **limit: Any) -> ObjectStoreTier:
+    primary = torch.arange(BLOCKS * 64, dtype=torch.float32).view(BLOCKS, 64)  # 256 B a block
+    return ObjectStoreTier(primary, agent=agent, in_flight=InFlightLimit(**limit))
+
+
+def store(tier: ObjectStoreTier, job_id: int, *blocks: int) -> None:
+    tier.submit_store(TransferJob(job_id, [f"block-{b}" for b in blocks], list(blocks)))
+
+
+def test_a_store_past_the_jobs_bound_is_refused_and_changes_nothing() -> None:
+    agent = Held()
+    tier = tier_on(agent, jobs=3)
+    for job_id in range(3):
+        store(tier, job_id, job_id)
+    assert tier.saturated()
+    calls = len(agent.calls)
+
+    with pytest.raises(TierSaturatedError, match=r"store job 3 \(256 bytes\) refused: 3 job\(s\) "
+                       r"and 768 bytes in flight, bound 3 job\(s\)"):
+        store(tier, 3, 3)
+
+    assert len(agent.calls) == calls  # not one NIXL call for it
+    assert tier.state_of(3) is None and tier.transfer_of(3) is None
+    assert tier.stats()["in_flight_limit"] == {"jobs": 3, "bytes": 768, "max_jobs": 3,
+                                               "max_bytes": None, "stores_refused": 1}
+    # the three run on and end; none of the results is job 3's
+    agent.held.clear()
+    tier.drain_jobs(timeout=5)
+    assert sorted(r.job_id for r in tier.get_finished_jobs()) == [0, 1, 2]
+    assert not tier.saturated()
+    store(tier, 3, 3)  # room again: the same job is taken now
+    agent.held.clear()
+    tier.drain_jobs(timeout=5)
+    assert [r.job_id for r in tier.get_finished_jobs()] == [3]
+    tier.shutdown(timeout=5)
+    assert agent.live_xfer_handles() == 0
+
+
+def test_loads_go_first_they_are_never_refused_and_take_the_room_of_stores() -> None:
+    agent = Held()
+    tier = tier_on(agent, jobs=2)
+    store(tier, 0, 0)
+    store(tier, 1, 1)
+    agent.held.clear()
+    tier.drain_jobs(timeout=5)
+    assert [r.success for r in tier.get_finished_jobs()] == [True, True]
+
+    for job_id, block in ((10, 0), (11, 1), (12, 0)):  # three loads, past the bound of two
+        tier.submit_load(TransferJob(job_id + 100, [f"block-{block}"], [job_id - 8],
+                                     is_promotion=True))
+    assert tier.stats()["in_flight_limit"]["jobs"] == 3
+    assert tier.saturated()
+    with pytest.raises(TierSaturatedError):
+        store(tier, 20, 5)
+    agent.held.clear()
+    tier.drain_jobs(timeout=5)
+    assert all(r.success for r in tier.get_finished_jobs())
+    tier.shutdown(timeout=5)
+
+
+def test_the_bytes_bound_counts_the_store_asked_for() -> None:
+    agent = Held()
+    tier = tier_on(agent, bytes=3 * 256)
+    assert tier.saturated(4 * 256) and not tier.saturated(3 * 256)
+    with pytest.raises(TierSaturatedError):  # larger than the bound: refused even when idle
+        store(tier, 0, 0, 1, 2, 3)
+    store(tier, 1, 0, 1)
+    with pytest.raises(TierSaturatedError):
+        store(tier, 2, 2, 3)
+    store(tier, 3, 2)
+    assert tier.stats()["in_flight_limit"] == {"jobs": 2, "bytes": 768, "max_jobs": None,
+                                               "max_bytes": 768, "stores_refused": 2}
+    agent.held.clear()
+    tier.drain_jobs(timeout=5)
+    assert sorted(r.job_id for r in tier.get_finished_jobs()) == [1, 3]
+    assert tier.stats()["in_flight_limit"]["bytes"] == 0
+    tier.shutdown(timeout=5)
+
+
+def test_a_refused_store_leaves_what_the_tier_holds_as_it_was() -> None:
+    agent = Held()
+    tier = tier_on(agent, jobs=1)
+    store(tier, 0, 0)
+    agent.held.clear()
+    tier.drain_jobs(timeout=5)
+    tier.get_finished_jobs()
+    assert tier.lookup("block-0") is Lookup.HIT
+    store(tier, 1, 1)  # runs on: the tier is saturated
+    with pytest.raises(TierSaturatedError):
+        store(tier, 2, 0)  # block-0 again: refused, and block-0 stays HIT
+    assert tier.lookup("block-0") is Lookup.HIT
+    agent.held.clear()
+    tier.drain_jobs(timeout=5)
+    tier.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"jobs": 0}, "InFlightLimit.jobs must be a positive int or None, got 0"),
+    ({"jobs": True}, "InFlightLimit.jobs must be a positive int or None, got True (bool)"),
+    ({"bytes": 1.5}, "InFlightLimit.bytes must be a positive int or None, got 1.5"),
+    ({"bytes": -4}, "InFlightLimit.bytes must be a positive int or None, got -4"),
+])
+def test_a_bad_bound_is_refused_naming_it(fields: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        InFlightLimit(**fields)
+    assert str(refused.value) == words
+
+
+def test_a_tier_given_something_else_than_a_bound_is_refused_before_any_agent() -> None:
+    primary = torch.zeros((4, 64), dtype=torch.float32)
+    agent = FakeNixlAgent("unused")
+    with pytest.raises(ValueError, match="in_flight must be an InFlightLimit or None, got dict"):
+        ObjectStoreTier(primary, agent=agent, in_flight={"jobs": 4})  # type: ignore[arg-type]
+    assert agent.calls == []
+
+
+def test_the_manager_does_not_cascade_to_a_saturated_tier_so_pins_stay_bounded() -> None:
+    """A tier ten times slower than the stores come: without a bound its jobs and the pins
+    they hold grow with every step; with one they stay at the bound, and the fast tier gets
+    every store."""
+
+    def run(limit: InFlightLimit | None) -> tuple[int, dict[str, Any]]:
+        primary = CPUPrimaryTier(400, BLOCK_BYTES, torch.uint8)
+        slow_agent = Held()
+        slow = ObjectStoreTier(primary.cache, agent=slow_agent, in_flight=limit)
+        manager = TieringManager(primary, {"fast": DictTier(primary.cache), "slow": slow})
+        most_pinned = 0
+        for step in range(300):  # a store a step; the slow tier ends one job in ten steps
+            (block,) = write(primary, f"key-{step}")
+            manager.store([block])
+            if step % 10 == 0:
+                running = [h for h in slow_agent.posted if id(h) in slow_agent.held]
+                if running:
+                    slow_agent.held.discard(id(running[0]))
+            manager.step()
+            most_pinned = max(most_pinned, primary.stats()["pinned"])
+        stats = manager.stats()
+        slow_agent.held.clear()
+        manager.shutdown(timeout=10)
+        assert primary.stats()["pinned"] == 0
+        return most_pinned, stats
+
+    unbounded, _ = run(None)
+    bounded, stats = run(InFlightLimit(jobs=8))
+    assert unbounded > 250  # every store still waits on the slow tier
+    assert bounded <= 8
+    # the fast tier took all 300; the slow one what was not skipped (8 still running)
+    taken_by_slow = 300 - stats["stores_skipped"]["slow"]
+    assert stats["outstanding"] == {"fast": 0, "slow": 8}
+    assert stats["stores_ok"] + 8 == 300 + taken_by_slow
+    assert stats["stores_skipped"] == {"fast": 0, "slow": stats["stores_skipped"]["slow"]}
+    assert stats["stores_skipped"]["slow"] > 250

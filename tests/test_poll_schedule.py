@@ -1,0 +1,268 @@
+"""The poll schedule: with many transfers running, a poll asks NIXL about those likely to have
+ended (the oldest, while they are found ended) and a share of the rest in turn, so a scheduler
+step costs what ended, and no running transfer goes unchecked longer than ``max_unpolled``.
+
+The agent here is the fake one with transfers that run until the story lets them end; a clock
+the test moves stands in for the runner's, so the bound is checked exactly, not timed."""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import kvfsm.runner
+from kvfsm import TransferJob
+from kvfsm.contract import DrainTimeout
+from kvfsm.machines.transfer import Answer, TransferEvent, TransferState
+from kvfsm.policy import RetryPolicy
+from kvfsm.runner import FRONT_BATCH
+from kvfsm.testing import FakeNixlAgent
+from kvfsm.tiers import ObjectStoreTier
+
+N = 1_000
+
+
+class Held(FakeNixlAgent):
+    """Transfers answer PROC until :meth:`end` lets them go; every state check is counted."""
+
+    def __init__(self) -> None:
+        super().__init__("held", complete_after_polls=1)
+        self.posted: list[Any] = []  # handles, in post order
+        self.held: set[int] = set()  # id() of handles still running
+        self.checks: collections.Counter[int] = collections.Counter()
+
+    def transfer(self, handle: Any, notif_msg: bytes | str = b"") -> str:
+        answer = super().transfer(handle, notif_msg)
+        self.posted.append(handle)
+        self.held.add(id(handle))
+        return answer
+
+    def check_xfer_state(self, handle: Any) -> str:
+        self.checks[id(handle)] += 1
+        if id(handle) in self.held:
+            return "PROC"
+        return super().check_xfer_state(handle)
+
+    def end(self, *indices: int) -> None:
+        """Let the transfers posted ``indices``-th (0 the first) end at their next check."""
+        for index in indices:
+            self.held.discard(id(self.posted[index]))
+
+    def total_checks(self) -> int:
+        return sum(self.checks.values())
+
+
+class Clock:
+    """The runner's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(kvfsm.runner, "time", clock)
+    return clock
+
+
+@pytest.fixture
+def held() -> Iterator[Held]:
+    agent = Held()
+    yield agent
+    assert agent.misuses == [], agent.misuses
+
+
+def running_tier(agent: Held, n: int = N, **policy: Any) -> ObjectStoreTier:
+    """A tier with ``n`` one-block stores running, posted in job-id order."""
+    primary = torch.zeros((64, 16), dtype=torch.float32)
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(**policy))
+    for job_id in range(n):
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
+    assert tier.stats()["in_flight"] == {"PROCESSING": n}
+    return tier
+
+
+def finish(tier: ObjectStoreTier, agent: Held) -> None:
+    """Let everything end; the drain hands every result out."""
+    agent.held.clear()
+    tier.drain_jobs(timeout=30)
+    tier.get_finished_jobs()
+    tier.shutdown(timeout=5)
+    assert agent.live_xfer_handles() == 0
+
+
+def test_a_step_asks_nixl_about_what_ended_not_about_everything_in_flight(
+        held: Held, clock: Clock) -> None:
+    tier = running_tier(held, max_unpolled=60.0)
+    tier.get_finished_jobs()  # the first poll after the submits
+    before = held.total_checks()
+
+    # transfers end in the order they were posted: the ten oldest end before the next step
+    held.end(*range(10))
+    clock.advance(0.01)
+    results = tier.get_finished_jobs()
+
+    assert sorted(r.job_id for r in results) == list(range(10))
+    assert all(r.success for r in results)
+    made = held.total_checks() - before
+    # the ten, the batch after them that found none ended, and the sweep's share for 10 ms
+    # of a 60 s bound: not a thousand
+    share = math.ceil(N * 0.01 / 60.0)
+    assert made <= 10 + 2 * FRONT_BATCH + share
+    assert made < N // 10
+    finish(tier, held)
+
+
+def test_many_ending_at_once_are_all_found_in_the_same_step(held: Held, clock: Clock) -> None:
+    tier = running_tier(held, max_unpolled=60.0)
+    tier.get_finished_jobs()
+    held.end(*range(300))  # far more than one batch: the oldest-first checks go on
+    clock.advance(0.01)
+
+    assert sorted(r.job_id for r in tier.get_finished_jobs()) == list(range(300))
+    finish(tier, held)
+
+
+def test_no_running_transfer_goes_unchecked_longer_than_max_unpolled(
+        held: Held, clock: Clock) -> None:
+    limit, tick = 0.2, 0.01
+    tier = running_tier(held, max_unpolled=limit)
+    last_checked = {id(handle): clock.now for handle in held.posted}  # started running
+    seen = dict(held.checks)
+    per_poll = []
+    for _ in range(200):  # 2 s: ten times the bound
+        clock.advance(tick)
+        before = held.total_checks()
+        tier.get_finished_jobs()
+        per_poll.append(held.total_checks() - before)
+        for handle in held.posted:
+            key = id(handle)
+            if held.checks[key] != seen.get(key, 0):
+                seen[key] = held.checks[key]
+                last_checked[key] = clock.now
+            assert clock.now - last_checked[key] <= limit + 1e-9, "a transfer went unchecked"
+    # the checks are spread out: about N * tick / limit a poll (plus the oldest batch), not
+    # all N at once every limit seconds
+    assert max(per_poll[20:]) <= math.ceil(N * tick / limit) + FRONT_BATCH + 1
+    finish(tier, held)
+
+
+def test_a_transfer_that_ends_out_of_order_is_handed_out_within_max_unpolled(
+        held: Held, clock: Clock) -> None:
+    limit, tick = 0.5, 0.01
+    tier = running_tier(held, max_unpolled=limit)
+    tier.get_finished_jobs()
+    held.end(700)  # far behind the oldest, which still run
+    waited = 0.0
+    results: list[Any] = []
+    while not results:
+        clock.advance(tick)
+        waited += tick
+        results = tier.get_finished_jobs()
+        assert waited <= limit + tick + 1e-9
+    assert [r.job_id for r in results] == [700]
+    finish(tier, held)
+
+
+def test_old_transfers_that_never_end_do_not_hide_those_behind_them(
+        held: Held, clock: Clock) -> None:
+    limit, tick = 0.3, 0.01
+    tier = running_tier(held, max_unpolled=limit)
+    tier.get_finished_jobs()
+    # the 2 * FRONT_BATCH oldest hang; the next hundred end
+    held.end(*range(2 * FRONT_BATCH, 2 * FRONT_BATCH + 100))
+    handed_out: list[int] = []
+    waited = 0.0
+    while len(handed_out) < 100:
+        clock.advance(tick)
+        waited += tick
+        handed_out += [r.job_id for r in tier.get_finished_jobs()]
+        assert waited <= limit + tick + 1e-9
+    assert sorted(handed_out) == list(range(2 * FRONT_BATCH, 2 * FRONT_BATCH + 100))
+    finish(tier, held)
+
+
+def test_a_drain_checks_every_running_transfer_each_round(held: Held, clock: Clock) -> None:
+    tier = running_tier(held, max_unpolled=3600.0)
+    tier.get_finished_jobs()
+    held.end(*range(N - 1, 0, -2))  # every other one, newest first: out of order
+    before = held.total_checks()
+    with pytest.raises(DrainTimeout):  # one round, then the deadline: the rest still run
+        tier.drain_jobs(timeout=0.0)
+    assert held.total_checks() - before == N  # each checked, though none was due for an hour
+    assert sorted(r.job_id for r in tier.get_finished_jobs()) == list(range(1, N, 2))
+    finish(tier, held)
+
+
+def test_few_running_are_each_checked_on_every_poll(held: Held, clock: Clock) -> None:
+    tier = running_tier(held, n=64, max_unpolled=3600.0)
+    for _ in range(3):
+        before = held.total_checks()
+        tier.get_finished_jobs()
+        assert held.total_checks() - before == 64
+    held.end(40)
+    assert [r.job_id for r in tier.get_finished_jobs()] == [40]
+    finish(tier, held)
+
+
+def test_the_stays_counted_are_the_checks_that_answered_proc(held: Held, clock: Clock) -> None:
+    tier = running_tier(held, max_unpolled=1.0)
+    stay = tier.machine.table[TransferState.PROCESSING][TransferEvent.POLL][Answer.PROC]
+    counted = stay.taken
+    before = held.total_checks()
+    for _ in range(30):
+        clock.advance(0.01)
+        tier.get_finished_jobs()
+    made = held.total_checks() - before
+    assert N > made > 0
+    assert stay.taken - counted == made  # every check answered PROC: one stay each
+    finish(tier, held)
+
+
+def test_the_schedule_keeps_no_more_than_what_runs(held: Held, clock: Clock) -> None:
+    tier = running_tier(held, n=100, max_unpolled=0.05)
+    runner = tier._runner
+    next_job = 100
+    for round_ in range(50):  # the oldest 40 end each round and 40 new ones start
+        oldest = [i for i, h in enumerate(held.posted) if id(h) in held.held][:40]
+        held.end(*oldest)
+        clock.advance(0.01)
+        assert len(tier.get_finished_jobs()) == 40, round_
+        for _ in range(40):
+            tier.submit_store(TransferJob(next_job, [f"block-{next_job}"], [next_job % 64]))
+            next_job += 1
+        running = len(runner.running.transfers)
+        assert running == 100
+        assert len(runner._front) <= 2 * running + 64
+        assert len(runner._sweep) <= 2 * running + 64
+    finish(tier, held)
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("max_unpolled", 0, "positive, finite"),
+    ("max_unpolled", -1.0, "positive, finite"),
+    ("max_unpolled", math.inf, "positive, finite"),
+    ("max_unpolled", math.nan, "a number of seconds"),
+    ("max_unpolled", True, "a number of seconds"),
+    ("max_unpolled", "1", "a number of seconds"),
+    ("check_all_below", -1, "an int of at least 0"),
+    ("check_all_below", 2.0, "an int of at least 0"),
+    ("check_all_below", False, "an int of at least 0"),
+])
+def test_a_bad_poll_schedule_is_refused_naming_the_field(field: str, value: Any,
+                                                         words: str) -> None:
+    with pytest.raises(ValueError, match=rf"RetryPolicy\.{field} must be") as refused:
+        RetryPolicy(**{field: value})
+    assert words in str(refused.value)
