@@ -5,6 +5,8 @@ call at once and moves no bytes, so what is measured is each contender's own boo
 
   (a)  kvfsm: ``ObjectStoreTier`` (as shipped: trace recording on);
   (a') kvfsm with the tier's compiled machine set to ``trace=False`` (what tracing costs);
+  (a*) kvfsm checking every transfer on every poll (``RetryPolicy(check_all_below=...)`` above
+       N): the work (b) and (d) do on a poll step; (a) checks what its poll schedule picks;
   (b)  a hand-written poll loop with the same behaviour (``handloop.py``);
   (c1) ``transitions`` with one ``Machine`` per transfer; (c2) one shared ``Machine`` and
        ``add_model``/``remove_model`` (``transitions_tier.py``);
@@ -51,6 +53,7 @@ from transitions_tier import TransitionsTier
 from zero_agent import ZeroAgent
 
 from kvfsm.agent import LOCAL_AGENT
+from kvfsm.policy import RetryPolicy
 from kvfsm.tiers import ObjectStoreTier
 from kvfsm.transfer import TransferJob
 
@@ -125,6 +128,11 @@ def _kvfsm_untraced(primary: torch.Tensor, agent: ZeroAgent, blocks_per_job: int
     return _tier_runner(tier)
 
 
+def _kvfsm_every(primary: torch.Tensor, agent: ZeroAgent, blocks_per_job: int) -> Runner:
+    policy = RetryPolicy(check_all_below=1 << 40)  # every transfer on every poll
+    return _tier_runner(ObjectStoreTier(primary, agent=agent, key_prefix="kv/", policy=policy))
+
+
 def _hand(primary: torch.Tensor, agent: ZeroAgent, blocks_per_job: int) -> Runner:
     return _tier_runner(HandTier(primary, agent=agent, key_prefix="kv/"))
 
@@ -147,6 +155,7 @@ def _limit(primary: torch.Tensor, agent: ZeroAgent, blocks_per_job: int) -> Runn
 CONTENDERS: dict[str, tuple[str, Callable[[torch.Tensor, ZeroAgent, int], Runner]]] = {
     "a": ("(a) kvfsm ObjectStoreTier", _kvfsm),
     "a'": ("(a') kvfsm, trace off", _kvfsm_untraced),
+    "a*": ("(a*) kvfsm, every transfer every poll", _kvfsm_every),
     "b": ("(b) hand-written loop", _hand),
     "c1": ("(c1) transitions, Machine per transfer", _per_transfer),
     "c2": ("(c2) transitions, shared Machine + add_model", _shared),

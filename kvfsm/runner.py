@@ -77,8 +77,8 @@ COMMITTING = "committing"
 #: the oldest running transfers are checked in batches of this many, for as long as a batch
 #: finds one that ended
 FRONT_BATCH = 16
-#: the poll schedule's queues a transfer is in (bits of ``Transfer.queued``)
-_IN_FRONT, _IN_SWEEP = 1, 2
+_STATE = operator.attrgetter("state")
+_FIRST = operator.itemgetter(0)
 
 
 #: the NIXL call behind each effect whose give-up the transfer machine's quarantine names by
@@ -145,12 +145,14 @@ class Runner(Books):
         #: called with each transfer as it is published, after the books (best effort)
         self.on_published: list[Callable[[Transfer], None]] = []
         self.running = _Running()  # those in a running state, and their handles
-        #: the poll schedule (check_round): the running transfers oldest first, and in the
-        #: order of their turn in the sweep (due times increasing); each may still hold some
-        #: that left the running states (skipped, and dropped when met or compacted)
+        #: the poll schedule (check_round): the running transfers oldest first; the sweep's
+        #: batches (due, transfers) in the order of their turn; those that started running
+        #: since the last round, and when the first of them did. Each may still hold some that
+        #: left the running states (skipped, and dropped when met or compacted)
         self._front: collections.deque[Transfer] = collections.deque()
-        self._sweep: collections.deque[Transfer] = collections.deque()
-        self._round = 0  # poll rounds that made scheduled checks
+        self._sweep: collections.deque[tuple[float, list[Transfer]]] = collections.deque()
+        self._joined: list[Transfer] = []
+        self._joined_at = 0.0
         self._swept_at = time.monotonic()
         self.waiting: dict[int, Transfer] = {}  # the others
         #: how many unpublished transfers are in each state
@@ -204,14 +206,13 @@ class Runner(Books):
         each transfer whose turn is due (every running transfer's comes at most
         ``policy.max_unpolled`` seconds after its last, or after it started running) and, to
         spread the checks evenly, a share of the others in turn: ``max_unpolled`` split over
-        the running transfers, for the time since the last round. A transfer is checked at
-        most once a round.
+        the running transfers, for the time since the last round. (A transfer the oldest-first
+        checks found may come up in the sweep too: it is then checked twice that round.)
         """
         running = self.running
         if everything or len(running.transfers) <= self.policy.check_all_below:
             self._swept_at = time.monotonic()
             return self.take_checks(check(running.handles))
-        self._round += 1
         picked, statuses = self._check_front(check)
         swept = self._sweep_share()
         if swept:
@@ -219,30 +220,28 @@ class Runner(Books):
             statuses += check([transfer.xfer for transfer in swept])
         if not self._proc_stays:  # a machine with actions on PROC: every answer is fired
             return list(zip(picked, statuses, strict=True))
-        answered = []
-        stays: collections.Counter[Any] = collections.Counter()
-        for transfer, status in zip(picked, statuses, strict=True):
-            if status == NIXL_RUNNING:
-                stays[transfer.state] += 1
-            else:
-                answered.append((transfer, status))
-        for state, count in stays.items():
-            self._proc[state].taken += count
+        answered = list(compress(zip(picked, statuses, strict=True),
+                                 map(operator.ne, statuses, repeat(NIXL_RUNNING))))
+        if len(answered) < len(picked):  # the others answered PROC: a stay each, counted
+            stays = collections.Counter(map(_STATE, picked))
+            stays.subtract(map(_STATE, map(_FIRST, answered)))
+            for state, count in stays.items():
+                if count:
+                    self._proc[state].taken += count
         return answered
 
     def _check_front(self, check: Callable[[list[Any]], list[str | Exception]],
                      ) -> tuple[list[Transfer], list[str | Exception]]:
         """Check the oldest running transfers in batches, until a batch finds none ended."""
-        front, round_ = self._front, self._round
-        while front and front[0].slot < 0:  # left the running states: out of the schedule
-            front.popleft().queued &= ~_IN_FRONT
+        front = self._front
+        while front and front[0].slot < 0:  # left the running states: out of the queue
+            front.popleft()
         picked: list[Transfer] = []
         statuses: list[str | Exception] = []
         batch: list[Transfer] = []
         for transfer in front:  # check() touches no queue: the deque stays as it is
-            if transfer.slot < 0 or transfer.checked == round_:
+            if transfer.slot < 0:
                 continue
-            transfer.checked = round_
             batch.append(transfer)
             if len(batch) == FRONT_BATCH:
                 answers = check([t.xfer for t in batch])
@@ -258,53 +257,60 @@ class Runner(Books):
 
     def _sweep_share(self) -> list[Transfer]:
         """The running transfers whose turn in the sweep is due, and the share of the others
-        for the time since the last round (each moved to the back, due again in
-        ``max_unpolled`` seconds); those not checked yet this round."""
+        for the time since the last round, oldest turn first; they are queued again, due in
+        ``max_unpolled`` seconds.
+
+        The sweep is a queue of batches ``(due, transfers)``, due times increasing: those that
+        started running since the last round are one batch, due ``max_unpolled`` after the
+        first of them started; those picked in a round are another. A transfer no longer
+        running is dropped from it when met."""
         now = time.monotonic()
         limit = self.policy.max_unpolled
         share = math.ceil(len(self.running.transfers)
                           * min(1.0, (now - self._swept_at) / limit))
         self._swept_at = now
-        sweep, round_, due = self._sweep, self._round, now + limit
+        sweep = self._sweep
+        if self._joined:
+            sweep.append((self._joined_at + limit, self._joined))
+            self._joined = []
         picked: list[Transfer] = []
-        for _ in range(len(sweep)):  # one pass at most
-            transfer = sweep[0]
-            if transfer.slot < 0:  # left the running states: out of the schedule
-                sweep.popleft().queued &= ~_IN_SWEEP
-                continue
-            if len(picked) >= share and transfer.due > now:
-                break
-            sweep.rotate(-1)
-            transfer.due = due
-            if transfer.checked != round_:
-                transfer.checked = round_
-                picked.append(transfer)
+        while sweep and (len(picked) < share or sweep[0][0] <= now):
+            due, batch = sweep[0]
+            wanted = share - len(picked)
+            if due <= now or len(batch) <= wanted:
+                sweep.popleft()
+                taken = batch
+            else:  # a share of a batch not due yet: the rest keeps its place
+                taken = batch[:wanted]
+                del batch[:wanted]
+            picked += [t for t in taken if t.slot >= 0]
+        if picked:
+            sweep.append((now + limit, picked))
         return picked
 
     def _schedule(self, transfer: Transfer) -> None:
         """A transfer started running: the oldest-first queue and the sweep take it (its turn
-        due in ``max_unpolled`` seconds), unless it is in them still (it ran before)."""
-        queued = transfer.queued
-        if not queued & _IN_FRONT:
-            self._front.append(transfer)
-        if not queued & _IN_SWEEP:
-            transfer.due = time.monotonic() + self.policy.max_unpolled
-            self._sweep.append(transfer)
-        transfer.queued = _IN_FRONT | _IN_SWEEP
+        due in ``max_unpolled`` seconds). (One that ran before and is still queued is then
+        queued twice, and checked twice a turn while it runs: rare, and harmless.)"""
+        self._front.append(transfer)
+        if not self._joined:
+            self._joined_at = time.monotonic()
+        self._joined.append(transfer)
         if len(self._front) > 2 * len(self.running.transfers) + 64:
             self._compact_schedule()
 
     def _compact_schedule(self) -> None:
-        """Drop from both queues the transfers no longer running: done when the oldest-first
-        queue holds over twice as many as run, so each is dropped once, and both stay bounded
-        by what runs."""
-        for queue, bit in ((self._front, _IN_FRONT), (self._sweep, _IN_SWEEP)):
-            kept = [t for t in queue if t.slot >= 0]
-            for transfer in queue:
-                if transfer.slot < 0:
-                    transfer.queued &= ~bit
-            queue.clear()
-            queue.extend(kept)
+        """Drop from the queues the transfers no longer running: done when the oldest-first
+        queue holds over twice as many as run, so each is dropped once, and the queues stay
+        bounded by what runs."""
+        self._front = collections.deque(t for t in self._front if t.slot >= 0)
+        self._joined = [t for t in self._joined if t.slot >= 0]
+        sweep: collections.deque[tuple[float, list[Transfer]]] = collections.deque()
+        for due, batch in self._sweep:
+            kept = [t for t in batch if t.slot >= 0]
+            if kept:
+                sweep.append((due, kept))
+        self._sweep = sweep
 
     def _count_stays(self, answered: list[tuple[Transfer, Any]]) -> None:
         """Count the PROC stay of every running transfer not in ``answered``."""

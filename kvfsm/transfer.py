@@ -64,8 +64,6 @@ class Transfer:
 
     __slots__ = (
         "attempts",
-        "checked",
-        "due",
         "error",
         "error_type",
         "filed",
@@ -77,7 +75,6 @@ class Transfer:
         "names",
         "nbytes",
         "opened",
-        "queued",
         "reason",
         "remote",
         "retries",
@@ -132,12 +129,6 @@ class Transfer:
         self.slot = -1
         #: the state the runner counts it under (None: not filed yet, or published)
         self.filed: Any = None
-        #: the poll schedule's marks (:class:`~kvfsm.runner.Runner`): the last poll round
-        #: that checked it, when its turn in the sweep is due (monotonic seconds), and the
-        #: schedule's queues it is in (bits: 1 oldest-first, 2 the sweep)
-        self.checked = 0
-        self.due = 0.0
-        self.queued = 0
         #: the steps taken, flat: step, time, step, time... (a chain of steps taken at once
         #: in place of a step; see :mod:`kvfsm.trace`)
         self.trace: list[Any] = []

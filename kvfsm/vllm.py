@@ -21,6 +21,10 @@ Every other key of an entry is the tier's own setting (see :class:`ObjectStoreTi
   cannot start (a bad job, a full tier, a closed tier, a NIXL call that raised) is a failed
   result on the next ``get_finished_jobs()``;
 - a store skips the keys the tier knows it holds and reports the bytes it moved;
+- results between steps: the tier lets vLLM's tier-poll thread poll it (its
+  ``tolerates_off_thread_polling``), so with ``tier_poll_interval_s`` above 0 (vLLM's default
+  is 1 ms) finished jobs are collected and their chunks unpinned between scheduler steps, and
+  a step's own poll finds only what ended since;
 - back-pressure: with ``in_flight`` set (the :class:`kvfsm.policy.InFlightLimit` fields, as
   a dict) and no back-pressure of vLLM's configured for the tier, the tier's detector tells
   vLLM's manager the tier is saturated once a store would take it past the bound, and the
@@ -127,6 +131,11 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
     """The vLLM side of one kvfsm tier (see the module docstring)."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
+    #: vLLM's manager may also poll the tier from its tier-poll thread between steps (with
+    #: ``tier_poll_interval_s`` above 0), always under its lock: kvfsm's tier takes calls from
+    #: any thread (one at a time, under the tier's own lock too), so results are collected,
+    #: and pins dropped, between scheduler steps rather than at the next one
+    tolerates_off_thread_polling: ClassVar[bool] = True
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, *, capacity_bytes: int | None = None,

@@ -388,6 +388,30 @@ def test_past_its_in_flight_bound_vllms_manager_stops_cascading_to_the_tier(
     assert not tier.bp_detector.is_under_pressure()
 
 
+def test_vllms_tier_poll_thread_collects_results_between_scheduler_steps(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    import time  # noqa: PLC0415
+
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    agent = FaultyAgent(make_agent("vllm-poll-thread", "POSIX"))
+    engine = engines(file_entry(tmp_path, agent=agent), tier_poll_interval=0.001)
+    agent.inject("transfer", StayProc(20))  # the store runs on after the steps below
+    engine.offload("A", blocks(1))
+    assert engine.pinned_chunks() == 1  # the store's pin
+    # no scheduler step from here on: vLLM's tier-poll thread polls the tier meanwhile, and
+    # the finished store's result unpins the chunk
+    deadline = time.monotonic() + 30
+    while engine.pinned_chunks() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.pinned_chunks() == 0
+    assert agent.call_count("check_xfer_state") >= 20
+    assert (tmp_path / the_tier(engine).tier.remote_name(key(1))).exists()
+    with engine.locked() as manager:
+        assert not manager.has_pending_work()
+
+
 def test_metrics_are_declared_and_labelled_as_vllm_requires(
     tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:

@@ -45,7 +45,7 @@ class Engine:
     """A vLLM tiering manager with kvfsm tiers, and the scheduler steps that drive it."""
 
     def __init__(self, tiers: Sequence[dict[str, Any]], *, primary_chunks: int = 4,
-                 events: bool = True) -> None:
+                 events: bool = True, tier_poll_interval: float = 0) -> None:
         from vllm.v1.kv_offload.base import ScheduleEndContext  # noqa: PLC0415
         from vllm.v1.kv_offload.config import (  # noqa: PLC0415
             OffloadingCacheConfig,
@@ -62,7 +62,7 @@ class Engine:
                                           group_id=0),),
             worker_kv_bytes_per_block=CHUNK_BYTES, enable_kv_cache_events=events,
             extra_config={"cpu_bytes_to_use": primary_chunks * CHUNK_BYTES,
-                          "eviction_policy": "lru", "tier_poll_interval_s": 0,
+                          "eviction_policy": "lru", "tier_poll_interval_s": tier_poll_interval,
                           "secondary_tiers": list(tiers)},
             engine_id=self.engine_id,
             model=OffloadingModelConfig(name="kvfsm-test-model", dtype="float16"),
