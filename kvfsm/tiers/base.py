@@ -98,8 +98,10 @@ class KnownNames:
             raise ValueError(f"the lookup cache needs a limit of at least 1, got {limit!r}")
         self.limit = limit
         self._lock = threading.Lock()
-        #: a verdict, or (for a probed MISS with an age) the monotonic time it expires
-        self._names: dict[str, Lookup | float] = {}
+        #: a verdict, or (for a probed MISS with an age) the monotonic time it expires; oldest
+        #: first. (An OrderedDict: a plain dict whose oldest are deleted one by one makes each
+        #: next deletion scan the holes left before it, quadratic once the limit is reached.)
+        self._names: collections.OrderedDict[str, Lookup | float] = collections.OrderedDict()
 
     def get(self, name: str) -> Lookup | None:
         """The verdict on ``name``, or None when it is not known (any more)."""
@@ -118,8 +120,8 @@ class KnownNames:
         known = self._names
         with self._lock:
             for name in names:
-                known.pop(name, None)
                 known[name] = verdict
+                known.move_to_end(name)
             if len(known) > self.limit:
                 self._forget_oldest()
 
@@ -139,7 +141,7 @@ class KnownNames:
         """Drop the oldest verdicts past the limit (the caller holds the cache's lock)."""
         known = self._names
         while len(known) > self.limit:
-            del known[next(iter(known))]
+            known.popitem(last=False)
 
 
 class SecondaryTier(JobSide):
