@@ -18,6 +18,16 @@ found ended, then the sweep's share; every transfer checked at least once every
 caller-thread time of ``get_finished_jobs()`` and, for each result, the time and the number of
 steps from the moment its transfer was marked done to the step that handed its result out.
 
+Then the same two contenders on real NIXL: a :class:`~kvfsm.tiers.FileTier` (POSIX backend,
+``durable=False``) in a directory on ``/dev/shm``, N one-block stores of 4 KiB, 1 % of them
+submitted before each ``get_finished_jobs()``, until every result is out. Real NIXL does not
+say when a transfer ended, only that it has when asked, so this part reports the time from submit to
+result (an upper bound of DONE to result), with the caller-thread time of each step and the
+number of steps.
+
+Tables go to ``bench/results/step.md`` (and ``.json``, every figure), the plot to
+``docs/step.png``.
+
     .venv/bin/python bench/step.py            # N = 1,000 / 10,000 / 100,000 (~5 min)
     .venv/bin/python bench/step.py --quick    # N = 1,000 / 10,000, fewer steps
 """
@@ -39,11 +49,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, machine, print_machine
+from bench.common import RESULTS, ROOT, machine, print_machine, table
 from bench.zero_agent import ZeroAgent
 from kvfsm import TransferJob
 from kvfsm.policy import RetryPolicy
-from kvfsm.tiers import ObjectStoreTier
+from kvfsm.tiers import FileTier, ObjectStoreTier
 
 FINISHING = 0.01  # of those in flight, per step
 WARM_UP = 20
@@ -205,6 +215,137 @@ def run(real: RealCheck, contender: str, n: int, steps: int, order: str) -> dict
     }
 
 
+def run_files(contender: str, n: int) -> dict[str, Any]:
+    """Real NIXL files in tmpfs: N one-block stores, 1 % submitted a step, then steps until
+    every result is out."""
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    block_bytes = 4096
+    primary = torch.zeros((n, block_bytes), dtype=torch.uint8)
+    primary[:, 0] = 1
+    jobs = [TransferJob(job_id, [f"k{job_id}"], [job_id]) for job_id in range(n)]
+    per_step = max(1, int(n * FINISHING))
+    agent = make_agent(f"step-bench-files-{n}-{contender.replace(' ', '-')}", "POSIX")
+    with tempfile.TemporaryDirectory(prefix="kvfsm-step-", dir="/dev/shm") as root:
+        tier = FileTier(primary, root, agent=agent, durable=False,
+                        policy=CONTENDERS[contender](n))
+        try:
+            submitted: dict[int, tuple[float, int]] = {}
+            step_seconds: list[float] = []
+            latencies: list[float] = []
+            latency_steps: list[float] = []
+            out = step = 0
+            start = time.perf_counter()
+            while out < n:
+                for job in jobs[step * per_step:(step + 1) * per_step]:
+                    tier.submit_store(job)
+                    submitted[job.job_id] = (time.perf_counter(), step)
+                began = time.perf_counter()
+                results = tier.get_finished_jobs()
+                ended = time.perf_counter()
+                step_seconds.append(ended - began)
+                for result in results:
+                    assert result.success, result
+                    at, in_step = submitted[result.job_id]
+                    latencies.append(ended - at)
+                    latency_steps.append(float(step - in_step))
+                out += len(results)
+                step += 1
+                if ended - start > 120:
+                    raise RuntimeError(f"files {n:,} {contender}: {out} of {n} out in 120 s")
+            wall = time.perf_counter() - start
+        finally:
+            tier.shutdown(timeout=60)
+    return {
+        "contender": contender, "n": n, "submitted_per_step": per_step,
+        "steps": len(step_seconds), "wall_ms": wall * 1e3,
+        "step_ms": {"median": statistics.median(step_seconds) * 1e3,
+                    "p99": pct(step_seconds, 0.99) * 1e3, "max": max(step_seconds) * 1e3},
+        "submit_to_result_ms": {"median": statistics.median(latencies) * 1e3,
+                                "p99": pct(latencies, 0.99) * 1e3,
+                                "max": max(latencies) * 1e3},
+        "submit_to_result_steps": {"median": statistics.median(latency_steps),
+                                   "p99": pct(latency_steps, 0.99),
+                                   "max": max(latency_steps)},
+    }
+
+
+def paced_table(rows: list[dict[str, Any]]) -> str:
+    base: dict[tuple[str, int], float] = {}
+    cells = []
+    for row in rows:
+        step, lat, lst = row["step_ms"], row["done_to_result_ms"], row["done_to_result_steps"]
+        key = (row["order"], row["n"])
+        base.setdefault(key, step["median"])
+        cells.append([row["order"], f"{row['n']:,}", f"{row['finishing_per_step']:,}",
+                      row["contender"], f"{step['median']:.3f}", f"{step['p99']:.3f}",
+                      f"{step['median'] / base[key]:.3f}x",
+                      f"{lat['median']:.3f}", f"{lat['p99']:.3f}", f"{lat['max']:.3f}",
+                      f"{lst['median']:g}", f"{lst['p99']:g}", f"{lst['max']:g}",
+                      f"{row['checks_per_step']:,.0f}"])
+    return table(["done first", "N in flight", "finishing a step", "contender",
+                  "step ms, median", "p99", "vs every step",
+                  "DONE to result ms, median", "p99", "max",
+                  "in steps, median", "p99", "max", "state checks a step"], cells)
+
+
+def files_table(rows: list[dict[str, Any]]) -> str:
+    cells = []
+    for row in rows:
+        step, lat, lst = row["step_ms"], row["submit_to_result_ms"], row["submit_to_result_steps"]
+        cells.append([f"{row['n']:,}", f"{row['submitted_per_step']:,}", row["contender"],
+                      f"{row['steps']:,}", f"{step['median']:.3f}", f"{step['p99']:.3f}",
+                      f"{step['max']:.3f}", f"{lat['median']:.3f}", f"{lat['p99']:.3f}",
+                      f"{lat['max']:.3f}", f"{lst['median']:g}", f"{lst['p99']:g}",
+                      f"{lst['max']:g}"])
+    return table(["jobs", "submitted a step", "contender", "steps", "step ms, median", "p99",
+                  "max", "submit to result ms, median", "p99", "max", "in steps, median",
+                  "p99", "max"], cells)
+
+
+def plot(info: dict[str, str], rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415 - only needed for the plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    styles = {("every step", "oldest"): ("C3", "s", "-"),
+              ("every step", "random"): ("C3", "s", ":"),
+              ("schedule", "oldest"): ("C0", "o", "-"),
+              ("schedule", "random"): ("C0", "o", ":")}
+    sizes = sorted({row["n"] for row in rows})
+    for (contender, order), (color, marker, line) in styles.items():
+        mine = sorted((row for row in rows
+                       if row["contender"] == contender and row["order"] == order),
+                      key=lambda row: row["n"])
+        if not mine:
+            continue
+        label = f"{contender}, {order} done first"
+        xs = [row["n"] for row in mine]
+        left.plot(xs, [row["step_ms"]["median"] for row in mine], color=color, marker=marker,
+                  linestyle=line, label=label)
+        right.plot(xs, [row["done_to_result_ms"]["p99"] for row in mine], color=color,
+                   marker=marker, linestyle=line, label=label)
+    left.axhline(1.0, color="k", linewidth=0.8, linestyle="--", label="target: 1 ms")
+    left.set(xscale="log", yscale="log", xlabel="transfers in flight (N), 1 % ending a step",
+             ylabel="get_finished_jobs() on the caller's thread (ms, median)",
+             title="A scheduler step")
+    right.set(xscale="log", yscale="log", xlabel="transfers in flight (N), 1 % ending a step",
+              ylabel="NIXL's DONE to the result handed out (ms, p99)",
+              title="How long a finished transfer waits")
+    for axes in (left, right):
+        axes.set_xticks(sizes, [f"{n:,}" for n in sizes])
+        axes.grid(True, which="both", alpha=0.3)
+        axes.legend(fontsize=8, loc="upper left")
+    figure.suptitle(f"kvfsm {info['kvfsm']}, a state check costing real NIXL's; "
+                    f"{info['nproc']} x {info['cpu']}, {info['python']}", fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="N up to 10,000, fewer steps")
@@ -225,26 +366,31 @@ def main() -> int:
                 print(f"  {order} {n:,} {contender}: "
                       f"{rows[-1]['step_ms']['median']:.3f} ms a step", flush=True)
     real.close()
+    files = []
+    for n in (1_000,) if args.quick else (1_000, 10_000):
+        for contender in CONTENDERS:
+            files.append(run_files(contender, n))
+            print(f"  files {n:,} {contender}: {files[-1]['steps']} steps, "
+                  f"{files[-1]['wall_ms']:.1f} ms", flush=True)
+    report = "\n".join([
+        "machine: " + ", ".join(f"{key} {value}" for key, value in info.items()), "",
+        f"A step with N in flight, 1 % ending a step: the zero-cost agent, each state check "
+        f"making one real NIXL check_xfer_state ({check_ns:,} ns a call here)", "",
+        paced_table(rows),
+        "Real NIXL files in /dev/shm (POSIX): one-block stores of 4 KiB, 1 % of the jobs "
+        "submitted before each step, until every result is out", "",
+        files_table(files)])
     print()
-    print("| done first | N in flight | finishing a step | contender | caller time a step, "
-          "median / p99 (ms) | vs every step | DONE to result, median / p99 / max (ms) | "
-          "DONE to result (steps), median / p99 / max | state checks a step |")
-    print("|---|---:|---:|---|---|---:|---|---|---:|")
-    base: dict[tuple[str, int], float] = {}
-    for row in rows:
-        step, lat, lst = row["step_ms"], row["done_to_result_ms"], row["done_to_result_steps"]
-        key = (row["order"], row["n"])
-        base.setdefault(key, step["median"])
-        print(f"| {row['order']} | {row['n']:,} | {row['finishing_per_step']:,} | "
-              f"{row['contender']} | {step['median']:.3f} / {step['p99']:.3f} | "
-              f"{step['median'] / base[key]:.3f}x | "
-              f"{lat['median']:.3f} / {lat['p99']:.3f} / {lat['max']:.3f} | "
-              f"{lst['median']:g} / {lst['p99']:g} / {lst['max']:g} | "
-              f"{row['checks_per_step']:,.0f} |")
+    print(report)
+    suffix = "-quick" if args.quick else ""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("step-quick.json" if args.quick else "step.json")
-    out.write_text(json.dumps({"machine": info, "check_ns": check_ns, "rows": rows}, indent=2))
-    print(f"\nraw figures: {out.relative_to(RESULTS.parent.parent)}")
+    (RESULTS / f"step{suffix}.md").write_text(report)
+    out = RESULTS / f"step{suffix}.json"
+    out.write_text(json.dumps({"machine": info, "check_ns": check_ns, "rows": rows,
+                               "files": files}, indent=2))
+    plot_path = RESULTS / "step-quick.png" if args.quick else ROOT / "docs" / "step.png"
+    plot(info, rows, plot_path)
+    print(f"\nraw figures: {out.relative_to(ROOT)}; plot: {plot_path.relative_to(ROOT)}")
     return 0
 
 
