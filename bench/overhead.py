@@ -475,7 +475,8 @@ def plot(info: dict[str, str], sizes: tuple[int, ...], results: dict[str, dict[i
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    styles = {"a": ("C0", "o", "-"), "a'": ("C0", "o", ":"), "b": ("C2", "s", "-"),
+    styles = {"a": ("C0", "o", "-"), "a'": ("C0", "o", ":"), "a*": ("C0", "o", "--"),
+              "b": ("C2", "s", "-"),
               "c1": ("C3", "^", "-"), "c2": ("C1", "v", "-"), "d": ("k", "D", "--")}
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
     for key, (label, _) in CONTENDERS.items():

@@ -8,15 +8,17 @@ costs what NIXL's call costs here, GIL and all) before it answers, and a transfe
 until the benchmark marks it done, then DONE. Each step marks 1 % of those in flight done,
 either the oldest (transfers ending in the order they were posted, as a backend's queue ends
 them) or a random 1 % (the worst case for a schedule that looks at the oldest first), calls
-``get_finished_jobs()`` and submits as many new jobs as results came out.
+``get_finished_jobs()`` and submits as many new jobs as results came out. A step starts every
+20 ms (the engine's model step runs in between), or at once when the one before ran longer.
 
 Two contenders, one tier class, side by side in one run: *every step* checks every transfer in
 flight on every step (``RetryPolicy(check_all_below=...)`` above N: what kvfsm did before the
 poll schedule), and *schedule*, kvfsm's default poll schedule (the oldest first while they are
 found ended, then the sweep's share; every transfer checked at least once every
-``max_unpolled`` = 1 s). Per N, after a warm-up of 20 steps, it records for each step the
-caller-thread time of ``get_finished_jobs()`` and, for each result, the time and the number of
-steps from the moment its transfer was marked done to the step that handed its result out.
+``max_unpolled`` = 1 s). Per N, after a warm-up of 60 steps (past ``max_unpolled``), it records
+for 100 steps the caller-thread time of ``get_finished_jobs()`` and, for each transfer marked
+done in them, the time and the number of steps from the moment it was marked done to the step
+that handed its result out (steps go on, nothing new ending, until the last of them is out).
 
 Then the same two contenders on real NIXL: a :class:`~kvfsm.tiers.FileTier` (POSIX backend,
 ``durable=False``) in a directory on ``/dev/shm``, N one-block stores of 4 KiB, 1 % of them
@@ -56,7 +58,22 @@ from kvfsm.policy import RetryPolicy
 from kvfsm.tiers import FileTier, ObjectStoreTier
 
 FINISHING = 0.01  # of those in flight, per step
-WARM_UP = 20
+#: a scheduler step starts every STEP_PERIOD seconds (an engine's model step runs between
+#: them), or at once when the one before took longer
+STEP_PERIOD = 0.02
+#: steps before the measured ones: past max_unpolled (1 s), so the measured ones see the
+#: sweep's steady state rather than the first turn of those submitted at the start
+WARM_UP = 60
+
+
+def pace(next_at: float) -> float:
+    """Sleep until the next step's start; returns it (now, if this step ran past it)."""
+    next_at += STEP_PERIOD
+    pause = next_at - time.perf_counter()
+    if pause > 0:
+        time.sleep(pause)
+        return next_at
+    return time.perf_counter()
 
 
 class Handle:
@@ -177,6 +194,21 @@ def run(real: RealCheck, contender: str, n: int, steps: int, order: str) -> dict
     latency_steps: list[float] = []
     done_step: dict[Handle, int] = {}
     checks = 0
+    def hand_out(results: list[Any], step: int, end: float) -> int:
+        """Record the latency of each result whose transfer was marked done in a measured
+        step; returns how many there were."""
+        measured = 0
+        for result in results:
+            handle = handle_of.pop(result.job_id)
+            assert handle.done_at is not None and result.success
+            marked = done_step.pop(handle)
+            if marked >= WARM_UP:
+                latencies.append(end - handle.done_at)
+                latency_steps.append(float(step - marked))
+                measured += 1
+        return measured
+
+    next_at = time.perf_counter()
     for step in range(WARM_UP + steps):
         for handle in agent.finish(per_step, time.perf_counter(), order, rng):
             done_step[handle] = step
@@ -187,14 +219,19 @@ def run(real: RealCheck, contender: str, n: int, steps: int, order: str) -> dict
         if step >= WARM_UP:
             step_seconds.append(end - start)
             checks += agent.checks - checks_before
-            for result in results:
-                handle = handle_of[result.job_id]
-                assert handle.done_at is not None and result.success
-                latencies.append(end - handle.done_at)
-                latency_steps.append(float(step - done_step[handle]))
-        for result in results:
-            done_step.pop(handle_of.pop(result.job_id), None)
+        hand_out(results, step, end)
         submit(len(results))
+        next_at = pace(next_at)
+    # the tail: steps (nothing new ends, nothing new is submitted) until every transfer marked
+    # done in a measured step was handed out, so the slowest are counted too
+    owed = sum(1 for marked in done_step.values() if marked >= WARM_UP)
+    for step in range(WARM_UP + steps, WARM_UP + steps + 10_000):
+        if not owed:
+            break
+        owed -= hand_out(tier.get_finished_jobs(), step, time.perf_counter())
+        next_at = pace(next_at)
+    else:
+        raise RuntimeError(f"{contender} {n:,} {order}: {owed} results never handed out")
     now = time.perf_counter()  # let every transfer end, and shut the tier down
     for handle in agent.running:
         handle.done_at = now
