@@ -206,8 +206,9 @@ class Runner(Books):
         each transfer whose turn is due (every running transfer's comes at most
         ``policy.max_unpolled`` seconds after its last, or after it started running) and, to
         spread the checks evenly, a share of the others in turn: ``max_unpolled`` split over
-        the running transfers, for the time since the last round. (A transfer the oldest-first
-        checks found may come up in the sweep too: it is then checked twice that round.)
+        the running transfers, for the time since the last round. A transfer is checked at
+        most once a round: one the oldest-first checks asked about is left out of the sweep's
+        (its turn is taken all the same).
         """
         running = self.running
         if everything or len(running.transfers) <= self.policy.check_all_below:
@@ -215,6 +216,9 @@ class Runner(Books):
             return self.take_checks(check(running.handles))
         picked, statuses = self._check_front(check)
         swept = self._sweep_share()
+        if swept and picked:  # those the oldest-first checks asked about are not asked again
+            asked = set(map(id, picked))
+            swept = [transfer for transfer in swept if id(transfer) not in asked]
         if swept:
             picked += swept
             statuses += check([transfer.xfer for transfer in swept])

@@ -267,3 +267,21 @@ def test_a_bad_poll_schedule_is_refused_naming_the_field(field: str, value: Any,
     with pytest.raises(ValueError, match=rf"RetryPolicy\.{field} must be") as refused:
         RetryPolicy(**{field: value})
     assert words in str(refused.value)
+
+
+def test_a_transfer_is_asked_about_at_most_once_a_step(held: Held, clock: Clock) -> None:
+    """A step where every turn in the sweep is due asks NIXL about each running transfer once:
+    the oldest, which the oldest-first checks asked about, are not asked again by the sweep,
+    and each stays PROCESSING once in the table's counts."""
+    tier = running_tier(held, max_unpolled=1.0)
+    tier.get_finished_jobs()
+    clock.advance(1.0)  # every transfer's turn is due; the oldest-first checks run as well
+    held.checks.clear()
+    stay = tier._runner.table[TransferState.PROCESSING][TransferEvent.POLL][Answer.PROC]
+    stays_before = stay.taken
+
+    assert tier.get_finished_jobs() == []
+
+    assert len(held.checks) == N and set(held.checks.values()) == {1}
+    assert stay.taken - stays_before == N
+    finish(tier, held)
