@@ -37,6 +37,7 @@ Tables go to ``bench/results/step.md`` (and ``.json``, every figure), the plot t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -172,8 +173,23 @@ def pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(real: RealCheck, contender: str, n: int, steps: int, order: str) -> dict[str, Any]:
-    """N in flight; ``steps`` measured steps after the warm-up; 1 % marked done a step."""
+def run(real: RealCheck, contender: str, n: int, steps: int, order: str,
+        collector: bool = True) -> dict[str, Any]:
+    """N in flight; ``steps`` measured steps after the warm-up; 1 % marked done a step. Without
+    ``collector``, the cyclic garbage collector is off for the run (what its pauses cost)."""
+    if not collector:
+        gc.collect()
+        gc.disable()
+    try:
+        row = _run(real, contender, n, steps, order)
+    finally:
+        gc.enable()
+    if not collector:
+        row["contender"] += ", collector off"
+    return row
+
+
+def _run(real: RealCheck, contender: str, n: int, steps: int, order: str) -> dict[str, Any]:
     agent = PacedAgent(real)
     primary = torch.zeros((1024, 16), dtype=torch.float32)
     tier = ObjectStoreTier(primary, agent=agent, policy=CONTENDERS[contender](n))
@@ -364,6 +380,13 @@ def plot(info: dict[str, str], rows: list[dict[str, Any]], path: Path) -> None:
                   linestyle=line, label=label)
         right.plot(xs, [row["done_to_result_ms"]["p99"] for row in mine], color=color,
                    marker=marker, linestyle=line, label=label)
+    for row in rows:
+        if row["contender"].endswith("collector off"):
+            label = f"{row['contender']}, {row['order']} done first"
+            left.plot([row["n"]], [row["step_ms"]["median"]], color="C0", marker="*",
+                      markersize=12, linestyle="none", label=label)
+            right.plot([row["n"]], [row["done_to_result_ms"]["p99"]], color="C0", marker="*",
+                       markersize=12, linestyle="none", label=label)
     left.axhline(1.0, color="k", linewidth=0.8, linestyle="--", label="target: 1 ms")
     left.set(xscale="log", yscale="log", xlabel="transfers in flight (N), 1 % ending a step",
              ylabel="get_finished_jobs() on the caller's thread (ms, median)",
@@ -402,6 +425,8 @@ def main() -> int:
                 rows.append(run(real, contender, n, steps, order))
                 print(f"  {order} {n:,} {contender}: "
                       f"{rows[-1]['step_ms']['median']:.3f} ms a step", flush=True)
+    if not args.quick:  # what the collector's pauses cost the sweep's bound
+        rows.append(run(real, "schedule", sizes[-1], steps, "random", collector=False))
     real.close()
     files = []
     for n in (1_000,) if args.quick else (1_000, 10_000):

@@ -21,7 +21,9 @@ or fewer running, every one, every poll. With more, a poll checks the oldest fir
 batches, for as long as a batch finds one that ended (transfers mostly end in the order they
 were posted, so this finds them at a cost of what ended), and then a share of the rest in
 turn, so that each running transfer is checked at least once every ``max_unpolled`` seconds
-while polls come: a transfer that ends out of order waits at most that long for its result.
+while polls come: a transfer that ends out of order waits at most that long for its result,
+plus the longest gap between two polls (a poll held up holds up every check due in it). A
+transfer is checked at most once a poll.
 The share costs the caller about ``N / max_unpolled`` state checks a second with N running
 (``docs/performance.md`` has the figures). ``drain_jobs`` and ``shutdown`` check every
 running transfer on every poll: the caller is waiting for them.
@@ -50,9 +52,9 @@ class RetryPolicy:
         max_backoff: the longest wait between two attempts.
         max_running_seconds: a transfer NIXL still answers PROC for this long after submit is
             quarantined (None: waits as long as NIXL runs it; see the module's notes first).
-        max_unpolled: the longest a running transfer goes without a state check while polls
-            come, once more than ``check_all_below`` run (the module's notes: the poll
-            schedule).
+        max_unpolled: the longest a running transfer goes without a state check, once more
+            than ``check_all_below`` run, plus the longest gap between two polls: a check due
+            while no poll runs is made by the next (the module's notes: the poll schedule).
         check_all_below: with this many running transfers or fewer, a poll checks each.
 
     Raises:
