@@ -702,7 +702,8 @@ class PeerSender(SecondaryTier):
             self._close_link(link)
 
     def get_finished_jobs(self) -> list[JobResult]:
-        """Advance every transfer once; settle the link; the results published since."""
+        """One poll round (the transfers the poll schedule picks, and those with a call due);
+        settle the link; the results published since."""
         with self._lock:
             results = super().get_finished_jobs()
             self._settle_link()

@@ -131,8 +131,9 @@ class RetryPolicy:
 
 @dataclass(frozen=True, slots=True)
 class InFlightLimit:
-    """Back-pressure: a bound on a tier's stores and loads in flight (submitted, no result
-    handed out by the tier yet), in jobs and in bytes.
+    """Back-pressure: a bound on a tier's stores and loads in flight, in jobs and in bytes: its
+    unpublished transfers (submitted, not yet published; a job that failed at submit is
+    published at once, and one quarantined is published, though NIXL may still run it).
 
     Past it, what happens is declared here, and is the same on every tier: a store that would
     take the tier past either bound is refused at submit with

@@ -21,7 +21,7 @@ What the runner decides itself, each once and from the table:
 * a poll schedule: with few transfers running, a poll checks each; with many, the oldest
   first while they are found ended, then a share of the rest in turn, each at least once
   every ``max_unpolled`` seconds (:meth:`Runner.check_round`): a poll costs what ended, plus
-  a bounded share;
+  a share that grows with the time since the last poll;
 * a running bound: a transfer still running ``max_running_seconds`` after submit gives up
   (EXHAUSTED on the state check), found in submit order at a cost of the transfers it finds;
 * the end of a transfer: from a state whose effect is the release, release, clean and publish
@@ -77,6 +77,8 @@ COMMITTING = "committing"
 #: the oldest running transfers are checked in batches of this many, for as long as a batch
 #: finds one that ended
 FRONT_BATCH = 16
+#: the bits of Transfer.queued: an entry in the oldest-first queue, one in the sweep
+_IN_FRONT, _IN_SWEEP = 1, 2
 _STATE = operator.attrgetter("state")
 _FIRST = operator.itemgetter(0)
 
@@ -216,12 +218,19 @@ class Runner(Books):
             return self.take_checks(check(running.handles))
         picked, statuses = self._check_front(check)
         swept = self._sweep_share()
-        if swept and picked:  # those the oldest-first checks asked about are not asked again
-            asked = set(map(id, picked))
-            swept = [transfer for transfer in swept if id(transfer) not in asked]
         if swept:
-            picked += swept
-            statuses += check([transfer.xfer for transfer in swept])
+            asking = swept
+            if picked:  # those the oldest-first checks asked about are not asked again
+                asked = set(map(id, picked))
+                asking = [transfer for transfer in swept if id(transfer) not in asked]
+            if asking:
+                try:
+                    answers = check([transfer.xfer for transfer in asking])
+                except BaseException:  # not asked: their turn is due again at once
+                    self._sweep_undo(swept)
+                    raise
+                picked += asking
+                statuses += answers
         if not self._proc_stays:  # a machine with actions on PROC: every answer is fired
             return list(zip(picked, statuses, strict=True))
         answered = list(compress(zip(picked, statuses, strict=True),
@@ -236,28 +245,47 @@ class Runner(Books):
 
     def _check_front(self, check: Callable[[list[Any]], list[str | Exception]],
                      ) -> tuple[list[Transfer], list[str | Exception]]:
-        """Check the oldest running transfers in batches, until a batch finds none ended."""
-        front = self._front
-        while front and front[0].slot < 0:  # left the running states: out of the queue
-            front.popleft()
+        """Check the oldest running transfers in batches, until a batch finds none ended; the
+        entries walked past that no longer run are dropped (so each is walked past once,
+        whatever stays running before it)."""
         picked: list[Transfer] = []
         statuses: list[str | Exception] = []
         batch: list[Transfer] = []
-        for transfer in front:  # check() touches no queue: the deque stays as it is
+        walked = dead = 0
+        ended = False
+        for transfer in self._front:  # check() touches no queue: the deque stays as it is
+            walked += 1
             if transfer.slot < 0:
+                dead += 1
                 continue
             batch.append(transfer)
             if len(batch) == FRONT_BATCH:
                 answers = check([t.xfer for t in batch])
                 picked += batch
                 statuses += answers
-                if answers.count(NIXL_RUNNING) == len(answers):
-                    return picked, statuses  # none ended: those behind wait for their turn
                 batch = []
-        if batch:
+                if answers.count(NIXL_RUNNING) == len(answers):
+                    ended = True  # none ended: those behind wait for their turn
+                    break
+        if batch and not ended:
+            answers = check([t.xfer for t in batch])
             picked += batch
-            statuses += check([t.xfer for t in batch])
+            statuses += answers
+        if dead:
+            self._drop_dead_front(walked)
         return picked, statuses
+
+    def _drop_dead_front(self, walked: int) -> None:
+        """Drop the transfers no longer running from the first ``walked`` entries."""
+        front = self._front
+        kept = []
+        for _ in range(walked):
+            transfer = front.popleft()
+            if transfer.slot >= 0:
+                kept.append(transfer)
+            else:
+                transfer.queued &= ~_IN_FRONT
+        front.extendleft(reversed(kept))
 
     def _sweep_share(self) -> list[Transfer]:
         """The running transfers whose turn in the sweep is due, and the share of the others
@@ -287,31 +315,54 @@ class Runner(Books):
             else:  # a share of a batch not due yet: the rest keeps its place
                 taken = batch[:wanted]
                 del batch[:wanted]
-            picked += [t for t in taken if t.slot >= 0]
+            live = [t for t in taken if t.slot >= 0]
+            if len(live) < len(taken):
+                for transfer in taken:
+                    if transfer.slot < 0:
+                        transfer.queued &= ~_IN_SWEEP
+            picked += live
         if picked:
             sweep.append((now + limit, picked))
         return picked
 
+    def _sweep_undo(self, picked: list[Transfer]) -> None:
+        """A share that was not asked about (the check raised): queued again, due at once."""
+        sweep = self._sweep
+        if sweep and sweep[-1][1] is picked:
+            sweep.pop()
+        sweep.appendleft((-math.inf, picked))
+
     def _schedule(self, transfer: Transfer) -> None:
         """A transfer started running: the oldest-first queue and the sweep take it (its turn
-        due in ``max_unpolled`` seconds). (One that ran before and is still queued is then
-        queued twice, and checked twice a turn while it runs: rare, and harmless.)"""
-        self._front.append(transfer)
-        if not self._joined:
-            self._joined_at = time.monotonic()
-        self._joined.append(transfer)
+        due in ``max_unpolled`` seconds), unless they still hold it from when it ran before
+        (a lifecycle that goes back to a running state): its entries are then live again."""
+        queued = transfer.queued
+        if queued != _IN_FRONT | _IN_SWEEP:
+            if not queued & _IN_FRONT:
+                self._front.append(transfer)
+            if not queued & _IN_SWEEP:
+                if not self._joined:
+                    self._joined_at = time.monotonic()
+                self._joined.append(transfer)
+            transfer.queued = _IN_FRONT | _IN_SWEEP
         if len(self._front) > 2 * len(self.running.transfers) + 64:
             self._compact_schedule()
 
     def _compact_schedule(self) -> None:
         """Drop from the queues the transfers no longer running: done when the oldest-first
-        queue holds over twice as many as run, so each is dropped once, and the queues stay
-        bounded by what runs."""
-        self._front = collections.deque(t for t in self._front if t.slot >= 0)
-        self._joined = [t for t in self._joined if t.slot >= 0]
+        queue holds over twice as many as run (plus 64), so each is dropped once, and the
+        queues stay within that bound whenever a transfer starts running."""
+        def running(transfer: Transfer) -> bool:
+            if transfer.slot >= 0:
+                return True
+            transfer.queued = 0  # every entry of it goes
+            return False
+
+        self._front = collections.deque(filter(running, self._front))
+        self._joined = list(filter(running, self._joined))
         sweep: collections.deque[tuple[float, list[Transfer]]] = collections.deque()
         for due, batch in self._sweep:
-            kept = [t for t in batch if t.slot >= 0]
+            kept = list(filter(running, batch))
             if kept:
                 sweep.append((due, kept))
         self._sweep = sweep

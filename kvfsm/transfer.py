@@ -75,6 +75,7 @@ class Transfer:
         "names",
         "nbytes",
         "opened",
+        "queued",
         "reason",
         "remote",
         "retries",
@@ -127,6 +128,9 @@ class Transfer:
         self.names: tuple[str, ...] = ()
         #: where the runner's running list keeps the transfer while NIXL runs it (-1: not there)
         self.slot = -1
+        #: which of the runner's poll-schedule queues hold an entry for it (bits), so one
+        #: that runs again while still queued is not queued twice
+        self.queued = 0
         #: the state the runner counts it under (None: not filed yet, or published)
         self.filed: Any = None
         #: the steps taken, flat: step, time, step, time... (a chain of steps taken at once

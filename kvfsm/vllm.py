@@ -507,17 +507,20 @@ class _Saturation(BackpressureDetector):  # type: ignore[misc]
         """Pressure is what is in flight now, not how long stores took."""
 
     def reset(self) -> None:
-        """Nothing kept."""
+        """Nothing of the detector's own; the policy's dropped-store counts start again (as
+        vLLM's own detectors do)."""
+        self.policy.reset()
 
     @property
     def stats(self) -> dict[str, float]:
+        """What is in flight and refused, read as such (not the tier's whole stats(), which
+        sorts the latency window: vLLM reads this when it records metrics)."""
         adapter = self._adapter()
         tier = None if adapter is None else adapter._tier
         if tier is None:
             return {}
-        figures = tier.stats()["in_flight_limit"]
-        return {"jobs": figures["jobs"], "bytes": figures["bytes"],
-                "stores_refused": figures["stores_refused"]}
+        figures: dict[str, float] = {**tier.in_flight_figures()}
+        return figures
 
 
 def _limit(in_flight: Mapping[str, Any] | None) -> InFlightLimit | None:

@@ -8,6 +8,7 @@ the test moves stands in for the runner's, so the bound is checked exactly, not 
 from __future__ import annotations
 
 import collections
+import enum
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import kvfsm.runner
-from kvfsm import TransferJob
+from kvfsm import TRANSFER_MACHINE, Declaration, TransferJob
 from kvfsm.contract import DrainTimeout
 from kvfsm.machines.transfer import Answer, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
@@ -28,13 +29,16 @@ N = 1_000
 
 
 class Held(FakeNixlAgent):
-    """Transfers answer PROC until :meth:`end` lets them go; every state check is counted."""
+    """Transfers answer PROC until :meth:`end` lets them go; every state check is counted.
+    ``interrupt_in`` set to k makes the k-th state check from then on raise KeyboardInterrupt
+    (as a signal arriving inside NIXL's call would), once."""
 
     def __init__(self) -> None:
         super().__init__("held", complete_after_polls=1)
         self.posted: list[Any] = []  # handles, in post order
         self.held: set[int] = set()  # id() of handles still running
         self.checks: collections.Counter[int] = collections.Counter()
+        self.interrupt_in = 0
 
     def transfer(self, handle: Any, notif_msg: bytes | str = b"") -> str:
         answer = super().transfer(handle, notif_msg)
@@ -43,6 +47,10 @@ class Held(FakeNixlAgent):
         return answer
 
     def check_xfer_state(self, handle: Any) -> str:
+        if self.interrupt_in:
+            self.interrupt_in -= 1
+            if not self.interrupt_in:
+                raise KeyboardInterrupt
         self.checks[id(handle)] += 1
         if id(handle) in self.held:
             return "PROC"
@@ -284,4 +292,111 @@ def test_a_transfer_is_asked_about_at_most_once_a_step(held: Held, clock: Clock)
 
     assert len(held.checks) == N and set(held.checks.values()) == {1}
     assert stay.taken - stays_before == N
+    finish(tier, held)
+
+
+def unchecked_for(agent: Held, seen: dict[int, int], last: dict[int, float],
+                  now: float) -> float:
+    """After a poll: the longest any posted transfer has gone without a state check (their
+    last checks updated from the agent's counts)."""
+    worst = 0.0
+    for handle in agent.posted:
+        key = id(handle)
+        if agent.checks[key] != seen.get(key, 0):
+            seen[key] = agent.checks[key]
+            last[key] = now
+        worst = max(worst, now - last.setdefault(key, now))
+    return worst
+
+
+def test_an_interrupt_inside_the_sweeps_checks_leaves_their_turn_due(
+        held: Held, clock: Clock) -> None:
+    """A KeyboardInterrupt out of a state check in the middle of the sweep's share: the poll
+    raises it, and the share it did not ask about is due at the next poll, so no transfer
+    goes unchecked past the bound."""
+    limit, tick = 0.2, 0.01
+    tier = running_tier(held, max_unpolled=limit)
+    seen: dict[int, int] = {}
+    last: dict[int, float] = {}
+    for poll in range(100):
+        clock.advance(tick)
+        if poll == 30:  # past the oldest batch, inside the sweep's share of 50
+            held.interrupt_in = FRONT_BATCH + 5
+            with pytest.raises(KeyboardInterrupt):
+                tier.get_finished_jobs()
+        else:
+            tier.get_finished_jobs()
+        assert unchecked_for(held, seen, last, clock.now) <= limit + tick + 1e-9
+    finish(tier, held)
+
+
+class Again(enum.Enum):
+    SETTLED = "settled"
+    AGAIN = "again"
+
+
+def settle_again() -> Declaration[Any, Any]:
+    """The transfer lifecycle with a step after NIXL's DONE that may send the transfer back to
+    PROCESSING, to be asked about again (a lifecycle that re-enters a running state)."""
+    return TRANSFER_MACHINE.extend(
+        "settle_again", states=["SETTLING"],
+        replace={("SUBMITTED", "post", "finished"): {"dest": "SETTLING", "after": []},
+                 ("PROCESSING", "poll", "finished"): {"dest": "SETTLING", "after": []}},
+        answers={"settle": (Again.SETTLED, Again.AGAIN, Answer.RAISED)},
+        guards={"settled": (Again.SETTLED,), "again": (Again.AGAIN,),
+                "step_raised": (Answer.RAISED,)},
+        transitions=[
+            {"trigger": "settle", "source": "SETTLING", "dest": "DONE",
+             "conditions": "settled", "after": "latch_success"},
+            {"trigger": "settle", "source": "SETTLING", "dest": "PROCESSING",
+             "conditions": "again"},
+            {"trigger": "settle", "source": "SETTLING", "dest": "FAILED",
+             "conditions": "step_raised", "after": "latch_failure"},
+            {"trigger": "cancel", "source": "SETTLING", "dest": "SETTLING"}],
+        effects={"SETTLING": "settle"})
+
+
+def test_a_transfer_running_again_is_queued_once_and_asked_about_once_a_step(
+        held: Held, clock: Clock) -> None:
+    """A lifecycle step sends one transfer back to PROCESSING each time NIXL says it is done,
+    for 500 steps: it is asked about at most twice a step (once by the schedule, once when the
+    step sends it back to running, which is asked about in the same round), and the schedule's
+    queues hold it once, however many times it ran again."""
+    bouncing = {150}
+    primary = torch.zeros((64, 16), dtype=torch.float32)
+    tier = ObjectStoreTier(
+        primary, agent=held, machine=settle_again(), policy=RetryPolicy(max_unpolled=1.0),
+        steps={"settle": lambda transfer, _primary: (
+            Again.AGAIN if transfer.job_id in bouncing else Again.SETTLED)})
+    for job_id in range(200):
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
+    held.end(150)
+    handle = id(held.posted[150])
+    runner = tier._runner
+    asked = []
+    for _ in range(500):
+        clock.advance(0.01)
+        before = held.checks[handle]
+        assert tier.get_finished_jobs() == []
+        asked.append(held.checks[handle] - before)
+    assert max(asked) == 2 and sum(asked) >= 10  # asked again and again, never more
+    assert [t.job_id for t in runner._front].count(150) == 1
+    assert len(runner._front) <= len(runner.running.transfers) + FRONT_BATCH
+    bouncing.clear()  # it settles now
+    finish(tier, held)
+
+
+def test_what_ended_behind_a_transfer_that_never_ends_is_walked_past_once(
+        held: Held, clock: Clock) -> None:
+    """The oldest transfer hangs while those behind it end in order, a hundred a step: each
+    step walks past what ended since the last one, not past all that ever ended behind it
+    (the oldest-first queue holds what runs, and the batch in front)."""
+    tier = running_tier(held, n=5_000, max_unpolled=60.0)
+    runner = tier._runner
+    tier.get_finished_jobs()
+    for step in range(40):
+        held.end(*range(1 + 100 * step, 1 + 100 * (step + 1)))
+        clock.advance(0.01)
+        assert len(tier.get_finished_jobs()) == 100
+        assert len(runner._front) <= len(runner.running.transfers) + 100
     finish(tier, held)

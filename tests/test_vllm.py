@@ -380,6 +380,12 @@ def test_past_its_in_flight_bound_vllms_manager_stops_cascading_to_the_tier(
     # the tier never saw them, and nothing of theirs was pinned
     assert tier.bp_detector.policy.pop_stores_dropped() == (3, 3)
     assert tier.tier.stats()["in_flight_limit"]["stores_refused"] == 0
+    assert tier.bp_detector.stats == {"jobs": 2, "bytes": 2 * tier.tier.block_bytes,
+                                      "stores_refused": 0}
+    # one more dropped, then vLLM resets its detectors: the dropped-store counts start again
+    engine.offload("req-6", blocks(6))
+    tier.bp_detector.reset()
+    assert tier.bp_detector.policy.pop_stores_dropped() == (0, 0)
     engine.settle()
     assert engine.pinned_chunks() == 0
     stored = [seed for seed in range(1, 6)

@@ -2,9 +2,10 @@
 
 A :class:`SecondaryTier` owns the primary KV cache's NIXL registration and a table of in-flight
 transfers, keyed by job id. ``submit_*`` validates the job, makes the submit calls and leaves the
-transfer where the machine put it; ``get_finished_jobs`` advances every transfer as far as NIXL's
-answers allow and hands out the results of those that reached PUBLISHED. A transfer leaves the
-table only on PUBLISHED, so no result is ever lost or handed out twice.
+transfer where the machine put it; ``get_finished_jobs`` asks NIXL about the running transfers
+the poll schedule picks (every one, while few run), advances each transfer with a call due as
+far as NIXL's answers allow, and hands out the results of those that reached PUBLISHED. A
+transfer leaves the table only on PUBLISHED, so no result is ever lost or handed out twice.
 
 Subclasses say how a block key names a remote block (:meth:`SecondaryTier.remote_name`), give
 the driver their remote side, and probe for blocks they were not told about (:meth:`_probe`).
@@ -432,12 +433,18 @@ class SecondaryTier(JobSide):
         stats["lookup_cache"] = len(self._known)
         limit = self.in_flight
         stats["in_flight_limit"] = {
-            "jobs": len(self._runner.records), "bytes": self._runner.bytes_in_flight,
-            "max_jobs": limit.jobs, "max_bytes": limit.bytes,
-            "stores_refused": self._stores_refused}
+            **self.in_flight_figures(), "max_jobs": limit.jobs, "max_bytes": limit.bytes}
         if self._holdings is not None:
             stats["holdings"] = self._holdings.stats()
         return stats
+
+    def in_flight_figures(self) -> dict[str, int]:
+        """The jobs and bytes in flight (the unpublished transfers) and the stores refused
+        past :attr:`in_flight`, without the rest of :meth:`stats` (and, like it, without the
+        tier's lock)."""
+        runner = self._runner
+        return {"jobs": len(runner.records), "bytes": runner.bytes_in_flight,
+                "stores_refused": self._stores_refused}
 
     @property
     def closed(self) -> bool:
