@@ -17,7 +17,6 @@ and the running bound after the submit-order queue was compacted.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 import time
@@ -35,12 +34,14 @@ from kvfsm.transfer import Leak, Transfer
 from .test_runner import (
     CLEAN_OK,
     OK,
+    Again,
     Pending,
     S,
     answer_due,
     failing_verify_machine,
     runner,
     submitted,
+    verify_again,
     verify_pending,
 )
 
@@ -250,35 +251,6 @@ def test_the_running_bound_still_applies_after_the_submit_order_queue_is_compact
     slow.started_at -= 100.0
     assert books.overdue() == []
     assert slow.state is S.QUARANTINED and books.may_run == {0}
-
-
-class Again(enum.Enum):
-    """What the ``verify`` step of :func:`verify_again` answers."""
-
-    MATCH = "MATCH"
-    AGAIN = "AGAIN"
-
-
-def verify_again() -> Declaration[Any, Any]:
-    """The lifecycle with a step ``verify`` after NIXL's DONE whose answer AGAIN sends the
-    transfer back to PROCESSING, a running state: an effect that leads back to NIXL."""
-    return TRANSFER_MACHINE.extend(
-        "verify_again", states=["VERIFYING"],
-        replace={("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
-        answers={"verify": (Again.MATCH, Again.AGAIN, Answer.RAISED, Answer.EXHAUSTED)},
-        guards={"matched": (Again.MATCH,), "again": (Again.AGAIN,),
-                "step_raised": (Answer.RAISED,)},
-        transitions=[
-            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
-             "conditions": "matched", "after": "latch_success"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "PROCESSING",
-             "conditions": "again"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
-             "conditions": "step_raised", "after": "latch_failure"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "QUARANTINED",
-             "conditions": "exhausted", "after": "quarantine"},
-            {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
-        effects={"VERIFYING": "verify"})
 
 
 def verifying(books: Runner, job_id: int) -> Transfer:

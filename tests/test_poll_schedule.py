@@ -8,7 +8,6 @@ the test moves stands in for the runner's, so the bound is checked exactly, not 
 from __future__ import annotations
 
 import collections
-import enum
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -17,13 +16,15 @@ import pytest
 import torch
 
 import kvfsm.runner
-from kvfsm import TRANSFER_MACHINE, Declaration, TransferJob
+from kvfsm import TransferJob
 from kvfsm.contract import DrainTimeout
 from kvfsm.machines.transfer import Answer, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import FRONT_BATCH
 from kvfsm.testing import FakeNixlAgent
 from kvfsm.tiers import ObjectStoreTier
+
+from .test_runner import Again, verify_again
 
 N = 1_000
 
@@ -111,6 +112,20 @@ def finish(tier: ObjectStoreTier, agent: Held) -> None:
     assert agent.live_xfer_handles() == 0
 
 
+def unchecked_for(agent: Held, seen: dict[int, int], last: dict[int, float],
+                  now: float) -> float:
+    """After a poll: the longest any posted transfer has gone without a state check (their
+    last checks updated from the agent's counts)."""
+    worst = 0.0
+    for handle in agent.posted:
+        key = id(handle)
+        if agent.checks[key] != seen.get(key, 0):
+            seen[key] = agent.checks[key]
+            last[key] = now
+        worst = max(worst, now - last.setdefault(key, now))
+    return worst
+
+
 def test_a_step_asks_nixl_about_what_ended_not_about_everything_in_flight(
         held: Held, clock: Clock) -> None:
     tier = running_tier(held, max_unpolled=60.0)
@@ -147,20 +162,15 @@ def test_no_running_transfer_goes_unchecked_longer_than_max_unpolled(
         held: Held, clock: Clock) -> None:
     limit, tick = 0.2, 0.01
     tier = running_tier(held, max_unpolled=limit)
-    last_checked = {id(handle): clock.now for handle in held.posted}  # started running
-    seen = dict(held.checks)
+    last = {id(handle): clock.now for handle in held.posted}  # started running
+    seen: dict[int, int] = {}
     per_poll = []
     for _ in range(200):  # 2 s: ten times the bound
         clock.advance(tick)
         before = held.total_checks()
         tier.get_finished_jobs()
         per_poll.append(held.total_checks() - before)
-        for handle in held.posted:
-            key = id(handle)
-            if held.checks[key] != seen.get(key, 0):
-                seen[key] = held.checks[key]
-                last_checked[key] = clock.now
-            assert clock.now - last_checked[key] <= limit + 1e-9, "a transfer went unchecked"
+        assert unchecked_for(held, seen, last, clock.now) <= limit + 1e-9
     # the checks are spread out: about N * tick / limit a poll (plus the oldest batch), not
     # all N at once every limit seconds
     assert max(per_poll[20:]) <= math.ceil(N * tick / limit) + FRONT_BATCH + 1
@@ -295,20 +305,6 @@ def test_a_transfer_is_asked_about_at_most_once_a_step(held: Held, clock: Clock)
     finish(tier, held)
 
 
-def unchecked_for(agent: Held, seen: dict[int, int], last: dict[int, float],
-                  now: float) -> float:
-    """After a poll: the longest any posted transfer has gone without a state check (their
-    last checks updated from the agent's counts)."""
-    worst = 0.0
-    for handle in agent.posted:
-        key = id(handle)
-        if agent.checks[key] != seen.get(key, 0):
-            seen[key] = agent.checks[key]
-            last[key] = now
-        worst = max(worst, now - last.setdefault(key, now))
-    return worst
-
-
 def test_an_interrupt_inside_the_sweeps_checks_leaves_their_turn_due(
         held: Held, clock: Clock) -> None:
     """A KeyboardInterrupt out of a state check in the middle of the sweep's share: the poll
@@ -317,7 +313,7 @@ def test_an_interrupt_inside_the_sweeps_checks_leaves_their_turn_due(
     limit, tick = 0.2, 0.01
     tier = running_tier(held, max_unpolled=limit)
     seen: dict[int, int] = {}
-    last: dict[int, float] = {}
+    last = {id(handle): clock.now for handle in held.posted}  # started running
     for poll in range(100):
         clock.advance(tick)
         if poll == 30:  # past the oldest batch, inside the sweep's share of 50
@@ -330,32 +326,6 @@ def test_an_interrupt_inside_the_sweeps_checks_leaves_their_turn_due(
     finish(tier, held)
 
 
-class Again(enum.Enum):
-    SETTLED = "settled"
-    AGAIN = "again"
-
-
-def settle_again() -> Declaration[Any, Any]:
-    """The transfer lifecycle with a step after NIXL's DONE that may send the transfer back to
-    PROCESSING, to be asked about again (a lifecycle that re-enters a running state)."""
-    return TRANSFER_MACHINE.extend(
-        "settle_again", states=["SETTLING"],
-        replace={("SUBMITTED", "post", "finished"): {"dest": "SETTLING", "after": []},
-                 ("PROCESSING", "poll", "finished"): {"dest": "SETTLING", "after": []}},
-        answers={"settle": (Again.SETTLED, Again.AGAIN, Answer.RAISED)},
-        guards={"settled": (Again.SETTLED,), "again": (Again.AGAIN,),
-                "step_raised": (Answer.RAISED,)},
-        transitions=[
-            {"trigger": "settle", "source": "SETTLING", "dest": "DONE",
-             "conditions": "settled", "after": "latch_success"},
-            {"trigger": "settle", "source": "SETTLING", "dest": "PROCESSING",
-             "conditions": "again"},
-            {"trigger": "settle", "source": "SETTLING", "dest": "FAILED",
-             "conditions": "step_raised", "after": "latch_failure"},
-            {"trigger": "cancel", "source": "SETTLING", "dest": "SETTLING"}],
-        effects={"SETTLING": "settle"})
-
-
 def test_a_transfer_running_again_is_queued_once_and_asked_about_once_a_step(
         held: Held, clock: Clock) -> None:
     """A lifecycle step sends one transfer back to PROCESSING each time NIXL says it is done,
@@ -365,9 +335,9 @@ def test_a_transfer_running_again_is_queued_once_and_asked_about_once_a_step(
     bouncing = {150}
     primary = torch.zeros((64, 16), dtype=torch.float32)
     tier = ObjectStoreTier(
-        primary, agent=held, machine=settle_again(), policy=RetryPolicy(max_unpolled=1.0),
-        steps={"settle": lambda transfer, _primary: (
-            Again.AGAIN if transfer.job_id in bouncing else Again.SETTLED)})
+        primary, agent=held, machine=verify_again(), policy=RetryPolicy(max_unpolled=1.0),
+        steps={"verify": lambda transfer, _primary: (
+            Again.AGAIN if transfer.job_id in bouncing else Again.MATCH)})
     for job_id in range(200):
         tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
     held.end(150)

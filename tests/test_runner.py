@@ -362,6 +362,35 @@ def verify_pending() -> Declaration[Any, Any]:
         effects={"VERIFYING": "verify"})
 
 
+class Again(enum.Enum):
+    """What the ``verify`` step of :func:`verify_again` answers."""
+
+    MATCH = "MATCH"
+    AGAIN = "AGAIN"
+
+
+def verify_again() -> Declaration[Any, Any]:
+    """The lifecycle with a step ``verify`` after NIXL's DONE whose answer AGAIN sends the
+    transfer back to PROCESSING, a running state: an effect that leads back to NIXL."""
+    return TRANSFER_MACHINE.extend(
+        "verify_again", states=["VERIFYING"],
+        replace={("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+        answers={"verify": (Again.MATCH, Again.AGAIN, Answer.RAISED, Answer.EXHAUSTED)},
+        guards={"matched": (Again.MATCH,), "again": (Again.AGAIN,),
+                "step_raised": (Answer.RAISED,)},
+        transitions=[
+            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
+             "conditions": "matched", "after": "latch_success"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "PROCESSING",
+             "conditions": "again"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
+             "conditions": "step_raised", "after": "latch_failure"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "QUARANTINED",
+             "conditions": "exhausted", "after": "quarantine"},
+            {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
+        effects={"VERIFYING": "verify"})
+
+
 def test_a_step_answering_not_yet_in_place_is_bounded_and_named() -> None:
     """A step whose plain answer is a self-loop (no exception): once the bound is spent the
     reason names the step, not a NIXL call; the backoff spaces the tries."""
