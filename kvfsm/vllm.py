@@ -525,28 +525,23 @@ class _Saturation(BackpressureDetector):  # type: ignore[misc]
 
 def _limit(in_flight: Mapping[str, Any] | None) -> InFlightLimit | None:
     """The back-pressure bound from the settings' dict (InFlightLimit's fields)."""
-    if in_flight is None:
-        return None
-    if not isinstance(in_flight, Mapping):
-        raise ValueError(f"in_flight must be a dict of InFlightLimit fields, got {in_flight!r}")
-    fields = set(InFlightLimit.__dataclass_fields__)
-    unknown = sorted(set(in_flight) - fields)
-    if unknown:
-        raise ValueError(f"in_flight: unknown field(s) {', '.join(unknown)}; InFlightLimit "
-                         f"has {', '.join(sorted(fields))}")
-    return InFlightLimit(**in_flight)
+    return None if in_flight is None else _from_fields("in_flight", InFlightLimit, in_flight)
 
 
 def _policy(retry: Mapping[str, Any] | None) -> RetryPolicy:
     """The retry policy from the settings' dict (RetryPolicy's fields)."""
-    if retry is None:
-        return RetryPolicy()
-    if not isinstance(retry, Mapping):
-        raise ValueError(f"retry must be a dict of RetryPolicy fields, got {retry!r}")
-    fields = set(RetryPolicy.__dataclass_fields__)
-    unknown = sorted(set(retry) - fields)
+    return RetryPolicy() if retry is None else _from_fields("retry", RetryPolicy, retry)
+
+
+def _from_fields(setting: str, cls: Any, given: Any) -> Any:
+    """``cls(**given)``, after checking ``given`` is a dict of ``cls``'s fields; the errors
+    name the setting."""
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{setting} must be a dict of {cls.__name__} fields, got {given!r}")
+    fields = set(cls.__dataclass_fields__)
+    unknown = sorted(set(given) - fields)
     if unknown:
-        raise ValueError(f"retry: unknown field(s) {', '.join(unknown)}; RetryPolicy has "
-                         f"{', '.join(sorted(fields))}")
-    return RetryPolicy(**retry)
+        raise ValueError(f"{setting}: unknown field(s) {', '.join(unknown)}; {cls.__name__} "
+                         f"has {', '.join(sorted(fields))}")
+    return cls(**given)
 

@@ -8,6 +8,7 @@ The scheduler steps are played as vLLM's connector plays them (tests/vllm_engine
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -543,3 +544,18 @@ def test_kvfsm_imports_without_vllm() -> None:
                           timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "refused"
+
+
+@pytest.mark.parametrize(("setting", "value", "message"), [
+    ("in_flight", 8, "in_flight must be a dict of InFlightLimit fields, got 8"),
+    ("in_flight", {"job": 8}, "in_flight: unknown field(s) job; InFlightLimit has bytes, jobs"),
+    ("in_flight", {"jobs": 0}, "InFlightLimit.jobs must be"),
+    ("retry", [], "retry must be a dict of RetryPolicy fields, got []"),
+    ("retry", {"max_unpoled": 2}, "retry: unknown field(s) max_unpoled; RetryPolicy has "),
+])
+def test_a_bad_setting_is_refused_with_an_error_naming_it(
+    tmp_path: Path, engines: Callable[..., Engine], setting: str, value: Any, message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engines(file_entry(tmp_path, **{setting: value}))
+    assert list(tmp_path.iterdir()) == []  # no tier was made: nothing in its directory
