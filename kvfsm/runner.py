@@ -43,7 +43,7 @@ from typing import Any
 
 from kvfsm.contract import Books
 from kvfsm.engine import Chain, CompiledMachine
-from kvfsm.machines.transfer import Answer, CallFailed, TransferEvent
+from kvfsm.machines.transfer import Answer, CallFailed, PostInterrupted, TransferEvent
 from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import JobResult, Leak, Transfer
 
@@ -489,7 +489,7 @@ class Runner(Books):
                 # NIXL may run it once it has a handle (a poll says), else nothing runs
                 self.machine.fire(transfer, TransferEvent.POST,
                                   Answer.PROC if transfer.xfer is not None else Answer.RAISED,
-                                  CallFailed("post", "interrupted before NIXL answered"))
+                                  CallFailed("post", PostInterrupted()))
             self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK)
         finally:
             self._file(transfer)

@@ -444,7 +444,9 @@ def test_an_interrupt_before_the_post_answered_settles_the_job_by_its_handle(
     [result] = settle(tier)
     if before_call:
         assert result.reason == FailureReason(
-            FailureKind.UNKNOWN, "post", "post answered 'interrupted before NIXL answered'")
+            FailureKind.RAISED, "post",
+            "PostInterrupted: the submit was interrupted before NIXL answered the post",
+            "PostInterrupted")
     else:
         assert result.success and agent.objects["a"] == primary[0].numpy().tobytes()
     tier.shutdown(timeout=5)

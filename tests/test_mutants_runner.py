@@ -221,7 +221,7 @@ def test_a_users_step_whose_retry_bound_is_spent_is_quarantined_naming_the_step(
 def test_a_cancel_before_the_post_answered_fails_the_post_as_interrupted() -> None:
     """A transfer with no handle yet (an interrupt came before NIXL answered its post) is
     failed by the cancel as a post that was interrupted: its reason names ``post`` and says
-    so. (Its kind is UNKNOWN, since the detail is a text, not an exception: not asserted.)"""
+    so, as an error it raised (PostInterrupted), not as something NIXL answered."""
     books = runner()
     transfer = submitted(books)
     transfer.xfer = None
@@ -229,8 +229,10 @@ def test_a_cancel_before_the_post_answered_fails_the_post_as_interrupted() -> No
     assert transfer.state is S.FAILED
     answer_due(books, {END: (OK, CLEAN_OK)})
     [result] = books.take_results()
-    assert result.reason is not None and result.reason.call == "post"
-    assert "'interrupted before NIXL answered'" in result.reason.error
+    assert result.reason == FailureReason(
+        FailureKind.RAISED, "post",
+        "PostInterrupted: the submit was interrupted before NIXL answered the post",
+        "PostInterrupted")
 
 
 def test_the_running_bound_still_applies_after_the_submit_order_queue_is_compacted() -> None:

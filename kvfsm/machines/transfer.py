@@ -81,6 +81,7 @@ __all__ = [
     "FailureKind",
     "FailureReason",
     "OutcomeAlreadyLatched",
+    "PostInterrupted",
     "TransferEvent",
     "TransferState",
     "count_retry",
@@ -250,6 +251,15 @@ class CallFailed:
 
     call: str
     error: BaseException | str
+
+
+class PostInterrupted(Exception):
+    """What a transfer's post is said to have raised when the submit was interrupted before
+    NIXL answered it and no transfer handle was made: nothing runs, and its job fails with
+    this as the reason's error (the interrupt itself goes on to the caller)."""
+
+    def __init__(self) -> None:
+        super().__init__("the submit was interrupted before NIXL answered the post")
 
 
 S = TransferState

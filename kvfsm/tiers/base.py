@@ -29,7 +29,13 @@ from kvfsm.agent import LOCAL_AGENT, NixlAgent
 from kvfsm.contract import DrainTimeout, JobSide
 from kvfsm.driver import RemoteSide, StepFunction, TransferDriver, check_runnable
 from kvfsm.engine import CompiledMachine, Declaration
-from kvfsm.machines.transfer import TRANSFER_MACHINE, Answer, CallFailed, TransferEvent
+from kvfsm.machines.transfer import (
+    TRANSFER_MACHINE,
+    Answer,
+    CallFailed,
+    PostInterrupted,
+    TransferEvent,
+)
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.runner import Outcome, Runner
 from kvfsm.tiers.holdings import HoldingEvent, Holdings, Remove, TierFullError
@@ -505,7 +511,7 @@ class SecondaryTier(JobSide):
             if outcome is None:  # an interrupt before the post answered: once it has a
                 # handle NIXL may run it (a poll says), else nothing runs
                 outcome = Outcome(Answer.PROC if transfer.xfer is not None else Answer.RAISED,
-                                  CallFailed("post", "interrupted before NIXL answered"))
+                                  CallFailed("post", PostInterrupted()))
             if transfer.job_id in runner.records:
                 runner.take(transfer, TransferEvent.POST, outcome)
         if transfer.slot < 0:  # over at once: DONE or FAILED
