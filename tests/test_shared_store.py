@@ -160,7 +160,8 @@ def engine(spec: dict[str, Any]) -> None:
     """An engine process (a fork of the :func:`zygote`, its stdin and stdout pipes to the test):
     ``spec["role"]`` is writer or reader; ``bucket`` and ``endpoint`` say an
     :class:`ObjectStoreTier` on the local S3 server, ``root`` a :class:`FileTier`; a writer's
-    ``pause_at`` and a reader's ``sweep`` are :func:`write`'s and :func:`read`'s; ``rounds``
+    ``pause_at`` and ``hold_after`` and a reader's ``sweep`` are :func:`write`'s and
+    :func:`read`'s; ``rounds``
     (1 by default) is how many times the writer stores every block.
 
     Whatever happens, it drains its tier and shuts it down before it returns, so no exit leaves
@@ -188,7 +189,8 @@ def engine(spec: dict[str, Any]) -> None:
         tier = FileTier(cache, spec["root"], agent=agent)
     try:
         if writer:
-            write(tier, cache, orders, rounds=rounds, pause_at=spec.get("pause_at"))
+            write(tier, cache, orders, rounds=rounds, pause_at=spec.get("pause_at"),
+                  hold_after=spec.get("hold_after"))
         else:
             read(tier, cache, orders, rounds=rounds, sweep=spec.get("sweep", False))
     finally:
@@ -200,12 +202,14 @@ def engine(spec: dict[str, Any]) -> None:
 
 
 def write(tier: ObjectStoreTier | FileTier, cache: torch.Tensor, orders: Orders, *,
-          rounds: int, pause_at: int | None) -> None:
+          rounds: int, pause_at: int | None, hold_after: int | None = None) -> None:
     """Once told "go", store every block, one job a scheduler step, saying "storing" after each
     submit and "stored" with the round (or "failed" with why) once its result came; ``rounds``
     times over, with the next version of its bytes each round. At block ``pause_at`` (of the
     first round) it stops right after the submit, polling no more (the store under way, its
-    temporary file in place) until told "resume": a writer to kill mid-store."""
+    temporary file in place) until told "resume": a writer to kill mid-store. After block
+    ``hold_after`` of the first round is stored, it waits to be told "resume" (so that a
+    reader's load can be made to come while the writer still has blocks to store)."""
     say("ready")
     if not orders.wait("go"):
         return
@@ -225,6 +229,8 @@ def write(tier: ObjectStoreTier | FileTier, cache: torch.Tensor, orders: Orders,
             say("stored", index, round_)
         else:
             say("failed", index, one_word(result.reason))
+        if round_ == 0 and index == hold_after:
+            orders.wait("resume")
         if orders.given("stop") or time.monotonic() > deadline:
             return
 
@@ -560,13 +566,14 @@ def story_in(zygote: Zygote, logs: Path) -> Iterator[Story]:
 
 
 def writer_and_two_readers(story: Story, where: dict[str, Any], *, sweep: bool = False,
-                           pause_at: int | None = None,
+                           pause_at: int | None = None, hold_after: int | None = None,
                            **spec: Any) -> tuple[Engine, list[Engine]]:
     """Start two readers and a writer on one store (``where``; ``spec`` for all three); once all
     are ready, the readers having found every block a MISS, tell the writer to go."""
     readers = [story.start(f"reader-{n}", role="reader", sweep=sweep, **spec, **where)
                for n in (1, 2)]
-    writer = story.start("writer", role="writer", pause_at=pause_at, **spec, **where)
+    writer = story.start("writer", role="writer", pause_at=pause_at, hold_after=hold_after,
+                         **spec, **where)
     story.until("every engine is ready",
                 lambda: all(engine.told("ready") for engine in story.engines))
     for reader in readers:
@@ -662,13 +669,16 @@ def test_one_writer_and_two_reader_processes_share_a_bucket_and_load_only_whole_
     """Three engine processes on one bucket: a writer stores 24 blocks of distinct bytes, one a
     scheduler step, while two readers look every block up and load it as soon as it is HIT.
     Every load succeeds and returns exactly the stored bytes (into a zeroed block), so no HIT
-    came before its object was whole; both readers load every block, and did so while the
-    writer was still storing."""
+    came before its object was whole; both readers load every block. The writer holds after
+    half the blocks until a reader loaded one, so loads come while it still stores (on a busy
+    machine the readers could otherwise start loading only after the last store)."""
     require_nixl()
     bucket = s3_server.new_bucket()
     with story_in(zygote_process, tmp_path) as story:
         writer, readers = writer_and_two_readers(
-            story, {"bucket": bucket, "endpoint": s3_server.endpoint})
+            story, {"bucket": bucket, "endpoint": s3_server.endpoint}, hold_after=BLOCKS // 2)
+        story.until("a reader loaded a block", lambda: any(r.loaded for r in readers))
+        writer.tell("resume")
         story.until("both readers loaded every block, and the writer is done",
                     lambda: all(r.loaded == ALL for r in readers) and writer.exited is not None)
         assert writer.exited == 0 and writer.indices("stored") == list(range(BLOCKS))
