@@ -341,25 +341,8 @@ class Pending(enum.Enum):
 def verify_pending() -> Declaration[Any, Any]:
     """The lifecycle with a user step ``verify`` after NIXL's DONE that may answer "not yet"
     (a retry, so the state has a give-up edge: EXHAUSTED quarantines)."""
-    base: Declaration[Any, Any] = TRANSFER_MACHINE  # its answers are not only Answer's
-    return base.extend(
-        "verify_pending", states=["VERIFYING"],
-        replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
-                 ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
-        answers={"verify": (Pending.MATCH, Pending.PENDING, Answer.RAISED, Answer.EXHAUSTED)},
-        guards={"matched": (Pending.MATCH,), "pending": (Pending.PENDING,),
-                "step_raised": (Answer.RAISED,)},
-        transitions=[
-            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
-             "conditions": "matched", "after": "latch_success"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "VERIFYING",
-             "conditions": "pending"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
-             "conditions": "step_raised", "after": "latch_failure"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "QUARANTINED",
-             "conditions": "exhausted", "after": "quarantine"},
-            {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
-        effects={"VERIFYING": "verify"})
+    return with_verify("verify_pending", Pending.MATCH, Pending.PENDING, "pending",
+                       "VERIFYING", after_post=True)
 
 
 class Again(enum.Enum):
@@ -372,17 +355,28 @@ class Again(enum.Enum):
 def verify_again() -> Declaration[Any, Any]:
     """The lifecycle with a step ``verify`` after NIXL's DONE whose answer AGAIN sends the
     transfer back to PROCESSING, a running state: an effect that leads back to NIXL."""
-    return TRANSFER_MACHINE.extend(
-        "verify_again", states=["VERIFYING"],
-        replace={("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
-        answers={"verify": (Again.MATCH, Again.AGAIN, Answer.RAISED, Answer.EXHAUSTED)},
-        guards={"matched": (Again.MATCH,), "again": (Again.AGAIN,),
-                "step_raised": (Answer.RAISED,)},
+    return with_verify("verify_again", Again.MATCH, Again.AGAIN, "again", "PROCESSING",
+                       after_post=False)
+
+
+def with_verify(name: str, match: Any, other: Any, guard: str, other_dest: str, *,
+                after_post: bool) -> Declaration[Any, Any]:
+    """The transfer lifecycle with a user step ``verify`` in a state VERIFYING after NIXL's
+    DONE (after a post that finished at once too, with ``after_post``): ``match`` succeeds,
+    ``other`` (guard ``guard``) leads to ``other_dest``, a raise fails, EXHAUSTED quarantines."""
+    base: Declaration[Any, Any] = TRANSFER_MACHINE  # its answers are not only Answer's
+    replace = {("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}}
+    if after_post:
+        replace[("SUBMITTED", "post", "finished")] = {"dest": "VERIFYING", "after": []}
+    return base.extend(
+        name, states=["VERIFYING"], replace=replace,
+        answers={"verify": (match, other, Answer.RAISED, Answer.EXHAUSTED)},
+        guards={"matched": (match,), guard: (other,), "step_raised": (Answer.RAISED,)},
         transitions=[
             {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
              "conditions": "matched", "after": "latch_success"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "PROCESSING",
-             "conditions": "again"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": other_dest,
+             "conditions": guard},
             {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
              "conditions": "step_raised", "after": "latch_failure"},
             {"trigger": "verify", "source": "VERIFYING", "dest": "QUARANTINED",
