@@ -252,7 +252,6 @@ class Runner(Books):
         statuses: list[str | Exception] = []
         batch: list[Transfer] = []
         walked = dead = 0
-        ended = False
         for transfer in self._front:  # check() touches no queue: the deque stays as it is
             walked += 1
             if transfer.slot < 0:
@@ -265,9 +264,8 @@ class Runner(Books):
                 statuses += answers
                 batch = []
                 if answers.count(NIXL_RUNNING) == len(answers):
-                    ended = True  # none ended: those behind wait for their turn
-                    break
-        if batch and not ended:
+                    break  # none ended: those behind wait for their turn
+        if batch:  # the last, short batch (none is left after a break)
             answers = check([t.xfer for t in batch])
             picked += batch
             statuses += answers
@@ -326,11 +324,10 @@ class Runner(Books):
         return picked
 
     def _sweep_undo(self, picked: list[Transfer]) -> None:
-        """A share that was not asked about (the check raised): queued again, due at once."""
-        sweep = self._sweep
-        if sweep and sweep[-1][1] is picked:
-            sweep.pop()
-        sweep.appendleft((-math.inf, picked))
+        """A share that was not asked about (the check raised): :meth:`_sweep_share` queued it
+        last; it is queued first instead, due at once."""
+        self._sweep.pop()
+        self._sweep.appendleft((-math.inf, picked))
 
     def _schedule(self, transfer: Transfer) -> None:
         """A transfer started running: the oldest-first queue and the sweep take it (its turn
