@@ -11,26 +11,32 @@ them) or a random 1 % (the worst case for a schedule that looks at the oldest fi
 ``get_finished_jobs()`` and submits as many new jobs as results came out. A step starts every
 20 ms (the engine's model step runs in between), or at once when the one before ran longer.
 
-Two contenders, one tier class, side by side in one run: *every step* checks every transfer in
-flight on every step (``RetryPolicy(check_all_below=...)`` above N: what kvfsm did before the
-poll schedule), and *schedule*, kvfsm's default poll schedule (the oldest first while they are
+Three contenders, one tier class, side by side in one run: *every step* checks every transfer
+in flight on every step (``RetryPolicy(check_all_below=...)`` above N: what kvfsm did before the
+poll schedule); *schedule*, kvfsm's default poll schedule (the oldest first while they are
 found ended, then the sweep's share; every transfer checked at least once every
-``max_unpolled`` = 1 s). Per N, after a warm-up of 60 steps (past ``max_unpolled``), it records
-for 100 steps the caller-thread time of ``get_finished_jobs()`` and, for each transfer marked
-done in them, the time and the number of steps from the moment it was marked done to the step
-that handed its result out (steps go on, nothing new ending, until the last of them is out).
+``max_unpolled`` = 1 s); and *progress thread*, the same schedule run by the tier's own thread
+every millisecond (``RetryPolicy(progress_interval=0.001)``), ``get_finished_jobs()`` only
+handing out what it published. Per N, after a warm-up of 60 steps (past ``max_unpolled``), it
+records for 100 steps the caller-thread time of ``get_finished_jobs()``, of the submits that
+follow it (they take the tier's lock, so they wait for a poll the progress thread is making),
+and of the engine's own Python work between two steps (a fixed loop, about 5 ms alone: what
+a thread sharing the interpreter's lock costs the engine); the state checks made (on whichever
+thread); and, for each transfer marked done in them, the time and the number of steps from the
+moment it was marked done to the step that handed its result out (steps go on, nothing new
+ending, until the last of them is out).
 
-Then the same two contenders on real NIXL: a :class:`~kvfsm.tiers.FileTier` (POSIX backend,
+Then the same three contenders on real NIXL: a :class:`~kvfsm.tiers.FileTier` (POSIX backend,
 ``durable=False``) in a directory on ``/dev/shm``, N one-block stores of 4 KiB, 1 % of them
-submitted before each ``get_finished_jobs()``, until every result is out. Real NIXL does not
-say when a transfer ended, only that it has when asked, so this part reports the time from submit to
-result (an upper bound of DONE to result), with the caller-thread time of each step and the
-number of steps.
+submitted before each ``get_finished_jobs()``, a step every 20 ms, until every result is out.
+Real NIXL does not say when a transfer ended, only that it has when asked, so this part reports
+the time from submit to result (an upper bound of DONE to result), with the caller-thread time
+of each step and the number of steps.
 
 Tables go to ``bench/results/step.md`` (and ``.json``, every figure), the plot to
 ``docs/step.png``.
 
-    .venv/bin/python bench/step.py            # N = 1,000 / 10,000 / 100,000 (~5 min)
+    .venv/bin/python bench/step.py            # N = 1,000 / 10,000 / 100,000 (~8 min)
     .venv/bin/python bench/step.py --quick    # N = 1,000 / 10,000, fewer steps
 """
 
@@ -165,12 +171,34 @@ class PacedAgent(ZeroAgent):
 CONTENDERS = {
     "every step": lambda n: RetryPolicy(check_all_below=n + 1),
     "schedule": lambda n: RetryPolicy(),
+    "progress thread": lambda n: RetryPolicy(progress_interval=PROGRESS_INTERVAL),
 }
+#: the progress thread's contender polls (the same schedule) every millisecond
+PROGRESS_INTERVAL = 0.001
+#: the engine's own Python work between two steps (its scheduling, its model step's host side),
+#: a fixed loop timed alone at about 5 ms: how long it takes beside each contender shows what a
+#: progress thread's share of the interpreter's lock costs the engine
+ENGINE_WORK = 60_000
+
+
+def engine_work() -> float:
+    """The engine's Python work between two steps; returns the seconds it took."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(ENGINE_WORK):
+        total += i * i % 7
+    return time.perf_counter() - start
 
 
 def pct(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def spread(samples: list[float], scale: float = 1.0) -> dict[str, float]:
+    """Median, p99 and max of ``samples``, times ``scale``."""
+    return {"median": statistics.median(samples) * scale, "p99": pct(samples, 0.99) * scale,
+            "max": max(samples) * scale}
 
 
 def run(real: RealCheck, contender: str, n: int, steps: int, order: str,
@@ -205,11 +233,12 @@ def _run(real: RealCheck, contender: str, n: int, steps: int, order: str) -> dic
 
     submit(n)
     per_step = max(1, int(n * FINISHING))
-    step_seconds: list[float] = []
+    timed: dict[str, list[float]] = {"step": [], "submits": [], "engine_work": []}
     latencies: list[float] = []
     latency_steps: list[float] = []
     done_step: dict[Handle, int] = {}
-    checks = 0
+    checks_before = 0
+
     def hand_out(results: list[Any], step: int, end: float) -> int:
         """Record the latency of each result whose transfer was marked done in a measured
         step; returns how many there were."""
@@ -228,44 +257,49 @@ def _run(real: RealCheck, contender: str, n: int, steps: int, order: str) -> dic
     for step in range(WARM_UP + steps):
         for handle in agent.finish(per_step, time.perf_counter(), order, rng):
             done_step[handle] = step
-        checks_before = agent.checks
+        if step == WARM_UP:  # every state check from here on, on whichever thread
+            checks_before = agent.checks
         start = time.perf_counter()
         results = tier.get_finished_jobs()
         end = time.perf_counter()
-        if step >= WARM_UP:
-            step_seconds.append(end - start)
-            checks += agent.checks - checks_before
         hand_out(results, step, end)
         submit(len(results))
+        submitted = time.perf_counter()
+        work = engine_work()
+        if step >= WARM_UP:
+            for what, seconds in (("step", end - start), ("submits", submitted - end),
+                                  ("engine_work", work)):
+                timed[what].append(seconds)
         next_at = pace(next_at)
+    checks = agent.checks - checks_before
     # the tail: steps (nothing new ends, nothing new is submitted) until every transfer marked
     # done in a measured step was handed out, so the slowest are counted too
     owed = sum(1 for marked in done_step.values() if marked >= WARM_UP)
-    for step in range(WARM_UP + steps, WARM_UP + steps + 10_000):
-        if not owed:
-            break
-        owed -= hand_out(tier.get_finished_jobs(), step, time.perf_counter())
-        next_at = pace(next_at)
-    else:
-        raise RuntimeError(f"{contender} {n:,} {order}: {owed} results never handed out")
-    now = time.perf_counter()  # let every transfer end, and shut the tier down
-    for handle in agent.running:
-        handle.done_at = now
-    agent.running.clear()
+    if not tail(tier, hand_out, owed, WARM_UP + steps, next_at):
+        raise RuntimeError(f"{contender} {n:,} {order}: results never handed out")
+    agent.finish(len(agent.running), time.perf_counter(), "oldest", rng)  # all end: shut down
     tier.shutdown(timeout=600)
     return {
         "contender": contender, "n": n, "order": order, "steps": steps,
         "finishing_per_step": per_step,
-        "step_ms": {"median": statistics.median(step_seconds) * 1e3,
-                    "p99": pct(step_seconds, 0.99) * 1e3, "max": max(step_seconds) * 1e3},
-        "done_to_result_ms": {"median": statistics.median(latencies) * 1e3,
-                              "p99": pct(latencies, 0.99) * 1e3,
-                              "max": max(latencies) * 1e3},
-        "done_to_result_steps": {"median": statistics.median(latency_steps),
-                                 "p99": pct(latency_steps, 0.99),
-                                 "max": max(latency_steps)},
+        "step_ms": spread(timed["step"], 1e3),
+        "done_to_result_ms": spread(latencies, 1e3),
+        "done_to_result_steps": spread(latency_steps),
         "checks_per_step": checks / steps,
+        "submits_ms": spread(timed["submits"], 1e3),
+        "engine_work_ms": spread(timed["engine_work"], 1e3),
     }
+
+
+def tail(tier: ObjectStoreTier, hand_out: Any, owed: int, first: int, next_at: float) -> bool:
+    """Paced steps from step ``first`` on until ``owed`` measured results were handed out (at
+    most 10,000 steps); True when they were."""
+    for step in range(first, first + 10_000):
+        if not owed:
+            return True
+        owed -= hand_out(tier.get_finished_jobs(), step, time.perf_counter())
+        next_at = pace(next_at)
+    return not owed
 
 
 def run_files(contender: str, n: int) -> dict[str, Any]:
@@ -288,7 +322,7 @@ def run_files(contender: str, n: int) -> dict[str, Any]:
             latencies: list[float] = []
             latency_steps: list[float] = []
             out = step = 0
-            start = time.perf_counter()
+            start = next_at = time.perf_counter()
             while out < n:
                 for job in jobs[step * per_step:(step + 1) * per_step]:
                     tier.submit_store(job)
@@ -304,6 +338,7 @@ def run_files(contender: str, n: int) -> dict[str, Any]:
                     latency_steps.append(float(step - in_step))
                 out += len(results)
                 step += 1
+                next_at = pace(next_at)
                 if ended - start > 120:
                     raise RuntimeError(f"files {n:,} {contender}: {out} of {n} out in 120 s")
             wall = time.perf_counter() - start
@@ -312,14 +347,9 @@ def run_files(contender: str, n: int) -> dict[str, Any]:
     return {
         "contender": contender, "n": n, "submitted_per_step": per_step,
         "steps": len(step_seconds), "wall_ms": wall * 1e3,
-        "step_ms": {"median": statistics.median(step_seconds) * 1e3,
-                    "p99": pct(step_seconds, 0.99) * 1e3, "max": max(step_seconds) * 1e3},
-        "submit_to_result_ms": {"median": statistics.median(latencies) * 1e3,
-                                "p99": pct(latencies, 0.99) * 1e3,
-                                "max": max(latencies) * 1e3},
-        "submit_to_result_steps": {"median": statistics.median(latency_steps),
-                                   "p99": pct(latency_steps, 0.99),
-                                   "max": max(latency_steps)},
+        "step_ms": spread(step_seconds, 1e3),
+        "submit_to_result_ms": spread(latencies, 1e3),
+        "submit_to_result_steps": spread(latency_steps),
     }
 
 
@@ -335,11 +365,15 @@ def paced_table(rows: list[dict[str, Any]]) -> str:
                       f"{step['median'] / base[key]:.3f}x",
                       f"{lat['median']:.3f}", f"{lat['p99']:.3f}", f"{lat['max']:.3f}",
                       f"{lst['median']:g}", f"{lst['p99']:g}", f"{lst['max']:g}",
-                      f"{row['checks_per_step']:,.0f}"])
+                      f"{row['checks_per_step']:,.0f}",
+                      f"{row['submits_ms']['median']:.3f}", f"{row['submits_ms']['p99']:.3f}",
+                      f"{row['engine_work_ms']['median']:.2f}",
+                      f"{row['engine_work_ms']['p99']:.2f}"])
     return table(["done first", "N in flight", "finishing a step", "contender",
                   "step ms, median", "p99", "vs every step",
                   "DONE to result ms, median", "p99", "max",
-                  "in steps, median", "p99", "max", "state checks a step"], cells)
+                  "in steps, median", "p99", "max", "state checks a step",
+                  "submits ms, median", "p99", "engine work ms, median", "p99"], cells)
 
 
 def files_table(rows: list[dict[str, Any]]) -> str:
@@ -366,7 +400,9 @@ def plot(info: dict[str, str], rows: list[dict[str, Any]], path: Path) -> None:
     styles = {("every step", "oldest"): ("C3", "s", "-"),
               ("every step", "random"): ("C3", "s", ":"),
               ("schedule", "oldest"): ("C0", "o", "-"),
-              ("schedule", "random"): ("C0", "o", ":")}
+              ("schedule", "random"): ("C0", "o", ":"),
+              ("progress thread", "oldest"): ("C2", "^", "-"),
+              ("progress thread", "random"): ("C2", "^", ":")}
     sizes = sorted({row["n"] for row in rows})
     for (contender, order), (color, marker, line) in styles.items():
         mine = sorted((row for row in rows

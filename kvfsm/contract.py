@@ -10,6 +10,7 @@ What differs is how a side advances its records once (:meth:`JobSide._poll`).
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,28 +33,38 @@ class DrainTimeout(TimeoutError):
 
 
 class Books:
-    """Unpublished records by job id, and the results published but not yet handed out."""
+    """Unpublished records by job id, and the results published but not yet handed out.
+
+    One thread may hand results out (:meth:`take_results`) while another publishes under the
+    side's lock (a tier's progress thread): a result is queued after its job id is marked
+    unreported, and its id is unmarked only once the result was taken, so a job id is never
+    free while its result waits, and no result is handed out twice or lost.
+    """
 
     __slots__ = ("records", "results", "unreported")
 
     def __init__(self) -> None:
         #: every unpublished record, by job id, in submission order
         self.records: dict[int, Any] = {}
-        #: results published since they were last handed out
-        self.results: list[JobResult] = []
+        #: results published since they were last handed out, oldest first
+        self.results: collections.deque[JobResult] = collections.deque()
         #: the job ids of those results (a job id is not taken again before its result is out)
         self.unreported: set[int] = set()
 
     def publish(self, result: JobResult) -> None:
         """Keep ``result`` for the next :meth:`take_results`."""
+        self.unreported.add(result.job_id)  # first: see the class's notes
         self.results.append(result)
-        self.unreported.add(result.job_id)
 
     def take_results(self) -> list[JobResult]:
-        """The results published since the last call, handed out once."""
-        results, self.results = self.results, []
-        self.unreported.clear()
-        return results
+        """The results published since the last call, handed out once (safe beside one
+        publishing thread without a lock)."""
+        results = self.results
+        taken = [results.popleft() for _ in range(len(results))]
+        discard = self.unreported.discard
+        for result in taken:
+            discard(result.job_id)
+        return taken
 
 
 class JobSide:

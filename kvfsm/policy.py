@@ -27,6 +27,18 @@ transfer is checked at most once a poll.
 The share costs the caller about ``N / max_unpolled`` state checks a second with N running
 (``docs/performance.md`` has the figures). ``drain_jobs`` and ``shutdown`` check every
 running transfer on every poll: the caller is waiting for them.
+
+The progress thread (``progress_interval``): the poll, the same one, made by a thread of the
+tier every ``progress_interval`` seconds instead of by ``get_finished_jobs``, so a scheduler
+step costs the results it takes and nothing else, whatever is in flight. The thread takes the
+tier's lock for each poll, as every call of the tier does, so one thread at a time drives the
+NIXL agent; a submit waits at most one poll for it. It runs while jobs are unpublished and ends
+when none are (it is started again by the next submit); it is not a daemon, so a process that
+forgot ``shutdown`` exits only once NIXL has ended every transfer and each is published, never
+with one in flight. Its work still takes the interpreter's lock, so the scheduler's own Python
+work shares a core with it (``docs/performance.md`` measures what that costs). Should a poll
+raise, the thread logs it and stops, and ``get_finished_jobs`` polls on the caller's thread
+again, as without it (the tier's ``stats()["progress"]`` says why).
 """
 
 from __future__ import annotations
@@ -56,6 +68,12 @@ class RetryPolicy:
             than ``check_all_below`` run, plus the longest gap between two polls: a check due
             while no poll runs is made by the next (the module's notes: the poll schedule).
         check_all_below: with this many running transfers or fewer, a poll checks each.
+        progress_interval: with a number of seconds, a tier polls on a progress thread of its
+            own every that many seconds while it has jobs unpublished, and
+            ``get_finished_jobs`` only hands out what that thread published: no NIXL call and
+            no wait for the tier's lock on the caller's thread (the module's notes: the
+            progress thread). None (the default): ``get_finished_jobs`` polls on the caller's
+            thread.
 
     Raises:
         ValueError: a field is not what it says, naming the field and the value. Every field
@@ -66,7 +84,8 @@ class RetryPolicy:
             spelling, and the tier's fast path); an infinite ``backoff`` or ``max_backoff`` is
             refused (a release would never be tried again, so no bound would be reached);
             ``max_unpolled`` is a positive, finite number of seconds, ``check_all_below`` an
-            int of at least 0.
+            int of at least 0, ``progress_interval`` a positive, finite number of seconds or
+            None.
     """
 
     max_attempts: int | None = None
@@ -76,6 +95,7 @@ class RetryPolicy:
     max_running_seconds: float | None = None
     max_unpolled: float = 1.0
     check_all_below: int = 64
+    progress_interval: float | None = None
 
     def __post_init__(self) -> None:
         attempts = self.max_attempts
@@ -101,10 +121,9 @@ class RetryPolicy:
             if math.isinf(value):
                 raise ValueError(f"RetryPolicy.{name} must be finite, got {value!r} (a wait "
                                  "that long never retries, so no bound is ever reached)")
-        _check_seconds("max_unpolled", self.max_unpolled, "")
-        if not 0 < self.max_unpolled < math.inf:
-            raise ValueError(f"RetryPolicy.max_unpolled must be a positive, finite number of "
-                             f"seconds, got {self.max_unpolled!r}")
+        _check_period("max_unpolled", self.max_unpolled, "")
+        if self.progress_interval is not None:
+            _check_period("progress_interval", self.progress_interval, " or None")
         below = self.check_all_below
         if isinstance(below, bool) or not isinstance(below, numbers.Integral) or below < 0:
             raise ValueError(f"RetryPolicy.check_all_below must be an int of at least 0, got "
@@ -180,6 +199,14 @@ def _check_seconds(name: str, value: Any, alternative: str) -> None:
             or math.isnan(value)):
         what = f"a number of seconds {alternative}".rstrip()
         raise ValueError(f"RetryPolicy.{name} must be {what}, got {_shown(value)}")
+
+
+def _check_period(name: str, value: Any, alternative: str) -> None:
+    """``value`` is a positive, finite number of seconds."""
+    _check_seconds(name, value, alternative.strip())
+    if not 0 < value < math.inf:
+        raise ValueError(f"RetryPolicy.{name} must be a positive, finite number of seconds"
+                         f"{alternative}, got {value!r}")
 
 
 def _shown(value: Any) -> str:

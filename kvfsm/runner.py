@@ -594,8 +594,10 @@ class Runner(Books):
         # every change to the books first, then what runs code of others (logging handlers,
         # listeners): an interrupt there must not leave a quarantined transfer uncounted
         # (shutdown would release the registration its handles use) or a verdict unrecorded
-        self.results.append(result)
+        # the job id before the result: a progress thread publishes while the caller may be
+        # taking results (Books)
         self.unreported.add(job_id)
+        self.results.append(result)
         self.published += 1
         self.latencies.append(result.transfer_time)
         if held:

@@ -234,6 +234,10 @@ class SecondaryTier(JobSide):
         #: for past it
         self._stop_by: float | None = None
         self._lock = threading.RLock()
+        #: the progress thread while one runs (policy.progress_interval), and what it did
+        self._progress_thread: threading.Thread | None = None
+        self._progress_polls = 0
+        self._progress_error: str | None = None
         base = primary.data_ptr()
         self._dram = agent.register_memory(
             [(base, self.num_blocks * self.block_bytes, 0, "")], "DRAM")
@@ -252,12 +256,29 @@ class SecondaryTier(JobSide):
     def submit_store(self, job: TransferJob) -> None:
         """Copy the job's primary blocks out to the tier; the result comes later."""
         with self._lock:
-            self._submit(job, load=False)
+            try:
+                self._submit(job, load=False)
+            finally:
+                self._start_progress()
 
     def submit_load(self, job: TransferJob) -> None:
         """Fill the job's (allocated) primary blocks from the tier; the result comes later."""
         with self._lock:
-            self._submit(job, load=True)
+            try:
+                self._submit(job, load=True)
+            finally:
+                self._start_progress()
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Advance the jobs once (a tier checks those its poll schedule picks:
+        :class:`~kvfsm.policy.RetryPolicy`); return each result published since the last call.
+
+        While a progress thread runs (``RetryPolicy.progress_interval``) that thread polls, and
+        this only hands out what it published: no NIXL call, no wait for the tier's lock.
+        """
+        if self._progress_thread is not None:
+            return self._books.take_results()
+        return super().get_finished_jobs()
 
     def cancel(self, job_id: int) -> None:
         """Cancel a job: it publishes a failure. A transfer NIXL still runs is waited for (to
@@ -297,12 +318,16 @@ class SecondaryTier(JobSide):
         with self._lock:
             if self._closed:
                 return
-            self._closing = True
+            self._closing = True  # the progress thread ends at its next poll
+            progress = self._progress_thread
             self._stop_by = None if timeout is None else time.monotonic() + timeout
             for transfer in self.unpublished():
                 runner.cancel(transfer)
         try:
             self.drain_jobs(timeout)  # takes the lock a poll at a time
+            if progress is not None:  # nothing is unpublished: it ends at once, if not yet
+                progress.join(None if self._stop_by is None
+                              else max(0.0, self._stop_by - time.monotonic()))
         except DrainTimeout:
             with self._lock:
                 for transfer in self.unpublished():
@@ -437,6 +462,9 @@ class SecondaryTier(JobSide):
         """
         stats = self._runner.counts()
         stats["lookup_cache"] = len(self._known)
+        if self.policy.progress_interval is not None:
+            stats["progress"] = {"running": self._progress_thread is not None,
+                                 "polls": self._progress_polls, "error": self._progress_error}
         limit = self.in_flight
         stats["in_flight_limit"] = {
             **self.in_flight_figures(), "max_jobs": limit.jobs, "max_bytes": limit.bytes}
@@ -478,6 +506,37 @@ class SecondaryTier(JobSide):
         """A store of ``names`` was admitted within the capacity (under the tier's lock)."""
 
     # -- internals --------------------------------------------------------------------------
+
+    def _start_progress(self) -> None:
+        """Start the progress thread if the policy asks for one, jobs are unpublished and none
+        runs (under the tier's lock: the thread ends under it too, so one runs at most)."""
+        interval = self.policy.progress_interval
+        if (interval is None or self._progress_thread is not None
+                or self._progress_error is not None or self._closing or not self._runner.records):
+            return
+        thread = threading.Thread(target=self._progress_loop, args=(interval,),
+                                  name=f"kvfsm-progress-{type(self).__name__}")
+        thread.start()
+        self._progress_thread = thread
+
+    def _progress_loop(self, interval: float) -> None:
+        """Poll every ``interval`` seconds while jobs are unpublished and the tier is open."""
+        lock, records = self._lock, self._runner.records
+        try:
+            while True:
+                time.sleep(interval)
+                with lock:
+                    if not records or self._closing:
+                        self._progress_thread = None
+                        return
+                    self._poll()
+                    self._progress_polls += 1
+        except BaseException as error:
+            logger.exception("%s: the progress thread's poll raised; get_finished_jobs polls "
+                             "on the caller's thread from now on", type(self).__name__)
+            with lock:  # after the log line: whoever sees the error can find the line
+                self._progress_thread = None
+                self._progress_error = f"{type(error).__name__}: {error}"
 
     def _submit(self, job: TransferJob, *, load: bool) -> None:
         if self._closed or self._closing:

@@ -1,0 +1,271 @@
+"""The progress thread (``RetryPolicy.progress_interval``): a tier polls on a thread of its own,
+so the scheduler's ``get_finished_jobs`` only hands out what that thread published. These
+stories show where each NIXL call is made, that a step never waits for the tier's lock, that
+the thread comes and goes with the work, that a poll that raises on it costs no result, and that
+a process that forgot ``shutdown`` still never exits with a transfer in flight."""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvfsm import JobResult, TransferJob
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent
+from kvfsm.tiers import ObjectStoreTier
+
+from .test_poll_schedule import Held
+
+INTERVAL = 0.001
+
+
+class Watched(Held):
+    """Held transfers, and the thread each state check was made on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.check_threads: set[str] = set()
+
+    def check_xfer_state(self, handle: Any) -> str:
+        self.check_threads.add(threading.current_thread().name)
+        return super().check_xfer_state(handle)
+
+
+@pytest.fixture
+def watched() -> Iterator[Watched]:
+    agent = Watched()
+    yield agent
+    assert agent.misuses == [], agent.misuses
+
+
+def tier_on(agent: FakeNixlAgent, **policy: Any) -> ObjectStoreTier:
+    primary = torch.arange(64 * 16, dtype=torch.float32).view(64, 16)
+    return ObjectStoreTier(primary, agent=agent,
+                           policy=RetryPolicy(progress_interval=INTERVAL, **policy))
+
+
+def store(tier: ObjectStoreTier, job_id: int, block: int | None = None) -> None:
+    block = job_id % 64 if block is None else block
+    tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [block]))
+
+
+def collect(tier: ObjectStoreTier, count: int, timeout: float = 10.0) -> list[JobResult]:
+    """Results as a scheduler takes them, a step every millisecond, until ``count`` came."""
+    results: list[JobResult] = []
+    deadline = time.monotonic() + timeout
+    while len(results) < count:
+        assert time.monotonic() < deadline, f"{len(results)} of {count} results came"
+        results += tier.get_finished_jobs()
+        time.sleep(0.001)
+    return results
+
+
+def wait_for(what: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "waited in vain"
+        time.sleep(0.001)
+
+
+def progress_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvfsm-progress")]
+
+
+def test_every_state_check_is_made_on_the_progress_thread_and_results_still_come(
+        watched: Watched) -> None:
+    tier = tier_on(watched)
+    for job_id in range(200):  # past check_all_below: the poll schedule picks the checks
+        store(tier, job_id)
+    watched.end(*range(200))
+
+    results = collect(tier, 200)
+
+    assert sorted(r.job_id for r in results) == list(range(200))
+    assert all(r.success for r in results)
+    assert watched.check_threads == {"kvfsm-progress-ObjectStoreTier"}
+    assert tier.get_finished_jobs() == []  # each result handed out once
+    tier.shutdown(timeout=5)
+    assert watched.live_xfer_handles() == 0
+
+
+def test_a_step_never_waits_for_the_tier_lock(watched: Watched) -> None:
+    tier = tier_on(watched)
+    for job_id in range(3):
+        store(tier, job_id)
+    watched.end(0, 1)
+    wait_for(lambda: len(tier._books.results) == 2)
+
+    # the tier's lock is held (here by the test: a long submit or a drain on another thread)
+    # while the scheduler steps on its own thread
+    taken: list[JobResult] = []
+    step = threading.Thread(target=lambda: taken.extend(tier.get_finished_jobs()))
+    with tier._lock:
+        step.start()
+        step.join(5)
+        stepped = not step.is_alive()
+    step.join()
+
+    assert stepped, "the step waited for the tier's lock"
+    assert sorted(r.job_id for r in taken) == [0, 1]
+    watched.end(2)
+    assert [r.job_id for r in collect(tier, 1)] == [2]
+    tier.shutdown(timeout=5)
+
+
+def test_the_thread_runs_while_jobs_are_unpublished_and_comes_back_with_the_next_submit(
+        watched: Watched) -> None:
+    tier = tier_on(watched)
+    assert tier.stats()["progress"] == {"running": False, "polls": 0, "error": None}
+    assert progress_threads() == []
+
+    store(tier, 0)
+    assert tier.stats()["progress"]["running"]
+    assert progress_threads() == ["kvfsm-progress-ObjectStoreTier"]
+    time.sleep(20 * INTERVAL)
+    assert tier.has_pending_work()  # job 0 still runs: the thread polls on
+    watched.end(0)
+    assert [r.job_id for r in collect(tier, 1)] == [0]
+    wait_for(lambda: not progress_threads())  # nothing unpublished: it ended
+    assert not tier.stats()["progress"]["running"]
+    polls = tier.stats()["progress"]["polls"]
+    assert polls >= 2
+
+    store(tier, 1)  # the next submit starts it again
+    assert tier.stats()["progress"]["running"]
+    watched.end(1)
+    assert [r.job_id for r in collect(tier, 1)] == [1]
+    assert tier.stats()["progress"]["polls"] > polls
+    tier.shutdown(timeout=5)
+    assert progress_threads() == []
+
+
+def test_shutdown_stops_the_thread_and_publishes_every_job_once(watched: Watched) -> None:
+    tier = tier_on(watched)
+    for job_id in range(100):
+        store(tier, job_id)
+    watched.end(*range(0, 100, 2))  # half end; the other half run until shutdown cancels
+
+    def let_the_rest_end() -> None:
+        time.sleep(0.05)
+        watched.end(*range(1, 100, 2))
+
+    ender = threading.Thread(target=let_the_rest_end)
+    ender.start()
+    tier.shutdown(timeout=10)
+    ender.join()
+
+    results = tier.get_finished_jobs()
+    assert sorted(r.job_id for r in results) == list(range(100))
+    assert progress_threads() == []
+    assert watched.live_xfer_handles() == 0
+    assert tier.closed
+
+
+def test_a_poll_that_raises_on_the_thread_costs_no_result(
+        watched: Watched, caplog: pytest.LogCaptureFixture) -> None:
+    tier = tier_on(watched)
+    for job_id in range(5):
+        store(tier, job_id)
+    watched.interrupt_in = 1  # the thread's next state check raises KeyboardInterrupt
+    with caplog.at_level(logging.ERROR, logger="kvfsm"):
+        wait_for(lambda: tier.stats()["progress"]["error"] is not None)
+    progress = tier.stats()["progress"]
+    assert (progress["running"], progress["error"]) == (False, "KeyboardInterrupt: ")
+    assert "the progress thread's poll raised" in caplog.text
+
+    # from now on the caller's step polls, as without the thread: no job is lost
+    watched.end(*range(5))
+    store(tier, 5)
+    watched.end(5)
+    assert sorted(r.job_id for r in collect(tier, 6)) == list(range(6))
+    assert progress_threads() == []  # and it is not started again
+    assert "MainThread" in watched.check_threads
+    tier.shutdown(timeout=5)
+    assert watched.live_xfer_handles() == 0
+
+
+def test_submits_steps_and_the_thread_at_once_hand_out_every_result_once() -> None:
+    """Two submitting threads reuse job ids as soon as their results are out, while the
+    scheduler takes results and the progress thread publishes them: no result is lost or
+    handed out twice, and a job id is never refused once its result was taken, nor taken
+    again before."""
+    agent = FakeNixlAgent("busy", complete_after_polls=2)
+    tier = tier_on(agent)
+    rounds, ids_per_thread = 40, 16
+    taken: list[JobResult] = []
+    outstanding: dict[int, threading.Event] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def submitter(first: int) -> None:
+        rng = random.Random(first)
+        try:
+            for _ in range(rounds):
+                waits = {}
+                for job_id in range(first, first + ids_per_thread):
+                    waits[job_id] = done = threading.Event()
+                    with lock:
+                        outstanding[job_id] = done
+                    store(tier, job_id, rng.randrange(64))
+                for job_id, done in waits.items():
+                    assert done.wait(10), f"job {job_id} never came"
+        except BaseException as error:  # surfaced by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=submitter, args=(first,)) for first in (0, 1000)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        for result in tier.get_finished_jobs():
+            taken.append(result)
+            with lock:
+                outstanding.pop(result.job_id).set()  # KeyError: a result nobody waited for
+    for thread in threads:
+        thread.join(1)
+    assert errors == []
+    assert len(taken) == 2 * rounds * ids_per_thread
+    assert all(r.success for r in taken)
+    assert outstanding == {}
+    tier.shutdown(timeout=5)
+    assert agent.live_xfer_handles() == 0
+
+
+def test_a_process_that_forgets_shutdown_exits_only_once_every_transfer_is_published() -> None:
+    script = textwrap.dedent("""
+        import atexit, time, torch
+        from kvfsm import TransferJob
+        from kvfsm.policy import RetryPolicy
+        from kvfsm.testing import FakeNixlAgent
+        from kvfsm.tiers import ObjectStoreTier
+
+        agent = FakeNixlAgent("slow", complete_after_polls=200)  # about 0.2 s of polls
+        tier = ObjectStoreTier(torch.zeros(8, 16), agent=agent,
+                               policy=RetryPolicy(progress_interval=0.001))
+        # runs after the interpreter waited for its threads, as the process exits
+        atexit.register(lambda: print("at exit:", len(tier.unpublished()),
+                                      agent.running_transfers(), agent.live_xfer_handles()))
+        for job_id in range(8):
+            tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id]))
+        print("main ends with", agent.running_transfers(), "running", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["main ends with 8 running", "at exit: 0 0 0"]
+
+
+@pytest.mark.parametrize("bad", [0, -0.5, float("inf"), float("nan"), True, "0.001"])
+def test_a_bad_progress_interval_is_refused_by_name(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"RetryPolicy\.progress_interval must be"):
+        RetryPolicy(progress_interval=bad)  # type: ignore[arg-type]
