@@ -10,6 +10,9 @@ either the oldest (transfers ending in the order they were posted, as a backend'
 them) or a random 1 % (the worst case for a schedule that looks at the oldest first), calls
 ``get_finished_jobs()`` and submits as many new jobs as results came out. A step starts every
 20 ms (the engine's model step runs in between), or at once when the one before ran longer.
+The 1 % end just before a step (*ending before*: the worst case for a progress thread, whose
+work on them then meets the step's submits) or, in posting order only, after the engine's
+Python work, while its model step runs (*ending during*).
 
 Three contenders, one tier class, side by side in one run: *every step* checks every transfer
 in flight on every step (``RetryPolicy(check_all_below=...)`` above N: what kvfsm did before the
@@ -202,14 +205,16 @@ def spread(samples: list[float], scale: float = 1.0) -> dict[str, float]:
 
 
 def run(real: RealCheck, contender: str, n: int, steps: int, order: str,
-        collector: bool = True) -> dict[str, Any]:
-    """N in flight; ``steps`` measured steps after the warm-up; 1 % marked done a step. Without
-    ``collector``, the cyclic garbage collector is off for the run (what its pauses cost)."""
+        collector: bool = True, ends: str = "before") -> dict[str, Any]:
+    """N in flight; ``steps`` measured steps after the warm-up; 1 % marked done a step, just
+    before the step (``ends="before"``) or while the engine's model step runs, after the
+    engine's Python work (``"during"``). Without ``collector``, the cyclic garbage collector is
+    off for the run (what its pauses cost)."""
     if not collector:
         gc.collect()
         gc.disable()
     try:
-        row = _run(real, contender, n, steps, order)
+        row = _run(real, contender, n, steps, order, ends)
     finally:
         gc.enable()
     if not collector:
@@ -217,89 +222,112 @@ def run(real: RealCheck, contender: str, n: int, steps: int, order: str,
     return row
 
 
-def _run(real: RealCheck, contender: str, n: int, steps: int, order: str) -> dict[str, Any]:
-    agent = PacedAgent(real)
-    primary = torch.zeros((1024, 16), dtype=torch.float32)
-    tier = ObjectStoreTier(primary, agent=agent, policy=CONTENDERS[contender](n))
-    rng = random.Random(18)
-    job_ids = iter(range(1 << 62))
-    handle_of: dict[int, Handle] = {}
+def _run(real: RealCheck, contender: str, n: int, steps: int, order: str,
+         ends: str) -> dict[str, Any]:
+    paced = PacedRun(real, contender, n, order, ends)
+    try:
+        return paced.measure(steps)
+    finally:
+        paced.close()
 
-    def submit(count: int) -> None:
+
+class PacedRun:
+    """One contender with N in flight on the paced agent: the steps, and what they cost."""
+
+    def __init__(self, real: RealCheck, contender: str, n: int, order: str, ends: str) -> None:
+        self.agent = PacedAgent(real)
+        primary = torch.zeros((1024, 16), dtype=torch.float32)
+        self.tier = ObjectStoreTier(primary, agent=self.agent,
+                                    policy=CONTENDERS[contender](n))
+        self.contender, self.n, self.order, self.ends = contender, n, order, ends
+        self.rng = random.Random(18)
+        self.job_ids = iter(range(1 << 62))
+        self.handle_of: dict[int, Handle] = {}
+        self.per_step = max(1, int(n * FINISHING))
+        self.done_step: dict[Handle, int] = {}  # marked done in which step
+        self.latencies: list[float] = []
+        self.latency_steps: list[float] = []
+        self.submit(n)
+
+    def submit(self, count: int) -> None:
+        tier, agent = self.tier, self.agent
         for _ in range(count):
-            job_id = next(job_ids)
+            job_id = next(self.job_ids)
             tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id % 1024]))
-            handle_of[job_id] = next(reversed(agent.running))
+            self.handle_of[job_id] = next(reversed(agent.running))
 
-    submit(n)
-    per_step = max(1, int(n * FINISHING))
-    timed: dict[str, list[float]] = {"step": [], "submits": [], "engine_work": []}
-    latencies: list[float] = []
-    latency_steps: list[float] = []
-    done_step: dict[Handle, int] = {}
-    checks_before = 0
+    def end_some(self, step: int, when: str) -> None:
+        """1 % end, if this run has them end ``when``."""
+        if when == self.ends:
+            for handle in self.agent.finish(self.per_step, time.perf_counter(), self.order,
+                                            self.rng):
+                self.done_step[handle] = step
 
-    def hand_out(results: list[Any], step: int, end: float) -> int:
+    def hand_out(self, results: list[Any], step: int, end: float) -> int:
         """Record the latency of each result whose transfer was marked done in a measured
         step; returns how many there were."""
         measured = 0
         for result in results:
-            handle = handle_of.pop(result.job_id)
+            handle = self.handle_of.pop(result.job_id)
             assert handle.done_at is not None and result.success
-            marked = done_step.pop(handle)
+            marked = self.done_step.pop(handle)
             if marked >= WARM_UP:
-                latencies.append(end - handle.done_at)
-                latency_steps.append(float(step - marked))
+                self.latencies.append(end - handle.done_at)
+                self.latency_steps.append(float(step - marked))
                 measured += 1
         return measured
 
-    next_at = time.perf_counter()
-    for step in range(WARM_UP + steps):
-        for handle in agent.finish(per_step, time.perf_counter(), order, rng):
-            done_step[handle] = step
-        if step == WARM_UP:  # every state check from here on, on whichever thread
-            checks_before = agent.checks
-        start = time.perf_counter()
-        results = tier.get_finished_jobs()
-        end = time.perf_counter()
-        hand_out(results, step, end)
-        submit(len(results))
-        submitted = time.perf_counter()
-        work = engine_work()
-        if step >= WARM_UP:
-            for what, seconds in (("step", end - start), ("submits", submitted - end),
-                                  ("engine_work", work)):
-                timed[what].append(seconds)
-        next_at = pace(next_at)
-    checks = agent.checks - checks_before
-    # the tail: steps (nothing new ends, nothing new is submitted) until every transfer marked
-    # done in a measured step was handed out, so the slowest are counted too
-    owed = sum(1 for marked in done_step.values() if marked >= WARM_UP)
-    if not tail(tier, hand_out, owed, WARM_UP + steps, next_at):
-        raise RuntimeError(f"{contender} {n:,} {order}: results never handed out")
-    agent.finish(len(agent.running), time.perf_counter(), "oldest", rng)  # all end: shut down
-    tier.shutdown(timeout=600)
-    return {
-        "contender": contender, "n": n, "order": order, "steps": steps,
-        "finishing_per_step": per_step,
-        "step_ms": spread(timed["step"], 1e3),
-        "done_to_result_ms": spread(latencies, 1e3),
-        "done_to_result_steps": spread(latency_steps),
-        "checks_per_step": checks / steps,
-        "submits_ms": spread(timed["submits"], 1e3),
-        "engine_work_ms": spread(timed["engine_work"], 1e3),
-    }
+    def measure(self, steps: int) -> dict[str, Any]:
+        """The warm-up, ``steps`` measured steps, then the tail: steps (nothing new ends,
+        nothing new is submitted) until every transfer marked done in a measured step was
+        handed out, so the slowest are counted too."""
+        tier, agent = self.tier, self.agent
+        timed: dict[str, list[float]] = {"step": [], "submits": [], "engine_work": []}
+        checks_before = 0
+        next_at = time.perf_counter()
+        for step in range(WARM_UP + steps):
+            self.end_some(step, "before")
+            if step == WARM_UP:  # every state check from here on, on whichever thread
+                checks_before = agent.checks
+            start = time.perf_counter()
+            results = tier.get_finished_jobs()
+            end = time.perf_counter()
+            self.hand_out(results, step, end)
+            self.submit(len(results))
+            submitted = time.perf_counter()
+            work = engine_work()
+            if step >= WARM_UP:
+                for what, seconds in (("step", end - start), ("submits", submitted - end),
+                                      ("engine_work", work)):
+                    timed[what].append(seconds)
+            self.end_some(step, "during")  # the model step runs: transfers end meanwhile
+            next_at = pace(next_at)
+        checks = agent.checks - checks_before
+        owed = sum(1 for marked in self.done_step.values() if marked >= WARM_UP)
+        for step in range(WARM_UP + steps, WARM_UP + steps + 10_000):
+            if not owed:
+                break
+            owed -= self.hand_out(tier.get_finished_jobs(), step, time.perf_counter())
+            next_at = pace(next_at)
+        else:
+            raise RuntimeError(f"{self.contender} {self.n:,} {self.order}: {owed} results "
+                               "never handed out")
+        return {
+            "contender": self.contender, "n": self.n, "order": self.order, "ends": self.ends,
+            "steps": steps, "finishing_per_step": self.per_step,
+            "step_ms": spread(timed["step"], 1e3),
+            "done_to_result_ms": spread(self.latencies, 1e3),
+            "done_to_result_steps": spread(self.latency_steps),
+            "checks_per_step": checks / steps,
+            "submits_ms": spread(timed["submits"], 1e3),
+            "engine_work_ms": spread(timed["engine_work"], 1e3),
+        }
 
-
-def tail(tier: ObjectStoreTier, hand_out: Any, owed: int, first: int, next_at: float) -> bool:
-    """Paced steps from step ``first`` on until ``owed`` measured results were handed out (at
-    most 10,000 steps); True when they were."""
-    for step in range(first, first + 10_000):
-        if not owed:
-            return True
-        owed -= hand_out(tier.get_finished_jobs(), step, time.perf_counter())
-        next_at = pace(next_at)
-    return not owed
+    def close(self) -> None:
+        """Every transfer ends; the tier shuts down."""
+        agent = self.agent
+        agent.finish(len(agent.running), time.perf_counter(), "oldest", self.rng)
+        self.tier.shutdown(timeout=600)
 
 
 def run_files(contender: str, n: int) -> dict[str, Any]:
@@ -358,9 +386,10 @@ def paced_table(rows: list[dict[str, Any]]) -> str:
     cells = []
     for row in rows:
         step, lat, lst = row["step_ms"], row["done_to_result_ms"], row["done_to_result_steps"]
-        key = (row["order"], row["n"])
+        key = (row["order"], row["ends"], row["n"])
         base.setdefault(key, step["median"])
-        cells.append([row["order"], f"{row['n']:,}", f"{row['finishing_per_step']:,}",
+        cells.append([row["order"], row["ends"], f"{row['n']:,}",
+                      f"{row['finishing_per_step']:,}",
                       row["contender"], f"{step['median']:.3f}", f"{step['p99']:.3f}",
                       f"{step['median'] / base[key]:.3f}x",
                       f"{lat['median']:.3f}", f"{lat['p99']:.3f}", f"{lat['max']:.3f}",
@@ -369,7 +398,7 @@ def paced_table(rows: list[dict[str, Any]]) -> str:
                       f"{row['submits_ms']['median']:.3f}", f"{row['submits_ms']['p99']:.3f}",
                       f"{row['engine_work_ms']['median']:.2f}",
                       f"{row['engine_work_ms']['p99']:.2f}"])
-    return table(["done first", "N in flight", "finishing a step", "contender",
+    return table(["done first", "ending", "N in flight", "finishing a step", "contender",
                   "step ms, median", "p99", "vs every step",
                   "DONE to result ms, median", "p99", "max",
                   "in steps, median", "p99", "max", "state checks a step",
@@ -405,8 +434,8 @@ def plot(info: dict[str, str], rows: list[dict[str, Any]], path: Path) -> None:
               ("progress thread", "random"): ("C2", "^", ":")}
     sizes = sorted({row["n"] for row in rows})
     for (contender, order), (color, marker, line) in styles.items():
-        mine = sorted((row for row in rows
-                       if row["contender"] == contender and row["order"] == order),
+        mine = sorted((row for row in rows if row["contender"] == contender
+                       and row["order"] == order and row["ends"] == "before"),
                       key=lambda row: row["n"])
         if not mine:
             continue
@@ -455,11 +484,11 @@ def main() -> int:
     sizes = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
     steps = 30 if args.quick else 100
     rows = []
-    for order in ("oldest", "random"):
+    for order, ends in (("oldest", "before"), ("random", "before"), ("oldest", "during")):
         for n in sizes:
             for contender in CONTENDERS:
-                rows.append(run(real, contender, n, steps, order))
-                print(f"  {order} {n:,} {contender}: "
+                rows.append(run(real, contender, n, steps, order, ends=ends))
+                print(f"  {order} {ends} {n:,} {contender}: "
                       f"{rows[-1]['step_ms']['median']:.3f} ms a step", flush=True)
     if not args.quick:  # what the collector's pauses cost the sweep's bound
         rows.append(run(real, "schedule", sizes[-1], steps, "random", collector=False))
