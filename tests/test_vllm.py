@@ -419,6 +419,34 @@ def test_vllms_tier_poll_thread_collects_results_between_scheduler_steps(
         assert not manager.has_pending_work()
 
 
+def test_with_a_progress_thread_the_tier_polls_itself_and_vllms_polls_only_take_results(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    import threading  # noqa: PLC0415
+
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    agent = FaultyAgent(make_agent("vllm-progress", "POSIX"))
+    engine = engines(file_entry(tmp_path, agent=agent, retry={"progress_interval": 0.001}))
+    tier = the_tier(engine).tier
+    agent.inject("transfer", StayProc(20))  # the store needs 20 checks more to end
+    a = blocks(1)
+    engine.offload("A", a)
+    engine.settle()
+    assert engine.pinned_chunks() == 0
+    progress = tier.stats()["progress"]
+    # every check was the tier's own thread's: vLLM's polls only took the result
+    assert progress["error"] is None and progress["polls"] >= 20
+    assert agent.call_count("check_xfer_state") == progress["polls"]
+    engine.offload("B", blocks(4, 5, 6, 7))  # evicts A from the primary
+    engine.settle()
+    assert engine.fetch("C", list(a)) == a  # and it comes back through the tier
+    engine.settle()
+    assert engine.pinned_chunks() == 0
+    engine.shutdown()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvfsm-progress")]
+
+
 def test_metrics_are_declared_and_labelled_as_vllm_requires(
     tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:
