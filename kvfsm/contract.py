@@ -57,10 +57,14 @@ class Books:
         self.results.append(result)
 
     def take_results(self) -> list[JobResult]:
-        """The results published since the last call, handed out once (safe beside one
-        publishing thread without a lock)."""
-        results = self.results
-        taken = [results.popleft() for _ in range(len(results))]
+        """The results published since the last call, handed out once (safe without a lock
+        beside a publishing thread, and beside another caller: each result goes to one)."""
+        results, taken = self.results, []
+        for _ in range(len(results)):
+            try:
+                taken.append(results.popleft())
+            except IndexError:  # another thread took it (two callers at once)
+                break
         discard = self.unreported.discard
         for result in taken:
             discard(result.job_id)

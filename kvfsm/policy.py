@@ -71,8 +71,8 @@ class RetryPolicy:
         progress_interval: with a number of seconds, a tier polls on a progress thread of its
             own every that many seconds while it has jobs unpublished, and
             ``get_finished_jobs`` only hands out what that thread published: no NIXL call and
-            no wait for the tier's lock on the caller's thread (the module's notes: the
-            progress thread). None (the default): ``get_finished_jobs`` polls on the caller's
+            no wait for the tier's lock on the caller's thread (but a peer sender's settles its
+            link under the lock; the module's notes: the progress thread). None (the default): ``get_finished_jobs`` polls on the caller's
             thread.
 
     Raises:

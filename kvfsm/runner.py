@@ -575,6 +575,13 @@ class Runner(Books):
     def _finish(self, transfer: Transfer) -> None:
         """A transfer reached a final state: its one result, and the books, then listeners."""
         job_id = transfer.job_id
+        held = transfer.state in self.held
+        result = transfer.result(held)
+        # the result is queued before the record goes, and its job id marked before that: a
+        # progress thread publishes while the caller may be taking results (Books) or asking
+        # has_pending_work, which must never see neither the record nor the result
+        self.unreported.add(job_id)
+        self.results.append(result)
         del self.records[job_id]
         self.bytes_in_flight -= transfer.nbytes
         if transfer.slot >= 0:
@@ -589,15 +596,9 @@ class Runner(Books):
             self._committing.discard(job_id)
         if self._by_start is not None and len(self._by_start) > 2 * len(self.records) + 64:
             self._compact()
-        held = transfer.state in self.held
-        result = transfer.result(held)
         # every change to the books first, then what runs code of others (logging handlers,
         # listeners): an interrupt there must not leave a quarantined transfer uncounted
         # (shutdown would release the registration its handles use) or a verdict unrecorded
-        # the job id before the result: a progress thread publishes while the caller may be
-        # taking results (Books)
-        self.unreported.add(job_id)
-        self.results.append(result)
         self.published += 1
         self.latencies.append(result.transfer_time)
         if held:

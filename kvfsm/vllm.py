@@ -279,7 +279,10 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
 
     def has_pending_work(self) -> bool:
         tier = self._tier
-        return bool(self._ready) or (tier is not None and tier.has_pending_work())
+        # a job is pending until vLLM has its result (a tier's progress thread may publish
+        # it while another of vLLM's threads is taking results)
+        return (bool(self._ready) or bool(self._jobs)
+                or (tier is not None and tier.has_pending_work()))
 
     def drain_jobs(self) -> None:
         """Wait until NIXL finished every transfer (never aborting one); the results come

@@ -22,7 +22,8 @@ import torch
 from kvfsm import JobResult, TransferJob
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent
-from kvfsm.tiers import ObjectStoreTier
+from kvfsm.tiers import InvalidJobError, ObjectStoreTier
+from kvfsm.transfer import Transfer
 
 from .test_poll_schedule import Held
 
@@ -138,7 +139,7 @@ def test_the_thread_runs_while_jobs_are_unpublished_and_comes_back_with_the_next
     wait_for(lambda: not progress_threads())  # nothing unpublished: it ended
     assert not tier.stats()["progress"]["running"]
     polls = tier.stats()["progress"]["polls"]
-    assert polls >= 2
+    assert polls >= 1
 
     store(tier, 1)  # the next submit starts it again
     assert tier.stats()["progress"]["running"]
@@ -197,8 +198,7 @@ def test_a_poll_that_raises_on_the_thread_costs_no_result(
 def test_submits_steps_and_the_thread_at_once_hand_out_every_result_once() -> None:
     """Two submitting threads reuse job ids as soon as their results are out, while the
     scheduler takes results and the progress thread publishes them: no result is lost or
-    handed out twice, and a job id is never refused once its result was taken, nor taken
-    again before."""
+    handed out twice, and a job id is never refused once its result was taken."""
     agent = FakeNixlAgent("busy", complete_after_polls=2)
     tier = tier_on(agent)
     rounds, ids_per_thread = 40, 16
@@ -239,6 +239,71 @@ def test_submits_steps_and_the_thread_at_once_hand_out_every_result_once() -> No
     assert outstanding == {}
     tier.shutdown(timeout=5)
     assert agent.live_xfer_handles() == 0
+
+
+def test_a_job_id_is_refused_while_its_result_waits_and_taken_once_it_was_handed_out(
+        watched: Watched) -> None:
+    tier = tier_on(watched)
+    store(tier, 7)
+    watched.end(0)
+    wait_for(lambda: len(tier._books.results) == 1)  # published by the thread, not taken
+    with pytest.raises(InvalidJobError, match="job 7 has a result not yet collected"):
+        store(tier, 7)
+    assert [r.job_id for r in tier.get_finished_jobs()] == [7]
+    store(tier, 7)  # its result is out: the id is free again
+    watched.end(1)
+    assert [r.job_id for r in collect(tier, 1)] == [7]
+    tier.shutdown(timeout=5)
+
+
+def test_pending_work_is_never_denied_while_the_thread_publishes(
+        watched: Watched, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread is held inside the publishing of a result: the caller still sees work
+    pending (the record, or the result), so a loop that stops when there is none, or a drain,
+    cannot end before the result can be taken."""
+    inside, go_on = threading.Event(), threading.Event()
+    making = Transfer.result
+
+    def held_result(transfer: Transfer, held: bool) -> JobResult:
+        inside.set()
+        go_on.wait(10)
+        return making(transfer, held)
+
+    monkeypatch.setattr(Transfer, "result", held_result)
+    tier = tier_on(watched)
+    store(tier, 0)
+    watched.end(0)
+    assert inside.wait(10)
+    try:
+        assert tier.has_pending_work()
+        assert tier.get_finished_jobs() == []
+    finally:
+        go_on.set()
+    assert [r.job_id for r in collect(tier, 1)] == [0]
+    assert not tier.has_pending_work()
+    tier.shutdown(timeout=5)
+
+
+def test_without_a_thread_to_be_had_the_caller_polls(
+        watched: Watched, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    def refuse(thread: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    tier = tier_on(watched)
+    with caplog.at_level(logging.ERROR, logger="kvfsm"):
+        store(tier, 0)  # taken all the same: the job is in flight
+    assert tier.state_of(0) is not None
+    assert tier.stats()["progress"] == {
+        "running": False, "polls": 0,
+        "error": "not started: RuntimeError: can't start new thread"}
+    assert "the progress thread could not start" in caplog.text
+    watched.end(0)
+    assert [r.job_id for r in collect(tier, 1)] == [0]
+    assert watched.check_threads == {"MainThread"}
+    tier.shutdown(timeout=5)
+    assert watched.live_xfer_handles() == 0
 
 
 def test_a_process_that_forgets_shutdown_exits_only_once_every_transfer_is_published() -> None:

@@ -236,6 +236,7 @@ class SecondaryTier(JobSide):
         self._lock = threading.RLock()
         #: the progress thread while one runs (policy.progress_interval), and what it did
         self._progress_thread: threading.Thread | None = None
+        self._progress_last: threading.Thread | None = None  # shutdown joins it
         self._progress_polls = 0
         self._progress_error: str | None = None
         base = primary.data_ptr()
@@ -319,7 +320,7 @@ class SecondaryTier(JobSide):
             if self._closed:
                 return
             self._closing = True  # the progress thread ends at its next poll
-            progress = self._progress_thread
+            progress = self._progress_last
             self._stop_by = None if timeout is None else time.monotonic() + timeout
             for transfer in self.unpublished():
                 runner.cancel(transfer)
@@ -516,8 +517,14 @@ class SecondaryTier(JobSide):
             return
         thread = threading.Thread(target=self._progress_loop, args=(interval,),
                                   name=f"kvfsm-progress-{type(self).__name__}")
-        thread.start()
-        self._progress_thread = thread
+        try:
+            thread.start()
+        except Exception as error:  # no thread to be had: the caller's steps poll, as without
+            self._progress_error = f"not started: {type(error).__name__}: {error}"
+            logger.error("%s: the progress thread could not start (%s); get_finished_jobs "
+                         "polls on the caller's thread", type(self).__name__, error)
+            return
+        self._progress_thread = self._progress_last = thread
 
     def _progress_loop(self, interval: float) -> None:
         """Poll every ``interval`` seconds while jobs are unpublished and the tier is open."""
@@ -532,11 +539,14 @@ class SecondaryTier(JobSide):
                     self._poll()
                     self._progress_polls += 1
         except BaseException as error:
-            logger.exception("%s: the progress thread's poll raised; get_finished_jobs polls "
-                             "on the caller's thread from now on", type(self).__name__)
-            with lock:  # after the log line: whoever sees the error can find the line
-                self._progress_thread = None
-                self._progress_error = f"{type(error).__name__}: {error}"
+            try:
+                logger.exception("%s: the progress thread's poll raised; get_finished_jobs "
+                                 "polls on the caller's thread from now on",
+                                 type(self).__name__)
+            finally:  # after the log line (whoever sees the error finds it), even if it raised
+                with lock:
+                    self._progress_thread = None
+                    self._progress_error = f"{type(error).__name__}: {error}"
 
     def _submit(self, job: TransferJob, *, load: bool) -> None:
         if self._closed or self._closing:
