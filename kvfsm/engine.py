@@ -728,6 +728,7 @@ class CompiledMachine(Generic[S, A]):
         chain.runs += 1
         try:  # free while nothing raises, as in fire
             for step, detail in chain.acting:
+                action = None  # the record's state store, until an action runs
                 record.state = step.dest
                 for action in step.actions:
                     action(record, step.answer, detail)
@@ -760,9 +761,10 @@ class _Inert:
     """A model for the template machine that is only read, never triggered."""
 
 
-def _blame(error: BaseException, machine: str, step: Step[Any], action: Action,
+def _blame(error: BaseException, machine: str, step: Step[Any], action: Action | None,
            record: Any) -> None:
-    """Note on ``error`` which action of which step raised it, and where the record is.
+    """Note on ``error`` which action of which step raised it (None: storing the record's
+    state for the step raised), and where the record is.
 
     The exception itself is re-raised as it is: its type is what callers catch (a lifecycle's
     ``OutcomeAlreadyLatched``, an interrupt), and a wrapper would hide it from them. A note
@@ -770,14 +772,18 @@ def _blame(error: BaseException, machine: str, step: Step[Any], action: Action,
     ``pytest.raises(match=...)``; an exception that passes through nested machines gets one
     note from each. Only the error path pays for it.
     """
-    names = [name for name, known in zip(step.edge.actions, step.actions, strict=True)
-             if known is action]
     state = getattr(record, "state", None)
     where = state.name if isinstance(state, enum.Enum) else repr(state)
+    firing = f"firing {step.source.name} -{step.edge.event}({step.answer.name})-> {step.dest.name}"
+    if action is None:
+        error.add_note(f"kvfsm: raised by the record's state store of machine {machine!r}, "
+                       f"{firing}, before its actions; the record is in {where}")
+        return
+    names = [name for name, known in zip(step.edge.actions, step.actions, strict=True)
+             if known is action]
     error.add_note(
         f"kvfsm: raised by action {' or '.join(map(repr, names)) or repr(action)} of machine "
-        f"{machine!r}, firing {step.source.name} -{step.edge.event}({step.answer.name})-> "
-        f"{step.dest.name}; the record is in {where} (actions run after the state changed)")
+        f"{machine!r}, {firing}; the record is in {where} (actions run after the state changed)")
 
 
 def _state_names(value: Any) -> list[str]:

@@ -72,8 +72,8 @@ class RetryPolicy:
             own every that many seconds while it has jobs unpublished, and
             ``get_finished_jobs`` only hands out what that thread published: no NIXL call and
             no wait for the tier's lock on the caller's thread (but a peer sender's settles its
-            link under the lock; the module's notes: the progress thread). None (the default): ``get_finished_jobs`` polls on the caller's
-            thread.
+            link under the lock; the module's notes: the progress thread). None (the
+            default): ``get_finished_jobs`` polls on the caller's thread.
 
     Raises:
         ValueError: a field is not what it says, naming the field and the value. Every field

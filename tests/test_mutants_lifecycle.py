@@ -20,7 +20,7 @@ import torch
 
 from kvfsm import TRANSFER_MACHINE, FailureKind, FailureReason, Transfer, TransferJob
 from kvfsm.lifecycle import Answer, TransferEvent, TransferState
-from kvfsm.machines.transfer import CallFailed
+from kvfsm.machines.transfer import CallFailed, OutcomeAlreadyLatched
 from kvfsm.testing import FakeNixlAgent
 from kvfsm.tiers import ObjectStoreTier
 
@@ -177,3 +177,135 @@ def test_a_failed_transfer_quarantined_keeps_the_reason_it_failed_for() -> None:
     machine.fire(failed, E.RELEASE, A.EXHAUSTED)
     assert failed.state is S.QUARANTINED and failed.reason == reason
     assert failed.error == "retry bound spent"
+
+
+# -- the second run (mutmut 3.8.1 over engine.py and machines/transfer.py) ---------------------
+# Each test below names the mutants of kvfsm/machines/transfer.py it kills.
+
+def test_a_reason_reads_as_one_line_with_or_without_its_call() -> None:
+    """FailureReason.__str__: 3, 4 (``a call`` said of a reason without one), 8 (a cancelled
+    reason reads as what it is, not as ``failed: cancelled``)."""
+    assert str(FailureReason(FailureKind.RAISED, None, "OSError: gone")) == (
+        "a call raised OSError: gone")
+    assert str(FailureReason(FailureKind.ERR, None, "answered 'ERR'")) == "a call answered 'ERR'"
+    assert str(FailureReason(FailureKind.QUARANTINED, None, "retry bound spent")) == (
+        "quarantined waiting on a call: retry bound spent")
+    assert str(FailureReason(FailureKind.CANCELLED, None, "cancelled")) == "cancelled"
+    assert str(FailureReason(FailureKind.UNKNOWN, None, "BAD")) == "failed: BAD"
+    assert str(FailureReason(FailureKind.RAISED, "transfer", "OSError: gone")) == (
+        "transfer raised OSError: gone")
+
+
+def test_an_outcome_latched_twice_is_refused_naming_the_job() -> None:
+    """latch_success: 2, latch_failure: 2 (the message of ``OutcomeAlreadyLatched``)."""
+    machine = TRANSFER_MACHINE.compile(listen=False)
+    for answer in (A.DONE, A.ERR):
+        transfer = transfer_in(S.PROCESSING, success=True)
+        with pytest.raises(OutcomeAlreadyLatched) as refused:
+            machine.fire(transfer, E.POLL, answer)
+        assert str(refused.value) == "job 7: outcome already latched"
+        assert transfer.success is True
+
+
+def test_a_cancel_that_names_who_cancelled_keeps_it_as_the_error_and_fails_as_cancelled() -> None:
+    """latch_cancelled: 2 (the answer passed on: without it a call's text detail reads as a
+    user step's answer, which has a name, and the action raises)."""
+    machine = TRANSFER_MACHINE.compile(listen=False)
+    transfer = transfer_in(S.PROCESSING)
+    machine.fire(transfer, E.CANCEL, A.OK, CallFailed("shutdown", "deadline passed"))
+    assert transfer.state is S.CANCELLING and transfer.success is False
+    assert transfer.error == "shutdown answered 'deadline passed'"
+    assert transfer.reason == FailureReason(FailureKind.CANCELLED, None, "cancelled")
+
+
+class Bare:
+    """A record of another machine sharing the transfer's actions: no place for a reason or
+    an error type (``_keep_error`` and ``_set_reason`` leave them out)."""
+
+    __slots__ = ("error", "finished_at", "job", "retries", "state", "success")
+
+    def __init__(self, state: TransferState) -> None:
+        self.job = TransferJob(7, ["k"], [0])
+        self.state, self.success, self.error = state, None, None
+        self.finished_at, self.retries = 0.0, 0
+
+
+def test_a_record_without_a_reason_or_error_type_fails_and_is_quarantined_all_the_same() -> None:
+    """_set_reason: 1 (the record's missing ``reason`` is not suppressed), quarantine: 11
+    (its missing ``error_type`` is read without a default)."""
+    machine = TRANSFER_MACHINE.compile(listen=False)
+    failed = Bare(S.PROCESSING)
+    machine.fire(failed, E.POLL, A.RAISED, CallFailed("check_xfer_state", OSError("gone")))
+    assert failed.state is S.FAILED and failed.success is False
+    assert failed.error == "OSError: gone"
+    machine.fire(failed, E.RELEASE, A.EXHAUSTED)
+    assert failed.state is S.QUARANTINED and failed.error == "retry bound spent"
+    running = Bare(S.PROCESSING)
+    machine.fire(running, E.POLL, A.EXHAUSTED, "running for more than 5 s")
+    assert running.state is S.QUARANTINED and running.success is False
+    assert running.error == "running for more than 5 s"
+
+
+def test_a_step_given_up_keeps_why_as_the_error_and_names_the_step_in_the_reason() -> None:
+    """quarantine: 23 (a call given up with a text: that text is the error, not ``call
+    answered 'text'``), as the runner gives up a user step (``CallFailed(step, why)``)."""
+    machine = TRANSFER_MACHINE.compile(listen=False)
+    transfer = transfer_in(S.PROCESSING)
+    machine.fire(transfer, E.POLL, A.EXHAUSTED, CallFailed("verify", "running for more than 5 s"))
+    assert transfer.state is S.QUARANTINED and transfer.success is False
+    assert transfer.error == "running for more than 5 s"
+    assert transfer.reason == FailureReason(FailureKind.QUARANTINED, "verify",
+                                            "running for more than 5 s")
+
+
+def test_what_a_call_raised_is_kept_by_its_type_and_what_it_answered_has_none() -> None:
+    """_keep_error: 7, 8 (``error_type`` not kept), _error_type: 3 (a bare exception's type
+    lost), 5 (a status answered given the type ``str``)."""
+    machine = TRANSFER_MACHINE.compile(listen=False)
+    raised = transfer_in(S.PROCESSING)
+    machine.fire(raised, E.POLL, A.RAISED, CallFailed("check_xfer_state", OSError("gone")))
+    assert raised.error_type == "OSError"
+    bare = transfer_in(S.PROCESSING)
+    machine.fire(bare, E.POLL, A.RAISED, TimeoutError("slow"))
+    assert bare.error == "TimeoutError: slow" and bare.error_type == "TimeoutError"
+    answered = transfer_in(S.PROCESSING)
+    machine.fire(answered, E.POLL, A.ERR, CallFailed("check_xfer_state", "ERR"))
+    assert answered.error == "check_xfer_state answered 'ERR'" and answered.error_type is None
+    retried = transfer_in(S.DONE, success=True, error="x", error_type="OSError")
+    machine.fire(retried, E.RELEASE, A.RAISED, CallFailed("release_xfer_handle",
+                                                          RuntimeError("busy")))
+    assert retried.error_type == "RuntimeError"
+    machine.fire(retried, E.RELEASE, A.RAISED, "busy again")
+    assert retried.error == "busy again" and retried.error_type is None
+
+
+def test_an_err_answer_says_what_was_answered_with_or_without_a_call() -> None:
+    """_failure: 26, 27, 28, 31 (ERR with nothing said reads ``answered 'ERR'``), 25, 32 (a
+    message given alone is the error as it is), and the status a call answered is quoted."""
+    machine = TRANSFER_MACHINE.compile(listen=False)
+    silent = transfer_in(S.PROCESSING)
+    machine.fire(silent, E.POLL, A.ERR)
+    assert silent.reason == FailureReason(FailureKind.ERR, None, "answered 'ERR'")
+    said = transfer_in(S.PROCESSING)
+    machine.fire(said, E.POLL, A.ERR, "the peer said no")
+    assert said.reason == FailureReason(FailureKind.ERR, None, "the peer said no")
+    status = transfer_in(S.PROCESSING)
+    machine.fire(status, E.POLL, A.ERR, CallFailed("check_xfer_state", "NIXL_ERR_REMOTE"))
+    assert status.reason == FailureReason(FailureKind.ERR, "check_xfer_state",
+                                          "answered 'NIXL_ERR_REMOTE'")
+    assert str(status.reason) == "check_xfer_state answered 'NIXL_ERR_REMOTE'"
+
+
+def test_a_step_answering_a_failure_with_an_empty_reason_says_only_its_answer() -> None:
+    """_failure: 44, 45 (an empty reason adds nothing after the answer's name)."""
+    failed = run_one_store(lambda transfer, primary: (Checked.BAD, ""))
+    assert failed.reason == FailureReason(FailureKind.ERR, "verify", "answered BAD")
+
+
+def test_a_failure_whose_call_said_something_keeps_the_call_in_its_reason() -> None:
+    """_failure: 47 (the call of a failure that neither raised nor answered ERR)."""
+    machine = TRANSFER_MACHINE.compile(listen=False)
+    transfer = transfer_in(S.SUBMITTED)
+    machine.fire(transfer, E.POST, A.RAISED, CallFailed("register_memory", "refused"))
+    assert transfer.reason == FailureReason(FailureKind.UNKNOWN, "register_memory",
+                                            "register_memory answered 'refused'")
