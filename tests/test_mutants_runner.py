@@ -17,13 +17,16 @@ and the running bound after the submit-order queue was compacted.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import random
 import time
 from typing import Any
 
 import pytest
 
+import kvfsm.runner
 from kvfsm import TRANSFER_MACHINE, Declaration, FailureKind, FailureReason, TransferJob
 from kvfsm.driver import Outcome
 from kvfsm.lifecycle import Answer, CallFailed
@@ -31,6 +34,7 @@ from kvfsm.policy import RetryPolicy
 from kvfsm.runner import COMMITTING, END, Runner
 from kvfsm.transfer import Leak, Transfer
 
+from .test_poll_schedule import Clock
 from .test_runner import (
     CLEAN_OK,
     OK,
@@ -556,3 +560,398 @@ def test_a_store_that_committed_and_went_back_to_nixl_is_not_taken_for_committin
     [result] = books.take_results()
     assert result.reason == FailureReason(FailureKind.QUARANTINED, "check_xfer_state",
                                           "still running after 5.0 s", None)
+
+
+# -- the poll schedule, counted exactly: one runner, its checks answered and its clock moved --
+
+class Nixl:
+    """The state checks of a poll schedule story: each handle answers PROC until the story
+    ends it; what each poll asked about is kept (``raise_on``: the calls, counted from 1, that
+    raise KeyboardInterrupt, as a signal arriving inside NIXL's call would)."""
+
+    def __init__(self) -> None:
+        self.ended: set[str] = set()
+        self.asked: list[str] = []
+        self.calls = 0
+        self.raise_on: set[int] = set()
+        self.short = False  # answer one status fewer than the handles asked about
+
+    def __call__(self, handles: list[Any]) -> list[str | Exception]:
+        self.calls += 1
+        if self.calls in self.raise_on:
+            raise KeyboardInterrupt
+        self.asked += handles
+        answers: list[str | Exception] = [
+            "DONE" if handle in self.ended else "PROC" for handle in handles]
+        return answers[:-1] if self.short else answers
+
+
+@pytest.fixture
+def moved(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The runner's clock, moved by the story (binary fractions of a second: exact)."""
+    clock = Clock()
+    monkeypatch.setattr(kvfsm.runner, "time", clock)
+    return clock
+
+
+def scheduled(n: int, limit: float = 1.0, machine: Any = None, first: int = 0,
+              books: Runner | None = None) -> tuple[Runner, list[Transfer]]:
+    """A runner (every poll scheduled: ``check_all_below=0``) with ``n`` more transfers
+    running, job ids from ``first``, in that order."""
+    if books is None:
+        books = Runner((machine or TRANSFER_MACHINE).compile(listen=False),
+                       RetryPolicy(max_unpolled=limit, check_all_below=0))
+    transfers = []
+    for job_id in range(first, first + n):
+        transfer = submitted(books, job_id)
+        books.take(transfer, "post", Outcome(Answer.PROC))
+        transfers.append(transfer)
+    return books, transfers
+
+
+def poll(books: Runner, nixl: Nixl, everything: bool = False,
+         verify: Any = None) -> list[int]:
+    """One scheduled poll (a drain's with ``everything``) and the calls due after it, as the
+    tier makes them; the job ids asked about, in order. ``verify`` answers the ``verify``
+    steps (None: the step is not made this round)."""
+    nixl.asked = []
+    for transfer, status in books.check_round(nixl, everything):
+        books.take(transfer, "poll", Outcome(Answer.DONE if status == "DONE" else status))
+    for transfer, effect in books.due():
+        if effect == "poll":
+            nixl.asked.append(transfer.xfer)
+            status = "DONE" if transfer.xfer in nixl.ended else "PROC"
+            books.take(transfer, effect, Outcome(Answer.DONE if status == "DONE" else
+                                                 Answer.PROC))
+        elif effect == "verify":
+            if verify is not None:
+                books.take(transfer, effect, Outcome(verify(transfer)))
+        else:
+            books.take(transfer, effect, (OK, CLEAN_OK) if effect == END else OK)
+    return [int(handle.rsplit("-", 1)[1]) for handle in nixl.asked]
+
+
+def assert_queued_as_marked(books: Runner, transfers: list[Transfer]) -> None:
+    """The schedule's books: each running transfer is queued once in the oldest-first queue
+    and once in the sweep; any transfer's marks say where it is queued."""
+    front = collections.Counter(map(id, books._front))
+    swept = collections.Counter(id(t) for _, batch in books._sweep for t in batch)
+    swept.update(map(id, books._joined))
+    for transfer in transfers:
+        where = (front[id(transfer)], swept[id(transfer)])
+        assert where == (transfer.queued & 1, transfer.queued >> 1), (transfer.job_id, where)
+        assert transfer.queued in (0, 1, 2, 3), (transfer.job_id, transfer.queued)
+        if transfer.slot >= 0:
+            assert transfer.queued == 3, transfer.job_id
+
+
+def test_a_poll_asks_the_oldest_batch_until_none_ended_and_hands_back_only_what_ended(
+        moved: Clock) -> None:
+    """With 100 running and no time passed (no share for the sweep), a poll asks about the 16
+    oldest; once one of them ended, the next 16 too. Only the one that ended comes back, and
+    each of the others is counted as one stay. Kills check_round 1 (everything by default),
+    28 and 56 (the PROC answers handed back too) and 64 (the ended one counted as a stay)."""
+    books, transfers = scheduled(100)
+    nixl = Nixl()
+    stay = books.table[S.PROCESSING]["poll"][Answer.PROC]
+
+    assert books.check_round(nixl) == []
+    assert nixl.asked == [f"handle-{i}" for i in range(16)] and stay.taken == 16
+
+    nixl.asked = []
+    nixl.ended.add("handle-3")
+    assert books.check_round(nixl) == [(transfers[3], "DONE")]
+    assert nixl.asked == [f"handle-{i}" for i in range(32)]
+    assert stay.taken == 16 + 31
+
+
+@pytest.mark.parametrize("fired", [False, True], ids=["stays", "fired"])
+def test_a_poll_whose_answers_do_not_match_what_it_asked_is_refused(
+        moved: Clock, fired: bool) -> None:
+    """A scheduled poll whose state checks answer one status fewer than the handles asked
+    about is refused (a ``ValueError``), not paired with the wrong transfers; on a machine with
+    an action on PROC every answer comes back with its transfer. Kills check_round 29-36
+    (the fired answers lost or mispaired; the length not checked) and 45, 48, 49 (the
+    length not checked where PROC is a stay)."""
+    heard: list[tuple[int, Any]] = []
+    books, transfers = scheduled(40, machine=noisy(heard) if fired else None)
+    nixl = Nixl()
+    nixl.ended.add("handle-1")
+    answered = books.check_round(nixl)
+    if fired:
+        assert answered == [(t, "DONE" if t.job_id == 1 else "PROC") for t in transfers[:32]]
+    else:
+        assert answered == [(transfers[1], "DONE")]
+    nixl.short = True
+    with pytest.raises(ValueError, match="zip"):
+        books.check_round(nixl)
+
+
+def test_with_a_few_running_each_poll_asks_every_one_once_after_the_oldest_ended(
+        moved: Clock) -> None:
+    """Five running, none due in the sweep for an hour: each poll asks about all five (the
+    oldest-first checks are one short batch). The oldest ends and is published; the newest
+    takes its place in the running list, and every later poll still asks about each of the
+    four left. Kills _drop_dead_front 5 and 6 (the one in the running list's first place
+    taken for ended, and dropped from the oldest-first queue)."""
+    books, transfers = scheduled(5, limit=3600.0)
+    nixl = Nixl()
+    assert poll(books, nixl) == [0, 1, 2, 3, 4]
+    nixl.ended.add("handle-0")
+    assert poll(books, nixl) == [0, 1, 2, 3, 4]
+    assert [r.job_id for r in books.take_results()] == [0]
+    for _ in range(3):
+        assert poll(books, nixl) == [1, 2, 3, 4]
+    assert_queued_as_marked(books, transfers)
+
+
+def test_the_sweeps_share_goes_on_into_the_next_turn_for_what_it_still_wants_only(
+        moved: Clock) -> None:
+    """100 running, ``max_unpolled`` 1 s, a poll every 1/4 s: each poll's sweep asks about a
+    quarter of them in turn (the 16 oldest are asked first anyway). Ten in the middle end
+    without the schedule (a drain found them); the next share walks past them and takes what
+    it still wants from the next turn, not more: 23 of the 90 left. Every running transfer
+    is still asked about within 1 s. Kills _sweep_share 28 (more taken from the next turn)
+    and 43 (the transfers taken from the first turn lost from the sweep)."""
+    books, transfers = scheduled(100)
+    nixl = Nixl()
+    last = {t.job_id: moved.now for t in transfers}
+
+    def asked() -> list[int]:
+        job_ids = poll(books, nixl)
+        last.update(dict.fromkeys(job_ids, moved.now))
+        return job_ids
+
+    assert asked() == list(range(16))
+    moved.advance(0.25)
+    assert asked() == list(range(25))
+    moved.advance(0.25)
+    assert asked() == list(range(16)) + list(range(25, 50))
+    for transfer in transfers[50:60]:
+        books.take(transfer, "poll", Outcome(Answer.DONE))
+    answer_due(books, {END: (OK, CLEAN_OK)})
+    assert len(books.take_results()) == 10
+    moved.advance(0.25)
+    # a share of ceil(90 / 4) = 23: the 13 running of 50..72, then 10 of the next turn
+    assert asked() == list(range(16)) + list(range(60, 83))
+    for _ in range(12):
+        moved.advance(0.25)
+        asked()
+        assert all(moved.now - last[t.job_id] <= 1.0 for t in transfers if t.slot >= 0)
+    assert_queued_as_marked(books, transfers)
+
+
+def test_a_share_the_state_checks_never_answered_is_asked_about_at_the_next_poll(
+        moved: Clock) -> None:
+    """The sweep's state checks raise KeyboardInterrupt: the share they did not answer is
+    due at once, so the next poll, with no time passed (no share of its own), asks about it
+    all. Kills _sweep_undo 2 (that share put last in turn instead)."""
+    books, _ = scheduled(64)
+    nixl = Nixl()
+    assert poll(books, nixl) == list(range(16))
+    moved.advance(0.5)
+    nixl.raise_on = {nixl.calls + 2}  # the oldest batch is answered, the sweep's share not
+    with pytest.raises(KeyboardInterrupt):
+        poll(books, nixl)
+    assert poll(books, nixl) == list(range(32))
+    assert poll(books, nixl) == list(range(16))  # nothing more is due
+
+
+@pytest.mark.timeout(10)
+def test_a_turn_comes_max_unpolled_after_the_first_of_its_batch_started_running(
+        moved: Clock) -> None:
+    """One transfer starts running, half a second later 63 more; a drain asks about them all
+    just then, and a second later once more, so the polls right after each have no share of
+    their own. The 64 turns are due one second after the first of them started: the poll at
+    exactly that time asks about all 64 (the bound is inclusive), not only the oldest 16.
+    Kills _schedule 9 (the batch timed from its last transfer), _sweep_share 24 (a turn due
+    exactly now left for later) and 30 (a turn due now cut to the share: a loop that never
+    ends)."""
+    books, transfers = scheduled(1)
+    moved.advance(0.5)
+    books, more = scheduled(63, first=1, books=books)
+    nixl = Nixl()
+    assert len(poll(books, nixl, everything=True)) == 64
+    assert poll(books, nixl) == list(range(16))
+    moved.advance(0.5)
+    assert len(poll(books, nixl, everything=True)) == 64
+    assert poll(books, nixl) == list(range(64))
+    assert_queued_as_marked(books, transfers + more)
+
+
+def test_a_transfer_running_exactly_max_running_seconds_is_given_up(moved: Clock) -> None:
+    """The running bound is inclusive: a transfer submitted exactly ``max_running_seconds``
+    ago is given up, one submitted a moment later is not. Kills overdue 9."""
+    books = runner(RetryPolicy(max_running_seconds=5.0))
+    first, second = submitted(books, 1), submitted(books, 2)
+    first.started_at, second.started_at = moved.now - 5.0, moved.now - 4.75
+    for transfer in (first, second):
+        books.take(transfer, "post", Outcome(Answer.PROC))
+    assert books.overdue() == []
+    assert (first.state, second.state) == (S.QUARANTINED, S.PROCESSING)
+
+
+def test_a_release_is_retried_once_exactly_its_backoff_has_passed(moved: Clock) -> None:
+    """A release that raised waits out its backoff (1/2 s): nothing is due a moment before,
+    the retry is due at exactly its time. Kills due 23."""
+    books = runner(RetryPolicy(backoff=0.5, max_backoff=0.5))
+    transfer = submitted(books)
+    books.take(transfer, "post", Outcome(Answer.DONE))
+    books.take(transfer, END, (Outcome(Answer.RAISED, CallFailed(
+        "release_xfer_handle", RuntimeError("busy"))), Outcome(None)))
+    assert transfer.retry_at == moved.now + 0.5
+    moved.advance(0.25)
+    assert list(books.due()) == []
+    moved.advance(0.25)
+    assert list(books.due()) == [(transfer, END)]
+
+
+def test_transfers_that_leave_the_running_states_and_come_back_stay_on_schedule(
+        moved: Clock) -> None:
+    """A story of 300 polls, 1/8 s apart, ``max_unpolled`` 1 s, about 40 transfers running:
+    NIXL says some are done, in any order; their ``verify`` step keeps them a few polls, then
+    sends them back to NIXL (AGAIN) or lets them succeed (a new transfer starts in place of
+    each). Every poll asks about each transfer at most once (one the step sends back to NIXL:
+    once more, in the same round); each running transfer is asked about within 1 s and the
+    gap between polls; and a transfer that left and came back, met while away by the
+    oldest-first checks, the sweep or both, is queued once in each, its marks saying so.
+    Kills _drop_dead_front 8, 9 and 10 and _sweep_share 35-42 (a mark lost, or set for a
+    queue that no longer holds the transfer, or a running one dropped from the sweep: a
+    transfer queued twice, or nowhere)."""
+    rng = random.Random(7)
+    books, transfers = scheduled(40, machine=verify_again())
+    nixl = Nixl()
+    tick, limit = 0.125, 1.0
+    away: dict[int, int] = {}  # job id: polls left in VERIFYING
+    last = {t.job_id: moved.now for t in transfers}
+    next_job = 40
+    sent_back: set[int] = set()  # this poll's
+
+    def verify(transfer: Transfer) -> Any:
+        left = away.setdefault(transfer.job_id, rng.choice([0, 1, 2, 3, 5, 8, 13]))
+        if left:
+            away[transfer.job_id] = left - 1
+            return None  # not this round
+        del away[transfer.job_id]
+        if rng.random() < 0.2:
+            return Again.MATCH
+        nixl.ended.discard(transfer.xfer)
+        sent_back.add(transfer.job_id)
+        return Again.AGAIN
+
+    for _ in range(300):
+        moved.advance(tick)
+        running = [t for t in transfers if t.slot >= 0]
+        nixl.ended.update(t.xfer for t in rng.sample(running, 3))
+        sent_back.clear()
+        asked = poll(books, nixl, verify=verify)
+        twice = collections.Counter(asked) - collections.Counter(set(asked))
+        # only one sent back to NIXL this poll is asked about again (by the step's round)
+        assert set(twice) <= sent_back and set(twice.values()) <= {1}, twice
+        last.update(dict.fromkeys(asked, moved.now))
+        late = [t.job_id for t in transfers
+                if t.slot >= 0 and moved.now - last[t.job_id] > limit + tick]
+        assert late == []
+        for result in books.take_results():
+            assert result.success
+            _, [started] = scheduled(1, first=next_job, books=books)
+            transfers.append(started)
+            last[next_job] = moved.now
+            next_job += 1
+        assert_queued_as_marked(books, transfers)
+    assert next_job > 60, "transfers were published and replaced"
+
+
+def test_the_schedules_queues_are_compacted_at_twice_what_runs_and_64_keeping_each_turn(
+        moved: Clock) -> None:
+    """100 transfers run (two turns in the sweep after two polls); one more left for its
+    ``verify`` step. Then 300 more start and end one by one with no poll between: the
+    oldest-first queue grows to twice the running transfers and 64, never past it, and is
+    then compacted: it holds the running transfers, oldest first; the sweep keeps its turns
+    with what runs in them, the batch that joined since the last poll only the one running;
+    every transfer dropped is unmarked. The one that was away comes back, is queued again,
+    and every running transfer is asked about within ``max_unpolled``. Kills _schedule 14-18
+    (another bound) and _compact_schedule 1-6, 9, 15, 20, 22 and 26 (a running transfer
+    dropped, an ended one kept, a mark wrong, a turn lost or broken)."""
+    books, transfers = scheduled(101, machine=verify_again())
+    away = transfers[100]
+    nixl = Nixl()
+    poll(books, nixl)
+    moved.advance(0.5)
+    poll(books, nixl)  # a share of 51: the turns of 0..50 are now due 1/2 s after 51..100
+    books.take(away, "poll", Outcome(Answer.DONE))
+    assert away.state.name == "VERIFYING" and away.queued == 3
+    longest, compacted = 0, False
+    for job_id in range(1000, 1300):
+        _, [transfer] = scheduled(1, first=job_id, books=books)
+        transfers.append(transfer)
+        front = [t.job_id for t in books._front]
+        longest = max(longest, len(front))
+        if not compacted and len(front) < longest:
+            compacted = True
+            assert front == [*range(100), job_id]
+            assert [t.job_id for t in books._joined] == [job_id]
+            assert [(due, [t.job_id for t in batch]) for due, batch in books._sweep] == [
+                (1001.0, list(range(51, 100))), (1001.5, list(range(51)))]
+            assert away.queued == 0
+            assert_queued_as_marked(books, transfers)
+        books.take(transfer, "poll", Outcome(Answer.DONE))
+        books.take(transfer, "verify", Outcome(Again.MATCH))
+        books.take(transfer, END, (OK, CLEAN_OK))
+    assert compacted and longest == 2 * 101 + 64
+    assert len(books.take_results()) == 300
+
+    books.take(away, "verify", Outcome(Again.AGAIN))
+    assert away.slot >= 0 and books._front[-1] is away
+    assert_queued_as_marked(books, transfers)
+    last = {t.job_id: moved.now for t in transfers}
+    for _ in range(24):
+        moved.advance(0.125)
+        asked = poll(books, nixl)
+        assert len(asked) == len(set(asked))
+        last.update(dict.fromkeys(asked, moved.now))
+        assert all(moved.now - last[t.job_id] <= 1.125 for t in transfers if t.slot >= 0)
+    assert_queued_as_marked(books, transfers)
+
+
+def audited() -> Declaration[Any, Any]:
+    """The lifecycle with a user step ``audit`` between the release and the cleanup of a
+    transfer that succeeded (whose state also answers a ``clean``, as its effect does not),
+    and a failed transfer's release that publishes it at once."""
+    return TRANSFER_MACHINE.extend(
+        "audited", states=["AUDITING"],
+        replace={("DONE", "release", "released"): {"dest": "AUDITING"},
+                 ("FAILED", "release", "released"): {"dest": "PUBLISHED"}},
+        answers={"audit": (Answer.OK, Answer.RAISED, Answer.EXHAUSTED)},
+        guards={"audited": (Answer.OK,), "audit_raised": (Answer.RAISED,)},
+        transitions=[
+            {"trigger": "audit", "source": "AUDITING", "dest": "XFER_RELEASED",
+             "conditions": "audited"},
+            {"trigger": "audit", "source": "AUDITING", "dest": "AUDITING",
+             "conditions": "audit_raised"},
+            {"trigger": "audit", "source": "AUDITING", "dest": "QUARANTINED",
+             "conditions": "exhausted", "after": "quarantine"},
+            {"trigger": "clean", "source": "AUDITING", "dest": "CLEANED",
+             "conditions": "cleaned"},
+            {"trigger": "clean", "source": "AUDITING", "dest": "CLEANED",
+             "conditions": "leaked", "after": "record_leaks"},
+            {"trigger": "cancel", "source": "AUDITING", "dest": "AUDITING"}],
+        effects={"AUDITING": "audit"})
+
+
+def test_an_ending_the_table_does_not_lead_through_release_clean_and_publish_runs_by_steps(
+) -> None:
+    """A machine whose release leads to a step of the user's (the state it waits in answers a
+    ``clean`` too, though its effect is ``audit``), or straight to a final state: no ending is
+    one chain; the runner is built, and each transfer's calls come one by one as the table
+    says. Kills _ending_chain 6, 8, 10 and 12 (a state, or an event, missing from the table
+    taken for a table) and 14 (an edge taken for the ending though the state waits on
+    another effect)."""
+    books = Runner(audited().compile(listen=False), RetryPolicy())
+    assert books._ending == {}
+    done, failed = submitted(books, 1), submitted(books, 2)
+    books.take(done, "post", Outcome(Answer.DONE))
+    books.take(failed, "post", Outcome(Answer.ERR, CallFailed("post", "ERR")))
+    made = answer_due(books, {"release": OK, "audit": OK, "clean": CLEAN_OK, "publish": OK})
+    assert made == ["release", "audit", "clean", "publish", "release"]
+    assert [(r.job_id, r.success) for r in books.take_results()] == [(1, True), (2, False)]
