@@ -140,6 +140,7 @@ def test_the_thread_runs_while_jobs_are_unpublished_and_comes_back_with_the_next
     assert not tier.stats()["progress"]["running"]
     polls = tier.stats()["progress"]["polls"]
     assert polls >= 1
+    assert watched.total_checks() == polls  # one running transfer: one check a poll, its own
 
     store(tier, 1)  # the next submit starts it again
     assert tier.stats()["progress"]["running"]
@@ -182,7 +183,9 @@ def test_a_poll_that_raises_on_the_thread_costs_no_result(
         wait_for(lambda: tier.stats()["progress"]["error"] is not None)
     progress = tier.stats()["progress"]
     assert (progress["running"], progress["error"]) == (False, "KeyboardInterrupt: ")
-    assert "the progress thread's poll raised" in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "ObjectStoreTier: the progress thread's poll raised; get_finished_jobs polls on the "
+        "caller's thread from now on"]
 
     # from now on the caller's step polls, as without the thread: no job is lost
     watched.end(*range(5))
@@ -298,12 +301,55 @@ def test_without_a_thread_to_be_had_the_caller_polls(
     assert tier.stats()["progress"] == {
         "running": False, "polls": 0,
         "error": "not started: RuntimeError: can't start new thread"}
-    assert "the progress thread could not start" in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "ObjectStoreTier: the progress thread could not start (can't start new thread); "
+        "get_finished_jobs polls on the caller's thread"]
     watched.end(0)
     assert [r.job_id for r in collect(tier, 1)] == [0]
     assert watched.check_threads == {"MainThread"}
     tier.shutdown(timeout=5)
     assert watched.live_xfer_handles() == 0
+
+
+def test_no_thread_is_started_for_a_job_that_was_over_at_submit() -> None:
+    agent = FakeNixlAgent("at-once", complete_after_polls=0)  # transfer() answers DONE
+    tier = ObjectStoreTier(torch.zeros(8, 16), agent=agent,
+                           policy=RetryPolicy(progress_interval=0.5))
+    store(tier, 0, 0)
+    assert progress_threads() == []  # nothing unpublished: no thread to poll it
+    assert [r.job_id for r in tier.get_finished_jobs()] == [0]
+    tier.shutdown(timeout=5)
+
+
+def test_shutdown_without_a_deadline_stops_the_thread(watched: Watched) -> None:
+    tier = tier_on(watched)
+    store(tier, 0)
+    watched.end(0)
+    tier.shutdown(timeout=None)
+    assert progress_threads() == []
+    assert [r.job_id for r in tier.get_finished_jobs()] == [0]
+
+
+def test_shutdown_keeps_its_deadline_while_the_thread_sleeps_out_a_long_interval(
+        watched: Watched) -> None:
+    """The thread ends at its next wake-up; shutdown does not wait for it past its own
+    deadline (the tier is closed and the thread makes no call after it)."""
+    primary = torch.zeros(8, 16)
+    tier = ObjectStoreTier(primary, agent=watched, policy=RetryPolicy(progress_interval=1.5))
+    store(tier, 0, 0)
+    watched.end(0)
+    thread = tier._progress_last
+    assert thread is not None
+    began = time.monotonic()
+    tier.shutdown(timeout=0.1)
+    took = time.monotonic() - began
+    try:
+        assert tier.closed and [r.job_id for r in tier.get_finished_jobs()] == [0]
+        assert thread.is_alive()  # still asleep: not waited for
+        assert took < 0.9, f"shutdown(timeout=0.1) took {took:.2f} s"
+    finally:
+        thread.join()
+    assert watched.total_checks() == 1  # made by shutdown's drain: the thread never polled
 
 
 def test_a_process_that_forgets_shutdown_exits_only_once_every_transfer_is_published() -> None:
