@@ -577,11 +577,10 @@ class Runner(Books):
         job_id = transfer.job_id
         held = transfer.state in self.held
         result = transfer.result(held)
-        # the result is queued before the record goes, and its job id marked before that: a
-        # progress thread publishes while the caller may be taking results (Books) or asking
-        # has_pending_work, which must never see neither the record nor the result
-        self.unreported.add(job_id)
-        self.results.append(result)
+        # the result is queued before the record goes: a progress thread publishes while the
+        # caller may be taking results (Books) or asking has_pending_work, which must never
+        # see neither the record nor the result
+        self.publish(result)
         del self.records[job_id]
         self.bytes_in_flight -= transfer.nbytes
         if transfer.slot >= 0:

@@ -256,19 +256,11 @@ class SecondaryTier(JobSide):
 
     def submit_store(self, job: TransferJob) -> None:
         """Copy the job's primary blocks out to the tier; the result comes later."""
-        with self._lock:
-            try:
-                self._submit(job, load=False)
-            finally:
-                self._start_progress()
+        self._submit_locked(job, load=False)
 
     def submit_load(self, job: TransferJob) -> None:
         """Fill the job's (allocated) primary blocks from the tier; the result comes later."""
-        with self._lock:
-            try:
-                self._submit(job, load=True)
-            finally:
-                self._start_progress()
+        self._submit_locked(job, load=True)
 
     def get_finished_jobs(self) -> list[JobResult]:
         """Advance the jobs once (a tier checks those its poll schedule picks:
@@ -508,12 +500,21 @@ class SecondaryTier(JobSide):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _start_progress(self) -> None:
-        """Start the progress thread if the policy asks for one, jobs are unpublished and none
-        runs (under the tier's lock: the thread ends under it too, so one runs at most)."""
-        interval = self.policy.progress_interval
-        if (interval is None or self._progress_thread is not None
-                or self._progress_error is not None or self._closing or not self._runner.records):
+    def _submit_locked(self, job: TransferJob, *, load: bool) -> None:
+        """A submit under the tier's lock; then the progress thread, if the policy asks for
+        one (whatever the submit did: an interrupt may leave its job in flight)."""
+        with self._lock:
+            try:
+                self._submit(job, load=load)
+            finally:
+                if self.policy.progress_interval is not None:
+                    self._start_progress(self.policy.progress_interval)
+
+    def _start_progress(self, interval: float) -> None:
+        """Start the progress thread if jobs are unpublished and none runs (under the tier's
+        lock: the thread ends under it too, so one runs at most)."""
+        if (self._progress_thread is not None or self._progress_error is not None
+                or self._closing or not self._runner.records):
             return
         thread = threading.Thread(target=self._progress_loop, args=(interval,),
                                   name=f"kvfsm-progress-{type(self).__name__}")
