@@ -141,6 +141,8 @@ class Runner(Books):
         #: (state, effect, answer) of each retry, for the policy to bound
         self._retries = {(step.source, step.edge.event, step.answer)
                          for step in self._retry_steps}
+        #: the answers any retry carries (most answers are none of them: one lookup says so)
+        self._retry_answers = {answer for _, _, answer in self._retries}
         #: called with each transfer that reached a final state, once the books are written
         self.on_final: list[Callable[[Transfer, JobResult], None]] = (
             [] if on_final is None else [on_final])
@@ -399,7 +401,8 @@ class Runner(Books):
             by_start.popleft()
         return moved
 
-    def due(self, transfers: Iterable[Transfer] | None = None) -> Iterator[tuple[Transfer, str]]:
+    def due(self, transfers: Iterable[Transfer] | None = None,
+            moved: bool = False) -> Iterator[tuple[Transfer, str]]:
         """Yield (transfer, effect) for each call to make now, and again for the same transfer
         after :meth:`take` moved it on, until it waits on NIXL (running: a transfer an effect
         moved back into a running state gets one state check first), is published, stays where
@@ -407,12 +410,14 @@ class Runner(Books):
 
         ``transfers`` (by default the waiting list as it is now) are gone through in order;
         the effect ``END`` stands for the release and cleanup calls of a transfer that is over.
+        With ``moved``, each of ``transfers`` was moved on by an effect made this round (as
+        :meth:`take` with ``end`` does): one moved back into a running state gets its check.
         """
         records, final, running = self.records, self.final, self.running_states
         effects, ending = self.effects, self._ending
         batch = list(self.waiting.values()) if transfers is None else transfers
         for transfer in batch:
-            made = checked = False
+            made, checked = moved, False
             while records.get(transfer.job_id) is transfer:
                 state = transfer.state
                 if state in final:
@@ -443,9 +448,20 @@ class Runner(Books):
             self._by_start.append(transfer)
 
     def take(self, transfer: Transfer, effect: str,
-             outcome: Outcome | tuple[Outcome, Outcome]) -> None:
+             outcome: Outcome | tuple[Outcome, Outcome],
+             end: Callable[[Transfer], tuple[Outcome, Outcome]] | None = None) -> Any:
         """Fire what ``effect`` answered for ``transfer``, file it where its state says (or
-        publish it), then raise the outcome's interrupt, if any."""
+        publish it), then raise the outcome's interrupt, if any.
+
+        With ``end`` (the maker of :data:`END`), an answer that leads to a state whose effect
+        is the release, with the ending chain declared from it, is followed by the release and
+        cleanup calls at once, and their answers are taken too: what :meth:`due` would say
+        next, without filing the transfer in between (it is filed once, where the last answer
+        took it; an interrupt or an action that raised files it where it is, as always).
+        Returns the state the release was made from (None: it was not): a transfer still
+        there stayed (a retry), and, as with :meth:`due`, has no more calls this round.
+        """
+        ended = None
         try:
             if effect == END:  # the release's outcome, then the cleanup's
                 self._take_end(transfer, outcome[0], outcome[1])  # type: ignore[index]
@@ -458,8 +474,13 @@ class Runner(Books):
                     self._committing.add(transfer.job_id)
                 if interrupt is not None:
                     raise interrupt
+                if end is not None and transfer.state in self._ending and not transfer.retry_at:
+                    ended = transfer.state
+                    released, cleaned = end(transfer)
+                    self._take_end(transfer, released, cleaned)
         finally:  # an interrupt or an action that raised: the transfer is filed all the same
             self._file(transfer)
+        return ended
 
     def give_up(self, transfer: Transfer, why: str) -> None:
         """The policy's bound is spent for a transfer waiting on its effect (the shutdown
@@ -493,7 +514,7 @@ class Runner(Books):
 
     def _fire(self, transfer: Transfer, effect: str, answer: Any, detail: Any) -> None:
         """Fire one answer (a retry bounded by the policy, as :meth:`_retry` says)."""
-        if (transfer.state, effect, answer) in self._retries:
+        if answer in self._retry_answers and (transfer.state, effect, answer) in self._retries:
             self._retry(transfer, effect, answer, detail)
             return
         self.machine.fire(transfer, effect, answer, detail)
@@ -608,7 +629,8 @@ class Runner(Books):
             self.failed += 1
         for book in self.on_final:
             book(transfer, result)
-        self._announce(transfer, result)
+        if not result.success or transfer.leaks or self.on_published:
+            self._announce(transfer, result)
 
     def _announce(self, transfer: Transfer, result: JobResult) -> None:
         """Once the books are written: the log lines of a failure and its leaks, then the

@@ -25,7 +25,7 @@ from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, CallFailed, TransferState
 from kvfsm.machines.transfer import FailureKind
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import END, Outcome, Runner
-from kvfsm.testing import FakeNixlAgent, StayProc
+from kvfsm.testing import FakeNixlAgent, Raise, StayProc
 from kvfsm.tiers import ObjectStoreTier
 from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
 from kvfsm.transfer import Leak, Transfer
@@ -430,3 +430,43 @@ def test_a_cancel_of_a_transfer_whose_post_never_answered_publishes_one_failure(
     answer_due(books, {END: (OK, CLEAN_OK)})
     [result] = books.take_results()
     assert not result.success
+
+
+
+@pytest.mark.parametrize("machine", ["shipped", "verify"])
+def test_a_poll_takes_each_transfer_it_finds_over_as_far_as_it_goes_in_that_round(
+    machine: str,
+) -> None:
+    """One ``get_finished_jobs()``: the state checks find two stores over; for each, what
+    follows NIXL's DONE (with the verify machine, the user's step first), its release, cleanup
+    and publish, are made in that same round, each once. A release that raises stays for a
+    later round: it is not tried a second time in the round that found the transfer over,
+    even with no backoff."""
+    agent = FakeNixlAgent(complete_after_polls=1)
+    verified: list[int] = []
+
+    def verify(transfer: Transfer, primary: torch.Tensor) -> Verified:
+        verified.append(transfer.job_id)
+        return Verified.MATCH
+
+    extra: dict[str, Any] = ({"machine": VERIFY_MACHINE, "steps": {"verify": verify}}
+                             if machine == "verify" else {})
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent, policy=RetryPolicy(backoff=0.0),
+                           **extra)
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    tier.submit_store(TransferJob(2, ["b"], [1]))
+    agent.inject("release_xfer_handle", Raise(), at=agent.call_count("release_xfer_handle") + 2)
+
+    first = tier.get_finished_jobs()
+
+    assert [r.job_id for r in first] == [1], "job 1 went all the way in the round"
+    assert verified == ([1, 2] if machine == "verify" else [])
+    assert agent.call_count("check_xfer_state") == 2
+    assert agent.call_count("release_xfer_handle") == 2, "job 2's release raised, tried once"
+    assert tier.state_of(2).name == "DONE"
+    assert tier.stats()["retries"] == 1
+    (second,) = tier.get_finished_jobs()
+    assert (second.job_id, second.success) == (2, True)
+    assert agent.call_count("release_xfer_handle") == 3
+    assert agent.call_count("check_xfer_state") == 2, "an outcome latched is never checked again"
+    tier.shutdown()

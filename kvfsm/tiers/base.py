@@ -555,10 +555,10 @@ class SecondaryTier(JobSide):
         names, block_ids = self._validate(job, load=load)
         runner = self._runner
         nbytes = len(block_ids) * self.block_bytes
-        if not load and not self.in_flight.admits(len(runner.records), runner.bytes_in_flight,
-                                                  nbytes):
+        limit = self.in_flight
+        if (not load and (limit.jobs is not None or limit.bytes is not None)
+                and not limit.admits(len(runner.records), runner.bytes_in_flight, nbytes)):
             self._stores_refused += 1
-            limit = self.in_flight
             raise TierSaturatedError(
                 f"{type(self).__name__}: store job {job.job_id} ({nbytes} bytes) refused: "
                 f"{len(runner.records)} job(s) and {runner.bytes_in_flight} bytes in flight, "
@@ -614,22 +614,31 @@ class SecondaryTier(JobSide):
         """Fire each state check's answer, then take the transfer as far as it goes."""
         runner, driver = self._runner, self._driver
         records, running = runner.records, runner.running_states
-        over = []  # those no longer running: their calls are due this round (an interrupt
-        # leaves them filed as waiting, and the next round goes on with them)
+        take, polled, end = runner.take, driver.polled, driver.end
+        over = []  # those no longer running nor published: their calls are due this round
+        # (an interrupt leaves them filed as waiting, and the next round goes on with them)
+        moved = []  # those the release and cleanup moved on, not published: as over
         for transfer, status in answered:
             if records.get(transfer.job_id) is not transfer or transfer.state not in running:
                 continue  # moved meanwhile (a listener polled again)
-            runner.take(transfer, TransferEvent.POLL, driver.polled(transfer, status))
-            if transfer.slot < 0:
-                over.append(transfer)
+            ended = take(transfer, TransferEvent.POLL, polled(transfer, status), end)
+            if records.get(transfer.job_id) is transfer:
+                if ended is None:
+                    if transfer.slot < 0:
+                        over.append(transfer)
+                elif transfer.state is not ended:  # (stayed: a retry, on a later round)
+                    moved.append(transfer)
         if over:
             self._advance(over)
+        if moved:
+            self._advance(moved, moved=True)
 
-    def _advance(self, transfers: Sequence[Transfer]) -> None:
-        """Make every call due for ``transfers`` now, as far as each goes this round."""
+    def _advance(self, transfers: Sequence[Transfer], moved: bool = False) -> None:
+        """Make every call due for ``transfers`` now, as far as each goes this round (``moved``:
+        an effect moved each on this round already, :meth:`~kvfsm.runner.Runner.due`)."""
         runner, makers = self._runner, self._makers
         take = runner.take
-        for transfer, effect in runner.due(transfers):
+        for transfer, effect in runner.due(transfers, moved):
             take(transfer, effect, makers[effect](transfer))
 
     def _validate(self, job: Any, *, load: bool) -> tuple[tuple[str, ...], tuple[int, ...]]:
