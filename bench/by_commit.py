@@ -7,7 +7,17 @@ DONE and one ``get_finished_jobs()`` round), the median of 25 cycles per transfe
 hand-written loop (b) of this tree runs beside them. Every contender runs once a round, the
 rounds repeat, and each keeps its minimum (the guest's noise between rounds is large).
 
+With ``--instructions``, each contender instead runs under valgrind's callgrind, which counts
+the instructions executed, whatever else the machine does: the same process with one cycle
+and with five, the difference over the 4,000 transfers of the four extra cycles (imports and
+set-up cancel out). The cycles then skip the full collection each timed cycle starts with: it
+walks every live object, torch's included, about half the count, and varies between
+processes; the collector's own collections, which the transfers' allocations set off, stay
+in. Repeatable to about a percent, and the way to see a change of a few percent on a guest
+whose timings wander by tens of percent; about a minute a process.
+
     .venv/bin/python bench/by_commit.py 4c07c8c edee8a0 744a5af HEAD --rounds 8
+    .venv/bin/python bench/by_commit.py 98bc95f HEAD --instructions
 """
 
 from __future__ import annotations
@@ -15,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,7 +57,8 @@ jobs = [TransferJob(i, [f"k{{i}}"], [i % 1024]) for i in range({n})]
 samples = []
 for cycle in range({cycles} + 1):
     agent.answer = "PROC"
-    gc.collect()
+    if {collect!r}:  # (timed: each cycle starts clean; counted: a full collection is noise)
+        gc.collect()
     t0 = time.perf_counter()
     for job in jobs:
         tier.submit_store(job)
@@ -58,13 +71,13 @@ for cycle in range({cycles} + 1):
     t3 = time.perf_counter()
     if cycle:
         samples.append((t1 - t0 + t3 - t2) / {n})
-print(json.dumps(statistics.median(samples) * 1e6))
+print(json.dumps(statistics.median(samples) * 1e6 if samples else 0.0))
 """
 
 
 def measure(tree: str, hand: bool) -> float:
     """One process: microseconds a transfer, the median of the cycles."""
-    code = ONE.format(bench=str(BENCH), hand=hand, tree=tree, n=N, cycles=CYCLES)
+    code = ONE.format(bench=str(BENCH), hand=hand, tree=tree, n=N, cycles=CYCLES, collect=True)
     env = {**os.environ, "PYTHONPATH": tree}
     # run in the tree: "-c" puts the working directory first on the path, before PYTHONPATH
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree,
@@ -72,11 +85,35 @@ def measure(tree: str, hand: bool) -> float:
     return float(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def instructions(tree: str, hand: bool) -> float:
+    """Instructions a transfer, counted by callgrind: one process with one cycle, one with
+    five; the difference over the four extra cycles' transfers."""
+    env = {**os.environ, "PYTHONPATH": tree}
+    counts = []
+    for cycles in (0, 4):
+        code = ONE.format(bench=str(BENCH), hand=hand, tree=tree, n=N, cycles=cycles,
+                          collect=False)
+        done = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null",
+                               sys.executable, "-c", code], env=env, cwd=tree,
+                              capture_output=True, text=True, timeout=1800, check=True)
+        found = re.search(r"Collected : (\d+)", done.stderr)
+        if found is None:
+            raise RuntimeError(f"callgrind printed no count: {done.stderr[-500:]}")
+        counts.append(int(found.group(1)))
+    return (counts[1] - counts[0]) / (4 * N)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("commits", nargs="+", help="commits, oldest first")
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions a transfer with callgrind (one round)")
     args = parser.parse_args()
+    if args.instructions and shutil.which("valgrind") is None:
+        parser.error("--instructions needs valgrind (Debian package valgrind)")
+    measure_one = instructions if args.instructions else measure
+    rounds = 1 if args.instructions else args.rounds
     with tempfile.TemporaryDirectory(prefix="kvfsm-by-commit-") as scratch:
         trees: dict[str, str] = {}
         try:
@@ -87,17 +124,24 @@ def main() -> int:
                 trees[commit] = tree
             samples: dict[str, list[float]] = {"(b) hand-written": []}
             samples.update({commit: [] for commit in args.commits})
-            for round_ in range(args.rounds):
-                samples["(b) hand-written"].append(measure(trees[args.commits[-1]], hand=True))
+            for round_ in range(rounds):
+                samples["(b) hand-written"].append(
+                    measure_one(trees[args.commits[-1]], hand=True))
                 for commit, tree in trees.items():
-                    samples[commit].append(measure(tree, hand=False))
-                print(f"round {round_ + 1} of {args.rounds}", flush=True)
+                    samples[commit].append(measure_one(tree, hand=False))
+                print(f"round {round_ + 1} of {rounds}", flush=True)
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tree],
                                check=False)
     hand = min(samples["(b) hand-written"])
-    print(f"\n| contender | us a transfer, min of {args.rounds} | median | against (b) |")
+    if args.instructions:
+        print("\n| contender | instructions a transfer | against (b) |")
+        print("|---|---:|---:|")
+        for name, values in samples.items():
+            print(f"| {name} | {values[0]:,.0f} | {values[0] / hand:.2f}x |")
+        return 0
+    print(f"\n| contender | us a transfer, min of {rounds} | median | against (b) |")
     print("|---|---:|---:|---:|")
     for name, values in samples.items():
         print(f"| {name} | {min(values):.2f} | {statistics.median(values):.2f} | "

@@ -42,7 +42,7 @@ of each step and the number of steps.
 Tables go to ``bench/results/step.md`` (and ``.json``, every figure), the plot to
 ``docs/step.png``.
 
-    .venv/bin/python bench/step.py            # N = 1,000 / 10,000 / 100,000 (~8 min)
+    .venv/bin/python bench/step.py            # N = 1,000 / 10,000 / 100,000 (~10 min)
     .venv/bin/python bench/step.py --quick    # N = 1,000 / 10,000, fewer steps
 """
 

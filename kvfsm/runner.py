@@ -26,7 +26,9 @@ What the runner decides itself, each once and from the table:
   (EXHAUSTED on the state check), found in submit order at a cost of the transfers it finds;
 * the end of a transfer: from a state whose effect is the release, release, clean and publish
   are one :class:`~kvfsm.engine.Chain` when each answers OK (read from the table; a machine that
-  leads elsewhere runs step by step).
+  leads elsewhere runs step by step); a state check whose answer leads to such a state has the
+  release and cleanup made and taken in the same call (:meth:`Runner.take` with ``end``), so the
+  transfer is filed once, where it ends up, rather than once as waiting and once more.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ NOT_RUN = {
                                           "run alone on an idle machine",
     ".venv/bin/python bench/real_nixl.py": "a benchmark of about 2 minutes (the doc says so), to "
                                            "be run alone on an idle machine",
-    ".venv/bin/python bench/step.py": "a benchmark of about 3 minutes (the doc says so), to be "
+    ".venv/bin/python bench/step.py": "a benchmark of about 10 minutes (the doc says so), to be "
                                       "run alone on an idle machine",
     ".venv/bin/python bench/vllm_tiers.py": "a benchmark of about 6 minutes (the doc says so), "
                                             "to be run alone on an idle machine",
