@@ -108,7 +108,8 @@ def main() -> int:
     parser.add_argument("commits", nargs="+", help="commits, oldest first")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--instructions", action="store_true",
-                        help="count instructions a transfer with callgrind (one round)")
+                        help="count instructions a transfer with callgrind (one round: "
+                             "--rounds is not used)")
     args = parser.parse_args()
     if args.instructions and shutil.which("valgrind") is None:
         parser.error("--instructions needs valgrind (Debian package valgrind)")

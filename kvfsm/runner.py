@@ -26,9 +26,9 @@ What the runner decides itself, each once and from the table:
   (EXHAUSTED on the state check), found in submit order at a cost of the transfers it finds;
 * the end of a transfer: from a state whose effect is the release, release, clean and publish
   are one :class:`~kvfsm.engine.Chain` when each answers OK (read from the table; a machine that
-  leads elsewhere runs step by step); a state check whose answer leads to such a state has the
-  release and cleanup made and taken in the same call (:meth:`Runner.take` with ``end``), so the
-  transfer is filed once, where it ends up, rather than once as waiting and once more.
+  leads elsewhere runs step by step). The tier makes those calls for a transfer a state check
+  found over without asking :meth:`Runner.due` (its states in :attr:`Runner.ending` say it is
+  due), and asks it only about one they moved on without publishing it.
 """
 
 from __future__ import annotations
@@ -179,6 +179,12 @@ class Runner(Books):
         self.leak_count = 0
 
     # -- what is due -------------------------------------------------------------------------
+
+    @property
+    def ending(self) -> dict[Any, Chain[Any]]:
+        """The states whose effect is the release with the ending chain declared from them
+        (their effect is :data:`END`: the release and cleanup calls, then the chain)."""
+        return self._ending
 
     @property
     def handles(self) -> list[Any]:
@@ -450,20 +456,9 @@ class Runner(Books):
             self._by_start.append(transfer)
 
     def take(self, transfer: Transfer, effect: str,
-             outcome: Outcome | tuple[Outcome, Outcome],
-             end: Callable[[Transfer], tuple[Outcome, Outcome]] | None = None) -> Any:
+             outcome: Outcome | tuple[Outcome, Outcome]) -> None:
         """Fire what ``effect`` answered for ``transfer``, file it where its state says (or
-        publish it), then raise the outcome's interrupt, if any.
-
-        With ``end`` (the maker of :data:`END`), an answer that leads to a state whose effect
-        is the release, with the ending chain declared from it, is followed by the release and
-        cleanup calls at once, and their answers are taken too: what :meth:`due` would say
-        next, without filing the transfer in between (it is filed once, where the last answer
-        took it; an interrupt or an action that raised files it where it is, as always).
-        Returns the state the release was made from (None: it was not): a transfer still
-        there stayed (a retry), and, as with :meth:`due`, has no more calls this round.
-        """
-        ended = None
+        publish it), then raise the outcome's interrupt, if any."""
         try:
             if effect == END:  # the release's outcome, then the cleanup's
                 self._take_end(transfer, outcome[0], outcome[1])  # type: ignore[index]
@@ -476,13 +471,8 @@ class Runner(Books):
                     self._committing.add(transfer.job_id)
                 if interrupt is not None:
                     raise interrupt
-                if end is not None and transfer.state in self._ending and not transfer.retry_at:
-                    ended = transfer.state
-                    released, cleaned = end(transfer)
-                    self._take_end(transfer, released, cleaned)
         finally:  # an interrupt or an action that raised: the transfer is filed all the same
             self._file(transfer)
-        return ended
 
     def give_up(self, transfer: Transfer, why: str) -> None:
         """The policy's bound is spent for a transfer waiting on its effect (the shutdown

@@ -470,3 +470,67 @@ def test_a_poll_takes_each_transfer_it_finds_over_as_far_as_it_goes_in_that_roun
     assert agent.call_count("release_xfer_handle") == 3
     assert agent.call_count("check_xfer_state") == 2, "an outcome latched is never checked again"
     tier.shutdown()
+
+
+def test_a_listener_that_cancels_a_job_found_done_in_the_same_round_leaves_it_its_success(
+) -> None:
+    """Every answer of a round's state checks is fired before any release is made: a listener
+    of the first job published (which may call back into the tier) finds the others already
+    over, so cancelling one of them keeps the success NIXL reported, and nothing is asked of
+    NIXL twice."""
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent)
+    for job_id in (1, 2, 3):
+        tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id]))
+    seen: list[str] = []
+
+    def listener(transfer: Transfer) -> None:
+        if transfer.job_id == 1:
+            seen.append(tier.state_of(2).name)
+            tier.cancel(2)
+
+    tier.on_published.append(listener)
+    results = tier.get_finished_jobs()
+
+    assert seen == ["DONE"], "job 2's DONE was taken before job 1 was published"
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True), (3, True)]
+    assert agent.call_count("check_xfer_state") == 3
+    tier.shutdown()
+
+
+class CleanupInterruptedOnce(FakeNixlAgent):
+    """The fake agent, with its next ``deregister_memory`` cut short by a KeyboardInterrupt
+    (armed by the test), as a Ctrl-C landing in NIXL's call would."""
+
+    armed = False
+
+    def deregister_memory(self, *args: Any, **kwargs: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return super().deregister_memory(*args, **kwargs)
+
+
+def test_an_interrupt_in_one_cleanup_loses_none_of_the_rounds_other_answers() -> None:
+    """The state checks of a round find three stores over; the first one's cleanup is
+    interrupted. The other two were taken already (DONE, waiting on their release), so the
+    next round finishes all three without asking NIXL about any of them again, and the
+    interrupted cleanup goes on where it stopped."""
+    agent = CleanupInterruptedOnce(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent)
+    for job_id in (1, 2, 3):
+        tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id]))
+    agent.armed = True
+
+    with pytest.raises(KeyboardInterrupt):
+        tier.get_finished_jobs()
+
+    assert [tier.state_of(job_id) for job_id in (1, 2, 3)] == [S.XFER_RELEASED, S.DONE, S.DONE]
+    checks = agent.call_count("check_xfer_state")
+    assert checks == 3
+    results = tier.get_finished_jobs()
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True), (3, True)]
+    assert agent.call_count("check_xfer_state") == checks, "no answer was asked for again"
+    assert agent.call_count("release_xfer_handle") == 3, "each handle released once"
+    assert agent.misuses == []
+    tier.shutdown()

@@ -37,7 +37,7 @@ from kvfsm.machines.transfer import (
     TransferEvent,
 )
 from kvfsm.policy import InFlightLimit, RetryPolicy
-from kvfsm.runner import Outcome, Runner
+from kvfsm.runner import END, Outcome, Runner
 from kvfsm.tiers.holdings import HoldingEvent, Holdings, Remove, TierFullError
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
@@ -614,24 +614,35 @@ class SecondaryTier(JobSide):
         """Fire each state check's answer, then take the transfer as far as it goes."""
         runner, driver = self._runner, self._driver
         records, running = runner.records, runner.running_states
-        take, polled, end = runner.take, driver.polled, driver.end
-        over = []  # those no longer running nor published: their calls are due this round
-        # (an interrupt leaves them filed as waiting, and the next round goes on with them)
-        moved = []  # those the release and cleanup moved on, not published: as over
+        take, polled = runner.take, driver.polled
+        over = []  # those no longer running: their calls are due this round (an interrupt
+        # leaves them filed as waiting, and the next round goes on with them)
         for transfer, status in answered:
             if records.get(transfer.job_id) is not transfer or transfer.state not in running:
                 continue  # moved meanwhile (a listener polled again)
-            ended = take(transfer, TransferEvent.POLL, polled(transfer, status), end)
-            if records.get(transfer.job_id) is transfer:
-                if ended is None:
-                    if transfer.slot < 0:
-                        over.append(transfer)
-                elif transfer.state is not ended:  # (stayed: a retry, on a later round)
-                    moved.append(transfer)
+            take(transfer, TransferEvent.POLL, polled(transfer, status))
+            if transfer.slot < 0:
+                over.append(transfer)
         if over:
-            self._advance(over)
-        if moved:
-            self._advance(moved, moved=True)
+            self._end(over)
+
+    def _end(self, transfers: Sequence[Transfer]) -> None:
+        """Make every call due for ``transfers`` now, as :meth:`_advance` does, one at a time
+        and in order; one waiting on its release (the common case: NIXL answered DONE or
+        ERR) has its release and cleanup made at once, :meth:`_advance` going on with it only
+        when they moved it on without publishing it."""
+        runner, driver = self._runner, self._driver
+        records, ending, take, end = runner.records, runner.ending, runner.take, driver.end
+        for transfer in transfers:
+            state = transfer.state
+            if records.get(transfer.job_id) is not transfer:
+                continue  # published meanwhile (a listener polled again)
+            if state in ending and not transfer.retry_at:
+                take(transfer, END, end(transfer))
+                if transfer.state is not state and records.get(transfer.job_id) is transfer:
+                    self._advance((transfer,), moved=True)
+            else:
+                self._advance((transfer,))
 
     def _advance(self, transfers: Sequence[Transfer], moved: bool = False) -> None:
         """Make every call due for ``transfers`` now, as far as each goes this round (``moved``:
