@@ -13,8 +13,8 @@ and with five, the difference over the 4,000 transfers of the four extra cycles 
 set-up cancel out). The cycles then skip the full collection each timed cycle starts with: it
 walks every live object, torch's included, about half the count, and varies between
 processes; the collector's own collections, which the transfers' allocations set off, stay
-in. Repeatable to about a percent, and the way to see a change of a few percent on a guest
-whose timings wander by tens of percent; about a minute a process.
+in, and every process gets the same hash seed. The way to see a change of a few percent on a
+guest whose timings wander by tens of percent; about a minute a process.
 
     .venv/bin/python bench/by_commit.py 4c07c8c edee8a0 744a5af HEAD --rounds 8
     .venv/bin/python bench/by_commit.py 98bc95f HEAD --instructions
@@ -88,7 +88,9 @@ def measure(tree: str, hand: bool) -> float:
 def instructions(tree: str, hand: bool) -> float:
     """Instructions a transfer, counted by callgrind: one process with one cycle, one with
     five; the difference over the four extra cycles' transfers."""
-    env = {**os.environ, "PYTHONPATH": tree}
+    # one hash seed for every process: str hashes (the job keys') set the dicts' and sets'
+    # probing, which otherwise moves the count by a few percent between processes
+    env = {**os.environ, "PYTHONPATH": tree, "PYTHONHASHSEED": "0"}
     counts = []
     for cycles in (0, 4):
         code = ONE.format(bench=str(BENCH), hand=hand, tree=tree, n=N, cycles=cycles,
