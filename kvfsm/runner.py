@@ -418,8 +418,9 @@ class Runner(Books):
 
         ``transfers`` (by default the waiting list as it is now) are gone through in order;
         the effect ``END`` stands for the release and cleanup calls of a transfer that is over.
-        With ``moved``, each of ``transfers`` was moved on by an effect made this round (as
-        :meth:`take` with ``end`` does): one moved back into a running state gets its check.
+        With ``moved``, each of ``transfers`` was moved on by an effect made this round (the
+        tier's ending of a transfer a state check found over): one moved back into a running
+        state gets its check.
         """
         records, final, running = self.records, self.final, self.running_states
         effects, ending = self.effects, self._ending

@@ -631,8 +631,8 @@ class SecondaryTier(JobSide):
         and in order; one waiting on its release (the common case: NIXL answered DONE or
         ERR) has its release and cleanup made at once, :meth:`_advance` going on with it only
         when they moved it on without publishing it."""
-        runner, driver = self._runner, self._driver
-        records, ending, take, end = runner.records, runner.ending, runner.take, driver.end
+        runner = self._runner
+        records, ending, take, end = runner.records, runner.ending, runner.take, self._makers[END]
         for transfer in transfers:
             state = transfer.state
             if records.get(transfer.job_id) is not transfer:
