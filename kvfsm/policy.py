@@ -32,7 +32,13 @@ The progress thread (``progress_interval``): the poll, the same one, made by a t
 tier every ``progress_interval`` seconds instead of by ``get_finished_jobs``, so a scheduler
 step costs the results it takes and nothing else, whatever is in flight. The thread takes the
 tier's lock for each poll, as every call of the tier does, so one thread at a time drives the
-NIXL agent; a submit waits at most one poll for it. It runs while jobs are unpublished and ends
+NIXL agent; a submit waits at most one poll for it, and a poll of the thread makes at most
+``PROGRESS_SLICE`` (1,024) state checks of the schedule: the turns due past them go first in
+its next poll, which it makes at once, letting go of the lock in between. So however many run
+and however tight ``max_unpolled`` is, a submit waits for that many checks and the endings of
+what they found at most; when the turns due outrun the thread, the bound above stretches
+(``max_unpolled`` plus the time the thread needs to go round them). It runs while jobs are
+unpublished and ends
 when none are (it is started again by the next submit); it is not a daemon, so a process that
 forgot ``shutdown`` exits only once NIXL has ended every transfer and each is published, never
 with one in flight. Its work still takes the interpreter's lock, so the scheduler's own Python

@@ -37,6 +37,7 @@ import collections
 import logging
 import math
 import operator
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -160,6 +161,8 @@ class Runner(Books):
         self._joined: list[Transfer] = []
         self._joined_at = 0.0
         self._swept_at = time.monotonic()
+        #: the last sweep left turns due it did not take (its round's slice was spent)
+        self.behind = False
         self.waiting: dict[int, Transfer] = {}  # the others
         #: how many unpublished transfers are in each state
         self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
@@ -207,7 +210,8 @@ class Runner(Books):
         return answered
 
     def check_round(self, check: Callable[[list[Any]], list[str | Exception]],
-                    everything: bool = False) -> list[tuple[Transfer, Any]]:
+                    everything: bool = False,
+                    limit: int | None = None) -> list[tuple[Transfer, Any]]:
         """This round's state checks, made with ``check`` (the driver's batch call, given a
         list of handles, answering a status or an exception for each); returns, as
         :meth:`take_checks` does, the transfers whose answer must be fired.
@@ -221,13 +225,18 @@ class Runner(Books):
         the running transfers, for the time since the last round. A transfer is checked at
         most once a round: one the oldest-first checks asked about is left out of the sweep's
         (its turn is taken all the same).
+
+        ``limit`` bounds the schedule's checks this round (the progress thread's slice, so
+        that its hold of the tier's lock stays short): the sweep's turns it leaves due keep
+        their place, first in its queue, and are the first the next round's sweep takes.
         """
         running = self.running
         if everything or len(running.transfers) <= self.policy.check_all_below:
             self._swept_at = time.monotonic()
             return self.take_checks(check(running.handles))
-        picked, statuses = self._check_front(check)
-        swept = self._sweep_share()
+        cap = sys.maxsize if limit is None else limit
+        picked, statuses = self._check_front(check, cap)
+        swept = self._sweep_share(cap - len(picked))
         if swept:
             asking = swept
             if picked:  # those the oldest-first checks asked about are not asked again
@@ -253,28 +262,32 @@ class Runner(Books):
                     self._proc[state].taken += count
         return answered
 
-    def _check_front(self, check: Callable[[list[Any]], list[str | Exception]],
+    def _check_front(self, check: Callable[[list[Any]], list[str | Exception]], cap: int,
                      ) -> tuple[list[Transfer], list[str | Exception]]:
-        """Check the oldest running transfers in batches, until a batch finds none ended; the
-        entries walked past that no longer run are dropped (so each is walked past once,
-        whatever stays running before it)."""
+        """Check the oldest running transfers in batches, until a batch finds none ended (or
+        ``cap`` were checked); the entries walked past that no longer run are dropped (so each
+        is walked past once, whatever stays running before it)."""
         picked: list[Transfer] = []
         statuses: list[str | Exception] = []
         batch: list[Transfer] = []
         walked = dead = 0
+        size = min(FRONT_BATCH, cap)
         for transfer in self._front:  # check() touches no queue: the deque stays as it is
+            if size <= 0:
+                break  # the slice is spent: those behind wait for the next round
             walked += 1
             if transfer.slot < 0:
                 dead += 1
                 continue
             batch.append(transfer)
-            if len(batch) == FRONT_BATCH:
+            if len(batch) == size:
                 answers = check([t.xfer for t in batch])
                 picked += batch
                 statuses += answers
                 batch = []
                 if answers.count(NIXL_RUNNING) == len(answers):
                     break  # none ended: those behind wait for their turn
+                size = min(FRONT_BATCH, cap - len(picked))
         if batch:  # the last, short batch (none is left after a break)
             answers = check([t.xfer for t in batch])
             picked += batch
@@ -295,10 +308,11 @@ class Runner(Books):
                 transfer.queued &= ~_IN_FRONT
         front.extendleft(reversed(kept))
 
-    def _sweep_share(self) -> list[Transfer]:
+    def _sweep_share(self, cap: int = sys.maxsize) -> list[Transfer]:
         """The running transfers whose turn in the sweep is due, and the share of the others
-        for the time since the last round, oldest turn first; they are queued again, due in
-        ``max_unpolled`` seconds.
+        for the time since the last round, oldest turn first, at most ``cap`` of them; they are
+        queued again, due in ``max_unpolled`` seconds (the due turns past ``cap`` keep their
+        place, first in the queue).
 
         The sweep is a queue of batches ``(due, transfers)``, due times increasing: those that
         started running since the last round are one batch, due ``max_unpolled`` after the
@@ -314,10 +328,11 @@ class Runner(Books):
             sweep.append((self._joined_at + limit, self._joined))
             self._joined = []
         picked: list[Transfer] = []
-        while sweep and (len(picked) < share or sweep[0][0] <= now):
+        share = min(share, cap)
+        while sweep and len(picked) < cap and (len(picked) < share or sweep[0][0] <= now):
             due, batch = sweep[0]
-            wanted = share - len(picked)
-            if due <= now or len(batch) <= wanted:
+            wanted = (cap if due <= now else share) - len(picked)
+            if len(batch) <= wanted:
                 sweep.popleft()
                 taken = batch
             else:  # a share of a batch not due yet: the rest keeps its place
@@ -329,6 +344,7 @@ class Runner(Books):
                     if transfer.slot < 0:
                         transfer.queued &= ~_IN_SWEEP
             picked += live
+        self.behind = bool(sweep) and sweep[0][0] <= now
         if picked:
             sweep.append((now + limit, picked))
         return picked

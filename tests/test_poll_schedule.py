@@ -370,3 +370,31 @@ def test_what_ended_behind_a_transfer_that_never_ends_is_walked_past_once(
         assert len(tier.get_finished_jobs()) == 100
         assert len(runner._front) <= len(runner.running.transfers) + 100
     finish(tier, held)
+
+
+def test_a_poll_with_a_slice_leaves_the_turns_past_it_due_and_takes_them_first_next(
+        held: Held, clock: Clock) -> None:
+    """The progress thread's poll makes at most its slice of state checks, however many turns
+    are due: every running transfer's turn is overdue here, and a slice of 100 takes them in
+    the order they were due (posting order), each poll going on where the one before stopped,
+    until every one of the thousand was asked about."""
+    tier = running_tier(held, max_unpolled=0.01)
+    tier.get_finished_jobs()
+    clock.advance(1.0)  # every turn is due, a hundred times over
+    held.checks.clear()
+    polls = 0
+    while len(held.checks) < N:
+        polls += 1
+        assert polls <= N // (100 - FRONT_BATCH) + 1, "the turns past the slice never came"
+        before = held.total_checks()
+        with tier._lock:
+            tier._poll(limit=100)
+        assert held.total_checks() - before <= 100
+        asked = [id(handle) in held.checks for handle in held.posted]
+        assert asked == sorted(asked, reverse=True)  # oldest turn first: a prefix of them
+        # behind while turns it did not take are due: the thread polls again at once
+        assert tier._runner.behind is (not all(asked))
+
+    assert polls > N // 100  # a slice at a time, not everything at once
+    finish(tier, held)
+

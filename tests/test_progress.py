@@ -6,6 +6,7 @@ a process that forgot ``shutdown`` still never exits with a transfer in flight."
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 import subprocess
@@ -23,6 +24,7 @@ from kvfsm import JobResult, TransferJob
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent
 from kvfsm.tiers import InvalidJobError, ObjectStoreTier
+from kvfsm.tiers.base import PROGRESS_SLICE
 from kvfsm.transfer import Transfer
 
 from .test_poll_schedule import Held
@@ -380,3 +382,40 @@ def test_a_process_that_forgets_shutdown_exits_only_once_every_transfer_is_publi
 def test_a_bad_progress_interval_is_refused_by_name(bad: object) -> None:
     with pytest.raises(ValueError, match=r"RetryPolicy\.progress_interval must be"):
         RetryPolicy(progress_interval=bad)  # type: ignore[arg-type]
+
+
+class PollsSeen(Held):
+    """Held transfers; for each state check, which of the tier's progress polls made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tier: ObjectStoreTier | None = None
+        self.poll_of_check: list[int] = []
+
+    def check_xfer_state(self, handle: Any) -> str:
+        if self.tier is not None:  # (the tier's lock is the thread's already: re-entered)
+            self.poll_of_check.append(self.tier.stats()["progress"]["polls"])
+        return super().check_xfer_state(handle)
+
+
+def test_the_threads_poll_makes_at_most_a_slice_of_checks_however_many_are_due() -> None:
+    """Every running transfer due every millisecond, thousands running: far more checks than
+    a poll may make while it holds the tier's lock (a submit waits for it). Each poll of the
+    thread makes at most PROGRESS_SLICE; the turns past it come in the next polls, so every
+    transfer is still asked about, and every result comes."""
+    agent = PollsSeen()
+    tier = tier_on(agent, max_unpolled=0.001)
+    count = 3 * PROGRESS_SLICE
+    for job_id in range(count):
+        store(tier, job_id)
+    agent.tier = tier
+    wait_for(lambda: len(agent.poll_of_check) >= 3 * count)
+
+    per_poll = collections.Counter(agent.poll_of_check)
+    assert max(per_poll.values()) <= PROGRESS_SLICE
+    assert max(per_poll.values()) == PROGRESS_SLICE  # the slice was spent: all were due
+    assert all(agent.checks[id(handle)] >= 2 for handle in agent.posted)
+    agent.end(*range(count))
+    assert len(collect(tier, count)) == count
+    tier.shutdown(timeout=5)
+    assert agent.live_xfer_handles() == 0 and agent.misuses == []

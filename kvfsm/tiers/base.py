@@ -54,6 +54,12 @@ __all__ = [
     "key_text",
 ]
 
+#: the most state checks one poll of the progress thread makes under the tier's lock (the
+#: schedule's turns left due go first in its next poll, a ``progress_interval`` later): about a
+#: millisecond of NIXL's checks, so that a submit waits that long at most for the thread's
+#: checks, whatever number is in flight and however tight ``max_unpolled`` is
+PROGRESS_SLICE = 1024
+
 
 class Lookup(enum.Enum):
     """Whether a tier holds a block."""
@@ -531,13 +537,14 @@ class SecondaryTier(JobSide):
         """Poll every ``interval`` seconds while jobs are unpublished and the tier is open."""
         lock, records = self._lock, self._runner.records
         try:
+            runner = self._runner
             while True:
-                time.sleep(interval)
+                time.sleep(0 if runner.behind else interval)
                 with lock:
                     if not records or self._closing:
                         self._progress_thread = None
                         return
-                    self._poll()
+                    self._poll(limit=PROGRESS_SLICE)
                     self._progress_polls += 1
         except BaseException as error:
             try:
@@ -587,7 +594,7 @@ class SecondaryTier(JobSide):
         if transfer.slot < 0:  # over at once: DONE or FAILED
             self._advance((transfer,))
 
-    def _poll(self, everything: bool = False) -> None:
+    def _poll(self, everything: bool = False, limit: int | None = None) -> None:
         """Advance the unpublished transfers once: the one poll path.
 
         First the state checks of the running transfers the poll schedule picks (every one
@@ -597,11 +604,12 @@ class SecondaryTier(JobSide):
         and nothing else, because the table declares that answer a stay (counted, not fired);
         each other answer is fired and its transfer taken as far as it goes this round. Then
         the running bound, if the policy sets one; then every transfer that was waiting (a
-        release to retry, a step of the user's).
+        release to retry, a step of the user's). ``limit`` bounds the schedule's state checks
+        (the progress thread's :data:`PROGRESS_SLICE`).
         """
         runner, driver = self._runner, self._driver
         waiting = list(runner.waiting.values())  # those in it now: one round each
-        answered = runner.check_round(driver.check, everything)
+        answered = runner.check_round(driver.check, everything, limit)
         if answered:
             self._take_polls(answered)
         overdue = runner.overdue()
