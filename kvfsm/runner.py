@@ -233,6 +233,7 @@ class Runner(Books):
         running = self.running
         if everything or len(running.transfers) <= self.policy.check_all_below:
             self._swept_at = time.monotonic()
+            self.behind = False  # every turn is taken
             return self.take_checks(check(running.handles))
         cap = sys.maxsize if limit is None else limit
         picked, statuses = self._check_front(check, cap)

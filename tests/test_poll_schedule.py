@@ -398,3 +398,24 @@ def test_a_poll_with_a_slice_leaves_the_turns_past_it_due_and_takes_them_first_n
     assert polls > N // 100  # a slice at a time, not everything at once
     finish(tier, held)
 
+
+
+def test_once_few_run_a_poll_with_a_slice_is_behind_no_more(held: Held, clock: Clock) -> None:
+    """A thread's poll left turns due (behind: it polls again at once); then nearly all end.
+    With few enough running that each is checked every poll, no turn is left behind: the
+    thread goes back to its interval instead of polling without a pause."""
+    tier = running_tier(held, max_unpolled=0.01)
+    tier.get_finished_jobs()
+    clock.advance(1.0)
+    with tier._lock:
+        tier._poll(limit=100)
+    assert tier._runner.behind
+    held.end(*range(10, N))  # the ten oldest keep running
+    while tier.stats()["in_flight"].get("PROCESSING", 0) > 10:
+        clock.advance(0.001)
+        with tier._lock:
+            tier._poll(limit=100)
+    with tier._lock:
+        tier._poll(limit=100)
+    assert not tier._runner.behind
+    finish(tier, held)
