@@ -32,12 +32,13 @@ The progress thread (``progress_interval``): the poll, the same one, made by a t
 tier every ``progress_interval`` seconds instead of by ``get_finished_jobs``, so a scheduler
 step costs the results it takes and nothing else, whatever is in flight. The thread takes the
 tier's lock for each poll, as every call of the tier does, so one thread at a time drives the
-NIXL agent; a submit waits at most one poll for it, and a poll of the thread makes at most
-``PROGRESS_SLICE`` (1,024) state checks of the schedule: the turns due past them go first in
-its next poll, which it makes at once, letting go of the lock in between. So however many run
-and however tight ``max_unpolled`` is, a submit waits for that many checks and the endings of
-what they found at most; when the turns due outrun the thread, the bound above stretches
-(``max_unpolled`` plus the time the thread needs to go round them). It runs while jobs are
+NIXL agent; a submit waits for one poll of it at most (the lock is not handed over in order,
+so that is the rule, not a promise). A poll of the thread makes at most ``PROGRESS_SLICE``
+(1,024) state checks of the schedule: the sweep's turns due past them are the first its next
+poll takes, which it makes at once, letting go of the lock in between. So however many run
+and however tight ``max_unpolled`` is, the poll a submit waits for is that many checks, the
+endings of what they found and the retries due; when the turns due outrun the thread, the
+bound above stretches to the time the thread needs to go round them. It runs while jobs are
 unpublished and ends
 when none are (it is started again by the next submit); it is not a daemon, so a process that
 forgot ``shutdown`` exits only once NIXL has ended every transfer and each is published, never
@@ -72,7 +73,8 @@ class RetryPolicy:
             quarantined (None: waits as long as NIXL runs it; see the module's notes first).
         max_unpolled: the longest a running transfer goes without a state check, once more
             than ``check_all_below`` run, plus the longest gap between two polls: a check due
-            while no poll runs is made by the next (the module's notes: the poll schedule).
+            while no poll runs is made by the next (the module's notes: the poll schedule; on
+            a progress thread that cannot go round them that fast, the time it takes).
         check_all_below: with this many running transfers or fewer, a poll checks each.
         progress_interval: with a number of seconds, a tier polls on a progress thread of its
             own every that many seconds while it has jobs unpublished, and

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,8 +24,9 @@ from kvfsm.machines.transfer import Answer, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import FRONT_BATCH
 from kvfsm.testing import FakeNixlAgent
-from kvfsm.tiers import ObjectStoreTier
+from kvfsm.tiers import FileTier, ObjectStoreTier
 
+from .test_file_tier import BlockingFsync, posix
 from .test_runner import Again, verify_again
 
 N = 1_000
@@ -399,7 +402,6 @@ def test_a_poll_with_a_slice_leaves_the_turns_past_it_due_and_takes_them_first_n
     finish(tier, held)
 
 
-
 def test_once_few_run_a_poll_with_a_slice_is_behind_no_more(held: Held, clock: Clock) -> None:
     """A thread's poll left turns due (behind: it polls again at once); then nearly all end.
     With few enough running that each is checked every poll, no turn is left behind: the
@@ -419,3 +421,46 @@ def test_once_few_run_a_poll_with_a_slice_is_behind_no_more(held: Held, clock: C
         tier._poll(limit=100)
     assert not tier._runner.behind
     finish(tier, held)
+
+
+@pytest.mark.nixl
+def test_stores_waiting_on_their_flush_are_not_walked_again_by_the_oldest_first_checks(
+        clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A durable file tier on real NIXL whose flushes fall behind: NIXL finished 299 stores,
+    each waits on its flush (held here), so each still answers DONE to its state check. They
+    are not transfers that ended any more: a step's oldest-first checks stop at them rather
+    than walk all of them again, and a load that ended among them is handed out by the sweep
+    within max_unpolled."""
+    fsync = BlockingFsync(os.fsync)
+    monkeypatch.setattr(os, "fsync", fsync)
+    agent = posix(faulty=True)  # (nothing injected: its calls are counted)
+    primary = torch.zeros((64, 16), dtype=torch.float32)
+    tier = FileTier(primary, tmp_path, agent=agent, policy=RetryPolicy(max_unpolled=0.5))
+    tier.path_of("warm").write_bytes(bytes(primary[0].nbytes))  # a block there is to load
+    for job_id in range(300):
+        if job_id == 250:
+            continue
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
+    for _ in range(30):  # NIXL finishes each; its flush is held (checked again: DONE)
+        clock.advance(0.5 / 30)
+        assert tier.get_finished_jobs() == []
+    assert tier.stats()["in_flight"] == {"PROCESSING": 299}
+    assert fsync.entered.wait(10)
+
+    tier.submit_load(TransferJob(250, ["warm"], [5], is_promotion=True))
+    made: list[int] = []
+    results: list[Any] = []
+    while not results:
+        clock.advance(0.01)
+        before = agent.call_count("check_xfer_state")
+        results = tier.get_finished_jobs()
+        made.append(agent.call_count("check_xfer_state") - before)
+        assert len(made) <= 0.5 / 0.01 + 1, "the load never came"
+    assert [r.job_id for r in results] == [250] and results[0].success
+    # a batch of the oldest (flushing: none new), and the sweep's share of 300 for 10 ms of
+    # 0.5 s; not all the flushing ones again on every step
+    assert max(made) <= FRONT_BATCH + math.ceil(300 * 0.01 / 0.5)
+    fsync.release.set()
+    tier.drain_jobs(timeout=30)
+    assert sum(r.success for r in tier.get_finished_jobs()) == 299
+    tier.shutdown(timeout=5)

@@ -54,11 +54,16 @@ __all__ = [
     "key_text",
 ]
 
-#: the most state checks one poll of the progress thread makes under the tier's lock (the
-#: schedule's turns left due go first in its next poll, a ``progress_interval`` later): about a
-#: millisecond of NIXL's checks, so that a submit waits that long at most for the thread's
-#: checks, whatever number is in flight and however tight ``max_unpolled`` is
+#: the most state checks of the poll schedule one poll of the progress thread makes under the
+#: tier's lock (about a millisecond of NIXL's checks): the sweep's turns left due are the first
+#: its next one takes, made after :data:`BEHIND_PAUSE` instead of ``progress_interval``. So a
+#: submit waits for that many checks, not for a round of everything in flight, however tight
+#: ``max_unpolled`` is (``check_all_below`` set above it is the caller's choice: every running
+#: transfer, every poll)
 PROGRESS_SLICE = 1024
+#: how long the progress thread lets go of the tier's lock between two polls while turns it
+#: did not take are due: long enough for a submit waiting on the lock to take it
+BEHIND_PAUSE = 0.00005
 
 
 class Lookup(enum.Enum):
@@ -534,12 +539,13 @@ class SecondaryTier(JobSide):
         self._progress_thread = self._progress_last = thread
 
     def _progress_loop(self, interval: float) -> None:
-        """Poll every ``interval`` seconds while jobs are unpublished and the tier is open."""
+        """Poll every ``interval`` seconds while jobs are unpublished and the tier is open (at
+        once, after :data:`BEHIND_PAUSE`, while the last poll left turns due it did not take)."""
         lock, records = self._lock, self._runner.records
         try:
             runner = self._runner
             while True:
-                time.sleep(0 if runner.behind else interval)
+                time.sleep(BEHIND_PAUSE if runner.behind else interval)
                 with lock:
                     if not records or self._closing:
                         self._progress_thread = None
