@@ -22,7 +22,7 @@ import torch
 
 from kvfsm import JobResult, TransferJob
 from kvfsm.policy import RetryPolicy
-from kvfsm.testing import FakeNixlAgent
+from kvfsm.testing import FakeNixlAgent, FaultyAgent
 from kvfsm.tiers import InvalidJobError, ObjectStoreTier
 from kvfsm.tiers.base import PROGRESS_SLICE
 from kvfsm.transfer import Transfer
@@ -419,3 +419,38 @@ def test_the_threads_poll_makes_at_most_a_slice_of_checks_however_many_are_due()
     assert len(collect(tier, count)) == count
     tier.shutdown(timeout=5)
     assert agent.live_xfer_handles() == 0 and agent.misuses == []
+
+
+def test_a_thread_far_behind_with_faults_still_hands_out_every_result_once() -> None:
+    """Two threads submit 3,000 stores between them while the thread is asked to check every
+    running transfer every millisecond (thousands run, each for 20 checks: far more than its
+    slice), and 2 % of NIXL's calls fail at random: the thread polls slice after slice, the
+    submits go on meanwhile, and every job has exactly one result; no handle is released
+    twice."""
+    agent = FaultyAgent(FakeNixlAgent("behind", complete_after_polls=20))
+    agent.chaos(0.02, seed=18)
+    tier = tier_on(agent, max_unpolled=0.001)
+    per_thread = 1_500
+    errors: list[BaseException] = []
+
+    def submitter(first: int) -> None:
+        try:
+            for job_id in range(first, first + per_thread):
+                store(tier, job_id)
+        except BaseException as error:  # surfaced by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=submitter, args=(first,)) for first in (0, 10_000)]
+    for thread in threads:
+        thread.start()
+    results = collect(tier, 2 * per_thread, timeout=60)
+    for thread in threads:
+        thread.join(5)
+
+    assert errors == []
+    assert collections.Counter(r.job_id for r in results) == collections.Counter(
+        [*range(per_thread), *range(10_000, 10_000 + per_thread)])
+    assert any(r.success for r in results) and any(not r.success for r in results)
+    assert tier.stats()["progress"]["error"] is None
+    tier.shutdown(timeout=5)
+    assert agent.misuses == []
