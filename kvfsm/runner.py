@@ -22,9 +22,8 @@ What the runner decides itself, each once and from the table:
   first while they are found ended, then a share of the rest in turn, each at least once
   every ``max_unpolled`` seconds (:meth:`Runner.check_round`): a poll costs what ended, plus
   a share that grows with the time since the last poll (a progress thread's poll, at most a
-  slice of checks: the turns past it are taken first next time); a store found over that
-  waits on its commit is not one found ended, so the oldest-first checks stop at a backlog of
-  them;
+  slice of checks, half of it at most for the oldest: the sweep's turns past it are taken
+  first next time);
 * a running bound: a transfer still running ``max_running_seconds`` after submit gives up
   (EXHAUSTED on the state check), found in submit order at a cost of the transfers it finds;
 * the end of a transfer: from a state whose effect is the release, release, clean and publish
@@ -230,9 +229,11 @@ class Runner(Books):
         (its turn is taken all the same).
 
         ``limit`` bounds the schedule's checks this round (the progress thread's slice, so
-        that its hold of the tier's lock stays short): the sweep's turns it leaves due keep
-        their place, first in its queue, and are the first the next round's sweep takes
-        (:attr:`behind` says there are). It does not bound a round that checks everything.
+        that its hold of the tier's lock stays short): the oldest-first checks take at most
+        half of it (a backlog of stores waiting on their commit answers DONE batch after
+        batch), the sweep the rest; the sweep's turns it leaves due keep their place, first in
+        its queue, and are the first the next round's sweep takes (:attr:`behind` says there
+        are). It does not bound a round that checks everything.
         """
         running = self.running
         if everything or len(running.transfers) <= self.policy.check_all_below:
@@ -240,7 +241,7 @@ class Runner(Books):
             self.behind = False  # every turn is taken
             return self.take_checks(check(running.handles))
         cap = sys.maxsize if limit is None else limit
-        picked, statuses = self._check_front(check, cap)
+        picked, statuses = self._check_front(check, cap if limit is None else limit // 2)
         swept = self._sweep_share(cap - len(picked))
         if swept:
             asking = swept
@@ -271,10 +272,9 @@ class Runner(Books):
                      ) -> tuple[list[Transfer], list[str | Exception]]:
         """Check the oldest running transfers in batches, until a batch finds none ended (or
         ``cap`` were checked); the entries walked past that no longer run are dropped (so each
-        is walked past once, whatever stays running before it). A store found before, which
-        waits on its commit (a file tier's flush), is not one that ended: the oldest-first
-        checks do not walk a backlog of them again each round."""
-        committing = self._committing
+        is walked past once, whatever stays running before it). A store that waits on its
+        commit (a file tier's flush) answers DONE until the commit is over, and is walked
+        past like one that ended: its check is what finds the commit over."""
         picked: list[Transfer] = []
         statuses: list[str | Exception] = []
         batch: list[Transfer] = []
@@ -292,12 +292,8 @@ class Runner(Books):
                 answers = check([t.xfer for t in batch])
                 picked += batch
                 statuses += answers
-                ended = len(answers) - answers.count(NIXL_RUNNING)
-                if ended and committing:
-                    ended = sum(1 for t, answer in zip(batch, answers, strict=True)
-                                if answer != NIXL_RUNNING and t.job_id not in committing)
                 batch = []
-                if not ended:
+                if answers.count(NIXL_RUNNING) == len(answers):
                     break  # none ended: those behind wait for their turn
                 size = min(FRONT_BATCH, cap - len(picked))
         if batch:  # the last, short batch (none is left after a break)
