@@ -35,7 +35,7 @@ tier's lock for each poll, as every call of the tier does, so one thread at a ti
 NIXL agent; a submit waits for one poll of it at most (the lock is not handed over in order,
 so that is the rule, not a promise). A poll of the thread makes at most ``PROGRESS_SLICE``
 (1,024) state checks of the schedule: the sweep's turns due past them are the first its next
-poll takes, which it makes at once, letting go of the lock in between. So however many run
+poll takes, which it makes after letting go of the lock for 50 us. So however many run
 and however tight ``max_unpolled`` is, the poll a submit waits for is that many checks, the
 endings of what they found and the retries due; when the turns due outrun the thread, the
 bound above stretches to the time the thread needs to go round them. It runs while jobs are

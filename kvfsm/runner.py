@@ -240,6 +240,8 @@ class Runner(Books):
             self._swept_at = time.monotonic()
             self.behind = False  # every turn is taken
             return self.take_checks(check(running.handles))
+        if limit is not None and limit < 1:
+            raise ValueError(f"a round's limit is at least one check, not {limit!r}")
         cap = sys.maxsize if limit is None else limit
         picked, statuses = self._check_front(check, cap if limit is None else limit // 2)
         swept = self._sweep_share(cap - len(picked))
@@ -362,6 +364,7 @@ class Runner(Books):
         last; it is queued first instead, due at once."""
         self._sweep.pop()
         self._sweep.appendleft((-math.inf, picked))
+        self.behind = True
 
     def _schedule(self, transfer: Transfer) -> None:
         """A transfer started running: the oldest-first queue and the sweep take it (its turn

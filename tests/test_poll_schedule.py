@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -440,13 +441,20 @@ def test_with_a_slice_a_backlog_of_stores_waiting_on_their_flush_leaves_the_swee
     tier.path_of("warm").write_bytes(bytes(primary[0].nbytes))  # a block there is to load
     for job_id in range(299):
         tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
-    for _ in range(30):  # NIXL finishes each; its flush is held (checked again: DONE)
+    deadline = time.monotonic() + 30
+    while len(tier._runner._committing) < 299:  # NIXL finishes each; its flush is held
+        assert time.monotonic() < deadline, "the stores never all waited on their flush"
         clock.advance(0.5 / 30)
         assert tier.get_finished_jobs() == []
+        time.sleep(0.001)
     assert tier.stats()["in_flight"] == {"PROCESSING": 299}
-    assert fsync.entered.wait(10)
 
     tier.submit_load(TransferJob(299, ["warm"], [5], is_promotion=True))
+    assert tier.stats()["in_flight"] == {"PROCESSING": 300}  # running: a poll must find it
+    load = tier._runner.records[299].xfer
+    while agent.wrapped.check_xfer_state(load) != "DONE":  # (not counted: the agent's own)
+        assert time.monotonic() < deadline, "NIXL never finished the load"
+        time.sleep(0.001)
     clock.advance(1.0)  # every turn is due
     polls = 0
     while tier.stats()["published"] == 0:
@@ -463,3 +471,10 @@ def test_with_a_slice_a_backlog_of_stores_waiting_on_their_flush_leaves_the_swee
     tier.drain_jobs(timeout=30)
     assert sum(r.success for r in tier.get_finished_jobs()) == 299
     tier.shutdown(timeout=5)
+
+
+def test_a_round_limited_to_no_check_is_refused_by_name(held: Held, clock: Clock) -> None:
+    tier = running_tier(held, n=100)
+    with pytest.raises(ValueError, match="limit is at least one check, not 0"):
+        tier._runner.check_round(tier._driver.check, limit=0)
+    finish(tier, held)

@@ -393,7 +393,7 @@ class PollsSeen(Held):
         self.poll_of_check: list[int] = []
 
     def check_xfer_state(self, handle: Any) -> str:
-        if self.tier is not None:  # (the tier's lock is the thread's already: re-entered)
+        if self.tier is not None:  # (stats() reads the books without the tier's lock)
             self.poll_of_check.append(self.tier.stats()["progress"]["polls"])
         return super().check_xfer_state(handle)
 
@@ -421,15 +421,31 @@ def test_the_threads_poll_makes_at_most_a_slice_of_checks_however_many_are_due()
     assert agent.live_xfer_handles() == 0 and agent.misuses == []
 
 
+class PollsCounted(FakeNixlAgent):
+    """The fake agent; for each state check, which of the tier's progress polls made it."""
+
+    def __init__(self) -> None:
+        super().__init__("behind", complete_after_polls=20)
+        self.tier: ObjectStoreTier | None = None
+        self.poll_of_check: list[int] = []
+
+    def check_xfer_state(self, handle: Any) -> str:
+        if self.tier is not None:
+            self.poll_of_check.append(self.tier.stats()["progress"]["polls"])
+        return super().check_xfer_state(handle)
+
+
 def test_a_thread_far_behind_with_faults_still_hands_out_every_result_once() -> None:
     """Two threads submit 3,000 stores between them while the thread is asked to check every
     running transfer every millisecond (thousands run, each for 20 checks: far more than its
     slice), and 2 % of NIXL's calls fail at random: the thread polls slice after slice, the
     submits go on meanwhile, and every job has exactly one result; no handle is released
     twice."""
-    agent = FaultyAgent(FakeNixlAgent("behind", complete_after_polls=20))
-    agent.chaos(0.02, seed=18)
+    counted = PollsCounted()
+    agent = FaultyAgent(counted)
     tier = tier_on(agent, max_unpolled=0.001)
+    counted.tier = tier
+    agent.chaos(0.02, seed=18)  # (after the tier's own registration)
     per_thread = 1_500
     errors: list[BaseException] = []
 
@@ -443,7 +459,7 @@ def test_a_thread_far_behind_with_faults_still_hands_out_every_result_once() -> 
     threads = [threading.Thread(target=submitter, args=(first,)) for first in (0, 10_000)]
     for thread in threads:
         thread.start()
-    results = collect(tier, 2 * per_thread, timeout=60)
+    results = collect(tier, 2 * per_thread, timeout=30)
     for thread in threads:
         thread.join(5)
 
@@ -452,5 +468,8 @@ def test_a_thread_far_behind_with_faults_still_hands_out_every_result_once() -> 
         [*range(per_thread), *range(10_000, 10_000 + per_thread)])
     assert any(r.success for r in results) and any(not r.success for r in results)
     assert tier.stats()["progress"]["error"] is None
+    per_poll = collections.Counter(counted.poll_of_check)
+    # behind, a slice at a time (a check that raised never reached the fake agent)
+    assert PROGRESS_SLICE * 3 // 4 < max(per_poll.values()) <= PROGRESS_SLICE
     tier.shutdown(timeout=5)
     assert agent.misuses == []

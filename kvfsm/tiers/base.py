@@ -62,7 +62,8 @@ __all__ = [
 #: transfer, every poll)
 PROGRESS_SLICE = 1024
 #: how long the progress thread lets go of the tier's lock between two polls while turns it
-#: did not take are due: long enough for a submit waiting on the lock to take it
+#: did not take are due (or ``progress_interval``, if shorter): a submit waiting on the lock
+#: then has the chance to take it (Python's locks are not handed over in order, so a chance)
 BEHIND_PAUSE = 0.00005
 
 
@@ -543,9 +544,9 @@ class SecondaryTier(JobSide):
         once, after :data:`BEHIND_PAUSE`, while the last poll left turns due it did not take)."""
         lock, records = self._lock, self._runner.records
         try:
-            runner = self._runner
+            runner, pause = self._runner, min(interval, BEHIND_PAUSE)
             while True:
-                time.sleep(BEHIND_PAUSE if runner.behind else interval)
+                time.sleep(pause if runner.behind else interval)
                 with lock:
                     if not records or self._closing:
                         self._progress_thread = None
