@@ -22,8 +22,8 @@ What the runner decides itself, each once and from the table:
   first while they are found ended, then a share of the rest in turn, each at least once
   every ``max_unpolled`` seconds (:meth:`Runner.check_round`): a poll costs what ended, plus
   a share that grows with the time since the last poll (a progress thread's poll, at most a
-  slice of checks, half of it at most for the oldest: the sweep's turns past it are taken
-  first next time);
+  slice of checks: the sweep's turns past it are taken first next time, and once they are
+  a bound late the oldest first get half of it at most);
 * a running bound: a transfer still running ``max_running_seconds`` after submit gives up
   (EXHAUSTED on the state check), found in submit order at a cost of the transfers it finds;
 * the end of a transfer: from a state whose effect is the release, release, clean and publish
@@ -165,6 +165,7 @@ class Runner(Books):
         self._swept_at = time.monotonic()
         #: the last sweep left turns due it did not take (its round's slice was spent)
         self.behind = False
+        self._starving = False  # ... and one of them was due ``max_unpolled`` ago or more
         self.waiting: dict[int, Transfer] = {}  # the others
         #: how many unpublished transfers are in each state
         self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
@@ -229,21 +230,25 @@ class Runner(Books):
         (its turn is taken all the same).
 
         ``limit`` bounds the schedule's checks this round (the progress thread's slice, so
-        that its hold of the tier's lock stays short): the oldest-first checks take at most
-        half of it (a backlog of stores waiting on their commit answers DONE batch after
-        batch), the sweep the rest; the sweep's turns it leaves due keep their place, first in
+        that its hold of the tier's lock stays short): the oldest-first checks go first, the
+        sweep takes what is left; the sweep's turns it leaves due keep their place, first in
         its queue, and are the first the next round's sweep takes (:attr:`behind` says there
-        are). It does not bound a round that checks everything.
+        are); once a turn is due for longer than ``max_unpolled``, the oldest-first checks take
+        at most half the slice (a backlog of stores waiting on their commit answers DONE batch
+        after batch, and would take all of it). It does not bound a round that checks
+        everything.
         """
         running = self.running
         if everything or len(running.transfers) <= self.policy.check_all_below:
             self._swept_at = time.monotonic()
-            self.behind = False  # every turn is taken
+            self.behind = self._starving = False  # every turn is taken
             return self.take_checks(check(running.handles))
         if limit is not None and limit < 1:
             raise ValueError(f"a round's limit is at least one check, not {limit!r}")
         cap = sys.maxsize if limit is None else limit
-        picked, statuses = self._check_front(check, cap if limit is None else limit // 2)
+        # the oldest first, up to the whole slice; but once the sweep is a bound late, half
+        front = cap if limit is None or not self._starving else limit // 2
+        picked, statuses = self._check_front(check, front)
         swept = self._sweep_share(cap - len(picked))
         if swept:
             asking = swept
@@ -355,6 +360,7 @@ class Runner(Books):
                         transfer.queued &= ~_IN_SWEEP
             picked += live
         self.behind = bool(sweep) and sweep[0][0] <= now
+        self._starving = self.behind and sweep[0][0] <= now - limit
         if picked:
             sweep.append((now + limit, picked))
         return picked
@@ -364,7 +370,7 @@ class Runner(Books):
         last; it is queued first instead, due at once."""
         self._sweep.pop()
         self._sweep.appendleft((-math.inf, picked))
-        self.behind = True
+        self.behind = self._starving = True
 
     def _schedule(self, transfer: Transfer) -> None:
         """A transfer started running: the oldest-first queue and the sweep take it (its turn

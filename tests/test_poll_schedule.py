@@ -478,3 +478,18 @@ def test_a_round_limited_to_no_check_is_refused_by_name(held: Held, clock: Clock
     with pytest.raises(ValueError, match="limit is at least one check, not 0"):
         tier._runner.check_round(tier._driver.check, limit=0)
     finish(tier, held)
+
+
+def test_with_a_slice_the_oldest_first_checks_may_take_all_of_it_while_the_sweep_keeps_up(
+        held: Held, clock: Clock) -> None:
+    """Ninety of the oldest end at once, and no turn of the sweep is late: one poll of the
+    thread (a slice of 100) finds all ninety, its oldest-first checks taking what they need."""
+    tier = running_tier(held, max_unpolled=1.0)
+    tier.get_finished_jobs()
+    held.end(*range(90))
+    clock.advance(0.001)
+    with tier._lock:
+        tier._poll(limit=100)
+    assert tier.stats()["published"] == 90  # (get_finished_jobs would poll again)
+    assert sorted(r.job_id for r in tier.get_finished_jobs()) == list(range(90))
+    finish(tier, held)
