@@ -225,39 +225,66 @@ def one_run(cache: torch.Tensor, original: torch.Tensor, jobs: list[list[int]],
     return stored, loaded
 
 
-def run_files(blocks: int, per_job: int, repeats: int) -> dict[str, list[tuple[float, float]]]:
+def run_files(blocks: int, per_job: int, repeats: int,
+              timed: bool = False) -> dict[str, list[tuple[float, ...]]]:
+    """Per run and contender: (store seconds, load seconds); with ``timed``, each contender's
+    agent times its lifecycle calls: (store seconds, of which in NIXL's calls, load seconds,
+    of which in NIXL's calls)."""
     cache = torch.zeros(blocks, BLOCK_BYTES, dtype=torch.uint8)
     original = torch.randint(0, 256, cache.shape, dtype=torch.uint8,
                              generator=torch.Generator().manual_seed(1))
     jobs = groups(blocks, per_job)
-    samples: dict[str, list[tuple[float, float]]] = {"kvfsm FileTier": [], "bare script": []}
+    samples: dict[str, list[tuple[float, ...]]] = {"kvfsm FileTier": [], "bare script": []}
     for repeat in range(repeats):
         order = list(samples) if repeat % 2 == 0 else list(reversed(samples))
         for name in order:
             with tempfile.TemporaryDirectory(prefix="kvfsm-bench-", dir=FILES_DIR) as root:
-                samples[name].append(_files_run(name, cache, original, jobs, root))
+                samples[name].append(_files_run(name, cache, original, jobs, root, timed))
             gc.collect()  # a dropped agent is torn down now, not in another contender's phase
     return samples
 
 
 def _files_run(name: str, cache: torch.Tensor, original: torch.Tensor, jobs: list[list[int]],
-               root: str) -> tuple[float, float]:
+               root: str, timed: bool) -> tuple[float, ...]:
     agent = make_agent(_agent_name("posix"), "POSIX")
+    clock = TimedAgent(agent) if timed else None
+    agent = clock or agent
     contender = (BareFiles(cache, Path(root), agent) if name == "bare script"
                  else FileTier(cache, root, agent=agent, durable=False))
-    return _measure(contender, cache, original, jobs)
+    return _measure(contender, cache, original, jobs, clock)
 
 
 def _measure(contender: Any, cache: torch.Tensor, original: torch.Tensor,
-             jobs: list[list[int]]) -> tuple[float, float]:
-    """One run of a bare script or a tier; closes it (shuts the tier down) after."""
-    if isinstance(contender, BareFiles):
-        sample = one_run(cache, original, jobs, bare_phase(contender))
+             jobs: list[list[int]], clock: TimedAgent | None = None) -> tuple[float, ...]:
+    """One run of a bare script or a tier; closes it (shuts the tier down) after. With the
+    timed agent ``clock``, each phase's seconds in NIXL's calls follow its seconds."""
+    bare = isinstance(contender, BareFiles)
+    phase = bare_phase(contender) if bare else _tier_phases(contender)
+    in_nixl: list[float] = []
+    if clock is not None:
+        phase = _nixl_seconds(phase, clock, in_nixl)
+    stored, loaded = one_run(cache, original, jobs, phase)
+    if bare:
         contender.close()
-        return sample
-    sample = one_run(cache, original, jobs, _tier_phases(contender))
-    contender.shutdown()
-    return sample
+    else:
+        contender.shutdown()
+    if clock is None:
+        return stored, loaded
+    store_nixl, load_nixl = in_nixl
+    return stored, store_nixl, loaded, load_nixl
+
+
+def _nixl_seconds(phase: Phase, clock: TimedAgent, into: list[float]) -> Phase:
+    """``phase``, each run of it appending to ``into`` the seconds it spent in NIXL's calls."""
+    def ready(jobs: list[list[int]], load: bool) -> Callable[[], None]:
+        run = phase(jobs, load)
+
+        def timed() -> None:
+            clock.seconds = 0.0
+            run()
+            into.append(clock.seconds)
+        return timed
+    return ready
 
 
 class S3Server:
@@ -366,44 +393,6 @@ def _tier_phases(tier: Any) -> Phase:
     return lambda jobs, load: tier_phase(tier, jobs, load, next(ids) * len(jobs))
 
 
-def run_split(blocks: int, repeats: int) -> dict[str, list[tuple[float, ...]]]:
-    """One-block file jobs, each contender on a timed agent: per run, (store seconds, of which
-    in NIXL's calls, load seconds, of which in NIXL's calls)."""
-    cache = torch.zeros(blocks, BLOCK_BYTES, dtype=torch.uint8)
-    original = torch.randint(0, 256, cache.shape, dtype=torch.uint8,
-                             generator=torch.Generator().manual_seed(1))
-    jobs = groups(blocks, 1)
-    samples: dict[str, list[tuple[float, ...]]] = {"kvfsm FileTier": [], "bare script": []}
-    for repeat in range(repeats):
-        for name in list(samples) if repeat % 2 == 0 else list(reversed(samples)):
-            with tempfile.TemporaryDirectory(prefix="kvfsm-bench-", dir=FILES_DIR) as root:
-                agent = TimedAgent(make_agent(_agent_name("posix"), "POSIX"))
-                if name == "bare script":
-                    bare = BareFiles(cache, Path(root), agent)
-                    phase, done = bare_phase(bare), bare.close
-                else:
-                    tier = FileTier(cache, root, agent=agent, durable=False)
-                    phase, done = _tier_phases(tier), tier.shutdown
-                row: list[float] = []
-                for load in (False, True):
-                    if load:
-                        cache.zero_()
-                    else:
-                        cache.copy_(original)
-                    run = phase(list(reversed(jobs)) if load else jobs, load)
-                    os.sync()
-                    agent.seconds = 0.0
-                    started = time.perf_counter()
-                    run()
-                    row += [time.perf_counter() - started, agent.seconds]
-                if not torch.equal(cache, original):
-                    raise RuntimeError("loaded blocks differ from the stored ones")
-                done()
-                samples[name].append(tuple(row))
-            gc.collect()
-    return samples
-
-
 def summarize_split(title: str, jobs: int, samples: dict[str, list[tuple[float, ...]]]) -> str:
     rows = []
     medians = {name: [median([run[i] for run in runs]) for i in range(4)]
@@ -460,7 +449,7 @@ def main() -> int:
         out.append(summarize(title, blocks * BLOCK_BYTES, samples))
         raw[f"files_{per_job}"] = samples
         print(out[-1], flush=True)
-    split = run_split(blocks, file_repeats)
+    split = run_files(blocks, 1, file_repeats, timed=True)
     title = (f"One-block file jobs ({blocks} x 64 KiB, in {FILES_DIR or tempfile.gettempdir()}), "
              "NIXL's calls timed inside each contender (medians; the rest: Python, and the "
              "file calls both make; the last column: the rest a transfer kvfsm could spend and "

@@ -165,7 +165,6 @@ class Runner(Books):
         self._swept_at = time.monotonic()
         #: the last sweep left turns due it did not take (its round's slice was spent)
         self.behind = False
-        self._starving = False  # ... and one of them was due ``max_unpolled`` ago or more
         self.waiting: dict[int, Transfer] = {}  # the others
         #: how many unpublished transfers are in each state
         self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
@@ -241,13 +240,15 @@ class Runner(Books):
         running = self.running
         if everything or len(running.transfers) <= self.policy.check_all_below:
             self._swept_at = time.monotonic()
-            self.behind = self._starving = False  # every turn is taken
+            self.behind = False  # every turn is taken
             return self.take_checks(check(running.handles))
         if limit is not None and limit < 1:
             raise ValueError(f"a round's limit is at least one check, not {limit!r}")
-        cap = sys.maxsize if limit is None else limit
-        # the oldest first, up to the whole slice; but once the sweep is a bound late, half
-        front = cap if limit is None or not self._starving else limit // 2
+        cap = front = sys.maxsize if limit is None else limit
+        sweep = self._sweep
+        if (limit is not None and sweep
+                and sweep[0][0] <= time.monotonic() - self.policy.max_unpolled):
+            front = limit // 2  # the sweep is a bound late: the oldest first get half
         picked, statuses = self._check_front(check, front)
         swept = self._sweep_share(cap - len(picked))
         if swept:
@@ -287,9 +288,9 @@ class Runner(Books):
         batch: list[Transfer] = []
         walked = dead = 0
         size = min(FRONT_BATCH, cap)
+        if size <= 0:
+            return picked, statuses
         for transfer in self._front:  # check() touches no queue: the deque stays as it is
-            if size <= 0:
-                break  # the slice is spent: those behind wait for the next round
             walked += 1
             if transfer.slot < 0:
                 dead += 1
@@ -303,6 +304,8 @@ class Runner(Books):
                 if answers.count(NIXL_RUNNING) == len(answers):
                     break  # none ended: those behind wait for their turn
                 size = min(FRONT_BATCH, cap - len(picked))
+                if size <= 0:
+                    break  # the slice is spent: those behind wait for the next round
         if batch:  # the last, short batch (none is left after a break)
             answers = check([t.xfer for t in batch])
             picked += batch
@@ -360,7 +363,6 @@ class Runner(Books):
                         transfer.queued &= ~_IN_SWEEP
             picked += live
         self.behind = bool(sweep) and sweep[0][0] <= now
-        self._starving = self.behind and sweep[0][0] <= now - limit
         if picked:
             sweep.append((now + limit, picked))
         return picked
@@ -370,7 +372,7 @@ class Runner(Books):
         last; it is queued first instead, due at once."""
         self._sweep.pop()
         self._sweep.appendleft((-math.inf, picked))
-        self.behind = self._starving = True
+        self.behind = True
 
     def _schedule(self, transfer: Transfer) -> None:
         """A transfer started running: the oldest-first queue and the sweep take it (its turn

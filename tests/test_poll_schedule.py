@@ -116,6 +116,13 @@ def finish(tier: ObjectStoreTier, agent: Held) -> None:
     assert agent.live_xfer_handles() == 0
 
 
+def thread_poll(tier: ObjectStoreTier | FileTier, limit: int) -> None:
+    """One poll as the progress thread makes it: under the tier's lock, at most ``limit``
+    state checks of the schedule."""
+    with tier._lock:
+        tier._poll(limit=limit)
+
+
 def unchecked_for(agent: Held, seen: dict[int, int], last: dict[int, float],
                   now: float) -> float:
     """After a poll: the longest any posted transfer has gone without a state check (their
@@ -391,8 +398,7 @@ def test_a_poll_with_a_slice_leaves_the_turns_past_it_due_and_takes_them_first_n
         polls += 1
         assert polls <= N // (100 - FRONT_BATCH) + 1, "the turns past the slice never came"
         before = held.total_checks()
-        with tier._lock:
-            tier._poll(limit=100)
+        thread_poll(tier, limit=100)
         assert held.total_checks() - before <= 100
         asked = [id(handle) in held.checks for handle in held.posted]
         assert asked == sorted(asked, reverse=True)  # oldest turn first: a prefix of them
@@ -410,16 +416,13 @@ def test_once_few_run_a_poll_with_a_slice_is_behind_no_more(held: Held, clock: C
     tier = running_tier(held, max_unpolled=0.01)
     tier.get_finished_jobs()
     clock.advance(1.0)
-    with tier._lock:
-        tier._poll(limit=100)
+    thread_poll(tier, limit=100)
     assert tier._runner.behind
     held.end(*range(10, N))  # the ten oldest keep running
     while tier.stats()["in_flight"].get("PROCESSING", 0) > 10:
         clock.advance(0.001)
-        with tier._lock:
-            tier._poll(limit=100)
-    with tier._lock:
-        tier._poll(limit=100)
+        thread_poll(tier, limit=100)
+    thread_poll(tier, limit=100)
     assert not tier._runner.behind
     finish(tier, held)
 
@@ -461,8 +464,7 @@ def test_with_a_slice_a_backlog_of_stores_waiting_on_their_flush_leaves_the_swee
         polls += 1
         assert polls <= 2 * 300 // 50, "the load's turn never came"
         before = agent.call_count("check_xfer_state")
-        with tier._lock:
-            tier._poll(limit=100)
+        thread_poll(tier, limit=100)
         assert agent.call_count("check_xfer_state") - before <= 100
         clock.advance(0.001)
     [result] = tier.get_finished_jobs()
@@ -488,8 +490,7 @@ def test_with_a_slice_the_oldest_first_checks_may_take_all_of_it_while_the_sweep
     tier.get_finished_jobs()
     held.end(*range(90))
     clock.advance(0.001)
-    with tier._lock:
-        tier._poll(limit=100)
+    thread_poll(tier, limit=100)
     assert tier.stats()["published"] == 90  # (get_finished_jobs would poll again)
     assert sorted(r.job_id for r in tier.get_finished_jobs()) == list(range(90))
     finish(tier, held)

@@ -384,18 +384,18 @@ def test_a_bad_progress_interval_is_refused_by_name(bad: object) -> None:
         RetryPolicy(progress_interval=bad)  # type: ignore[arg-type]
 
 
-class PollsSeen(Held):
-    """Held transfers; for each state check, which of the tier's progress polls made it."""
+def poll_of_each_check(agent: FakeNixlAgent, tier: ObjectStoreTier) -> list[int]:
+    """From now on, for each state check ``agent`` answers, which of the tier's progress polls
+    made it (``stats()`` reads the books without the tier's lock)."""
+    made: list[int] = []
+    answer = agent.check_xfer_state
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.tier: ObjectStoreTier | None = None
-        self.poll_of_check: list[int] = []
+    def check_xfer_state(handle: Any) -> str:
+        made.append(tier.stats()["progress"]["polls"])
+        return answer(handle)
 
-    def check_xfer_state(self, handle: Any) -> str:
-        if self.tier is not None:  # (stats() reads the books without the tier's lock)
-            self.poll_of_check.append(self.tier.stats()["progress"]["polls"])
-        return super().check_xfer_state(handle)
+    agent.check_xfer_state = check_xfer_state  # type: ignore[method-assign]
+    return made
 
 
 def test_the_threads_poll_makes_at_most_a_slice_of_checks_however_many_are_due() -> None:
@@ -403,15 +403,15 @@ def test_the_threads_poll_makes_at_most_a_slice_of_checks_however_many_are_due()
     a poll may make while it holds the tier's lock (a submit waits for it). Each poll of the
     thread makes at most PROGRESS_SLICE; the turns past it come in the next polls, so every
     transfer is still asked about, and every result comes."""
-    agent = PollsSeen()
+    agent = Held()
     tier = tier_on(agent, max_unpolled=0.001)
     count = 3 * PROGRESS_SLICE
     for job_id in range(count):
         store(tier, job_id)
-    agent.tier = tier
-    wait_for(lambda: len(agent.poll_of_check) >= 3 * count)
+    poll_of_check = poll_of_each_check(agent, tier)
+    wait_for(lambda: len(poll_of_check) >= 3 * count)
 
-    per_poll = collections.Counter(agent.poll_of_check)
+    per_poll = collections.Counter(poll_of_check)
     assert max(per_poll.values()) <= PROGRESS_SLICE
     assert max(per_poll.values()) == PROGRESS_SLICE  # the slice was spent: all were due
     assert all(agent.checks[id(handle)] >= 2 for handle in agent.posted)
@@ -421,30 +421,16 @@ def test_the_threads_poll_makes_at_most_a_slice_of_checks_however_many_are_due()
     assert agent.live_xfer_handles() == 0 and agent.misuses == []
 
 
-class PollsCounted(FakeNixlAgent):
-    """The fake agent; for each state check, which of the tier's progress polls made it."""
-
-    def __init__(self) -> None:
-        super().__init__("behind", complete_after_polls=20)
-        self.tier: ObjectStoreTier | None = None
-        self.poll_of_check: list[int] = []
-
-    def check_xfer_state(self, handle: Any) -> str:
-        if self.tier is not None:
-            self.poll_of_check.append(self.tier.stats()["progress"]["polls"])
-        return super().check_xfer_state(handle)
-
-
 def test_a_thread_far_behind_with_faults_still_hands_out_every_result_once() -> None:
     """Two threads submit 3,000 stores between them while the thread is asked to check every
     running transfer every millisecond (thousands run, each for 20 checks: far more than its
     slice), and 2 % of NIXL's calls fail at random: the thread polls slice after slice, the
     submits go on meanwhile, and every job has exactly one result; no handle is released
     twice."""
-    counted = PollsCounted()
-    agent = FaultyAgent(counted)
+    fake = FakeNixlAgent("behind", complete_after_polls=20)
+    agent = FaultyAgent(fake)
     tier = tier_on(agent, max_unpolled=0.001)
-    counted.tier = tier
+    poll_of_check = poll_of_each_check(fake, tier)
     agent.chaos(0.02, seed=18)  # (after the tier's own registration)
     per_thread = 1_500
     errors: list[BaseException] = []
@@ -468,7 +454,7 @@ def test_a_thread_far_behind_with_faults_still_hands_out_every_result_once() -> 
         [*range(per_thread), *range(10_000, 10_000 + per_thread)])
     assert any(r.success for r in results) and any(not r.success for r in results)
     assert tier.stats()["progress"]["error"] is None
-    per_poll = collections.Counter(counted.poll_of_check)
+    per_poll = collections.Counter(poll_of_check)
     # behind, a slice at a time (a check that raised never reached the fake agent)
     assert PROGRESS_SLICE * 3 // 4 < max(per_poll.values()) <= PROGRESS_SLICE
     tier.shutdown(timeout=5)
