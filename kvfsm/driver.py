@@ -75,7 +75,8 @@ class RemoteSide(Protocol):
 
     def commit(self, transfer: Transfer) -> bool | None:
         """Make a store NIXL finished visible (may raise: the store then fails). False: not
-        finished yet, ask again on a later poll (the driver answers PROC meanwhile)."""
+        finished yet, ask again on a later poll (the driver answers PROC meanwhile); a side
+        that knows when it is over says so through :attr:`StorageSide.commit_over`."""
 
     def close(self, transfer: Transfer) -> list[Leak]:
         """Release what :meth:`open` kept, after NIXL let go of it; report what could not be."""
@@ -87,6 +88,10 @@ class StorageSide:
 
     mem_type: str
     peer: str | None = None
+    #: set by the tier: to be called with a transfer (from any thread) once a commit that
+    #: answered False is over, so that the next poll checks it first. A side that never calls
+    #: it is found at the transfer's turn in the poll schedule's sweep (``max_unpolled``)
+    commit_over: Callable[[Transfer], None] | None = None
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         """The remote descriptors of ``transfer``."""

@@ -18,8 +18,9 @@ What the runner decides itself, each once and from the table:
   user step answering "not yet") is tried again on a later round after the policy's backoff,
   and once the :class:`~kvfsm.policy.RetryPolicy` bound is spent the answer becomes EXHAUSTED,
   the declared give-up edge;
-* a poll schedule: with few transfers running, a poll checks each; with many, the oldest
-  first while they are found ended, then a share of the rest in turn, each at least once
+* a poll schedule: with few transfers running, a poll checks each; with many, the stores
+  whose commit was said to be over, the oldest first while they are found ended (a store
+  waiting on its commit left out), then a share of the rest in turn, each at least once
   every ``max_unpolled`` seconds (:meth:`Runner.check_round`): a poll costs what ended, plus
   a share that grows with the time since the last poll (a progress thread's poll, at most a
   slice of checks: the sweep's turns past it are taken first next time, and once they are
@@ -169,6 +170,9 @@ class Runner(Books):
         #: how many unpublished transfers are in each state
         self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
         self._committing: set[int] = set()  # stores NIXL finished whose commit is not over
+        #: those of them whose remote side said their commit is over (appended from any
+        #: thread, as :meth:`commit_over`): the next round checks them first
+        self.commits_over: collections.deque[Transfer] = collections.deque()
         limit = policy.max_running_seconds
         #: transfers in submit order, for the running bound (None: no bound)
         self._by_start: collections.deque[Transfer] | None = (
@@ -219,8 +223,11 @@ class Runner(Books):
         :meth:`take_checks` does, the transfers whose answer must be fired.
 
         With ``everything`` (a drain) or at most ``policy.check_all_below`` running, every
-        running transfer is checked. Else the schedule picks: the oldest first, in batches of
-        :data:`FRONT_BATCH`, until a batch finds none that ended; then the sweep, which checks
+        running transfer is checked. Else the schedule picks: first the stores whose commit
+        their remote side said is over (:meth:`commit_over`); then the oldest, in batches of
+        :data:`FRONT_BATCH`, until a batch finds none that ended (a store waiting on its
+        commit is not among them: NIXL answers DONE for it until the commit is over, so it
+        would be asked about every round); then the sweep, which checks
         each transfer whose turn is due (every running transfer's comes at most
         ``policy.max_unpolled`` seconds after its last, or after it started running) and, to
         spread the checks evenly, a share of the others in turn: ``max_unpolled`` split over
@@ -229,18 +236,19 @@ class Runner(Books):
         (its turn is taken all the same).
 
         ``limit`` bounds the schedule's checks this round (the progress thread's slice, so
-        that its hold of the tier's lock stays short): the oldest-first checks go first, the
-        sweep takes what is left; the sweep's turns it leaves due keep their place, first in
-        its queue, and are the first the next round's sweep takes (:attr:`behind` says there
-        are); once a turn is due for longer than ``max_unpolled``, the oldest-first checks take
-        at most half the slice (a backlog of stores waiting on their commit answers DONE batch
-        after batch, and would take all of it). It does not bound a round that checks
+        that its hold of the tier's lock stays short): the commits over and the oldest-first
+        checks go first, the sweep takes what is left; the sweep's turns it leaves due keep
+        their place, first in its queue, and are the first the next round's sweep takes
+        (:attr:`behind` says there are); once a turn is due for longer than ``max_unpolled``,
+        the oldest-first checks take at most half the slice (transfers ending in posting order,
+        batch after batch, would take all of it). It does not bound a round that checks
         everything.
         """
         running = self.running
         if everything or len(running.transfers) <= self.policy.check_all_below:
             self._swept_at = time.monotonic()
             self.behind = False  # every turn is taken
+            self.commits_over.clear()  # (each is checked now: its commit was over before)
             return self.take_checks(check(running.handles))
         if limit is not None and limit < 1:
             raise ValueError(f"a round's limit is at least one check, not {limit!r}")
@@ -249,7 +257,10 @@ class Runner(Books):
         if (limit is not None and sweep
                 and sweep[0][0] <= time.monotonic() - self.policy.max_unpolled):
             front = limit // 2  # the sweep is a bound late: the oldest first get half
-        picked, statuses = self._check_front(check, front)
+        picked, statuses = self._check_commits_over(check, cap)
+        oldest, answers = self._check_front(check, min(front, cap - len(picked)))
+        picked += oldest
+        statuses += answers
         swept = self._sweep_share(cap - len(picked))
         if swept:
             asking = swept
@@ -276,13 +287,40 @@ class Runner(Books):
                     self._proc[state].taken += count
         return answered
 
+    def commit_over(self, transfer: Transfer) -> None:
+        """``transfer``'s remote side says the commit it was waiting on is over (from any
+        thread, once that is so): its next state check is made by the next round, first,
+        rather than at its turn in the sweep."""
+        self.commits_over.append(transfer)
+
+    def _check_commits_over(self, check: Callable[[list[Any]], list[str | Exception]],
+                            cap: int) -> tuple[list[Transfer], list[str | Exception]]:
+        """Check the transfers whose commit their remote side said is over, at most ``cap``
+        (the rest stay queued for the next round), leaving out any no longer waiting on it."""
+        woken = self.commits_over
+        if not woken:
+            return [], []
+        committing, records = self._committing, self.records
+        taken: list[Transfer] = []
+        while woken and len(taken) < cap:
+            transfer = woken.popleft()
+            if transfer.job_id in committing and records.get(transfer.job_id) is transfer:
+                taken.append(transfer)
+        if not taken:
+            return [], []
+        try:
+            return taken, check([transfer.xfer for transfer in taken])
+        except BaseException:  # not asked: the first asked next round
+            woken.extendleft(reversed(taken))
+            raise
+
     def _check_front(self, check: Callable[[list[Any]], list[str | Exception]], cap: int,
                      ) -> tuple[list[Transfer], list[str | Exception]]:
         """Check the oldest running transfers in batches, until a batch finds none ended (or
-        ``cap`` were checked); the entries walked past that no longer run are dropped (so each
-        is walked past once, whatever stays running before it). A store that waits on its
-        commit (a file tier's flush) answers DONE until the commit is over, and is walked
-        past like one that ended: its check is what finds the commit over."""
+        ``cap`` were checked); the entries walked past that no longer run, or that wait on
+        their commit, are dropped (so each is walked past once, whatever stays running before
+        it). A store that waits on its commit (a file tier's flush: NIXL answers DONE until the
+        commit is over) is left to :meth:`commit_over`, and to its turns in the sweep."""
         picked: list[Transfer] = []
         statuses: list[str | Exception] = []
         batch: list[Transfer] = []
@@ -290,9 +328,10 @@ class Runner(Books):
         size = min(FRONT_BATCH, cap)
         if size <= 0:
             return picked, statuses
+        committing = self._committing
         for transfer in self._front:  # check() touches no queue: the deque stays as it is
             walked += 1
-            if transfer.slot < 0:
+            if transfer.slot < 0 or (committing and transfer.job_id in committing):
                 dead += 1
                 continue
             batch.append(transfer)
@@ -315,12 +354,13 @@ class Runner(Books):
         return picked, statuses
 
     def _drop_dead_front(self, walked: int) -> None:
-        """Drop the transfers no longer running from the first ``walked`` entries."""
-        front = self._front
+        """Drop the transfers no longer running, or waiting on their commit, from the first
+        ``walked`` entries."""
+        front, committing = self._front, self._committing
         kept = []
         for _ in range(walked):
             transfer = front.popleft()
-            if transfer.slot >= 0:
+            if transfer.slot >= 0 and transfer.job_id not in committing:
                 kept.append(transfer)
             else:
                 transfer.queued &= ~_IN_FRONT

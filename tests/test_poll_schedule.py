@@ -427,52 +427,132 @@ def test_once_few_run_a_poll_with_a_slice_is_behind_no_more(held: Held, clock: C
     finish(tier, held)
 
 
-@pytest.mark.nixl
-def test_with_a_slice_a_backlog_of_stores_waiting_on_their_flush_leaves_the_sweep_half(
-        clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A durable file tier on real NIXL whose flushes fall behind: NIXL finished 299 stores,
-    each waits on its flush (held here) and answers DONE to each state check until it is over,
-    so every batch of the oldest-first checks finds one "ended". A poll of the progress thread
-    (a slice of 100 checks here) gives them half of it at most: the sweep has the rest, so a
-    load posted after them all, which ended at once, is found within the sweep's round, not
-    never (were they to take the whole slice, the oldest 100 would be all a poll asked about)."""
+def flushing_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, stores: int,
+                  **policy: Any) -> tuple[FileTier, Any, BlockingFsync]:
+    """A durable file tier on real NIXL with ``stores`` one-block stores that NIXL finished
+    and that wait on their flush (held until the test releases it); its agent counts calls."""
     fsync = BlockingFsync(lambda fd: None)  # held, then not made: durability is not the story
     monkeypatch.setattr(os, "fsync", fsync)
     agent = posix(faulty=True)  # (nothing injected: its calls are counted)
-    primary = torch.zeros((64, 16), dtype=torch.float32)
-    tier = FileTier(primary, tmp_path, agent=agent, policy=RetryPolicy(max_unpolled=0.5))
-    tier.path_of("warm").write_bytes(bytes(primary[0].nbytes))  # a block there is to load
-    for job_id in range(299):
+    primary = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    tier = FileTier(primary, tmp_path, agent=agent, policy=RetryPolicy(**policy))
+    for job_id in range(stores):
         tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
     deadline = time.monotonic() + 30
-    while len(tier._runner._committing) < 299:  # NIXL finishes each; its flush is held
+    while len(tier._runner._committing) < stores:  # NIXL finishes each; its flush is held
         assert time.monotonic() < deadline, "the stores never all waited on their flush"
-        clock.advance(0.5 / 30)
+        clock.advance(0.001)
         assert tier.get_finished_jobs() == []
         time.sleep(0.001)
-    assert tier.stats()["in_flight"] == {"PROCESSING": 299}
+    assert tier.stats()["in_flight"] == {"PROCESSING": stores}
+    return tier, agent, fsync
 
-    tier.submit_load(TransferJob(299, ["warm"], [5], is_promotion=True))
-    assert tier.stats()["in_flight"] == {"PROCESSING": 300}  # running: a poll must find it
-    load = tier._runner.records[299].xfer
-    while agent.wrapped.check_xfer_state(load) != "DONE":  # (not counted: the agent's own)
-        assert time.monotonic() < deadline, "NIXL never finished the load"
+
+def nixl_done(agent: Any, handle: Any) -> None:
+    """Wait (in real time) until NIXL says the transfer is over (asked of the real agent:
+    the faulty one's count of checks is the tier's alone)."""
+    deadline = time.monotonic() + 30
+    while agent.wrapped.check_xfer_state(handle) != "DONE":
+        assert time.monotonic() < deadline, "NIXL never finished the transfer"
         time.sleep(0.001)
-    clock.advance(1.0)  # every turn is due
-    polls = 0
-    while tier.stats()["published"] == 0:
-        polls += 1
-        assert polls <= 2 * 300 // 50, "the load's turn never came"
-        before = agent.call_count("check_xfer_state")
-        thread_poll(tier, limit=100)
-        assert agent.call_count("check_xfer_state") - before <= 100
+
+
+def told_over(tier: FileTier, count: int) -> None:
+    """Wait (in real time) until the flusher has told the tier of ``count`` flushes over."""
+    deadline = time.monotonic() + 30
+    while len(tier._runner.commits_over) < count:
+        assert time.monotonic() < deadline, "the flusher never told the tier"
+        time.sleep(0.001)
+
+
+@pytest.mark.nixl
+def test_stores_waiting_on_their_flush_cost_a_poll_nothing_and_are_found_once_it_is_over(
+        clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A durable file tier on real NIXL whose flushes fall behind: 299 stores NIXL finished
+    wait on their flush, and NIXL answers DONE for each until it is over. The oldest-first
+    checks walk past them once and ask about them no more, so a poll costs what ended: a load
+    posted after them all, which NIXL finished, is found by the next poll at a handful of
+    checks. Once the flushes are over the flusher tells the tier, and the next polls (the
+    progress thread's, a slice of 100 checks each) publish all 299, with no turn of the sweep
+    due (``max_unpolled`` is a minute): told, not found by a sweep coming round."""
+    tier, agent, fsync = flushing_tier(tmp_path, monkeypatch, clock, 299, max_unpolled=60.0)
+    checks = agent.call_count("check_xfer_state")
+    for _ in range(3):
         clock.advance(0.001)
+        assert tier.get_finished_jobs() == []
+    assert agent.call_count("check_xfer_state") - checks <= 3  # (the sweep's share: 1 a poll)
+
+    tier.path_of("warm").write_bytes(bytes(tier.block_bytes))  # a block there is to load
+    tier.submit_load(TransferJob(299, ["warm"], [63], is_promotion=True))
+    nixl_done(agent, tier._runner.records[299].xfer)
+    checks = agent.call_count("check_xfer_state")
+    clock.advance(0.001)
     [result] = tier.get_finished_jobs()
     assert result.job_id == 299 and result.success
+    assert agent.call_count("check_xfer_state") - checks <= 2
+
     fsync.release.set()
-    tier.drain_jobs(timeout=30)
-    assert sum(r.success for r in tier.get_finished_jobs()) == 299
+    told_over(tier, 299)
+    for published in (100, 200, 299):
+        checks = agent.call_count("check_xfer_state")
+        thread_poll(tier, limit=100)
+        assert agent.call_count("check_xfer_state") - checks <= 100
+        assert tier.stats()["published"] == 1 + published
+    results = tier.get_finished_jobs()
+    assert sorted(r.job_id for r in results) == list(range(299))
+    assert all(r.success for r in results)
+    assert tier.path_of("block-298").read_bytes() == tier.primary[298 % 64].numpy().tobytes()
     tier.shutdown(timeout=5)
+    assert agent.misuses == []
+
+
+@pytest.mark.nixl
+def test_a_flush_told_over_is_asked_about_first_next_round_when_the_round_is_interrupted(
+        clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal inside the state checks of the stores told over: none of them was asked
+    about, so none is lost; they are the next round's first checks, in the same order."""
+    tier, agent, fsync = flushing_tier(tmp_path, monkeypatch, clock, 100, max_unpolled=60.0)
+    fsync.release.set()
+    told_over(tier, 100)
+    told = list(tier._runner.commits_over)
+
+    def interrupted(handles: list[Any]) -> list[Any]:
+        raise KeyboardInterrupt
+
+    with tier._lock, pytest.raises(KeyboardInterrupt):
+        tier._runner.check_round(interrupted)
+    assert list(tier._runner.commits_over) == told
+    assert tier.stats()["in_flight"] == {"PROCESSING": 100}
+    assert len(tier.get_finished_jobs()) == 100
+    tier.shutdown(timeout=5)
+    assert agent.misuses == []
+
+
+@pytest.mark.nixl
+def test_a_flush_told_over_after_its_store_failed_is_left_alone(
+        clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stores whose flushes outlast ``max_running_seconds`` fail (their handles released);
+    when the flushes end the flusher tells the tier all the same. The next round (the poll
+    schedule's: a load runs) asks NIXL about none of them, whose handles are gone, only
+    about the load, and publishes nothing twice."""
+    clock.now = time.monotonic()  # the tier's submit times and the runner's bound agree
+    tier, agent, fsync = flushing_tier(tmp_path, monkeypatch, clock, 80, check_all_below=0,
+                                       max_unpolled=60.0, max_running_seconds=30.0)
+    clock.advance(31)
+    results = tier.get_finished_jobs()
+    assert len(results) == 80 and not any(r.success for r in results)
+    fsync.release.set()
+    told_over(tier, 80)
+    tier.path_of("warm").write_bytes(bytes(tier.block_bytes))
+    tier.submit_load(TransferJob(80, ["warm"], [63], is_promotion=True))
+    nixl_done(agent, tier._runner.records[80].xfer)
+    checks = agent.call_count("check_xfer_state")
+    clock.advance(0.001)
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(80, True)]
+    assert agent.call_count("check_xfer_state") - checks == 1  # the load's, found done
+    assert not tier._runner.commits_over  # (the tellings were taken, and dropped)
+    tier.shutdown(timeout=5)
+    assert agent.misuses == []
 
 
 def test_a_round_limited_to_no_check_is_refused_by_name(held: Held, clock: Clock) -> None:

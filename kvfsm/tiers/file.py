@@ -21,8 +21,10 @@ of exactly one block's size.
 Durability. With ``durable=True`` the commit (``fsync`` of each file, the renames, ``fsync`` of
 the directory) runs on the tier's flusher thread, never on the caller's: the poll that sees NIXL
 finish hands the files over and the driver answers the machine PROC (the declared stay in
-PROCESSING: for the machine the store runs until its commit is over); a later poll finds the
-flush over and fires DONE, or RAISED with the flush's error. The directory is flushed once per
+PROCESSING: for the machine the store runs until its commit is over); the flusher tells the
+tier when the flush is over (:meth:`~kvfsm.runner.Runner.commit_over`), and the next poll checks
+that store first and fires DONE, or RAISED with the flush's error (no poll asks about a store
+whose flush is under way but the sweep's turns). The directory is flushed once per
 batch of stores, however many. So a poll, a submit, ``drain_jobs(timeout)`` and
 ``shutdown(timeout)`` never wait on the disk; a store's result waits for its flush instead, and
 ``shutdown`` waits for a store being flushed as for one NIXL still runs (the flusher takes no
@@ -172,7 +174,10 @@ class _Files(StorageSide):
                     os.replace(partial, final)
                 opened.committed = True
                 return True
-            opened.flush = self._flusher.hand(opened.fds, opened.partial)
+            over = self.commit_over
+            opened.flush = self._flusher.hand(
+                opened.fds, opened.partial,
+                None if over is None else functools.partial(over, transfer))
             return False
         if not flush.done:
             return False
@@ -208,15 +213,28 @@ class _Files(StorageSide):
 
 class _Flush:
     """One store's commit, handed to the flusher: its descriptors (copies the flusher closes),
-    its renames, and how it went. ``done`` is set last, once ``error`` is final."""
+    its renames, how it went, and who to tell. ``done`` is set once ``error`` is final, and
+    ``wake`` called after it (so whoever it tells finds the flush over)."""
 
-    __slots__ = ("done", "error", "fds", "renames")
+    __slots__ = ("done", "error", "fds", "renames", "wake")
 
-    def __init__(self, fds: list[int], renames: list[tuple[str, str]]) -> None:
+    def __init__(self, fds: list[int], renames: list[tuple[str, str]],
+                 wake: Callable[[], None] | None = None) -> None:
         self.fds = fds
         self.renames = renames
+        self.wake = wake
         self.error: Exception | None = None
         self.done = False
+
+    def over(self) -> None:
+        """Mark the flush done (its error final), then tell the tier's runner."""
+        self.done = True
+        wake, self.wake = self.wake, None
+        if wake is not None:
+            try:
+                wake()
+            except Exception:  # (a deque's append): the transfer's sweep turn finds it
+                logger.exception("a flush's end could not be told to the tier")
 
 
 class _Flusher:
@@ -240,9 +258,11 @@ class _Flusher:
         #: called by the thread as it ends, when stop() left it running (the writer's release)
         self._at_end: Callable[[], None] | None = None
 
-    def hand(self, fds: list[int], renames: list[tuple[str, str]]) -> _Flush:
+    def hand(self, fds: list[int], renames: list[tuple[str, str]],
+             wake: Callable[[], None] | None = None) -> _Flush:
         """Queue a store's commit; its descriptors are duplicated, so closing the transfer's
-        own never pulls a descriptor from under an ``fsync``.
+        own never pulls a descriptor from under an ``fsync``. ``wake`` is called (on the
+        flusher's thread) once the flush is over.
 
         Raises:
             Exception: the copies or the thread could not be made (a thread limit, say);
@@ -252,7 +272,7 @@ class _Flusher:
         try:
             for fd in fds:
                 copies.append(os.dup(fd))
-            flush = _Flush(copies, list(renames))
+            flush = _Flush(copies, list(renames), wake)
             with self._ready:
                 if self._stopping:  # (shutdown waits for every store first: never the case)
                     raise RuntimeError("the file tier is shut down: it commits no more stores")
@@ -327,7 +347,7 @@ class _Flusher:
                         os.close(fd)
                 flush.fds = []
                 flush.error = RuntimeError("the flusher thread ended before this flush")
-                flush.done = True
+                flush.over()
             if at_end is not None:
                 at_end()
 
@@ -350,7 +370,7 @@ def _flush(batch: list[_Flush], root: str) -> None:
         for flush in batch:
             if not completed and flush.error is None:
                 flush.error = RuntimeError("the flush was interrupted")
-            flush.done = True
+            flush.over()
 
 
 def _rename(flush: _Flush) -> bool:
