@@ -296,15 +296,19 @@ class Runner(Books):
     def _check_commits_over(self, check: Callable[[list[Any]], list[str | Exception]],
                             cap: int) -> tuple[list[Transfer], list[str | Exception]]:
         """Check the transfers whose commit their remote side said is over, at most ``cap``
-        (the rest stay queued for the next round), leaving out any no longer waiting on it."""
+        (the rest stay queued for the next round), leaving out any no longer waiting on it
+        (and any told twice: checked once)."""
         woken = self.commits_over
         if not woken:
             return [], []
         committing, records = self._committing, self.records
         taken: list[Transfer] = []
+        seen: set[int] = set()
         while woken and len(taken) < cap:
             transfer = woken.popleft()
-            if transfer.job_id in committing and records.get(transfer.job_id) is transfer:
+            job_id = transfer.job_id
+            if job_id in committing and records.get(job_id) is transfer and job_id not in seen:
+                seen.add(job_id)
                 taken.append(transfer)
         if not taken:
             return [], []

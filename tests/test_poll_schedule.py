@@ -21,11 +21,14 @@ import torch
 import kvfsm.runner
 from kvfsm import TransferJob
 from kvfsm.contract import DrainTimeout
+from kvfsm.driver import StorageSide
 from kvfsm.machines.transfer import Answer, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import FRONT_BATCH
-from kvfsm.testing import FakeNixlAgent
+from kvfsm.testing import FakeNixlAgent, Raise
 from kvfsm.tiers import FileTier, ObjectStoreTier
+from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
+from kvfsm.transfer import Transfer
 
 from .test_file_tier import BlockingFsync, posix
 from .test_runner import Again, verify_again
@@ -427,6 +430,193 @@ def test_once_few_run_a_poll_with_a_slice_is_behind_no_more(held: Held, clock: C
     finish(tier, held)
 
 
+class SlowCommit(StorageSide):
+    """A remote side of the user's own whose stores become visible some time after NIXL
+    finished them (a commit the test ends), and which says so through ``commit_over``."""
+
+    mem_type = "OBJ"
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.waiting: dict[int, Transfer] = {}  # job id -> a store whose commit is under way
+        self.over: set[int] = set()
+        self.asked = 0
+
+    def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
+        return [(0, self.block_bytes, transfer.job_id, name) for name in transfer.names]
+
+    def commit(self, transfer: Transfer) -> bool:
+        self.asked += 1
+        if transfer.job_id in self.over:
+            return True
+        self.waiting[transfer.job_id] = transfer
+        return False
+
+    def end(self, *job_ids: int, tell: bool = True) -> None:
+        """The commits of ``job_ids`` are over; the tier is told unless ``tell`` is False."""
+        for job_id in job_ids:
+            self.over.add(job_id)
+            transfer = self.waiting.pop(job_id)
+            if tell:
+                assert self.commit_over is not None, "the tier never wired commit_over"
+                self.commit_over(transfer)
+
+
+class SlowCommitTier(SecondaryTier):
+    def remote_name(self, key: bytes | str) -> str:
+        return key_text(key)
+
+    def _probe(self, name: str) -> Lookup:
+        return Lookup.MISS
+
+
+def committing_tier(agent: Held, n: int, **policy: Any) -> tuple[SlowCommitTier, SlowCommit]:
+    """``n`` stores NIXL finished, each waiting on its (slow) commit."""
+    primary = torch.zeros((64, 16), dtype=torch.float32)
+    side = SlowCommit(int(primary[0].nbytes))
+    tier = SlowCommitTier(primary, agent=agent, remote=side, policy=RetryPolicy(**policy))
+    for job_id in range(n):
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
+    agent.held.clear()
+    assert tier.get_finished_jobs() == []
+    assert len(side.waiting) == n and tier.stats()["in_flight"] == {"PROCESSING": n}
+    return tier, side
+
+
+def test_a_remote_side_of_your_own_tells_the_tier_its_slow_commits_are_over(
+        held: Held, clock: Clock) -> None:
+    """300 stores NIXL finished wait on a commit of the user's remote side. The polls walk
+    past them once and ask about them no more (NIXL would answer DONE for each, poll after
+    poll); the side says which commits are over, and the next poll checks exactly those and
+    publishes them, with no turn of the sweep due (``max_unpolled`` is a minute)."""
+    tier, side = committing_tier(held, 300, max_unpolled=60.0)
+    checks, asked = held.total_checks(), side.asked
+    for _ in range(5):
+        clock.advance(0.01)
+        assert tier.get_finished_jobs() == []
+    assert held.total_checks() - checks <= 5 and side.asked - asked <= 5  # the sweep's share
+    assert not tier._runner._front  # walked past once: the oldest-first queue keeps none
+    side.end(*range(100, 150))
+    checks = held.total_checks()
+    results = tier.get_finished_jobs()
+    assert sorted(r.job_id for r in results) == list(range(100, 150))
+    assert all(r.success for r in results)
+    assert held.total_checks() - checks == 50
+    side.end(*range(150, 300))
+    side.end(*range(100), tell=False)  # never told: found at their turn in the sweep
+    assert len(tier.get_finished_jobs()) == 150
+    clock.advance(60.0)
+    assert len(tier.get_finished_jobs()) == 100
+    assert not tier.unpublished() and not tier._runner.commits_over
+    finish(tier, held)
+
+
+def test_a_poll_of_the_thread_takes_the_commits_told_over_within_its_slice(
+        held: Held, clock: Clock) -> None:
+    """The progress thread's poll counts the checks of the commits told over in its slice:
+    250 told at once take three polls of 100, oldest telling first (every poll the schedule's:
+    ``check_all_below`` is 0), before the oldest-first checks: 20 stores NIXL finished since
+    are asked about in the third poll, with what is left of its slice."""
+    tier, side = committing_tier(held, 250, max_unpolled=60.0, check_all_below=0)
+    side.end(*range(250))
+    for job_id in range(250, 270):
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
+    held.held.clear()
+    published = []
+    for _ in range(3):
+        checks = held.total_checks()
+        thread_poll(tier, limit=100)
+        assert held.total_checks() - checks <= 100
+        published.append(tier.stats()["published"])
+    assert published == [100, 200, 250]
+    assert [r.job_id for r in tier.get_finished_jobs()] == list(range(250))
+    assert sorted(side.waiting) == list(range(250, 270))  # found done, their commits begun
+    side.end(*range(250, 270))
+    assert len(tier.get_finished_jobs()) == 20
+    finish(tier, held)
+
+
+def test_a_store_told_over_twice_is_checked_once(held: Held, clock: Clock) -> None:
+    """A side that repeats itself: the round asks NIXL once about the store it told twice."""
+    tier, side = committing_tier(held, 100, max_unpolled=60.0, check_all_below=0)
+    side.end(*range(100))
+    side.commit_over(tier._runner.records[1])
+    checks = held.total_checks()
+    assert len(tier.get_finished_jobs()) == 100
+    assert held.total_checks() - checks == 100
+    finish(tier, held)
+
+
+def test_a_store_told_over_after_it_failed_is_not_asked_about(held: Held, clock: Clock) -> None:
+    """80 stores whose commits outlast ``max_running_seconds`` fail, their handles released,
+    and 80 new stores under the same job ids wait on their commits in turn. The side then
+    tells the tier the first 80 commits are over: the next poll asks NIXL about none of their
+    handles, which are gone (nor about the new stores, whose commits are not over)."""
+    clock.now = time.monotonic()  # the tier's submit times and the runner's bound agree
+    tier, side = committing_tier(held, 80, max_unpolled=60.0, check_all_below=0,
+                                 max_running_seconds=30.0)
+    failed = list(tier._runner.records.values())
+    for transfer in failed:
+        transfer.started_at -= 31  # submitted long ago: past the bound (no sleeping for it)
+    results = tier.get_finished_jobs()
+    assert len(results) == 80 and not any(r.success for r in results)
+    for job_id in range(80):
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
+    held.held.clear()
+    assert tier.get_finished_jobs() == [] and len(side.waiting) == 80  # the new ones
+    for transfer in failed:
+        side.commit_over(transfer)
+    checks = held.total_checks()
+    assert tier.get_finished_jobs() == []
+    assert held.total_checks() == checks
+    side.end(*range(80))
+    results = tier.get_finished_jobs()
+    assert len(results) == 80 and all(r.success for r in results)
+    finish(tier, held)
+
+
+def test_a_store_told_over_again_while_its_release_is_retried_is_not_asked_about(
+        held: Held, clock: Clock) -> None:
+    """A store whose commit is over is found DONE, and its release raises: it waits for the
+    retry, no longer running. The side tells the tier again (it repeats itself): the next
+    poll retries the release and publishes the store, asking NIXL nothing of its state."""
+    tier, side = committing_tier(held, 70, max_unpolled=60.0, check_all_below=0)
+    held.inject("release_xfer_handle", Raise(), times=1)
+    side.end(0)
+    assert tier.get_finished_jobs() == []
+    assert tier.state_of(0) is not TransferState.PROCESSING  # over, its release to retry
+    side.commit_over(tier._runner.records[0])
+    checks = held.total_checks()
+    [result] = tier.get_finished_jobs()
+    assert result.job_id == 0 and result.success
+    assert held.total_checks() == checks
+    side.end(*range(1, 70))
+    assert len(tier.get_finished_jobs()) == 69
+    finish(tier, held)
+
+
+def test_commits_told_over_are_kept_through_an_interrupted_round_and_a_drain_takes_them(
+        held: Held, clock: Clock) -> None:
+    """A signal inside the state checks of the stores told over: none of them was asked
+    about, so none is lost: they are the next round's first, in the same order. A drain
+    checks every running transfer, and with them every telling is taken."""
+    tier, side = committing_tier(held, 100, max_unpolled=60.0, check_all_below=0)
+    side.end(*range(100))
+    told = list(tier._runner.commits_over)
+
+    def interrupted(handles: list[Any]) -> list[Any]:
+        raise KeyboardInterrupt
+
+    with tier._lock, pytest.raises(KeyboardInterrupt):
+        tier._runner.check_round(interrupted)
+    assert list(tier._runner.commits_over) == told
+    assert tier.stats()["in_flight"] == {"PROCESSING": 100}
+    tier.drain_jobs(timeout=5)
+    assert len(tier.get_finished_jobs()) == 100
+    assert not tier._runner.commits_over
+    finish(tier, held)
+
+
 def flushing_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, stores: int,
                   **policy: Any) -> tuple[FileTier, Any, BlockingFsync]:
     """A durable file tier on real NIXL with ``stores`` one-block stores that NIXL finished
@@ -502,28 +692,6 @@ def test_stores_waiting_on_their_flush_cost_a_poll_nothing_and_are_found_once_it
     assert sorted(r.job_id for r in results) == list(range(299))
     assert all(r.success for r in results)
     assert tier.path_of("block-298").read_bytes() == tier.primary[298 % 64].numpy().tobytes()
-    tier.shutdown(timeout=5)
-    assert agent.misuses == []
-
-
-@pytest.mark.nixl
-def test_a_flush_told_over_is_asked_about_first_next_round_when_the_round_is_interrupted(
-        clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A signal inside the state checks of the stores told over: none of them was asked
-    about, so none is lost; they are the next round's first checks, in the same order."""
-    tier, agent, fsync = flushing_tier(tmp_path, monkeypatch, clock, 100, max_unpolled=60.0)
-    fsync.release.set()
-    told_over(tier, 100)
-    told = list(tier._runner.commits_over)
-
-    def interrupted(handles: list[Any]) -> list[Any]:
-        raise KeyboardInterrupt
-
-    with tier._lock, pytest.raises(KeyboardInterrupt):
-        tier._runner.check_round(interrupted)
-    assert list(tier._runner.commits_over) == told
-    assert tier.stats()["in_flight"] == {"PROCESSING": 100}
-    assert len(tier.get_finished_jobs()) == 100
     tier.shutdown(timeout=5)
     assert agent.misuses == []
 
