@@ -89,8 +89,9 @@ class StorageSide:
     mem_type: str
     peer: str | None = None
     #: set by the tier: to be called with a transfer (from any thread) once a commit that
-    #: answered False is over, so that the next poll checks it first. A side that never calls
-    #: it is found at the transfer's turn in the poll schedule's sweep (``max_unpolled``)
+    #: answered False is over, so that the next poll checks it first (a second call for it,
+    #: or one for a transfer that failed meanwhile, is harmless). A side that never calls it
+    #: is found at the transfer's turn in the poll schedule's sweep (``max_unpolled``)
     commit_over: Callable[[Transfer], None] | None = None
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:

@@ -17,9 +17,11 @@ engine reused it). So ``max_running_seconds`` is off by default; set it only whe
 transfer is worse than that risk, and never below the longest time a transfer can take.
 
 The poll schedule: which running transfers a poll asks NIXL about. With ``check_all_below``
-or fewer running, every one, every poll. With more, a poll checks the oldest first, in
+or fewer running, every one, every poll. With more, a poll checks the stores whose remote
+side said their commit is over (a durable file tier's flusher does), then the oldest, in
 batches, for as long as a batch finds one that ended (transfers mostly end in the order they
-were posted, so this finds them at a cost of what ended), and then a share of the rest in
+were posted, so this finds them at a cost of what ended; a store waiting on its commit is
+walked past), and then a share of the rest in
 turn, so that each running transfer is checked at least once every ``max_unpolled`` seconds
 while polls come: a transfer that ends out of order waits at most that long for its result,
 plus the longest gap between two polls (a poll held up holds up every check due in it). A
@@ -34,7 +36,8 @@ step costs the results it takes and nothing else, whatever is in flight. The thr
 tier's lock for each poll, as every call of the tier does, so one thread at a time drives the
 NIXL agent; a submit waits for one poll of it at most (the lock is not handed over in order, so
 that is the rule, not a promise). A poll of the thread makes at most ``PROGRESS_SLICE`` (1,024)
-state checks of the schedule: the sweep's turns due past them are the first its next poll
+state checks of the schedule (half of them at most for the commits over and the oldest while a
+turn of the sweep is a bound late): the sweep's turns due past them are the first its next poll
 takes, which it makes after letting go of the lock for 50 us. So however many run and however
 tight ``max_unpolled`` is, the poll a submit waits for is that many checks, the endings of what
 they found and the retries due; when the turns due outrun the thread, the bound above stretches

@@ -171,7 +171,8 @@ class Runner(Books):
         self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
         self._committing: set[int] = set()  # stores NIXL finished whose commit is not over
         #: those of them whose remote side said their commit is over (appended from any
-        #: thread, as :meth:`commit_over`): the next round checks them first
+        #: thread, as :meth:`commit_over`): the next round checks them first (one told for a
+        #: store published meanwhile is dropped by the next round; at most one a store told)
         self.commits_over: collections.deque[Transfer] = collections.deque()
         limit = policy.max_running_seconds
         #: transfers in submit order, for the running bound (None: no bound)
@@ -240,41 +241,38 @@ class Runner(Books):
         checks go first, the sweep takes what is left; the sweep's turns it leaves due keep
         their place, first in its queue, and are the first the next round's sweep takes
         (:attr:`behind` says there are); once a turn is due for longer than ``max_unpolled``,
-        the oldest-first checks take at most half the slice (transfers ending in posting order,
-        batch after batch, would take all of it). It does not bound a round that checks
-        everything.
+        the commits over and the oldest-first checks take at most half the slice together (a
+        burst of either, or transfers ending in posting order batch after batch, would take all
+        of it). It does not bound a round that checks everything.
+
+        A round whose checks raise (an interrupt) leaves the commits told over to the next.
         """
         running = self.running
         if everything or len(running.transfers) <= self.policy.check_all_below:
             self._swept_at = time.monotonic()
             self.behind = False  # every turn is taken
-            self.commits_over.clear()  # (each is checked now: its commit was over before)
-            return self.take_checks(check(running.handles))
+            told = len(self.commits_over)  # checked now: their commits were over before
+            answers = check(running.handles)
+            for _ in range(told):
+                self.commits_over.popleft()
+            return self.take_checks(answers)
         if limit is not None and limit < 1:
             raise ValueError(f"a round's limit is at least one check, not {limit!r}")
         cap = front = sys.maxsize if limit is None else limit
         sweep = self._sweep
         if (limit is not None and sweep
                 and sweep[0][0] <= time.monotonic() - self.policy.max_unpolled):
-            front = limit // 2  # the sweep is a bound late: the oldest first get half
-        picked, statuses = self._check_commits_over(check, cap)
-        oldest, answers = self._check_front(check, min(front, cap - len(picked)))
-        picked += oldest
-        statuses += answers
-        swept = self._sweep_share(cap - len(picked))
-        if swept:
-            asking = swept
-            if picked:  # those the oldest-first checks asked about are not asked again
-                asked = set(map(id, picked))
-                asking = [transfer for transfer in swept if id(transfer) not in asked]
-            if asking:
-                try:
-                    answers = check([transfer.xfer for transfer in asking])
-                except BaseException:  # not asked: their turn is due again at once
-                    self._sweep_undo(swept)
-                    raise
-                picked += asking
-                statuses += answers
+            front = limit // 2  # the sweep is a bound late: the rest get half together
+        picked, statuses = self._check_commits_over(check, front)
+        told = len(picked)
+        try:
+            oldest, answers = self._check_front(check, front - told)
+            picked += oldest
+            statuses += answers
+            self._check_sweep(check, cap, picked, statuses)
+        except BaseException:  # the round's answers are lost: the tellings are taken again
+            self.commits_over.extendleft(reversed(picked[:told]))
+            raise
         if not self._proc_stays:  # a machine with actions on PROC: every answer is fired
             return list(zip(picked, statuses, strict=True))
         answered = list(compress(zip(picked, statuses, strict=True),
@@ -286,6 +284,27 @@ class Runner(Books):
                 if count:
                     self._proc[state].taken += count
         return answered
+
+    def _check_sweep(self, check: Callable[[list[Any]], list[str | Exception]], cap: int,
+                     picked: list[Transfer], statuses: list[str | Exception]) -> None:
+        """The sweep's share of the round (:meth:`_sweep_share`), up to ``cap`` checks with
+        those ``picked`` already; those asked about already are not asked again. Its checks
+        and their answers are added to ``picked`` and ``statuses``."""
+        swept = self._sweep_share(cap - len(picked))
+        if not swept:
+            return
+        asking = swept
+        if picked:  # those the round asked about already are not asked again
+            asked = set(map(id, picked))
+            asking = [transfer for transfer in swept if id(transfer) not in asked]
+        if asking:
+            try:
+                answers = check([transfer.xfer for transfer in asking])
+            except BaseException:  # not asked: their turn is due again at once
+                self._sweep_undo(swept)
+                raise
+            picked += asking
+            statuses += answers
 
     def commit_over(self, transfer: Transfer) -> None:
         """``transfer``'s remote side says the commit it was waiting on is over (from any

@@ -244,6 +244,18 @@ def fsync(monkeypatch: pytest.MonkeyPatch) -> Iterator[BlockingFsync]:
     fake.release.set()
 
 
+def test_a_flush_tells_the_tier_only_once_it_is_over() -> None:
+    """The flusher tells the tier a store's flush is over only once the flush says so (its
+    error final): a poll that takes the telling at once finds the flush over. Once, also
+    when the flusher's end would mark it over again."""
+    told: list[tuple[bool, Exception | None]] = []
+    flush = file_tier._Flush([], [], wake=lambda: told.append((flush.done, flush.error)))
+    flush.error = OSError("disk gone")
+    flush.over()
+    flush.over()
+    assert told == [(True, flush.error)]
+
+
 @real_nixl
 def test_a_durable_store_is_flushed_off_the_callers_thread(
     cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier], fsync: BlockingFsync

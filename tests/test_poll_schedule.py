@@ -597,23 +597,64 @@ def test_a_store_told_over_again_while_its_release_is_retried_is_not_asked_about
 
 def test_commits_told_over_are_kept_through_an_interrupted_round_and_a_drain_takes_them(
         held: Held, clock: Clock) -> None:
-    """A signal inside the state checks of the stores told over: none of them was asked
-    about, so none is lost: they are the next round's first, in the same order. A drain
+    """A signal inside a round's state checks, whether in those of the stores told over, in
+    the oldest-first checks after them, or in a drain's: the round's answers are lost, and
+    so the tellings are not: they are the next round's first, in the same order. A drain
     checks every running transfer, and with them every telling is taken."""
     tier, side = committing_tier(held, 100, max_unpolled=60.0, check_all_below=0)
     side.end(*range(100))
     told = list(tier._runner.commits_over)
+    for job_id in range(100, 120):  # running: the oldest-first checks come to them
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
 
-    def interrupted(handles: list[Any]) -> list[Any]:
-        raise KeyboardInterrupt
+    def interrupted_at(call: int) -> Any:
+        calls = []
 
-    with tier._lock, pytest.raises(KeyboardInterrupt):
-        tier._runner.check_round(interrupted)
-    assert list(tier._runner.commits_over) == told
-    assert tier.stats()["in_flight"] == {"PROCESSING": 100}
+        def check(handles: list[Any]) -> list[Any]:
+            calls.append(handles)
+            if len(calls) == call:
+                raise KeyboardInterrupt
+            return tier._driver.check(handles)
+        return check
+
+    for call, everything in ((1, False), (2, False), (1, True)):
+        with tier._lock, pytest.raises(KeyboardInterrupt):
+            tier._runner.check_round(interrupted_at(call), everything=everything)
+        assert list(tier._runner.commits_over) == told
+    assert tier.stats()["in_flight"] == {"PROCESSING": 120}
+    side.over.update(range(100, 120))  # their commits are over at once
+    held.held.clear()
     tier.drain_jobs(timeout=5)
-    assert len(tier.get_finished_jobs()) == 100
+    assert len(tier.get_finished_jobs()) == 120
     assert not tier._runner.commits_over
+    finish(tier, held)
+
+
+def test_with_a_late_sweep_the_commits_told_over_leave_it_half_the_slice(
+        held: Held, clock: Clock) -> None:
+    """A store posted first, whose commit will be over at once, then 300 stores that wait
+    on their commit. The first ends, and all 300 commits are told over at once, more than a
+    slice of the progress thread's poll. Every turn of the sweep is late: the tellings take
+    half of the slice, the sweep the rest, and the first store is found by the first poll
+    (with the whole slice to the tellings it would wait for three)."""
+    primary = torch.zeros((64, 16), dtype=torch.float32)
+    side = SlowCommit(int(primary[0].nbytes))
+    side.over.add(0)
+    tier = SlowCommitTier(primary, agent=held, remote=side,
+                          policy=RetryPolicy(max_unpolled=0.5, check_all_below=0))
+    for job_id in range(301):
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
+    held.end(*range(1, 301))  # the 300 end, the first keeps running
+    assert tier.get_finished_jobs() == [] and len(side.waiting) == 300
+    held.end(0)
+    side.end(*range(1, 301))
+    clock.advance(1.0)  # every turn is due, a bound late
+    checks = held.total_checks()
+    thread_poll(tier, limit=100)
+    assert held.total_checks() - checks <= 100
+    assert tier.stats()["published"] == 51  # the first and 50 stores told over
+    assert tier.transfer_of(0) is None  # published
+    assert 0 in {r.job_id for r in tier.get_finished_jobs()}
     finish(tier, held)
 
 

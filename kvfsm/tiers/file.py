@@ -23,8 +23,9 @@ the directory) runs on the tier's flusher thread, never on the caller's: the pol
 finish hands the files over and the driver answers the machine PROC (the declared stay in
 PROCESSING: for the machine the store runs until its commit is over); the flusher tells the
 tier when the flush is over (:meth:`~kvfsm.runner.Runner.commit_over`), and the next poll checks
-that store first and fires DONE, or RAISED with the flush's error (no poll asks about a store
-whose flush is under way but the sweep's turns). The directory is flushed once per
+that store first and fires DONE, or RAISED with the flush's error (meanwhile the poll
+schedule asks about it only at its turns in the sweep; a drain, and a poll with few running,
+ask about every running transfer). The directory is flushed once per
 batch of stores, however many. So a poll, a submit, ``drain_jobs(timeout)`` and
 ``shutdown(timeout)`` never wait on the disk; a store's result waits for its flush instead, and
 ``shutdown`` waits for a store being flushed as for one NIXL still runs (the flusher takes no
