@@ -650,8 +650,8 @@ def test_with_a_late_sweep_the_commits_told_over_leave_it_half_the_slice(
     side.end(*range(1, 301))
     clock.advance(1.0)  # every turn is due, a bound late
     checks = held.total_checks()
-    thread_poll(tier, limit=100)
-    assert held.total_checks() - checks <= 100
+    thread_poll(tier, limit=101)  # (an odd slice: the half is 50)
+    assert held.total_checks() - checks <= 101
     assert tier.stats()["published"] == 51  # the first and 50 stores told over
     assert tier.transfer_of(0) is None  # published
     assert 0 in {r.job_id for r in tier.get_finished_jobs()}
@@ -782,4 +782,23 @@ def test_with_a_slice_the_oldest_first_checks_may_take_all_of_it_while_the_sweep
     thread_poll(tier, limit=100)
     assert tier.stats()["published"] == 90  # (get_finished_jobs would poll again)
     assert sorted(r.job_id for r in tier.get_finished_jobs()) == list(range(90))
+    finish(tier, held)
+
+
+@pytest.mark.parametrize("limit", [1, 97])
+def test_a_slice_of_the_oldest_first_checks_ends_exactly_at_its_limit(
+        held: Held, clock: Clock, limit: int) -> None:
+    """200 of the oldest end at once: a poll of the thread with a slice of ``limit`` checks
+    asks about exactly that many of them (the last batch cut short to fit, down to one), and
+    publishes them; the rest wait for the next poll. (The sweep went past those 200 first:
+    its next turn is another's.)"""
+    tier = running_tier(held, max_unpolled=1.0)
+    clock.advance(0.2)
+    tier.get_finished_jobs()  # the sweep's share: the 200 oldest, all running
+    held.end(*range(200))
+    clock.advance(0.001)
+    checks = held.total_checks()
+    thread_poll(tier, limit=limit)
+    assert held.total_checks() - checks == limit
+    assert tier.stats()["published"] == limit
     finish(tier, held)
