@@ -75,8 +75,10 @@ class RemoteSide(Protocol):
 
     def commit(self, transfer: Transfer) -> bool | None:
         """Make a store NIXL finished visible (may raise: the store then fails). False: not
-        finished yet, ask again on a later poll (the driver answers PROC meanwhile); a side
-        that knows when it is over says so through :attr:`StorageSide.commit_over`."""
+        finished yet, ask again on a later poll (the driver answers PROC meanwhile). The poll
+        schedule then asks about the store only at its turns in the sweep (``max_unpolled``),
+        unless the side says when the commit is over: a side with a ``commit_over`` attribute
+        (:class:`StorageSide` has one) gets it set by the tier, to call with the transfer."""
 
     def close(self, transfer: Transfer) -> list[Leak]:
         """Release what :meth:`open` kept, after NIXL let go of it; report what could not be."""

@@ -24,7 +24,7 @@ What the runner decides itself, each once and from the table:
   every ``max_unpolled`` seconds (:meth:`Runner.check_round`): a poll costs what ended, plus
   a share that grows with the time since the last poll (a progress thread's poll, at most a
   slice of checks: the sweep's turns past it are taken first next time, and once they are
-  a bound late the oldest first get half of it at most);
+  a bound late the commits told over and the oldest first get half of it at most);
 * a running bound: a transfer still running ``max_running_seconds`` after submit gives up
   (EXHAUSTED on the state check), found in submit order at a cost of the transfers it finds;
 * the end of a transfer: from a state whose effect is the release, release, clean and publish
@@ -170,9 +170,10 @@ class Runner(Books):
         #: how many unpublished transfers are in each state
         self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
         self._committing: set[int] = set()  # stores NIXL finished whose commit is not over
-        #: those of them whose remote side said their commit is over (appended from any
-        #: thread, as :meth:`commit_over`): the next round checks them first (one told for a
-        #: store published meanwhile is dropped by the next round; at most one a store told)
+        #: those of them whose remote side said their commit is over, appended from any thread
+        #: (the tier wires a remote side's ``commit_over`` to its ``append``): the next round
+        #: checks them first. A store told twice is checked once; one told after it was
+        #: published is dropped by the next round (each stays here until a round takes it)
         self.commits_over: collections.deque[Transfer] = collections.deque()
         limit = policy.max_running_seconds
         #: transfers in submit order, for the running bound (None: no bound)
@@ -225,7 +226,7 @@ class Runner(Books):
 
         With ``everything`` (a drain) or at most ``policy.check_all_below`` running, every
         running transfer is checked. Else the schedule picks: first the stores whose commit
-        their remote side said is over (:meth:`commit_over`); then the oldest, in batches of
+        their remote side said is over (:attr:`commits_over`); then the oldest, in batches of
         :data:`FRONT_BATCH`, until a batch finds none that ended (a store waiting on its
         commit is not among them: NIXL answers DONE for it until the commit is over, so it
         would be asked about every round); then the sweep, which checks
@@ -245,7 +246,10 @@ class Runner(Books):
         burst of either, or transfers ending in posting order batch after batch, would take all
         of it). It does not bound a round that checks everything.
 
-        A round whose checks raise (an interrupt) leaves the commits told over to the next.
+        A round whose checks raise (an interrupt) leaves the commits told over to the next; an
+        interrupt once they are answered, while the caller fires the answers, leaves those not
+        yet fired to their turns in the sweep. Commits told over past the slice leave the
+        thread :attr:`behind`, as the sweep's turns left due do.
         """
         running = self.running
         if everything or len(running.transfers) <= self.policy.check_all_below:
@@ -273,6 +277,8 @@ class Runner(Books):
         except BaseException:  # the round's answers are lost: the tellings are taken again
             self.commits_over.extendleft(reversed(picked[:told]))
             raise
+        if self.commits_over and limit is not None:
+            self.behind = True  # tellings past the slice: the next poll comes soon
         if not self._proc_stays:  # a machine with actions on PROC: every answer is fired
             return list(zip(picked, statuses, strict=True))
         answered = list(compress(zip(picked, statuses, strict=True),
@@ -306,12 +312,6 @@ class Runner(Books):
             picked += asking
             statuses += answers
 
-    def commit_over(self, transfer: Transfer) -> None:
-        """``transfer``'s remote side says the commit it was waiting on is over (from any
-        thread, once that is so): its next state check is made by the next round, first,
-        rather than at its turn in the sweep."""
-        self.commits_over.append(transfer)
-
     def _check_commits_over(self, check: Callable[[list[Any]], list[str | Exception]],
                             cap: int) -> tuple[list[Transfer], list[str | Exception]]:
         """Check the transfers whose commit their remote side said is over, at most ``cap``
@@ -343,7 +343,7 @@ class Runner(Books):
         ``cap`` were checked); the entries walked past that no longer run, or that wait on
         their commit, are dropped (so each is walked past once, whatever stays running before
         it). A store that waits on its commit (a file tier's flush: NIXL answers DONE until the
-        commit is over) is left to :meth:`commit_over`, and to its turns in the sweep."""
+        commit is over) is left to :attr:`commits_over`, and to its turns in the sweep."""
         picked: list[Transfer] = []
         statuses: list[str | Exception] = []
         batch: list[Transfer] = []

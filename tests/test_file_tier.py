@@ -246,14 +246,14 @@ def fsync(monkeypatch: pytest.MonkeyPatch) -> Iterator[BlockingFsync]:
 
 def test_a_flush_tells_the_tier_only_once_it_is_over() -> None:
     """The flusher tells the tier a store's flush is over only once the flush says so (its
-    error final): a poll that takes the telling at once finds the flush over. Once, also
-    when the flusher's end would mark it over again."""
+    error final): a poll that takes the telling at once finds the flush over. The flush then
+    lets go of whom it told (it holds the store's transfer, which holds the flush)."""
     told: list[tuple[bool, Exception | None]] = []
     flush = file_tier._Flush([], [], wake=lambda: told.append((flush.done, flush.error)))
     flush.error = OSError("disk gone")
     flush.over()
-    flush.over()
     assert told == [(True, flush.error)]
+    assert flush.wake is None
 
 
 @real_nixl

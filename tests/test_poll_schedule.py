@@ -11,7 +11,7 @@ import collections
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -522,13 +522,15 @@ def test_a_poll_of_the_thread_takes_the_commits_told_over_within_its_slice(
     for job_id in range(250, 270):
         tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
     held.held.clear()
-    published = []
+    published, behind = [], []
     for _ in range(3):
         checks = held.total_checks()
         thread_poll(tier, limit=100)
         assert held.total_checks() - checks <= 100
         published.append(tier.stats()["published"])
+        behind.append(tier._runner.behind)  # tellings left: the thread polls again soon
     assert published == [100, 200, 250]
+    assert behind == [True, True, False]
     assert [r.job_id for r in tier.get_finished_jobs()] == list(range(250))
     assert sorted(side.waiting) == list(range(250, 270))  # found done, their commits begun
     side.end(*range(250, 270))
@@ -557,7 +559,7 @@ def test_a_store_told_over_after_it_failed_is_not_asked_about(held: Held, clock:
                                  max_running_seconds=30.0)
     failed = list(tier._runner.records.values())
     for transfer in failed:
-        transfer.started_at -= 31  # submitted long ago: past the bound (no sleeping for it)
+        transfer.started_at -= 60  # submitted long ago: past the bound (no sleeping for it)
     results = tier.get_finished_jobs()
     assert len(results) == 80 and not any(r.success for r in results)
     for job_id in range(80):
@@ -658,25 +660,37 @@ def test_with_a_late_sweep_the_commits_told_over_leave_it_half_the_slice(
     finish(tier, held)
 
 
-def flushing_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, stores: int,
-                  **policy: Any) -> tuple[FileTier, Any, BlockingFsync]:
-    """A durable file tier on real NIXL with ``stores`` one-block stores that NIXL finished
-    and that wait on their flush (held until the test releases it); its agent counts calls."""
+@pytest.fixture
+def flushing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock,
+             ) -> Iterator[Callable[..., tuple[FileTier, Any, BlockingFsync]]]:
+    """Makes a durable file tier on real NIXL with ``stores`` one-block stores that NIXL
+    finished and that wait on their flush (held until the test releases it; the fixture
+    does at the end, and shuts the tier down); its agent counts calls."""
     fsync = BlockingFsync(lambda fd: None)  # held, then not made: durability is not the story
     monkeypatch.setattr(os, "fsync", fsync)
-    agent = posix(faulty=True)  # (nothing injected: its calls are counted)
-    primary = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
-    tier = FileTier(primary, tmp_path, agent=agent, policy=RetryPolicy(**policy))
-    for job_id in range(stores):
-        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
-    deadline = time.monotonic() + 30
-    while len(tier._runner._committing) < stores:  # NIXL finishes each; its flush is held
-        assert time.monotonic() < deadline, "the stores never all waited on their flush"
-        clock.advance(0.001)
-        assert tier.get_finished_jobs() == []
-        time.sleep(0.001)
-    assert tier.stats()["in_flight"] == {"PROCESSING": stores}
-    return tier, agent, fsync
+    made: list[FileTier] = []
+
+    def make(stores: int, **policy: Any) -> tuple[FileTier, Any, BlockingFsync]:
+        agent = posix(faulty=True)  # (nothing injected: its calls are counted)
+        primary = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+        tier = FileTier(primary, tmp_path, agent=agent, policy=RetryPolicy(**policy))
+        made.append(tier)
+        for job_id in range(stores):
+            tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
+        deadline = time.monotonic() + 30
+        while len(tier._runner._committing) < stores:  # NIXL finishes each; its flush is held
+            assert time.monotonic() < deadline, "the stores never all waited on their flush"
+            clock.advance(0.001)
+            assert tier.get_finished_jobs() == []
+            time.sleep(0.001)
+        assert tier.stats()["in_flight"] == {"PROCESSING": stores}
+        return tier, agent, fsync
+
+    yield make
+    fsync.release.set()
+    for tier in made:
+        if not tier.closed:
+            tier.shutdown(timeout=5)
 
 
 def nixl_done(agent: Any, handle: Any) -> None:
@@ -698,7 +712,7 @@ def told_over(tier: FileTier, count: int) -> None:
 
 @pytest.mark.nixl
 def test_stores_waiting_on_their_flush_cost_a_poll_nothing_and_are_found_once_it_is_over(
-        clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        clock: Clock, flushing: Callable[..., tuple[FileTier, Any, BlockingFsync]]) -> None:
     """A durable file tier on real NIXL whose flushes fall behind: 299 stores NIXL finished
     wait on their flush, and NIXL answers DONE for each until it is over. The oldest-first
     checks walk past them once and ask about them no more, so a poll costs what ended: a load
@@ -706,7 +720,7 @@ def test_stores_waiting_on_their_flush_cost_a_poll_nothing_and_are_found_once_it
     checks. Once the flushes are over the flusher tells the tier, and the next polls (the
     progress thread's, a slice of 100 checks each) publish all 299, with no turn of the sweep
     due (``max_unpolled`` is a minute): told, not found by a sweep coming round."""
-    tier, agent, fsync = flushing_tier(tmp_path, monkeypatch, clock, 299, max_unpolled=60.0)
+    tier, agent, fsync = flushing(299, max_unpolled=60.0)
     checks = agent.call_count("check_xfer_state")
     for _ in range(3):
         clock.advance(0.001)
@@ -739,15 +753,16 @@ def test_stores_waiting_on_their_flush_cost_a_poll_nothing_and_are_found_once_it
 
 @pytest.mark.nixl
 def test_a_flush_told_over_after_its_store_failed_is_left_alone(
-        clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        clock: Clock, flushing: Callable[..., tuple[FileTier, Any, BlockingFsync]]) -> None:
     """Stores whose flushes outlast ``max_running_seconds`` fail (their handles released);
     when the flushes end the flusher tells the tier all the same. The next round (the poll
     schedule's: a load runs) asks NIXL about none of them, whose handles are gone, only
     about the load, and publishes nothing twice."""
     clock.now = time.monotonic()  # the tier's submit times and the runner's bound agree
-    tier, agent, fsync = flushing_tier(tmp_path, monkeypatch, clock, 80, check_all_below=0,
-                                       max_unpolled=60.0, max_running_seconds=30.0)
-    clock.advance(31)
+    tier, agent, fsync = flushing(80, check_all_below=0, max_unpolled=60.0,
+                                  max_running_seconds=30.0)
+    for transfer in tier._runner.records.values():
+        transfer.started_at -= 60  # submitted long ago: past the bound (no sleeping for it)
     results = tier.get_finished_jobs()
     assert len(results) == 80 and not any(r.success for r in results)
     fsync.release.set()

@@ -27,7 +27,7 @@ import torch
 
 from kvfsm.agent import LOCAL_AGENT, NixlAgent
 from kvfsm.contract import DrainTimeout, JobSide
-from kvfsm.driver import RemoteSide, StepFunction, StorageSide, TransferDriver, check_runnable
+from kvfsm.driver import RemoteSide, StepFunction, TransferDriver, check_runnable
 from kvfsm.engine import CompiledMachine, Declaration
 from kvfsm.machines.transfer import (
     TRANSFER_MACHINE,
@@ -237,8 +237,9 @@ class SecondaryTier(JobSide):
         self._runner.leaks = collections.deque(maxlen=self.leak_record)
         #: the calls, and what they answered (:class:`~kvfsm.driver.TransferDriver`)
         self._driver = TransferDriver(agent, remote, declaration, _bind(steps or {}, primary))
-        if isinstance(remote, StorageSide):  # a commit it says is over is checked at once
-            remote.commit_over = self._runner.commit_over
+        if hasattr(remote, "commit_over"):  # a commit it says is over is checked at once
+            # (the queue's append alone: a flush under way keeps nothing else alive)
+            remote.commit_over = self._runner.commits_over.append
         self._makers = self._driver.makers()
         #: called with each transfer as it is published (a trace recorder, for one)
         self.on_published: list[Callable[[Transfer], None]] = self._runner.on_published

@@ -22,7 +22,7 @@ Durability. With ``durable=True`` the commit (``fsync`` of each file, the rename
 the directory) runs on the tier's flusher thread, never on the caller's: the poll that sees NIXL
 finish hands the files over and the driver answers the machine PROC (the declared stay in
 PROCESSING: for the machine the store runs until its commit is over); the flusher tells the
-tier when the flush is over (:meth:`~kvfsm.runner.Runner.commit_over`), and the next poll checks
+tier when the flush is over (:attr:`~kvfsm.runner.Runner.commits_over`), and the next poll checks
 that store first and fires DONE, or RAISED with the flush's error (meanwhile the poll
 schedule asks about it only at its turns in the sweep; a drain, and a poll with few running,
 ask about every running transfer). The directory is flushed once per
