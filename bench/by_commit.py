@@ -30,8 +30,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from common import worktrees
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -117,26 +118,14 @@ def main() -> int:
         parser.error("--instructions needs valgrind (Debian package valgrind)")
     measure_one = instructions if args.instructions else measure
     rounds = 1 if args.instructions else args.rounds
-    with tempfile.TemporaryDirectory(prefix="kvfsm-by-commit-") as scratch:
-        trees: dict[str, str] = {}
-        try:
-            for commit in args.commits:
-                tree = os.path.join(scratch, commit.replace("/", "-"))
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
-                                tree, commit], check=True)
-                trees[commit] = tree
-            samples: dict[str, list[float]] = {"(b) hand-written": []}
-            samples.update({commit: [] for commit in args.commits})
-            for round_ in range(rounds):
-                samples["(b) hand-written"].append(
-                    measure_one(trees[args.commits[-1]], hand=True))
-                for commit, tree in trees.items():
-                    samples[commit].append(measure_one(tree, hand=False))
-                print(f"round {round_ + 1} of {rounds}", flush=True)
-        finally:
-            for tree in trees.values():
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tree],
-                               check=False)
+    samples: dict[str, list[float]] = {"(b) hand-written": []}
+    samples.update({commit: [] for commit in args.commits})
+    with worktrees(args.commits, "kvfsm-by-commit-") as trees:
+        for round_ in range(rounds):
+            samples["(b) hand-written"].append(measure_one(trees[args.commits[-1]], hand=True))
+            for commit, tree in trees.items():
+                samples[commit].append(measure_one(tree, hand=False))
+            print(f"round {round_ + 1} of {rounds}", flush=True)
     hand = min(samples["(b) hand-written"])
     if args.instructions:
         print("\n| contender | instructions a transfer | against (b) |")

@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, machine, print_machine, table
+from common import RESULTS, machine, print_machine, table, worktrees
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -138,24 +138,12 @@ def main() -> int:
     info = machine()
     print_machine(info)
     samples: dict[tuple[str, int], list[dict[str, float]]] = {}
-    with tempfile.TemporaryDirectory(prefix="kvfsm-backlog-trees-") as scratch:
-        trees: dict[str, str] = {}
-        try:
-            for commit in args.commits:
-                tree = os.path.join(scratch, commit.replace("/", "-"))
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
-                                tree, commit], check=True)
-                trees[commit] = tree
-            for round_ in range(rounds):
-                for n in stores:
-                    for commit, tree in trees.items():
-                        samples.setdefault((commit, n), []).append(measure(tree, n))
-                print(f"round {round_ + 1} of {rounds}", flush=True)
-        finally:
-            for tree in trees.values():
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tree],
-                               check=False)
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
+    with worktrees(args.commits, "kvfsm-backlog-trees-") as trees:
+        for round_ in range(rounds):
+            for n in stores:
+                for commit, tree in trees.items():
+                    samples.setdefault((commit, n), []).append(measure(tree, n))
+            print(f"round {round_ + 1} of {rounds}", flush=True)
 
     def mid(runs: list[dict[str, float]], key: str) -> float:
         return statistics.median(run[key] for run in runs)

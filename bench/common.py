@@ -1,14 +1,16 @@
-"""What the benchmarks share: the machine they ran on, medians, tables."""
+"""What the benchmarks share: the machine they ran on, medians, tables, commits to compare."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,3 +95,23 @@ def ratio(value: float | None, reference: float | None) -> str:
     if value is None or reference is None or reference == 0:
         return "-"
     return f"{value / reference:.2f}x"
+
+
+@contextlib.contextmanager
+def worktrees(commits: Sequence[str], prefix: str) -> Iterator[dict[str, str]]:
+    """A git worktree of each commit (detached, in a temporary directory), by commit; removed
+    on the way out, whatever happened (and git told to forget any it could not remove)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        trees: dict[str, str] = {}
+        try:
+            for commit in commits:
+                tree = os.path.join(scratch, commit.replace("/", "-"))
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
+                                tree, commit], check=True)
+                trees[commit] = tree
+            yield trees
+        finally:
+            for tree in trees.values():
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tree],
+                               check=False)
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
