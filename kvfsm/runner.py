@@ -255,9 +255,9 @@ class Runner(Books):
         if everything or len(running.transfers) <= self.policy.check_all_below:
             self._swept_at = time.monotonic()
             self.behind = False  # every turn is taken
-            told = len(self.commits_over)  # checked now: their commits were over before
+            queued = len(self.commits_over)  # checked now: their commits were over before
             answers = check(running.handles)
-            for _ in range(told):
+            for _ in range(queued):
                 self.commits_over.popleft()
             return self.take_checks(answers)
         if limit is not None and limit < 1:
@@ -267,15 +267,16 @@ class Runner(Books):
         if (limit is not None and sweep
                 and sweep[0][0] <= time.monotonic() - self.policy.max_unpolled):
             front = limit // 2  # the sweep is a bound late: the rest get half together
-        picked, statuses = self._check_commits_over(check, front)
-        told = len(picked)
+        told = self._take_commits_over(front)
         try:
-            oldest, answers = self._check_front(check, front - told)
+            picked = told[:]
+            statuses = check([transfer.xfer for transfer in told]) if told else []
+            oldest, answers = self._check_front(check, front - len(told))
             picked += oldest
             statuses += answers
             self._check_sweep(check, cap, picked, statuses)
         except BaseException:  # the round's answers are lost: the tellings are taken again
-            self.commits_over.extendleft(reversed(picked[:told]))
+            self.commits_over.extendleft(reversed(told))
             raise
         if self.commits_over and limit is not None:
             self.behind = True  # tellings past the slice: the next poll comes soon
@@ -312,14 +313,13 @@ class Runner(Books):
             picked += asking
             statuses += answers
 
-    def _check_commits_over(self, check: Callable[[list[Any]], list[str | Exception]],
-                            cap: int) -> tuple[list[Transfer], list[str | Exception]]:
-        """Check the transfers whose commit their remote side said is over, at most ``cap``
+    def _take_commits_over(self, cap: int) -> list[Transfer]:
+        """The transfers whose commit their remote side said is over, at most ``cap`` of them
         (the rest stay queued for the next round), leaving out any no longer waiting on it
         (and any told twice: checked once)."""
         woken = self.commits_over
         if not woken:
-            return [], []
+            return []
         committing, records = self._committing, self.records
         taken: list[Transfer] = []
         seen: set[int] = set()
@@ -329,13 +329,7 @@ class Runner(Books):
             if job_id in committing and records.get(job_id) is transfer and job_id not in seen:
                 seen.add(job_id)
                 taken.append(transfer)
-        if not taken:
-            return [], []
-        try:
-            return taken, check([transfer.xfer for transfer in taken])
-        except BaseException:  # not asked: the first asked next round
-            woken.extendleft(reversed(taken))
-            raise
+        return taken
 
     def _check_front(self, check: Callable[[list[Any]], list[str | Exception]], cap: int,
                      ) -> tuple[list[Transfer], list[str | Exception]]:

@@ -21,17 +21,15 @@ import torch
 import kvfsm.runner
 from kvfsm import TransferJob
 from kvfsm.contract import DrainTimeout
-from kvfsm.driver import StorageSide
 from kvfsm.machines.transfer import Answer, TransferEvent, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import FRONT_BATCH
 from kvfsm.testing import FakeNixlAgent, Raise
 from kvfsm.tiers import FileTier, ObjectStoreTier
-from kvfsm.tiers.base import Lookup, SecondaryTier, key_text
 from kvfsm.transfer import Transfer
 
 from .test_file_tier import BlockingFsync, posix
-from .test_runner import Again, verify_again
+from .test_runner import Again, _Side, _Tier, verify_again
 
 N = 1_000
 
@@ -430,20 +428,15 @@ def test_once_few_run_a_poll_with_a_slice_is_behind_no_more(held: Held, clock: C
     finish(tier, held)
 
 
-class SlowCommit(StorageSide):
+class SlowCommit(_Side):
     """A remote side of the user's own whose stores become visible some time after NIXL
     finished them (a commit the test ends), and which says so through ``commit_over``."""
 
-    mem_type = "OBJ"
-
     def __init__(self, block_bytes: int) -> None:
-        self.block_bytes = block_bytes
+        super().__init__(block_bytes, committed=False)
         self.waiting: dict[int, Transfer] = {}  # job id -> a store whose commit is under way
         self.over: set[int] = set()
         self.asked = 0
-
-    def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
-        return [(0, self.block_bytes, transfer.job_id, name) for name in transfer.names]
 
     def commit(self, transfer: Transfer) -> bool:
         self.asked += 1
@@ -462,19 +455,11 @@ class SlowCommit(StorageSide):
                 self.commit_over(transfer)
 
 
-class SlowCommitTier(SecondaryTier):
-    def remote_name(self, key: bytes | str) -> str:
-        return key_text(key)
-
-    def _probe(self, name: str) -> Lookup:
-        return Lookup.MISS
-
-
-def committing_tier(agent: Held, n: int, **policy: Any) -> tuple[SlowCommitTier, SlowCommit]:
+def committing_tier(agent: Held, n: int, **policy: Any) -> tuple[_Tier, SlowCommit]:
     """``n`` stores NIXL finished, each waiting on its (slow) commit."""
     primary = torch.zeros((64, 16), dtype=torch.float32)
     side = SlowCommit(int(primary[0].nbytes))
-    tier = SlowCommitTier(primary, agent=agent, remote=side, policy=RetryPolicy(**policy))
+    tier = _Tier(primary, agent=agent, remote=side, policy=RetryPolicy(**policy))
     for job_id in range(n):
         tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))
     agent.held.clear()
@@ -642,7 +627,7 @@ def test_with_a_late_sweep_the_commits_told_over_leave_it_half_the_slice(
     primary = torch.zeros((64, 16), dtype=torch.float32)
     side = SlowCommit(int(primary[0].nbytes))
     side.over.add(0)
-    tier = SlowCommitTier(primary, agent=held, remote=side,
+    tier = _Tier(primary, agent=held, remote=side,
                           policy=RetryPolicy(max_unpolled=0.5, check_all_below=0))
     for job_id in range(301):
         tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id % 64]))

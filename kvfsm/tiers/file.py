@@ -234,7 +234,8 @@ class _Flush:
         if wake is not None:
             try:
                 wake()
-            except Exception:  # (a deque's append): the transfer's sweep turn finds it
+            except Exception:  # (a deque's append): never let it stop the batch's other
+                # flushes being marked done; the store's sweep turn finds this one
                 logger.exception("a flush's end could not be told to the tier")
 
 
