@@ -15,9 +15,10 @@ What the runner decides itself, each once and from the table:
 * a stay: NIXL answering PROC for a running transfer whose table declares that answer a
   self-loop without actions is counted, never fired (the hot path);
 * a retry: an effect whose answer leaves the transfer where it was (a release that raised, a
-  user step answering "not yet") is tried again on a later round after the policy's backoff,
-  and once the :class:`~kvfsm.policy.RetryPolicy` bound is spent the answer becomes EXHAUSTED,
-  the declared give-up edge;
+  user step answering "not yet") is tried again on a later round after the policy's backoff
+  (a transfer backing off is out of the rounds until then: :meth:`Runner.waiting_now`), and
+  once the :class:`~kvfsm.policy.RetryPolicy` bound is spent the answer becomes EXHAUSTED, the
+  declared give-up edge;
 * a poll schedule: with few transfers running, a poll checks each; with many, the stores
   whose commit was said to be over, the oldest first while they are found ended (a store
   waiting on its commit left out), then a share of the rest in turn, each at least once
@@ -37,6 +38,8 @@ What the runner decides itself, each once and from the table:
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
 import math
 import operator
@@ -167,6 +170,13 @@ class Runner(Books):
         #: the last sweep left turns due it did not take (its round's slice was spent)
         self.behind = False
         self.waiting: dict[int, Transfer] = {}  # the others
+        #: those of them a round goes on with (:meth:`waiting_now`): all but those backing off
+        self._ready: dict[int, Transfer] = {}
+        #: those backing off, as a heap of (retry_at, count, transfer): each left the ready
+        #: list with its entry, and joins it again once the entry comes due, if still waiting
+        #: (an entry whose transfer moved on, or was published, is dropped then)
+        self._backing_off: list[tuple[float, int, Transfer]] = []
+        self._entries = itertools.count()
         #: how many unpublished transfers are in each state
         self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
         self._committing: set[int] = set()  # stores NIXL finished whose commit is not over
@@ -539,6 +549,28 @@ class Runner(Books):
                 if transfer.state is state:
                     break  # stayed (a retry, or backing off): a later round goes on
 
+    def waiting_now(self) -> list[Transfer]:
+        """The waiting transfers a round goes on with, in the order they joined: every one but
+        those backing off whose next try is not due yet (one whose backoff is over joins the
+        end). Costs the transfers it returns, plus a heap's pop for each backoff that came
+        due: transfers backing off cost nothing until their try is due."""
+        backing_off = self._backing_off
+        if backing_off and backing_off[0][0] <= time.monotonic():
+            self._wake()
+        ready = self._ready
+        return list(ready.values()) if ready else []
+
+    def _wake(self) -> None:
+        """Move each transfer whose backoff is over back to the ready list (still waiting)."""
+        backing_off, waiting, ready = self._backing_off, self.waiting, self._ready
+        now = time.monotonic()
+        while backing_off and backing_off[0][0] <= now:
+            transfer = backing_off[0][2]
+            if waiting.get(transfer.job_id) is transfer and transfer.retry_at <= now:
+                ready[transfer.job_id] = transfer  # else: moved on, or backs off again (a
+                # later entry of its own brings it back)
+            heapq.heappop(backing_off)
+
     # -- the answers -------------------------------------------------------------------------
 
     def add(self, transfer: Transfer) -> None:
@@ -622,7 +654,10 @@ class Runner(Books):
             return
         self.machine.fire(transfer, effect, answer, detail)
         transfer.attempts = failures
-        transfer.retry_at = self.policy.next_attempt(failures, now)
+        retry_at = transfer.retry_at = self.policy.next_attempt(failures, now)
+        if retry_at:  # backing off: out of the rounds until its entry comes due
+            heapq.heappush(self._backing_off, (retry_at, next(self._entries), transfer))
+            self._ready.pop(transfer.job_id, None)
         if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every round
             logger.warning("job %d: %s failed (retry %d): %s", transfer.job_id,
                            self._call_of.get(effect, effect), failures, transfer.error,
@@ -668,6 +703,7 @@ class Runner(Books):
         if state in self.running_states:
             if filed is not None and filed not in self.running_states:
                 del self.waiting[transfer.job_id]
+                self._ready.pop(transfer.job_id, None)
             if transfer.slot < 0:
                 self.running.add(transfer)
                 self._schedule(transfer)
@@ -677,6 +713,8 @@ class Runner(Books):
                 if self._committing:
                     self._committing.discard(transfer.job_id)
             self.waiting[transfer.job_id] = transfer
+            if not transfer.retry_at:  # one backing off joins when its entry comes due
+                self._ready[transfer.job_id] = transfer
 
     def _finish(self, transfer: Transfer) -> None:
         """A transfer reached a final state: its one result, and the books, then listeners."""
@@ -695,12 +733,15 @@ class Runner(Books):
         if filed is not None:
             if filed not in self.running_states:
                 del self.waiting[job_id]
+                self._ready.pop(job_id, None)
             self.in_state[filed] -= 1
             transfer.filed = None
         if self._committing:
             self._committing.discard(job_id)
         if self._by_start is not None and len(self._by_start) > 2 * len(self.records) + 64:
             self._compact()
+        if self._backing_off and len(self._backing_off) > 2 * len(self.waiting) + 64:
+            self._compact_backoffs()
         # every change to the books first, then what runs code of others (logging handlers,
         # listeners): an interrupt there must not leave a quarantined transfer uncounted
         # (shutdown would release the registration its handles use) or a verdict unrecorded
@@ -740,6 +781,15 @@ class Runner(Books):
         records = self.records
         self._by_start = collections.deque(
             t for t in self._by_start or () if records.get(t.job_id) is t)
+
+    def _compact_backoffs(self) -> None:
+        """Keep in the backoff heap only the entries of transfers still waiting: done when it
+        holds over twice as many as wait (plus 64), so that transfers published while backing
+        off (a shutdown's give-up, a cancel) are not kept until their try would have come."""
+        waiting = self.waiting
+        self._backing_off = [entry for entry in self._backing_off
+                             if waiting.get(entry[2].job_id) is entry[2]]
+        heapq.heapify(self._backing_off)
 
     def record_leaks(self, job_id: int, leaks: Sequence[Leak]) -> None:
         """Count ``leaks`` and keep the most recent ones (job -1: the tier's own)."""

@@ -614,11 +614,12 @@ class SecondaryTier(JobSide):
         and nothing else, because the table declares that answer a stay (counted, not fired);
         each other answer is fired and its transfer taken as far as it goes this round. Then
         the running bound, if the policy sets one; then every transfer that was waiting (a
-        release to retry, a step of the user's). ``limit`` bounds the schedule's state checks
+        release to retry, a step of the user's), but those backing off whose try is not due
+        (:meth:`~kvfsm.runner.Runner.waiting_now`: they cost nothing until then). ``limit`` bounds the schedule's state checks
         (the progress thread's :data:`PROGRESS_SLICE`).
         """
         runner, driver = self._runner, self._driver
-        waiting = list(runner.waiting.values())  # those in it now: one round each
+        waiting = runner.waiting_now()  # those in it now, not backing off: one round each
         answered = runner.check_round(driver.check, everything, limit)
         if answered:
             self._take_polls(answered)

@@ -1,0 +1,163 @@
+"""Transfers backing off cost a poll nothing until their next try is due.
+
+A release that raised (or a user's step that answered "not yet") is tried again after the
+:class:`~kvfsm.policy.RetryPolicy`'s backoff. While it waits, the transfer is out of the list a
+round goes through (:meth:`kvfsm.runner.Runner.waiting_now`): a heap of the times the tries come
+due brings each back, at the end of the list, once its time has come. These stories check the
+order and the timing on the runner's clock, that a poll beside many transfers backing off
+makes no call for them and still publishes the others, and that the heap forgets the transfers
+that moved on before their try (a shutdown's last try)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvfsm.runner
+from kvfsm import TransferJob
+from kvfsm.lifecycle import Answer, CallFailed, TransferState
+from kvfsm.policy import RetryPolicy
+from kvfsm.runner import END, Outcome
+from kvfsm.testing import FakeNixlAgent, Raise
+from kvfsm.tiers import ObjectStoreTier
+
+from .test_poll_schedule import Clock
+from .test_runner import CLEAN_OK, OK, runner, submitted
+
+S = TransferState
+RAISED = Outcome(Answer.RAISED, CallFailed("release_xfer_handle", RuntimeError("busy")))
+FOREVER = 10**6
+
+
+@pytest.fixture
+def moved(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """The runner's clock, moved by the story (binary fractions of a second: exact)."""
+    clock = Clock()
+    monkeypatch.setattr(kvfsm.runner, "time", clock)
+    return clock
+
+
+def test_a_transfer_backing_off_leaves_the_round_and_comes_back_at_the_end_when_due(
+        moved: Clock) -> None:
+    """Three transfers wait on their release. The first's raises (next try in 1/2 s), then a
+    quarter second later the second's (next try at 3/4 s); the third is not tried yet. A round
+    goes on with the third only, then with the first again once its time has come, then with
+    both, each joining the end in the order its try came due."""
+    books = runner(RetryPolicy(max_attempts=None, max_seconds=None, backoff=0.5,
+                               max_backoff=4.0))
+    first, second, third = (submitted(books, job_id) for job_id in (1, 2, 3))
+    for transfer in (first, second, third):
+        books.take(transfer, "post", Outcome(Answer.DONE))
+    assert books.waiting_now() == [first, second, third]
+
+    books.take(first, END, (RAISED, Outcome(None)))
+    moved.advance(0.25)
+    books.take(second, END, (RAISED, Outcome(None)))
+    assert books.waiting_now() == [third]
+    assert list(books.waiting) == [1, 2, 3], "all three still wait on their release"
+    moved.advance(0.25)
+    assert books.waiting_now() == [third, first]
+    moved.advance(0.25)
+    assert books.waiting_now() == [third, first, second]
+
+    books.take(first, END, (RAISED, Outcome(None)))  # again: the next try a second away
+    assert first.retry_at == moved.now + 1.0
+    assert books.waiting_now() == [third, second]
+    books.take(second, END, (OK, CLEAN_OK))
+    books.take(third, END, (OK, CLEAN_OK))
+    assert books.waiting_now() == [] and list(books.waiting) == [1]
+    moved.advance(1.0)
+    assert books.waiting_now() == [first]
+    books.take(first, END, (OK, CLEAN_OK))
+    assert books.waiting_now() == [] and books.waiting == {}
+    assert [r.job_id for r in books.take_results()] == [2, 3, 1]
+
+
+def test_a_transfer_tried_early_and_backing_off_again_comes_back_at_its_new_time(
+        moved: Clock) -> None:
+    """A shutdown tries a transfer backing off at once (its ``retry_at`` cleared). When that
+    try raises too, the transfer backs off again, for longer; the time its first backoff was
+    due brings nothing back, its new one does."""
+    books = runner(RetryPolicy(max_attempts=None, max_seconds=None, backoff=0.5,
+                               max_backoff=4.0))
+    transfer = submitted(books)
+    books.take(transfer, "post", Outcome(Answer.DONE))
+    books.take(transfer, END, (RAISED, Outcome(None)))
+    transfer.retry_at = 0.0  # what shutdown does for its last try
+    assert list(books.due([transfer])) == [(transfer, END)]
+    books.take(transfer, END, (RAISED, Outcome(None)))
+    assert transfer.retry_at == moved.now + 1.0
+    moved.advance(0.5)
+    assert books.waiting_now() == []
+    moved.advance(0.5)
+    assert books.waiting_now() == [transfer]
+
+
+def test_a_published_transfer_never_comes_back_from_its_backoff(moved: Clock) -> None:
+    """A transfer published while it backs off (tried early, and released) is not handed to a
+    round when its backoff would have ended."""
+    books = runner(RetryPolicy(backoff=0.5, max_backoff=0.5))
+    transfer = submitted(books)
+    books.take(transfer, "post", Outcome(Answer.DONE))
+    books.take(transfer, END, (RAISED, Outcome(None)))
+    transfer.retry_at = 0.0
+    books.take(transfer, END, (OK, CLEAN_OK))
+    assert [r.job_id for r in books.take_results()] == [1]
+    moved.advance(0.5)
+    assert books.waiting_now() == [] and books.records == {}
+
+
+def test_a_poll_beside_a_thousand_releases_backing_off_makes_no_call_for_them(
+        moved: Clock) -> None:
+    """A thousand stores whose release raised wait a minute for their next try. Polls in that
+    minute make no release call, hand no transfer of theirs to a round, and still publish a
+    store submitted after them; once the minute is over, the next poll tries every release
+    again, and those that now answer are published."""
+    agent = FakeNixlAgent()
+    agent.inject("release_xfer_handle", Raise("NIXL_ERR_BACKEND"), times=1_000)
+    primary = torch.zeros((1_024, 16), dtype=torch.float32)
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(
+        max_attempts=None, max_seconds=None, backoff=60, max_backoff=60))
+    for job_id in range(1_000):
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id]))
+    while agent.call_count("release_xfer_handle") < 1_000:
+        assert tier.get_finished_jobs() == []
+    runner = tier._runner
+    assert runner.in_state[S.DONE] == 1_000 and runner.waiting_now() == []
+
+    tier.submit_store(TransferJob(1_000, ["block-1000"], [1_000]))
+    (late,) = tier.get_finished_jobs()  # the fake agent's transfers end at their first check
+    assert late.job_id == 1_000 and late.success
+    moved.advance(59.5)
+    assert tier.get_finished_jobs() == []
+    assert agent.call_count("release_xfer_handle") == 1_001, "no try before its minute is over"
+
+    moved.advance(0.5)
+    results = tier.get_finished_jobs()
+    assert sorted(r.job_id for r in results) == list(range(1_000))
+    assert all(r.success for r in results) and agent.call_count("release_xfer_handle") == 2_001
+    assert agent.live_xfer_handles() == 0
+    tier.shutdown(timeout=10)
+
+
+def test_the_heap_forgets_transfers_a_shutdown_released_before_their_try() -> None:
+    """200 stores back off an hour after their release raised once; shutdown's deadline gives
+    each its last try, which releases it. Each is published with its outcome, and the heap of
+    backoffs does not keep the 200 for the hour their tries would have taken (it keeps at
+    most 64 entries beside nothing waiting)."""
+    agent = FakeNixlAgent()
+    agent.inject("release_xfer_handle", Raise("NIXL_ERR_BACKEND"), times=200)
+    primary = torch.zeros((256, 16), dtype=torch.float32)
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(
+        max_attempts=None, max_seconds=None, backoff=3600, max_backoff=3600))
+    for job_id in range(200):
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id]))
+    while agent.call_count("release_xfer_handle") < 200:
+        assert tier.get_finished_jobs() == []
+    tier.shutdown(timeout=0.05)
+    results = tier.get_finished_jobs()
+    assert len(results) == 200 and all(r.success for r in results)
+    runner = tier._runner
+    assert runner.waiting == {} and runner.waiting_now() == []
+    assert len(runner._backing_off) <= 64, len(runner._backing_off)
+    assert agent.live_xfer_handles() == 0
