@@ -560,6 +560,14 @@ class Runner(Books):
         ready = self._ready
         return list(ready.values()) if ready else []
 
+    def retry_now(self, transfer: Transfer) -> None:
+        """Let a transfer backing off try again at its next round, its backoff cut short (a
+        shutdown's last try at its deadline): it joins the waiting transfers a round goes
+        through, where it stays until it moves on, however that try ends."""
+        transfer.retry_at = 0.0
+        if self.waiting.get(transfer.job_id) is transfer:
+            self._ready[transfer.job_id] = transfer
+
     def _wake(self) -> None:
         """Move each transfer whose backoff is over back to the ready list (still waiting)."""
         backing_off, waiting, ready = self._backing_off, self.waiting, self._ready
@@ -713,8 +721,12 @@ class Runner(Books):
                 if self._committing:
                     self._committing.discard(transfer.job_id)
             self.waiting[transfer.job_id] = transfer
-            if not transfer.retry_at:  # one backing off joins when its entry comes due
+            retry_at = transfer.retry_at
+            if not retry_at or retry_at <= time.monotonic():
                 self._ready[transfer.job_id] = transfer
+            else:  # backing off: joins when its entry comes due (an entry of its own, even
+                # if the one its retry pushed was dropped while it ran: a second is harmless)
+                heapq.heappush(self._backing_off, (retry_at, next(self._entries), transfer))
 
     def _finish(self, transfer: Transfer) -> None:
         """A transfer reached a final state: its one result, and the books, then listeners."""

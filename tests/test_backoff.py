@@ -96,7 +96,7 @@ def test_a_transfer_tried_early_and_backing_off_again_comes_back_at_its_new_time
 def test_a_published_transfer_never_comes_back_from_its_backoff(moved: Clock) -> None:
     """A transfer published while it backs off (tried early, and released) is not handed to a
     round when its backoff would have ended."""
-    books = runner(RetryPolicy(backoff=0.5, max_backoff=0.5))
+    books = runner(RetryPolicy(max_seconds=None, backoff=0.5, max_backoff=0.5))
     transfer = submitted(books)
     books.take(transfer, "post", Outcome(Answer.DONE))
     books.take(transfer, END, (RAISED, Outcome(None)))
@@ -161,3 +161,40 @@ def test_the_heap_forgets_transfers_a_shutdown_released_before_their_try() -> No
     assert runner.waiting == {} and runner.waiting_now() == []
     assert len(runner._backing_off) <= 64, len(runner._backing_off)
     assert agent.live_xfer_handles() == 0
+
+
+class _InterruptedOnce(FakeNixlAgent):
+    """A fake agent whose next release, once armed, is cut short by a Ctrl-C (before NIXL
+    sees it: the handle stays live)."""
+
+    armed = False
+
+    def release_xfer_handle(self, handle: object) -> None:  # type: ignore[override]
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        super().release_xfer_handle(handle)  # type: ignore[arg-type]
+
+
+def test_a_shutdown_last_try_cut_short_is_tried_again_at_the_next_poll() -> None:
+    """A store's release raised; its next try is an hour away. Shutdown's deadline passes and
+    its last try of the release is interrupted (Ctrl-C). The backoff was cut short for that
+    try, so the store is not left out of the rounds for the hour: the next poll releases it
+    and publishes it, and a drain has nothing left to wait for."""
+    agent = _InterruptedOnce()
+    agent.inject("release_xfer_handle", Raise("NIXL_ERR_BACKEND"), times=1)
+    primary = torch.zeros((8, 16), dtype=torch.float32)
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(
+        max_attempts=None, max_seconds=None, backoff=3600, max_backoff=3600))
+    tier.submit_store(TransferJob(1, ["block-1"], [0]))
+    while agent.call_count("release_xfer_handle") < 1:
+        assert tier.get_finished_jobs() == []
+    agent.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        tier.shutdown(timeout=0.01)
+    assert agent.live_xfer_handles() == 1  # the interrupted release never reached NIXL
+    results = tier.get_finished_jobs()
+    assert [(r.job_id, r.success) for r in results] == [(1, True)]
+    assert agent.live_xfer_handles() == 0
+    tier.drain_jobs(0.5)
+    tier.shutdown(timeout=1)

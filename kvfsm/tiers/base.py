@@ -340,7 +340,7 @@ class SecondaryTier(JobSide):
             with self._lock:
                 for transfer in self.unpublished():
                     if transfer.state not in runner.running_states:  # over: a last try
-                        transfer.retry_at = 0.0
+                        runner.retry_now(transfer)  # in the rounds, if interrupted
                         self._advance((transfer,))
                         if transfer.job_id in runner.records:
                             runner.give_up(transfer, "shutdown deadline passed")
@@ -615,8 +615,8 @@ class SecondaryTier(JobSide):
         each other answer is fired and its transfer taken as far as it goes this round. Then
         the running bound, if the policy sets one; then every transfer that was waiting (a
         release to retry, a step of the user's), but those backing off whose try is not due
-        (:meth:`~kvfsm.runner.Runner.waiting_now`: they cost nothing until then). ``limit`` bounds the schedule's state checks
-        (the progress thread's :data:`PROGRESS_SLICE`).
+        (:meth:`~kvfsm.runner.Runner.waiting_now`: they cost nothing until then). ``limit``
+        bounds the schedule's state checks (the progress thread's :data:`PROGRESS_SLICE`).
         """
         runner, driver = self._runner, self._driver
         waiting = runner.waiting_now()  # those in it now, not backing off: one round each
