@@ -19,15 +19,19 @@ rounds.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
 from typing import Any
 
-from common import RESULTS, machine, print_machine, table, worktrees
+from common import (
+    commits_parser,
+    machine,
+    median_of,
+    print_machine,
+    rounds_by_commit,
+    run_in_tree,
+    table,
+    write_by_commit,
+)
 
 ONE = """
 import gc, json, statistics, time
@@ -70,38 +74,21 @@ print(json.dumps({{"step_ms": statistics.median(steps) * 1e3,
 def measure(tree: str, stores: int, steps: int) -> dict[str, float]:
     """One process of ``tree``'s kvfsm with ``stores`` releases backing off."""
     code = ONE.format(tree=tree, stores=stores, steps=steps)
-    env = {**os.environ, "PYTHONPATH": tree}
-    # run in the tree: "-c" puts the working directory first on the path, before PYTHONPATH
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree,
-                          capture_output=True, text=True, timeout=900, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{tree} with {stores} stores failed: {done.stderr[-2000:]}")
-    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    figures: dict[str, float] = run_in_tree(tree, code, f"{tree} with {stores} stores")
     return figures
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("commits", nargs="+", help="commits, oldest first")
-    parser.add_argument("--stores", type=int, nargs="+", default=[1_000, 10_000, 100_000],
-                        help="stores whose release backs off")
+    parser = commits_parser(__doc__, [1_000, 10_000, 100_000], "stores whose release backs off",
+                            "1,000 stores, one round")
     parser.add_argument("--steps", type=int, default=500, help="steps measured a process")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="1,000 stores, one round")
     args = parser.parse_args()
     stores, rounds = ([1_000], 1) if args.quick else (args.stores, args.rounds)
     info = machine()
     print_machine(info)
-    samples: dict[tuple[str, int], list[dict[str, float]]] = {}
-    with worktrees(args.commits, "kvfsm-backoff-trees-") as trees:
-        for round_ in range(rounds):
-            for n in stores:
-                for commit, tree in trees.items():
-                    samples.setdefault((commit, n), []).append(measure(tree, n, args.steps))
-            print(f"round {round_ + 1} of {rounds}", flush=True)
-
-    def mid(runs: list[dict[str, float]], key: str) -> float:
-        return statistics.median(run[key] for run in runs)
+    samples = rounds_by_commit(args.commits, "kvfsm-backoff-trees-", stores, rounds,
+                               lambda tree, n: measure(tree, n, args.steps))
+    mid = median_of
 
     rows: list[list[Any]] = []
     for (commit, n), runs in samples.items():
@@ -114,13 +101,8 @@ def main() -> int:
                       f"the fake agent, {args.steps} steps back to back (medians of {rounds} "
                       f"round(s))")
     print(out)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "backoff-quick" if args.quick else "backoff"
-    (RESULTS / f"{name}.md").write_text(out + "\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps(
-        {"machine": info, "commits": args.commits, "rounds": rounds, "steps": args.steps,
-         "samples": [{"commit": commit, "stores": n, "runs": runs}
-                     for (commit, n), runs in samples.items()]}, indent=1))
+    write_by_commit("backoff-quick" if args.quick else "backoff", out, samples, machine=info,
+                    commits=args.commits, rounds=rounds, steps=args.steps)
     return 0
 
 

@@ -23,7 +23,6 @@ guest whose timings wander by tens of percent; about a minute a process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -32,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import worktrees
+from common import run_in_tree, worktrees
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -79,11 +78,7 @@ print(json.dumps(statistics.median(samples) * 1e6 if samples else 0.0))
 def measure(tree: str, hand: bool) -> float:
     """One process: microseconds a transfer, the median of the cycles."""
     code = ONE.format(bench=str(BENCH), hand=hand, tree=tree, n=N, cycles=CYCLES, collect=True)
-    env = {**os.environ, "PYTHONPATH": tree}
-    # run in the tree: "-c" puts the working directory first on the path, before PYTHONPATH
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree,
-                          capture_output=True, text=True, timeout=600, check=True)
-    return float(json.loads(done.stdout.strip().splitlines()[-1]))
+    return float(run_in_tree(tree, code, f"{tree} ({'hand' if hand else 'kvfsm'})", 600))
 
 
 def instructions(tree: str, hand: bool) -> float:

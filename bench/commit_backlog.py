@@ -26,17 +26,22 @@ figure is the median over the rounds.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import RESULTS, machine, print_machine, table, worktrees
+from common import (
+    commits_parser,
+    machine,
+    median_of,
+    print_machine,
+    rounds_by_commit,
+    run_in_tree,
+    table,
+    write_by_commit,
+)
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -116,37 +121,20 @@ def measure(tree: str, stores: int) -> dict[str, float]:
     """One process of ``tree``'s kvfsm with ``stores`` stores waiting on their flush."""
     with tempfile.TemporaryDirectory(prefix="kvfsm-backlog-", dir=FILES_DIR) as directory:
         code = ONE.format(tree=tree, stores=stores, directory=directory)
-        env = {**os.environ, "PYTHONPATH": tree}
-        # run in the tree: "-c" puts the working directory first on the path, before PYTHONPATH
-        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree,
-                              capture_output=True, text=True, timeout=900, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{tree} with {stores} stores failed: {done.stderr[-2000:]}")
-    figures: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+        figures: dict[str, float] = run_in_tree(tree, code, f"{tree} with {stores} stores")
     return figures
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("commits", nargs="+", help="commits, oldest first")
-    parser.add_argument("--stores", type=int, nargs="+", default=[1_000, 5_000],
-                        help="stores waiting on their flush (two descriptors each)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="300 stores, one round")
+    parser = commits_parser(__doc__, [1_000, 5_000],
+                            "stores waiting on their flush (two descriptors each)",
+                            "300 stores, one round")
     args = parser.parse_args()
     stores, rounds = ([300], 1) if args.quick else (args.stores, args.rounds)
     info = machine()
     print_machine(info)
-    samples: dict[tuple[str, int], list[dict[str, float]]] = {}
-    with worktrees(args.commits, "kvfsm-backlog-trees-") as trees:
-        for round_ in range(rounds):
-            for n in stores:
-                for commit, tree in trees.items():
-                    samples.setdefault((commit, n), []).append(measure(tree, n))
-            print(f"round {round_ + 1} of {rounds}", flush=True)
-
-    def mid(runs: list[dict[str, float]], key: str) -> float:
-        return statistics.median(run[key] for run in runs)
+    samples = rounds_by_commit(args.commits, "kvfsm-backlog-trees-", stores, rounds, measure)
+    mid = median_of
 
     rows: list[list[Any]] = []
     for (commit, n), runs in samples.items():
@@ -161,13 +149,8 @@ def main() -> int:
                 title=f"A step of a durable file tier with its flushes held: one-block stores "
                       f"of 4 KiB on real NIXL POSIX (medians of {rounds} round(s))")
     print(out)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "commit_backlog-quick" if args.quick else "commit_backlog"
-    (RESULTS / f"{name}.md").write_text(out + "\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps(
-        {"machine": info, "commits": args.commits, "rounds": rounds,
-         "samples": [{"commit": commit, "stores": n, "runs": runs}
-                     for (commit, n), runs in samples.items()]}, indent=1))
+    write_by_commit("commit_backlog-quick" if args.quick else "commit_backlog", out, samples,
+                    machine=info, commits=args.commits, rounds=rounds)
     return 0
 
 

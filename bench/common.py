@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -115,3 +118,61 @@ def worktrees(commits: Sequence[str], prefix: str) -> Iterator[dict[str, str]]:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", tree],
                                check=False)
             subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
+
+
+def run_in_tree(tree: str, code: str, what: str, timeout: float = 900) -> Any:
+    """Run ``code`` in a process of its own whose ``kvfsm`` is ``tree``'s; the JSON its last
+    line of output holds. Raises RuntimeError naming ``what`` with the end of its stderr."""
+    env = {**os.environ, "PYTHONPATH": tree}
+    # run in the tree: "-c" puts the working directory first on the path, before PYTHONPATH
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{what} failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+Samples = dict[tuple[str, int], list[dict[str, float]]]
+
+
+def rounds_by_commit(commits: Sequence[str], prefix: str, sizes: Sequence[int], rounds: int,
+                     measure: Callable[[str, int], dict[str, float]]) -> Samples:
+    """``measure(tree, size)`` for each size and commit (a worktree each), every contender once
+    a round, ``rounds`` times: the figures of each run, by (commit, size)."""
+    samples: Samples = {}
+    with worktrees(commits, prefix) as trees:
+        for round_ in range(rounds):
+            for size in sizes:
+                for commit, tree in trees.items():
+                    samples.setdefault((commit, size), []).append(measure(tree, size))
+            print(f"round {round_ + 1} of {rounds}", flush=True)
+    return samples
+
+
+def median_of(runs: Sequence[dict[str, float]], key: str) -> float:
+    """The median of one figure over the runs."""
+    return statistics.median(run[key] for run in runs)
+
+
+def commits_parser(doc: str, stores: Sequence[int], stores_help: str,
+                   quick_help: str) -> argparse.ArgumentParser:
+    """The arguments of a benchmark comparing commits: the commits, oldest first, the sizes
+    (``--stores``), ``--rounds`` and ``--quick``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n", maxsplit=1)[0])
+    parser.add_argument("commits", nargs="+", help="commits, oldest first")
+    parser.add_argument("--stores", type=int, nargs="+", default=list(stores), help=stores_help)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    return parser
+
+
+def write_by_commit(name: str, out: str, samples: Samples, **figures: object) -> None:
+    """Write a comparison of commits to ``bench/results/``: its table as ``name``.md, and
+    every run's figures (with ``figures``: the machine, the commits, the rounds...) as
+    ``name``.json."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(out + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(
+        {**figures, "samples": [{"commit": commit, "stores": n, "runs": runs}
+                                for (commit, n), runs in samples.items()]}, indent=1))
+

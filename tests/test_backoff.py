@@ -10,6 +10,8 @@ that moved on before their try (a shutdown's last try)."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ from .test_runner import CLEAN_OK, OK, runner, submitted
 S = TransferState
 RAISED = Outcome(Answer.RAISED, CallFailed("release_xfer_handle", RuntimeError("busy")))
 FOREVER = 10**6
+Agent = TypeVar("Agent", bound=FakeNixlAgent)
 
 
 @pytest.fixture
@@ -113,15 +116,7 @@ def test_a_poll_beside_a_thousand_releases_backing_off_makes_no_call_for_them(
     minute make no release call, hand no transfer of theirs to a round, and still publish a
     store submitted after them; once the minute is over, the next poll tries every release
     again, and those that now answer are published."""
-    agent = FakeNixlAgent()
-    agent.inject("release_xfer_handle", Raise("NIXL_ERR_BACKEND"), times=1_000)
-    primary = torch.zeros((1_024, 16), dtype=torch.float32)
-    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(
-        max_attempts=None, max_seconds=None, backoff=60, max_backoff=60))
-    for job_id in range(1_000):
-        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id]))
-    while agent.call_count("release_xfer_handle") < 1_000:
-        assert tier.get_finished_jobs() == []
+    agent, tier = _backing_off(FakeNixlAgent(), 1_000, backoff=60)
     runner = tier._runner
     assert runner.in_state[S.DONE] == 1_000 and runner.waiting_now() == []
 
@@ -145,15 +140,7 @@ def test_the_heap_forgets_transfers_a_shutdown_released_before_their_try() -> No
     each its last try, which releases it. Each is published with its outcome, and the heap of
     backoffs does not keep the 200 for the hour their tries would have taken (it keeps at
     most 64 entries beside nothing waiting)."""
-    agent = FakeNixlAgent()
-    agent.inject("release_xfer_handle", Raise("NIXL_ERR_BACKEND"), times=200)
-    primary = torch.zeros((256, 16), dtype=torch.float32)
-    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(
-        max_attempts=None, max_seconds=None, backoff=3600, max_backoff=3600))
-    for job_id in range(200):
-        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id]))
-    while agent.call_count("release_xfer_handle") < 200:
-        assert tier.get_finished_jobs() == []
+    agent, tier = _backing_off(FakeNixlAgent(), 200, backoff=3600)
     tier.shutdown(timeout=0.05)
     results = tier.get_finished_jobs()
     assert len(results) == 200 and all(r.success for r in results)
@@ -181,20 +168,28 @@ def test_a_shutdown_last_try_cut_short_is_tried_again_at_the_next_poll() -> None
     its last try of the release is interrupted (Ctrl-C). The backoff was cut short for that
     try, so the store is not left out of the rounds for the hour: the next poll releases it
     and publishes it, and a drain has nothing left to wait for."""
-    agent = _InterruptedOnce()
-    agent.inject("release_xfer_handle", Raise("NIXL_ERR_BACKEND"), times=1)
-    primary = torch.zeros((8, 16), dtype=torch.float32)
-    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(
-        max_attempts=None, max_seconds=None, backoff=3600, max_backoff=3600))
-    tier.submit_store(TransferJob(1, ["block-1"], [0]))
-    while agent.call_count("release_xfer_handle") < 1:
-        assert tier.get_finished_jobs() == []
+    agent, tier = _backing_off(_InterruptedOnce(), 1, backoff=3600)
     agent.armed = True
     with pytest.raises(KeyboardInterrupt):
         tier.shutdown(timeout=0.01)
     assert agent.live_xfer_handles() == 1  # the interrupted release never reached NIXL
     results = tier.get_finished_jobs()
-    assert [(r.job_id, r.success) for r in results] == [(1, True)]
+    assert [(r.job_id, r.success) for r in results] == [(0, True)]
     assert agent.live_xfer_handles() == 0
     tier.drain_jobs(0.5)
     tier.shutdown(timeout=1)
+
+
+def _backing_off(agent: Agent, stores: int, backoff: float) -> tuple[Agent, ObjectStoreTier]:
+    """An object-store tier on ``agent`` whose ``stores`` one-block stores (job ids from 0)
+    NIXL finished and whose release raised once each: each now waits ``backoff`` seconds for
+    its next try (no bound on the tries). Room for 24 more blocks after them."""
+    agent.inject("release_xfer_handle", Raise("NIXL_ERR_BACKEND"), times=stores)
+    primary = torch.zeros((stores + 24, 16), dtype=torch.float32)
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(
+        max_attempts=None, max_seconds=None, backoff=backoff, max_backoff=backoff))
+    for job_id in range(stores):
+        tier.submit_store(TransferJob(job_id, [f"block-{job_id}"], [job_id]))
+    while agent.call_count("release_xfer_handle") < stores:
+        assert tier.get_finished_jobs() == []
+    return agent, tier
