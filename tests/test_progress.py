@@ -421,13 +421,34 @@ def test_the_threads_poll_makes_at_most_a_slice_of_checks_however_many_are_due()
     assert agent.live_xfer_handles() == 0 and agent.misuses == []
 
 
+class Gated(FakeNixlAgent):
+    """Each transfer ends at its 20th state check, counted from the time ``opens_at``
+    transfers were posted (until then every check answers PROC): that many run at once,
+    however fast the submits are against the checks."""
+
+    def __init__(self, opens_at: int) -> None:
+        super().__init__("behind", complete_after_polls=20)
+        self.closed_for = opens_at
+
+    def transfer(self, handle: Any, notif_msg: bytes | str = b"") -> str:
+        answer = super().transfer(handle, notif_msg)
+        self.closed_for = max(self.closed_for - 1, 0)
+        return answer
+
+    def check_xfer_state(self, handle: Any) -> str:
+        if self.closed_for:
+            self._xfer("check_xfer_state", handle)  # a released handle is still a misuse
+            return "PROC"
+        return super().check_xfer_state(handle)
+
+
 def test_a_thread_far_behind_with_faults_still_hands_out_every_result_once() -> None:
     """Two threads submit 3,000 stores between them while the thread is asked to check every
-    running transfer every millisecond (thousands run, each for 20 checks: far more than its
-    slice), and 2 % of NIXL's calls fail at random: the thread polls slice after slice, the
-    submits go on meanwhile, and every job has exactly one result; no handle is released
+    running transfer every millisecond (over 1,100 run at once, each for 20 checks: more than
+    its slice), and 2 % of NIXL's calls fail at random: the thread polls slice after slice,
+    the submits go on meanwhile, and every job has exactly one result; no handle is released
     twice."""
-    fake = FakeNixlAgent("behind", complete_after_polls=20)
+    fake = Gated(opens_at=1_100)
     agent = FaultyAgent(fake)
     tier = tier_on(agent, max_unpolled=0.001)
     poll_of_check = poll_of_each_check(fake, tier)
