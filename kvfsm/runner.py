@@ -131,7 +131,8 @@ class Runner(Books):
                       for state in declaration.running}
         #: True when every one of them is a stay: PROC answers are then only counted
         self._proc_stays = all(step.is_stay for step in self._proc.values())
-        #: the name a give-up or a retry says the transfer waited on, per effect
+        #: the name a give-up or a retry says the transfer waited on, per effect (each of a
+        #: state: every retry is)
         self._call_of = {str(effect): _NIXL_WAITS.get(effect, str(effect))
                          for effect in self.effects.values()}
         #: per state whose effect is the release: the chain of its ending, when declared so
@@ -643,8 +644,6 @@ class Runner(Books):
             self._retry(transfer, effect, answer, detail)
             return
         self.machine.fire(transfer, effect, answer, detail)
-        if transfer.attempts:  # moved on: the next effect's count is fresh
-            transfer.attempts, transfer.retry_at = 0, 0.0
 
     def _retry(self, transfer: Transfer, effect: str, answer: Any, detail: Any) -> None:
         """An answer that keeps the transfer where it is, to try again: bounded by the policy,
@@ -657,7 +656,7 @@ class Runner(Books):
                 detail = CallFailed(effect, detail or "retry bound spent")  # name the step
             self.machine.fire(transfer, effect, Answer.EXHAUSTED, detail)
             logger.error("job %d quarantined after %d failed %s(s): %s", transfer.job_id,
-                         failures, self._call_of.get(effect, effect), transfer.error,
+                         failures, self._call_of[effect], transfer.error,
                          extra=transfer.log_fields())
             return
         self.machine.fire(transfer, effect, answer, detail)
@@ -668,7 +667,7 @@ class Runner(Books):
             self._ready.pop(transfer.job_id, None)
         if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every round
             logger.warning("job %d: %s failed (retry %d): %s", transfer.job_id,
-                           self._call_of.get(effect, effect), failures, transfer.error,
+                           self._call_of[effect], failures, transfer.error,
                            extra=transfer.log_fields())
 
     def _take_end(self, transfer: Transfer, released: Outcome, cleaned: Outcome) -> None:
@@ -676,8 +675,6 @@ class Runner(Books):
         OK, else each fired as it answered, in the same order (a cleanup that was cut short
         by an interrupt fires nothing: it goes on from where it stopped next round)."""
         if released.answer is Answer.OK:
-            if transfer.attempts:  # released at last: the next effect's count is fresh
-                transfer.attempts, transfer.retry_at = 0, 0.0
             if cleaned.answer is Answer.OK and cleaned.interrupt is None:
                 self.machine.run(transfer, self._ending[transfer.state])
                 return
@@ -703,6 +700,9 @@ class Runner(Books):
         if state in self.final:
             self._finish(transfer)
             return
+        if transfer.attempts or transfer.retry_at:  # moved on (however: an answer, a cancel,
+            # a give-up): the next effect's count is fresh, and it is tried at once
+            transfer.attempts, transfer.retry_at = 0, 0.0
         in_state = self.in_state
         if filed is not None:
             in_state[filed] -= 1
@@ -721,12 +721,7 @@ class Runner(Books):
                 if self._committing:
                     self._committing.discard(transfer.job_id)
             self.waiting[transfer.job_id] = transfer
-            retry_at = transfer.retry_at
-            if not retry_at or retry_at <= time.monotonic():
-                self._ready[transfer.job_id] = transfer
-            else:  # backing off: joins when its entry comes due (an entry of its own, even
-                # if the one its retry pushed was dropped while it ran: a second is harmless)
-                heapq.heappush(self._backing_off, (retry_at, next(self._entries), transfer))
+            self._ready[transfer.job_id] = transfer  # (a retry backs off where it is: filed)
 
     def _finish(self, transfer: Transfer) -> None:
         """A transfer reached a final state: its one result, and the books, then listeners."""

@@ -5,23 +5,28 @@ A release that raised (or a user's step that answered "not yet") is tried again 
 round goes through (:meth:`kvfsm.runner.Runner.waiting_now`): a heap of the times the tries come
 due brings each back, at the end of the list, once its time has come. These stories check the
 order and the timing on the runner's clock, that a poll beside many transfers backing off
-makes no call for them and still publishes the others, and that the heap forgets the transfers
-that moved on before their try (a shutdown's last try)."""
+makes no call for them and still publishes the others, that the heap forgets the transfers
+that moved on before their try (a shutdown's last try) and keeps those still backing off, and
+that a transfer moved on while backing off has its next call made at once."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+import enum
+import time
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 import kvfsm.runner
-from kvfsm import TransferJob
-from kvfsm.lifecycle import Answer, CallFailed, TransferState
+from kvfsm import Declaration, TransferJob
+from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, CallFailed, TransferState
+from kvfsm.machines.transfer import FailureKind
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import END, Outcome
 from kvfsm.testing import FakeNixlAgent, Raise
 from kvfsm.tiers import ObjectStoreTier
+from kvfsm.transfer import Transfer
 
 from .test_poll_schedule import Clock
 from .test_runner import CLEAN_OK, OK, runner, submitted
@@ -151,27 +156,31 @@ def test_the_heap_forgets_transfers_a_shutdown_released_before_their_try() -> No
 
 
 class _InterruptedOnce(FakeNixlAgent):
-    """A fake agent whose next release, once armed, is cut short by a Ctrl-C (before NIXL
-    sees it: the handle stays live)."""
+    """A fake agent whose ``interrupt_in``-th release from now (once set) is cut short by a
+    Ctrl-C (before NIXL sees it: the handle stays live)."""
 
-    armed = False
+    interrupt_in = 0
 
     def release_xfer_handle(self, handle: object) -> None:  # type: ignore[override]
-        if self.armed:
-            self.armed = False
-            raise KeyboardInterrupt
+        if self.interrupt_in:
+            self.interrupt_in -= 1
+            if not self.interrupt_in:
+                raise KeyboardInterrupt
         super().release_xfer_handle(handle)  # type: ignore[arg-type]
 
 
-def test_a_shutdown_last_try_cut_short_is_tried_again_at_the_next_poll() -> None:
-    """A store's release raised; its next try is an hour away. Shutdown's deadline passes and
-    its last try of the release is interrupted (Ctrl-C). The backoff was cut short for that
-    try, so the store is not left out of the rounds for the hour: the next poll releases it
-    and publishes it, and a drain has nothing left to wait for."""
-    agent, tier = _backing_off(_InterruptedOnce(), 1, backoff=3600)
-    agent.armed = True
+@pytest.mark.parametrize("backoff", [3600, 0.05], ids=["its-try-an-hour-away", "its-try-due"])
+def test_a_shutdown_last_try_cut_short_is_tried_again_at_the_next_poll(backoff: float) -> None:
+    """A store's release raised; its next try is an hour (or 50 ms) away. Shutdown's deadline
+    passes and its last try of the release is interrupted (Ctrl-C). The backoff was cut short
+    for that try, so the store is not left out of the rounds for the hour: the next poll
+    (after the 50 ms, when the backoff's own time has come too) releases it and publishes
+    it, and a drain has nothing left to wait for."""
+    agent, tier = _backing_off(_InterruptedOnce(), 1, backoff=backoff)
+    agent.interrupt_in = 1
     with pytest.raises(KeyboardInterrupt):
         tier.shutdown(timeout=0.01)
+    time.sleep(0.1 if backoff < 1 else 0)
     assert agent.live_xfer_handles() == 1  # the interrupted release never reached NIXL
     results = tier.get_finished_jobs()
     assert [(r.job_id, r.success) for r in results] == [(0, True)]
@@ -193,3 +202,87 @@ def _backing_off(agent: Agent, stores: int, backoff: float) -> tuple[Agent, Obje
     while agent.call_count("release_xfer_handle") < stores:
         assert tier.get_finished_jobs() == []
     return agent, tier
+
+
+def test_a_shutdown_cut_short_leaves_the_stores_it_did_not_reach_backing_off(
+        moved: Clock) -> None:
+    """300 stores back off an hour after their release raised once. Shutdown's deadline gives
+    each its last try in turn: 200 are released and published, then a Ctrl-C cuts the 201st
+    short. The heap of backoffs was compacted as the 200 went (it no longer holds their
+    entries), and kept those of the 99 not reached: a poll retries the interrupted one at
+    once, and the 99 when their hour is over."""
+    agent, tier = _backing_off(_InterruptedOnce(), 300, backoff=3600)
+    agent.interrupt_in = 201
+    with pytest.raises(KeyboardInterrupt):
+        tier.shutdown(timeout=0.01)
+    first = tier.get_finished_jobs()
+    assert len(first) == 201 and all(r.success for r in first)
+    runner = tier._runner
+    assert len(runner.waiting) == 99 and len(runner._backing_off) < 300
+    moved.advance(3599.5)
+    assert tier.get_finished_jobs() == []
+    moved.advance(0.5)
+    rest = tier.get_finished_jobs()
+    assert sorted(r.job_id for r in first + rest) == list(range(300))
+    assert all(r.success for r in rest) and agent.live_xfer_handles() == 0
+    tier.shutdown(timeout=1)
+
+
+class Step(enum.Enum):
+    """What the ``verify`` step of :func:`_cancellable_verify` answers."""
+
+    MATCH = "MATCH"
+    PENDING = "PENDING"
+
+
+def _cancellable_verify() -> Declaration[Any, Any]:
+    """The lifecycle with a user step ``verify`` after NIXL's DONE that may answer PENDING (a
+    retry: it backs off where it is), and a cancel that fails the transfer from there: it
+    moves on to FAILED, whose effect is the release."""
+    return TRANSFER_MACHINE.extend(
+        "cancellable_verify", states=["VERIFYING"],
+        replace={("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+        answers={"verify": (Step.MATCH, Step.PENDING, Answer.RAISED, Answer.EXHAUSTED)},
+        guards={"matched": (Step.MATCH,), "pending": (Step.PENDING,),
+                "step_raised": (Answer.RAISED,)},
+        transitions=[
+            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
+             "conditions": "matched", "after": "latch_success"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "VERIFYING",
+             "conditions": "pending"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
+             "conditions": "step_raised", "after": "latch_failure"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "QUARANTINED",
+             "conditions": "exhausted", "after": "quarantine"},
+            {"trigger": "cancel", "source": "VERIFYING", "dest": "FAILED",
+             "after": "latch_cancelled"}],
+        effects={"VERIFYING": "verify"})
+
+
+def test_a_cancel_moving_a_step_backing_off_on_has_its_next_call_made_at_once() -> None:
+    """A store's own ``verify`` step answers PENDING; its next try is an hour away. A cancel
+    moves it on to FAILED, whose call is the release: that call is the next effect's first
+    try, made by the next poll, not an hour later; the job fails as cancelled."""
+    tries: list[int] = []
+
+    def verify(transfer: Transfer, primary: torch.Tensor) -> Step:
+        tries.append(transfer.job_id)
+        return Step.PENDING
+
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(torch.zeros((4, 16)), agent=agent, machine=_cancellable_verify(),
+                           steps={"verify": verify}, policy=RetryPolicy(
+                               max_attempts=None, max_seconds=None, backoff=3600,
+                               max_backoff=3600))
+    tier.submit_store(TransferJob(1, ["block-1"], [0]))
+    while not tries:
+        assert tier.get_finished_jobs() == []
+    assert tier.get_finished_jobs() == [] and tries == [1]  # backing off
+    tier.cancel(1)
+    (result,) = tier.get_finished_jobs()
+    assert not result.success and result.reason is not None
+    assert result.reason.kind is FailureKind.CANCELLED
+    assert tries == [1] and agent.call_count("release_xfer_handle") == 1
+    assert agent.live_xfer_handles() == 0
+    tier.shutdown(timeout=1)
+

@@ -189,7 +189,7 @@ def failing_verify_machine() -> Declaration[Any, Any]:
 
 
 def test_a_users_step_retried_in_place_is_bounded_by_the_policy_and_named_in_the_reason(
-) -> None:
+        caplog: pytest.LogCaptureFixture) -> None:
     calls = []
 
     def flaky_verify(transfer: Transfer, primary: torch.Tensor) -> Any:
@@ -211,6 +211,11 @@ def test_a_users_step_retried_in_place_is_bounded_by_the_policy_and_named_in_the
     assert result.reason.call == "verify"  # the step it waited on, not a NIXL call
     assert "checksum index unreachable" in result.reason.error
     assert tier.stats()["retries"] == 2 and tier.stats()["quarantined"] == 1
+    # the log lines name the step too (it makes no NIXL call to name)
+    said = [record.getMessage() for record in caplog.records]
+    assert "job 1: verify failed (retry 1): OSError: checksum index unreachable" in said
+    assert ("job 1 quarantined after 3 failed verify(s): OSError: checksum index unreachable"
+            in said)
     tier.shutdown()
 
 
