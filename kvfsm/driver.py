@@ -358,6 +358,7 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     table = declaration.compile(listen=False).table
     for state, effect in effects.items():
         _check_state(declaration, table.get(state, {}), state, effect, steps, policy)
+    _check_give_ups_end(declaration, table)
     posted = table[initial][TransferEvent.POST][Answer.PROC].dest
     if posted not in declaration.running:
         raise MachineRefused(f"machine {name!r}: 'post' answering PROC leads {initial.name} to "
@@ -403,6 +404,29 @@ def _check_state(declaration: Declaration[Any, Any], moves: Mapping[str, Any], s
     elif effect != TransferEvent.POST and any(step.dest is state
                                               for step in moves[effect].values()):
         _check_give_up(where, moves, effect, "the retry bound and the shutdown deadline")
+
+
+def _check_give_ups_end(declaration: Declaration[Any, Any], table: Mapping[Any, Any]) -> None:
+    """Giving up ends: no chain of give-up edges (a state's effect answering EXHAUSTED) leads
+    round to a state it left. A job whose bound is spent gives up at its next try in every
+    state of such a circle (the retry bound spans them), so a poll would go round it for ever."""
+    gives_up_to = {}
+    for state, effect in declaration.effects.items():
+        step = table.get(state, {}).get(effect, {}).get(Answer.EXHAUSTED)
+        if step is not None and step.dest is not state:
+            gives_up_to[state] = step.dest
+    for start in gives_up_to:
+        path = [start]
+        while path[-1] in gives_up_to:
+            following = gives_up_to[path[-1]]
+            if following in path:
+                circle = " -> ".join(s.name for s in [*path[path.index(following):], following])
+                raise MachineRefused(
+                    f"machine {declaration.name!r}: giving up goes round in a circle, {circle} "
+                    "(each state's effect answering EXHAUSTED): a job whose retry bound is "
+                    "spent would never end; a give-up edge must lead, in the end, to a state "
+                    "that does not give up (a final one, such as QUARANTINED)")
+            path.append(following)
 
 
 def _check_give_up(where: str, moves: Mapping[str, Any], effect: str, who: str) -> None:

@@ -667,7 +667,8 @@ class Runner(Books):
             self._ready.pop(transfer.job_id, None)
         if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every round
             logger.warning("job %d: %s failed (retry %d): %s", transfer.job_id,
-                           self._call_of[effect], failures, transfer.error,
+                           self._call_of[effect], failures, transfer.error if detail is not None
+                           else f"answered {getattr(answer, 'name', answer)}",  # (a "not yet")
                            extra=transfer.log_fields())
 
     def _take_end(self, transfer: Transfer, released: Outcome, cleaned: Outcome) -> None:

@@ -236,6 +236,32 @@ def test_a_step_retried_in_place_without_a_give_up_edge_is_refused_at_constructi
     assert agent.calls == []
 
 
+def test_a_machine_whose_give_ups_go_round_in_a_circle_is_refused_at_construction() -> None:
+    """VERIFYING gives up to RECHECK, and RECHECK back to VERIFYING: once a job's retry bound
+    (``max_seconds`` spans states) is spent, each try there would give up at once, and a poll
+    would go round for ever. The tier refuses the machine, naming the circle; no NIXL call."""
+    machine = failing_verify_machine()
+    circle = machine.extend(
+        "verify_circle", states=["RECHECK"],
+        replace={("VERIFYING", "verify", "exhausted"): {"dest": "RECHECK", "after": []}},
+        answers={"recheck": machine.answers["verify"]},
+        transitions=[{**t, "trigger": "recheck", "source": "RECHECK",
+                      "dest": "VERIFYING" if t["dest"] is VerifyState.QUARANTINED
+                      else "RECHECK" if t["dest"] is VerifyState.VERIFYING else t["dest"],
+                      "after": [] if t.get("conditions") == "exhausted" else t.get("after", [])}
+                     for t in machine.transitions
+                     if t["source"] is VerifyState.VERIFYING and t["trigger"] == "verify"]
+        + [{"trigger": "cancel", "source": "RECHECK", "dest": "RECHECK"}],
+        effects={"RECHECK": "recheck"})
+    agent = FakeNixlAgent()
+    with pytest.raises(MachineRefused, match="'verify_circle': giving up goes round in a "
+                                             "circle, VERIFYING -> RECHECK -> VERIFYING"):
+        ObjectStoreTier(torch.zeros(4, 8), agent=agent, machine=circle,
+                        steps={"verify": lambda transfer, primary: Answer.RAISED,
+                               "recheck": lambda transfer, primary: Answer.RAISED})
+    assert agent.calls == []
+
+
 def _names_outside(attribute_of: str, allowed: set[str]) -> list[str]:
     """``attribute_of.X`` attribute reads in kvfsm's modules outside ``allowed``."""
     found = []
@@ -390,7 +416,8 @@ def with_verify(name: str, match: Any, other: Any, guard: str, other_dest: str, 
         effects={"VERIFYING": "verify"})
 
 
-def test_a_step_answering_not_yet_in_place_is_bounded_and_named() -> None:
+def test_a_step_answering_not_yet_in_place_is_bounded_and_named(
+        caplog: pytest.LogCaptureFixture) -> None:
     """A step whose plain answer is a self-loop (no exception): once the bound is spent the
     reason names the step, not a NIXL call; the backoff spaces the tries."""
 
@@ -413,6 +440,8 @@ def test_a_step_answering_not_yet_in_place_is_bounded_and_named() -> None:
     assert len(tries) == 3 and all(b - a >= 0.02 for a, b in itertools.pairwise(tries))
     assert result.reason is not None and result.reason.kind is FailureKind.QUARANTINED
     assert result.reason.call == "verify"
+    said = [record.getMessage() for record in caplog.records]
+    assert "job 1: verify failed (retry 1): answered PENDING" in said  # what it answered
     tier.shutdown()
 
 
