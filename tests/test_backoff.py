@@ -11,7 +11,6 @@ that a transfer moved on while backing off has its next call made at once."""
 
 from __future__ import annotations
 
-import enum
 import time
 from typing import Any, TypeVar
 
@@ -20,7 +19,7 @@ import torch
 
 import kvfsm.runner
 from kvfsm import Declaration, TransferJob
-from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, CallFailed, TransferState
+from kvfsm.lifecycle import Answer, CallFailed, TransferState
 from kvfsm.machines.transfer import FailureKind
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import END, Outcome
@@ -29,7 +28,7 @@ from kvfsm.tiers import ObjectStoreTier
 from kvfsm.transfer import Transfer
 
 from .test_poll_schedule import Clock
-from .test_runner import CLEAN_OK, OK, runner, submitted
+from .test_runner import CLEAN_OK, OK, Pending, runner, submitted, verify_pending
 
 S = TransferState
 RAISED = Outcome(Answer.RAISED, CallFailed("release_xfer_handle", RuntimeError("busy")))
@@ -228,35 +227,13 @@ def test_a_shutdown_cut_short_leaves_the_stores_it_did_not_reach_backing_off(
     tier.shutdown(timeout=1)
 
 
-class Step(enum.Enum):
-    """What the ``verify`` step of :func:`_cancellable_verify` answers."""
-
-    MATCH = "MATCH"
-    PENDING = "PENDING"
-
-
 def _cancellable_verify() -> Declaration[Any, Any]:
-    """The lifecycle with a user step ``verify`` after NIXL's DONE that may answer PENDING (a
-    retry: it backs off where it is), and a cancel that fails the transfer from there: it
-    moves on to FAILED, whose effect is the release."""
-    return TRANSFER_MACHINE.extend(
-        "cancellable_verify", states=["VERIFYING"],
-        replace={("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
-        answers={"verify": (Step.MATCH, Step.PENDING, Answer.RAISED, Answer.EXHAUSTED)},
-        guards={"matched": (Step.MATCH,), "pending": (Step.PENDING,),
-                "step_raised": (Answer.RAISED,)},
-        transitions=[
-            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
-             "conditions": "matched", "after": "latch_success"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "VERIFYING",
-             "conditions": "pending"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
-             "conditions": "step_raised", "after": "latch_failure"},
-            {"trigger": "verify", "source": "VERIFYING", "dest": "QUARANTINED",
-             "conditions": "exhausted", "after": "quarantine"},
-            {"trigger": "cancel", "source": "VERIFYING", "dest": "FAILED",
-             "after": "latch_cancelled"}],
-        effects={"VERIFYING": "verify"})
+    """test_runner's lifecycle with a user step ``verify`` after NIXL's DONE that may answer
+    PENDING (a retry: it backs off where it is), with a cancel that fails the transfer from
+    there: it moves on to FAILED, whose effect is the release."""
+    return verify_pending().extend(
+        "cancellable_verify",
+        replace={("VERIFYING", "cancel", ""): {"dest": "FAILED", "after": ["latch_cancelled"]}})
 
 
 def test_a_cancel_moving_a_step_backing_off_on_has_its_next_call_made_at_once() -> None:
@@ -265,9 +242,9 @@ def test_a_cancel_moving_a_step_backing_off_on_has_its_next_call_made_at_once() 
     try, made by the next poll, not an hour later; the job fails as cancelled."""
     tries: list[int] = []
 
-    def verify(transfer: Transfer, primary: torch.Tensor) -> Step:
+    def verify(transfer: Transfer, primary: torch.Tensor) -> Pending:
         tries.append(transfer.job_id)
-        return Step.PENDING
+        return Pending.PENDING
 
     agent = FakeNixlAgent()
     tier = ObjectStoreTier(torch.zeros((4, 16)), agent=agent, machine=_cancellable_verify(),
