@@ -131,8 +131,8 @@ class Runner(Books):
                       for state in declaration.running}
         #: True when every one of them is a stay: PROC answers are then only counted
         self._proc_stays = all(step.is_stay for step in self._proc.values())
-        #: the name a give-up or a retry says the transfer waited on, per effect (each of a
-        #: state: every retry is)
+        #: the name a give-up or a retry says the transfer waited on, per effect a state waits
+        #: on (every retry's effect is one)
         self._call_of = {str(effect): _NIXL_WAITS.get(effect, str(effect))
                          for effect in self.effects.values()}
         #: per state whose effect is the release: the chain of its ending, when declared so
@@ -722,7 +722,7 @@ class Runner(Books):
                 if self._committing:
                     self._committing.discard(transfer.job_id)
             self.waiting[transfer.job_id] = transfer
-            self._ready[transfer.job_id] = transfer  # (a retry backs off where it is: filed)
+            self._ready[transfer.job_id] = transfer  # a move starts afresh: none backs off
 
     def _finish(self, transfer: Transfer) -> None:
         """A transfer reached a final state: its one result, and the books, then listeners."""

@@ -244,14 +244,13 @@ def test_a_machine_whose_give_ups_go_round_in_a_circle_is_refused_at_constructio
     circle = machine.extend(
         "verify_circle", states=["RECHECK"],
         replace={("VERIFYING", "verify", "exhausted"): {"dest": "RECHECK", "after": []}},
-        answers={"recheck": machine.answers["verify"]},
-        transitions=[{**t, "trigger": "recheck", "source": "RECHECK",
-                      "dest": "VERIFYING" if t["dest"] is VerifyState.QUARANTINED
-                      else "RECHECK" if t["dest"] is VerifyState.VERIFYING else t["dest"],
-                      "after": [] if t.get("conditions") == "exhausted" else t.get("after", [])}
-                     for t in machine.transitions
-                     if t["source"] is VerifyState.VERIFYING and t["trigger"] == "verify"]
-        + [{"trigger": "cancel", "source": "RECHECK", "dest": "RECHECK"}],
+        answers={"recheck": (Answer.RAISED, Answer.EXHAUSTED)},
+        transitions=[
+            {"trigger": "recheck", "source": "RECHECK", "dest": "RECHECK",
+             "conditions": "raised", "after": "count_retry"},
+            {"trigger": "recheck", "source": "RECHECK", "dest": "VERIFYING",
+             "conditions": "exhausted"},
+            {"trigger": "cancel", "source": "RECHECK", "dest": "RECHECK"}],
         effects={"RECHECK": "recheck"})
     agent = FakeNixlAgent()
     with pytest.raises(MachineRefused, match="'verify_circle': giving up goes round in a "
