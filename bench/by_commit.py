@@ -16,8 +16,18 @@ processes; the collector's own collections, which the transfers' allocations set
 in, and every process gets the same hash seed. The way to see a change of a few percent on a
 guest whose timings wander by tens of percent; about a minute a process.
 
+With ``--bytecodes``, each contender instead counts the Python bytecodes it executes (a trace
+function that sees every one: ``sys.settrace`` with ``f_trace_opcodes``), by phase (the
+submits; the ``get_finished_jobs()`` rounds that hand every result out, each traced in a cycle
+of its own after three untraced ones) and by function. It takes seconds, and varies by a few
+bytecodes a transfer between runs (the poll schedule's share of state checks grows with the
+time since the last poll); it leaves out the work done in C (dicts, allocations, NIXL's calls),
+which ``--instructions`` counts. ``--by-function`` prints, for the last commit and for (b), where
+each phase's bytecodes go.
+
     .venv/bin/python bench/by_commit.py 4c07c8c edee8a0 744a5af HEAD --rounds 8
     .venv/bin/python bench/by_commit.py 98bc95f HEAD --instructions
+    .venv/bin/python bench/by_commit.py HEAD --bytecodes --by-function
 """
 
 from __future__ import annotations
@@ -75,6 +85,66 @@ print(json.dumps(statistics.median(samples) * 1e6 if samples else 0.0))
 """
 
 
+BYTECODES = """
+import collections, json, os, sys
+sys.path.insert(0, {bench!r})
+import torch
+from zero_agent import ZeroAgent
+import kvfsm
+from kvfsm.tiers import ObjectStoreTier
+from kvfsm.transfer import TransferJob
+primary = torch.zeros(1024, 64, dtype=torch.uint8)
+agent = ZeroAgent()
+if {hand!r}:
+    from handloop import HandTier
+    tier = HandTier(primary, agent=agent)
+else:
+    assert kvfsm.__file__.startswith({tree!r}), kvfsm.__file__
+    tier = ObjectStoreTier(primary, agent=agent)
+jobs = [TransferJob(i, [f"k{{i}}"], [i % 1024]) for i in range({n})]
+
+def submit_all():
+    agent.answer = "PROC"
+    for job in jobs:
+        tier.submit_store(job)
+
+def finish_all():
+    agent.answer = "DONE"
+    out = 0
+    while out < {n}:
+        out += len(tier.get_finished_jobs())
+
+for _ in range(3):  # untraced: the caches, the schedule's queues and the books at their size
+    submit_all()
+    finish_all()
+counts = collections.Counter()
+roots = (os.path.dirname(os.path.dirname(kvfsm.__file__)), {bench!r})
+
+def where(code):
+    path = code.co_filename
+    for root in roots:
+        if path.startswith(root + os.sep):
+            path = os.path.relpath(path, os.path.dirname(root) if root == {bench!r} else root)
+    return path + ":" + code.co_qualname
+
+def tracer(frame, event, arg):
+    frame.f_trace_opcodes = True
+    if event == "opcode" and frame.f_code.co_name not in ("submit_all", "finish_all"):
+        counts[phase, where(frame.f_code)] += 1
+    return tracer
+
+for phase in ("submit", "finish"):  # each traced in a cycle of its own, the other not: the
+    # poll schedule's share grows with the time since the last poll, which tracing stretches
+    for run in (submit_all, finish_all):
+        if run.__name__.startswith(phase):
+            sys.settrace(tracer)
+        run()
+        sys.settrace(None)
+print(json.dumps([[phase, name, count / {n}] for (phase, name), count in counts.items()]))
+"""
+PHASES = ("submit", "finish")
+
+
 def measure(tree: str, hand: bool) -> float:
     """One process: microseconds a transfer, the median of the cycles."""
     code = ONE.format(bench=str(BENCH), hand=hand, tree=tree, n=N, cycles=CYCLES, collect=True)
@@ -101,6 +171,45 @@ def instructions(tree: str, hand: bool) -> float:
     return (counts[1] - counts[0]) / (4 * N)
 
 
+def bytecodes(tree: str, hand: bool) -> dict[tuple[str, str], float]:
+    """Bytecodes a transfer, by (phase, function): one traced cycle in a process of its own."""
+    code = BYTECODES.format(bench=str(BENCH), hand=hand, tree=tree, n=N)
+    counted = run_in_tree(tree, code, f"{tree} ({'hand' if hand else 'kvfsm'})", 600)
+    return {(phase, name): count for phase, name, count in counted}
+
+
+def by_phase(counts: dict[tuple[str, str], float]) -> dict[str, float]:
+    return {phase: sum(c for (p, _), c in counts.items() if p == phase) for phase in PHASES}
+
+
+def report_bytecodes(counted: dict[str, dict[tuple[str, str], float]], last: str,
+                     by_function: bool) -> None:
+    """The bytecodes a transfer of each contender, by phase; with ``by_function``, where the
+    last commit's and (b)'s go (the functions with at least one a transfer)."""
+    hand = by_phase(counted[HAND])
+    total = sum(hand.values())
+    print("\n| contender | submit | finish | bytecodes a transfer | against (b) |")
+    print("|---|---:|---:|---:|---:|")
+    for name, counts in counted.items():
+        phases = by_phase(counts)
+        print(f"| {name} | {phases['submit']:,.0f} | {phases['finish']:,.0f} | "
+              f"{sum(phases.values()):,.0f} | {sum(phases.values()) / total:.2f}x |")
+    if not by_function:
+        return
+    for name in (last, HAND):
+        for phase in PHASES:
+            rows = sorted(((c, fn) for (p, fn), c in counted[name].items()
+                           if p == phase and c >= 1), reverse=True)
+            print(f"\n{name}, {phase}: bytecodes a transfer by function\n")
+            print("| function | bytecodes |")
+            print("|---|---:|")
+            for count, function in rows:
+                print(f"| `{function}` | {count:,.1f} |")
+
+
+HAND = "(b) hand-written"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("commits", nargs="+", help="commits, oldest first")
@@ -108,20 +217,36 @@ def main() -> int:
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions a transfer with callgrind (one round: "
                              "--rounds is not used)")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="count the Python bytecodes a transfer executes, by phase (one "
+                             "round: --rounds is not used)")
+    parser.add_argument("--by-function", action="store_true",
+                        help="with --bytecodes: where the last commit's and (b)'s go")
     args = parser.parse_args()
     if args.instructions and shutil.which("valgrind") is None:
         parser.error("--instructions needs valgrind (Debian package valgrind)")
+    if args.by_function and not args.bytecodes:
+        parser.error("--by-function goes with --bytecodes")
+    if args.bytecodes:
+        if args.instructions:
+            parser.error("--bytecodes and --instructions count different things: one at a time")
+        with worktrees(args.commits, "kvfsm-by-commit-") as trees:
+            counted = {HAND: bytecodes(trees[args.commits[-1]], hand=True)}
+            counted.update({commit: bytecodes(tree, hand=False)
+                            for commit, tree in trees.items()})
+        report_bytecodes(counted, args.commits[-1], args.by_function)
+        return 0
     measure_one = instructions if args.instructions else measure
     rounds = 1 if args.instructions else args.rounds
-    samples: dict[str, list[float]] = {"(b) hand-written": []}
+    samples: dict[str, list[float]] = {HAND: []}
     samples.update({commit: [] for commit in args.commits})
     with worktrees(args.commits, "kvfsm-by-commit-") as trees:
         for round_ in range(rounds):
-            samples["(b) hand-written"].append(measure_one(trees[args.commits[-1]], hand=True))
+            samples[HAND].append(measure_one(trees[args.commits[-1]], hand=True))
             for commit, tree in trees.items():
                 samples[commit].append(measure_one(tree, hand=False))
             print(f"round {round_ + 1} of {rounds}", flush=True)
-    hand = min(samples["(b) hand-written"])
+    hand = min(samples[HAND])
     if args.instructions:
         print("\n| contender | instructions a transfer | against (b) |")
         print("|---|---:|---:|")
