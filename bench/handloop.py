@@ -29,7 +29,7 @@ import logging
 import operator
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,11 +42,94 @@ _DEV_ID_SPACE = 2**31
 _dev_ids = itertools.count()
 
 # a transfer's record: [job_id, names, nbytes, started_at, is_promotion, files, remote, xfer,
-#                       success, finished_at, retries, error]
+#                       success, finished_at, retries, error, others]
 _JOB, _NAMES, _NBYTES, _STARTED, _LOAD, _FILES, _REMOTE, _XFER = range(8)
-_SUCCESS, _FINISHED, _RETRIES, _ERROR = range(8, 12)
+_SUCCESS, _FINISHED, _RETRIES, _ERROR, _OTHERS = range(8, 13)
 
 logger = logging.getLogger("kvfsm")
+_OVER_OR_RUNNING = ("PROC", "DONE")
+
+
+class Others:
+    """A job of several blocks makes one NIXL transfer per block (NIXL 1.5.1's OBJ backend
+    answers one request's error while the job's other requests still run): the handles besides
+    the first, the first ``posted`` of them posted, the first ``done`` seen DONE, and the first
+    failure any of them had (a status or an exception)."""
+
+    __slots__ = ("done", "failure", "handles", "posted")
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        self.posted = self.done = 0
+        self.failure: Any = None
+
+
+def make_and_post(agent: Any, local: Any, remote: Any, block_ids: Sequence[int], load: bool,
+                  keep: Callable[[Any], None], others: Others | None) -> Any:
+    """Make the job's transfer (``others``: one per block), handing each first handle to
+    ``keep`` as it is made; post the first, then, if it runs, the others in order until one
+    fails. Returns what the first's post answered (a make or that post may raise)."""
+    operation = "READ" if load else "WRITE"
+    if others is None:
+        xfer = agent.make_prepped_xfer(operation, local, list(block_ids), remote,
+                                       list(range(len(block_ids))))
+        keep(xfer)
+        return agent.transfer(xfer)
+    for index, block in enumerate(block_ids):
+        handle = agent.make_prepped_xfer(operation, local, [block], remote, [index])
+        if index == 0:
+            keep(handle)
+            xfer = handle
+        else:
+            others.handles.append(handle)
+    status = agent.transfer(xfer)
+    if status not in _OVER_OR_RUNNING:
+        return status
+    for index, handle in enumerate(others.handles):
+        others.posted = index + 1
+        try:
+            answered = agent.transfer(handle)
+        except Exception as error:
+            answered = error
+        if type(answered) is not str or answered not in _OVER_OR_RUNNING:
+            others.posted = index
+            others.failure = answered
+            break
+        if answered == "DONE" and others.done == index:
+            others.done = index + 1
+    return status
+
+
+def others_over(agent: Any, others: Others, status: Any) -> Any:
+    """The first transfer of a job made per block answered ``status`` (not PROC): "PROC" while
+    another posted one runs, else the job's answer, "DONE" or the first failure."""
+    if status != "DONE" and others.failure is None:
+        others.failure = status
+    check, running = agent.check_xfer_state, False
+    for index in range(others.done, others.posted):
+        try:
+            answered = check(others.handles[index])
+        except Exception as error:
+            answered = error
+        if answered == "PROC":
+            running = True
+        elif answered == "DONE":
+            if others.done == index:
+                others.done = index + 1
+        elif others.failure is None:
+            others.failure = answered
+    if running:
+        return "PROC"
+    return "DONE" if others.failure is None else others.failure
+
+
+def release_others(agent: Any, others: Others) -> None:
+    """Release the handles besides the first, the last first; one that raises is tried again
+    (with those before it) on the next poll."""
+    handles = others.handles
+    while handles:
+        agent.release_xfer_handle(handles[-1])
+        handles.pop()
 
 
 def _describe(error: BaseException) -> str:
@@ -116,16 +199,27 @@ class HandTier:
                 else:
                     over.append((xfer, status))
         if over is not None:
-            running = self._running
-            for xfer, status in over:
-                record = running.pop(xfer)
-                if status == "DONE":
-                    self._latch(record, True, None)
-                elif isinstance(status, Exception):
-                    self._latch(record, False, _describe(status))
-                else:
-                    self._latch(record, False, f"check_xfer_state answered {status!r}")
-                self._release(record)
+            self._take_over(over)
+
+    def _take_over(self, over: list[tuple[Any, Any]]) -> None:
+        """Latch, release and publish each transfer a poll found over (a job of several
+        blocks: once each of its transfers is)."""
+        running = self._running
+        for xfer, answered in over:
+            record = running[xfer]
+            status = answered
+            if record[_OTHERS] is not None:
+                status = others_over(self.agent, record[_OTHERS], answered)
+                if status == "PROC":
+                    continue  # another block's transfer runs: the job goes on running
+            del running[xfer]
+            if status == "DONE":
+                self._latch(record, True, None)
+            elif isinstance(status, Exception):
+                self._latch(record, False, _describe(status))
+            else:
+                self._latch(record, False, f"check_xfer_state answered {status!r}")
+            self._release(record)
 
     def has_pending_work(self) -> bool:
         return bool(self._in_flight) or bool(self._results)
@@ -164,7 +258,7 @@ class HandTier:
         job_id = job.job_id
         self._in_flight.add(job_id)
         record = [job_id, names, len(block_ids) * self.block_bytes, time.monotonic(), load,
-                  None, None, None, None, 0.0, 0, None]
+                  None, None, None, None, 0.0, 0, None, None]
         if not block_ids:
             self._latch(record, True, None)
             self._release(record)
@@ -175,16 +269,22 @@ class HandTier:
             files = record[_FILES] = agent.register_memory(
                 [(0, size, next(_dev_ids) % _DEV_ID_SPACE, name) for name in names], "OBJ")
             remote = record[_REMOTE] = agent.prep_xfer_dlist(agent.name, files.trim())
-            xfer = record[_XFER] = agent.make_prepped_xfer(
-                "READ" if load else "WRITE", self._local, list(block_ids), remote,
-                list(range(len(names))))
-            status = agent.transfer(xfer)
+            others = record[_OTHERS] = Others() if len(block_ids) > 1 else None
+            status = make_and_post(agent, self._local, remote, block_ids, load,
+                                   lambda handle: record.__setitem__(_XFER, handle), others)
         except Exception as error:
             self._latch(record, False, _describe(error))
             self._release(record)
             return
+        xfer = record[_XFER]
+        if status == "DONE" and others is not None:
+            status = others_over(agent, others, status)
         if status == "PROC":
             self._running[xfer] = record
+            return
+        if isinstance(status, Exception):
+            self._latch(record, False, _describe(status))
+            self._release(record)
             return
         if status == "DONE":
             self._latch(record, True, None)
@@ -205,6 +305,8 @@ class HandTier:
         xfer = record[_XFER]
         if xfer is not None:
             try:
+                if record[_OTHERS] is not None:
+                    release_others(self.agent, record[_OTHERS])
                 self.agent.release_xfer_handle(xfer)
             except Exception as error:
                 record[_RETRIES] += 1

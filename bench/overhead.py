@@ -68,18 +68,25 @@ class Limit:
         self._local = agent.prep_xfer_dlist(LOCAL_AGENT, [(0, BLOCK_BYTES, 0)] * BLOCKS, "DRAM")
         self._descs = [(0, BLOCK_BYTES, 0, "key")] * blocks_per_job
         self._indices = list(range(blocks_per_job))
-        self._live: list[tuple[Any, Any, Any]] = []
+        self._live: list[tuple[Any, Any, list[Any]]] = []
         self.xfers: list[Any] = []
 
     def submit_store(self, job: TransferJob) -> None:
+        """A job's calls: of several blocks, a NIXL transfer per block, as the tiers make
+        (NIXL 1.5.1's OBJ backend: docs/operations.md); the poll step checks the first."""
         agent = self.agent
         files = agent.register_memory(self._descs, "OBJ")
         remote = agent.prep_xfer_dlist(agent.name, files.trim())
-        xfer = agent.make_prepped_xfer("WRITE", self._local, job.block_ids, remote,
-                                       self._indices)
-        agent.transfer(xfer)
-        self._live.append((files, remote, xfer))
-        self.xfers.append(xfer)
+        if len(job.block_ids) == 1:
+            xfers = [agent.make_prepped_xfer("WRITE", self._local, job.block_ids, remote,
+                                             self._indices)]
+        else:
+            xfers = [agent.make_prepped_xfer("WRITE", self._local, [block], remote, [index])
+                     for index, block in enumerate(job.block_ids)]
+        for xfer in xfers:
+            agent.transfer(xfer)
+        self._live.append((files, remote, xfers))
+        self.xfers.append(xfers[0])
 
     def poll_step(self) -> None:
         check = self.agent.check_xfer_state
@@ -90,9 +97,11 @@ class Limit:
         agent = self.agent
         check, release = agent.check_xfer_state, agent.release_xfer_handle
         release_dlist, deregister = agent.release_dlist_handle, agent.deregister_memory
-        for files, remote, xfer in self._live:
-            check(xfer)
-            release(xfer)
+        for files, remote, xfers in self._live:
+            for xfer in xfers:
+                check(xfer)
+            for xfer in xfers:
+                release(xfer)
             release_dlist(remote)
             deregister(files)
         finished = len(self._live)

@@ -20,7 +20,16 @@ import time
 from typing import Any
 
 import torch
-from handloop import _DEV_ID_SPACE, HandTier, _describe, _dev_ids
+from handloop import (
+    _DEV_ID_SPACE,
+    HandTier,
+    Others,
+    _describe,
+    _dev_ids,
+    make_and_post,
+    others_over,
+    release_others,
+)
 from transitions import Machine
 
 from kvfsm.machines.transfer import ACTIONS, GUARDS, TRANSFER_MACHINE, Answer, TransferState
@@ -55,6 +64,15 @@ class TransferModel:
         self.files: Any = None
         self.remote: Any = None
         self.xfer: Any = None
+        self.others: Others | None = None  # a job of several blocks: a transfer per block
+
+
+def _answer(status: Any, call: str) -> tuple[Answer, Any]:
+    """What a status call answered (a status, or what it raised), as the machine's answer."""
+    if isinstance(status, Exception):
+        return Answer.RAISED, status
+    answer = _STATUS.get(status, Answer.ERR)
+    return answer, None if answer is not Answer.ERR else f"{call} answered {status!r}"
 
 
 for _name, _accepted in GUARDS.items():
@@ -96,13 +114,12 @@ class TransitionsTier(HandTier):
                 model.files = agent.register_memory(
                     [(0, size, next(_dev_ids) % _DEV_ID_SPACE, name) for name in names], "OBJ")
                 model.remote = agent.prep_xfer_dlist(agent.name, model.files.trim())
-                model.xfer = agent.make_prepped_xfer(
-                    "READ" if load else "WRITE", self._local, list(block_ids), model.remote,
-                    list(range(len(names))))
-                status = agent.transfer(model.xfer)
-                answer = _STATUS.get(status, Answer.ERR)
-                if answer is Answer.ERR:
-                    detail = f"transfer() answered {status!r}"
+                others = model.others = Others() if len(block_ids) > 1 else None
+                status = make_and_post(agent, self._local, model.remote, block_ids, load,
+                                       lambda handle: setattr(model, "xfer", handle), others)
+                if status == "DONE" and others is not None:
+                    status = others_over(agent, others, status)
+                answer, detail = _answer(status, "transfer()")
             except Exception as error:
                 answer, detail = Answer.RAISED, error
         model.post(answer, detail)
@@ -111,16 +128,20 @@ class TransitionsTier(HandTier):
 
     def _poll(self) -> None:
         check = self.agent.check_xfer_state
-        for model in list(self._models.values()):
+        models = list(self._models.values())
+        checked: dict[int, Any] = {}  # every running transfer's first handle, then the rest
+        for model in models:
             if model.state is PROCESSING:
                 try:
-                    status = check(model.xfer)
+                    checked[id(model)] = check(model.xfer)
                 except Exception as error:
-                    model.poll(Answer.RAISED, error)
-                else:
-                    answer = _STATUS.get(status, Answer.ERR)
-                    model.poll(answer, None if answer is not Answer.ERR
-                               else f"check_xfer_state answered {status!r}")
+                    checked[id(model)] = error
+        for model in models:
+            if model.state is PROCESSING:
+                status = checked[id(model)]
+                if status != "PROC" and model.others is not None:
+                    status = others_over(self.agent, model.others, status)
+                model.poll(*_answer(status, "check_xfer_state"))
                 if model.state is PROCESSING:
                     continue
             self._advance(model)
@@ -130,6 +151,8 @@ class TransitionsTier(HandTier):
         if model.state in (TransferState.DONE, TransferState.FAILED):
             if model.xfer is not None:
                 try:
+                    if model.others is not None:
+                        release_others(self.agent, model.others)
                     self.agent.release_xfer_handle(model.xfer)
                 except Exception as error:
                     model.release(Answer.RAISED, error)

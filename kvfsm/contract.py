@@ -11,12 +11,40 @@ What differs is how a side advances its records once (:meth:`JobSide._poll`).
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvfsm.transfer import JobResult
+
+
+def check_timeout(timeout: object) -> float | None:
+    """A drain's or a shutdown's ``timeout``, as its deadline arithmetic takes it: None (no
+    bound) for None or infinity, else the seconds (0 and below: at once).
+
+    Raises:
+        ValueError: not None nor a real number (a bool, a str, NaN), naming what was given.
+    """
+    if timeout is None:
+        return None
+    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+            or math.isnan(timeout)):
+        raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+    return None if timeout == math.inf else float(timeout)
+
+
+def check_interval(name: str, value: object) -> float:
+    """A number of seconds to sleep between polls: finite and >= 0.
+
+    Raises:
+        ValueError: anything else, naming ``name`` and what was given.
+    """
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not 0 <= value < math.inf):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
 
 __all__ = ["Books", "DrainTimeout", "JobSide"]
 
@@ -114,7 +142,10 @@ class JobSide:
         Raises:
             DrainTimeout: ``timeout`` seconds passed with jobs still unpublished; they stay
                 where they are, untouched, and a later poll goes on with them.
+            ValueError: ``timeout`` is not None nor a number of seconds (NaN, a str...);
+                nothing was polled. (Infinity is no bound, as None.)
         """
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         lock, records = self._lock, self._books.records
         if not records:
@@ -124,8 +155,8 @@ class JobSide:
                 step()
             # the lock is released while sleeping, so other threads can submit; waiting for it
             # (behind another thread's poll) never runs past the deadline
-            if not lock.acquire(timeout=-1 if deadline is None
-                                else max(0.0, deadline - time.monotonic())):
+            if not lock.acquire(timeout=-1 if deadline is None else min(
+                    max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)):
                 if not records:
                     return  # another thread's poll published the last of them
                 raise DrainTimeout("drain_jobs", self.unpublished(), self._noun)
@@ -137,7 +168,8 @@ class JobSide:
                     raise DrainTimeout("drain_jobs", self.unpublished(), self._noun)
             finally:
                 lock.release()
-            time.sleep(self.poll_interval)
+            time.sleep(self.poll_interval if deadline is None else  # (never past the deadline)
+                       min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 
     def _poll(self, everything: bool = False) -> None:
         """Advance the unpublished jobs once (the caller holds the lock); ``everything``: a

@@ -11,12 +11,15 @@ effect: :meth:`TransferDriver.post`, :meth:`~TransferDriver.check` with
 :data:`StepFunction`). The runner fires the outcome; whether the transfer moves, stays or
 retries is the lifecycle table's decision (:mod:`kvfsm.machines.transfer`).
 
-What differs between tiers (object keys, files, a peer's memory) is a :class:`RemoteSide`: it
-opens the remote descriptors of a transfer, commits a finished store (a file tier renames its
-file into place), and closes what it opened. Its calls are part of the NIXL call they sit
-beside: an error while opening or committing is that call's error, and an error while closing is
-a leak. A commit that is not finished yet (a file tier flushing on a thread of its own) makes
-the answer PROC: for the machine the store still runs, and the next poll asks again.
+What differs between tiers (object keys, files, a peer's memory) is a :class:`RemoteSide`: it opens
+the remote descriptors of a transfer, commits a finished store (a file tier renames its file into
+place), closes what it opened, and says whether each block needs a NIXL transfer of its own
+(:attr:`StorageSide.transfer_per_block`: NIXL 1.5.1's OBJ backend answers a transfer's state check
+with the error of one failed request while the transfer's other requests still run, and says
+nothing when they end; a transfer of one block is over when it answers). Its calls are part of the
+NIXL call they sit beside: an error while opening or committing is that call's error, and an error
+while closing is a leak. A commit that is not finished yet (a file tier flushing on a thread of its
+own) makes the answer PROC: for the machine the store still runs, and the next poll asks again.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ _DONE = Outcome(Answer.DONE)
 #: what NIXL's status strings mean to the machine (any other string is an error status)
 _STATUS = {NIXL_RUNNING: Outcome(Answer.PROC), "DONE": _DONE}
 _COMMITTING = Outcome(Answer.PROC, COMMITTING)
+_PROC = _STATUS[NIXL_RUNNING]
 #: the effects the driver makes itself, each named by the event it fires, with the answers it
 #: fires that event with (a machine's event must carry them all)
 _EFFECTS: dict[str, frozenset[Answer]] = {
@@ -83,6 +87,10 @@ class RemoteSide(Protocol):
     def close(self, transfer: Transfer) -> list[Leak]:
         """Release what :meth:`open` kept, after NIXL let go of it; report what could not be."""
 
+    # (a side may also say ``transfer_per_block = True``: one NIXL transfer per block of a
+    # job, for a backend whose state check may answer one request's error while others still
+    # run: :class:`Split`; :class:`StorageSide` says False)
+
 
 class StorageSide:
     """What most remote sides share: storage this agent registers itself, no notification,
@@ -95,6 +103,8 @@ class StorageSide:
     #: or one for a transfer that failed meanwhile, is harmless). A side that never calls it
     #: is found at the transfer's turn in the poll schedule's sweep (``max_unpolled``)
     commit_over: Callable[[Transfer], None] | None = None
+    #: one NIXL transfer per block (see :class:`RemoteSide`); a job of one block makes one
+    transfer_per_block = False
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         """The remote descriptors of ``transfer``."""
@@ -115,6 +125,31 @@ class StorageSide:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+class Split:
+    """The NIXL transfers of a job made one per block (:attr:`StorageSide.transfer_per_block`)
+    besides the first, which is the job's ``xfer``: the job runs while any of them does, and
+    is over, with the first failure any of them had, once every one posted is.
+
+    ``handles`` holds the others in block order, of which the first ``posted`` were posted (one
+    whose post was interrupted counts as posted: a state check says whether NIXL runs it), and
+    the first ``done`` answered DONE (they are not asked again); they are released, each once,
+    before the first.
+    """
+
+    __slots__ = ("done", "failure", "handles", "posted")
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        self.posted = 0
+        self.done = 0
+        #: the first failure one of them had (the first's is its state check's own answer)
+        self.failure: Outcome | None = None
+
+    def __repr__(self) -> str:
+        return (f"<Split handles={len(self.handles)} posted={self.posted} "
+                f"failure={self.failure}>")
 
 
 class TransferDriver:
@@ -138,6 +173,7 @@ class TransferDriver:
         # a remote side that keeps StorageSide's commit or close has nothing to do there
         self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
         self._closes = getattr(type(remote), "close", None) is not StorageSide.close
+        self._per_block = bool(getattr(remote, "transfer_per_block", False))
 
     def makers(self) -> dict[str, Callable[[Transfer], Outcome | tuple[Outcome, Outcome]]]:
         """For each effect the runner may say is due after the post, the function that makes
@@ -184,15 +220,59 @@ class TransferDriver:
                 call = "notification"
                 message = remote.notification(transfer)
             call = "make_prepped_xfer"
+            operation = "READ" if transfer.job.is_promotion else "WRITE"
+            if self._per_block and len(descs) > 1:
+                return self._post_per_block(transfer, local, local_indices, operation, message)
             transfer.xfer = agent.make_prepped_xfer(
-                "READ" if transfer.job.is_promotion else "WRITE",
-                local, list(local_indices), transfer.remote, list(range(len(descs))), message)
+                operation, local, list(local_indices), transfer.remote, list(range(len(descs))),
+                message)
             posting = True
             call = "transfer"
             return self.polled(transfer, agent.transfer(transfer.xfer), "transfer")
         except Exception as error:  # every failure is an answer, not an escape (F5)
             # (its text is what is kept; its traceback would hold this frame, and through it
             # the agent, in a cycle only the garbage collector breaks)
+            return Outcome(Answer.RAISED, CallFailed(call, error.with_traceback(None)))
+        except BaseException as interrupt:  # the job still gets its result
+            return Outcome(Answer.PROC if posting else Answer.RAISED,
+                           CallFailed(call, interrupt), interrupt)
+
+    def _post_per_block(self, transfer: Transfer, local: Any, local_indices: Sequence[int],
+                        operation: str, message: bytes) -> Outcome:
+        """Make and post one NIXL transfer per block (:class:`Split`), each stored as soon as
+        it exists, as :meth:`post` does for one: what the first's post answered (a poll then
+        answers for all of them). A post after the first that fails leaves those after it
+        unposted, and is the job's failure once the posted ones are over."""
+        agent, remote = self.agent, transfer.remote
+        split = transfer.split = Split()
+        call, posting = "make_prepped_xfer", False
+        try:
+            for index, block in enumerate(local_indices):
+                handle = agent.make_prepped_xfer(operation, local, [block], remote, [index],
+                                                 message)
+                if index == 0:
+                    transfer.xfer = handle
+                else:
+                    split.handles.append(handle)
+            call, posting = "transfer", True
+            status = agent.transfer(transfer.xfer)
+            if type(status) is not str or status not in _STATUS:
+                return self._status(status, call)  # nothing runs: all released unposted
+            answered: str | Exception
+            for index, handle in enumerate(split.handles):
+                split.posted = index + 1  # first: an interrupt in the post leaves it to a poll
+                try:
+                    answered = agent.transfer(handle)
+                except Exception as error:
+                    answered = error.with_traceback(None)
+                if type(answered) is not str or answered not in _STATUS:  # not posted
+                    split.posted = index
+                    split.failure = self._status(answered, call)
+                    break
+                if answered == "DONE" and split.done == index:
+                    split.done = index + 1
+            return self.polled(transfer, status, call)
+        except Exception as error:  # a make, or the first post, that raised: nothing runs
             return Outcome(Answer.RAISED, CallFailed(call, error.with_traceback(None)))
         except BaseException as interrupt:  # the job still gets its result
             return Outcome(Answer.PROC if posting else Answer.RAISED,
@@ -223,10 +303,11 @@ class TransferDriver:
         an outcome: PROC, DONE (a store's commit made), ERR, or RAISED. A store NIXL finished
         whose commit raised answers RAISED, and one whose commit is not over yet PROC."""
         outcome = _STATUS.get(status) if type(status) is str else None
+        if transfer.split is not None and outcome is not _PROC:  # the first is over: and
+            outcome = self._split_over(  # the others?
+                transfer.split, outcome or self._status(status, call))
         if outcome is None:
-            if isinstance(status, Exception):
-                return Outcome(Answer.RAISED, CallFailed(call, status))
-            return Outcome(Answer.ERR, CallFailed(call, status))
+            return self._status(status, call)
         if outcome is _DONE and self._commits and not transfer.job.is_promotion:
             try:
                 committed = self.remote.commit(transfer)
@@ -235,6 +316,34 @@ class TransferDriver:
             if committed is False:
                 return _COMMITTING
         return outcome
+
+    @staticmethod
+    def _status(status: str | Exception, call: str) -> Outcome:
+        """A status that is not PROC or DONE: what the call raised, or an error status."""
+        if isinstance(status, Exception):
+            return Outcome(Answer.RAISED, CallFailed(call, status))
+        return Outcome(Answer.ERR, CallFailed(call, status))
+
+    def _split_over(self, split: Split, first: Outcome) -> Outcome:
+        """The first transfer of a job made per block is over (``first``: DONE, or its
+        failure): PROC while another posted one still runs, else the job's answer, DONE or
+        the first failure any of them had, each kept from the poll that saw it (a post that
+        failed included)."""
+        if first is not _DONE and split.failure is None:
+            split.failure = first
+        running = False
+        for index, status in enumerate(self.check(split.handles[split.done:split.posted]),
+                                       split.done):  # (one over answers the same again)
+            if status == NIXL_RUNNING:
+                running = True
+            elif status == "DONE":
+                if split.done == index:
+                    split.done = index + 1
+            elif split.failure is None:
+                split.failure = self._status(status, "check_xfer_state")
+        if running:
+            return _PROC  # the job runs on: asked again on a later poll
+        return _DONE if split.failure is None else split.failure
 
     def end(self, transfer: Transfer) -> tuple[Outcome, Outcome]:
         """Release a transfer that is over, then (once released) make its cleanup calls: what
@@ -261,12 +370,23 @@ class TransferDriver:
         if xfer is None:
             return _OK
         try:
+            if transfer.split is not None:  # the others first, each once (one that raised
+                self._release_others(transfer.split)  # is tried again with those after it)
             self.agent.release_xfer_handle(xfer)
         except Exception as error:  # still held: retried on a later round
             return Outcome(Answer.RAISED,
                            CallFailed("release_xfer_handle", error.with_traceback(None)))
         transfer.xfer = None  # released: never handed to NIXL again
+        transfer.split = None
         return _OK
+
+    def _release_others(self, split: Split) -> None:
+        """Release the handles of a job made per block besides the first, the last first
+        (none runs: the job is over only once every posted one is)."""
+        release, handles = self.agent.release_xfer_handle, split.handles
+        while handles:
+            release(handles[-1])
+            handles.pop()  # released: never handed to NIXL again
 
     def clean(self, transfer: Transfer) -> Outcome:
         """Release the remote descriptor list, deregister, close, best effort: OK, or LEAKED

@@ -102,7 +102,7 @@ from typing import Any
 
 import torch
 
-from kvfsm.contract import Books, JobSide
+from kvfsm.contract import Books, JobSide, check_interval
 from kvfsm.machines.peer_link import PEER_LINK, LinkState, loses_link
 from kvfsm.machines.peer_receive import (
     PEER_RECEIVE,
@@ -236,6 +236,7 @@ class PeerReceiver(JobSide):
         _check_primary(primary)
         if peer_timeout is not None and not peer_timeout > 0:
             raise ValueError(f"peer_timeout must be > 0 seconds or None, got {peer_timeout!r}")
+        check_interval("poll_interval", poll_interval)
         self.primary = primary
         self.agent = agent
         self.name = _peer_name(agent.name)
@@ -688,8 +689,9 @@ class PeerSender(SecondaryTier):
         """Close the link to the receiver: remove its metadata. Later jobs are refused.
 
         Raises:
-            RuntimeError: transfers to it are not yet published (drain or cancel them first:
-                its metadata is never removed under a transfer that may still run).
+            RuntimeError: transfers to it are not yet published (drain or cancel them first),
+                or quarantined ones hold their handles to it for good: its metadata is never
+                removed under a transfer that may still run, nor under a held handle.
         """
         with self._lock:
             link = self.link
@@ -699,6 +701,10 @@ class PeerSender(SecondaryTier):
             if unpublished:
                 raise RuntimeError(f"receiver {link.name!r}: {unpublished} transfer(s) not yet "
                                    "published; drain_jobs() or cancel() them first")
+            held = self._held()
+            if held:
+                raise RuntimeError(f"receiver {link.name!r}: {held} quarantined transfer(s) "
+                                   "hold their handles to it for good (stats()['quarantined'])")
             self._close_link(link)
 
     def get_finished_jobs(self) -> list[JobResult]:
@@ -710,11 +716,13 @@ class PeerSender(SecondaryTier):
             return results
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Fail every unfinished job, wait for NIXL, release everything, close the link."""
+        """Fail every unfinished job, wait for NIXL, release everything, close the link (but
+        not while a quarantined transfer holds a handle to the receiver, or may still run:
+        its metadata stays, and the link with it)."""
         super().shutdown(timeout)  # raises DrainTimeout while NIXL still runs a transfer
         with self._lock:
             link = self.link
-            if link is not None and link.state not in PEER_LINK.final:
+            if link is not None and link.state not in PEER_LINK.final and not self._held():
                 self._close_link(link)
             else:
                 self._progress()
@@ -759,8 +767,13 @@ class PeerSender(SecondaryTier):
             return
         if link.state is LinkState.CONNECTING:
             self.links.recheck(link)
-        if link.state is LinkState.LOST and not self._runner.records:
+        if link.state is LinkState.LOST and not self._runner.records and not self._held():
             self._close_link(link)
+
+    def _held(self) -> int:
+        """The quarantined transfers holding their handles to the receiver for good (NIXL may
+        still run some of them): its metadata is not removed under them."""
+        return len(self._runner.quarantined)
 
     def _close_link(self, link: PeerLink) -> None:
         self._progress()

@@ -38,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import math
 import operator
@@ -517,7 +518,8 @@ class OffloadTier(Protocol):
         """HIT, MISS, or RETRY (ask again later); never blocks."""
 
     def shutdown(self) -> None:
-        """Release everything; idempotent."""
+        """Release everything; idempotent. (One that takes ``timeout``, as kvfsm's tiers do, is
+        given what is left of :meth:`TieringManager.shutdown`'s.)"""
 
 
 _CONTRACT = ("submit_store", "submit_load", "get_finished_jobs", "has_pending_work", "lookup",
@@ -852,7 +854,8 @@ class TieringManager:
             time.sleep(self.poll_interval)
 
     def shutdown(self, timeout: float | None = 30.0) -> list[Finalized]:
-        """Drain every job, then shut every tier down. Idempotent.
+        """Drain every job, then shut every tier down, each within what is left of ``timeout``
+        (a tier whose ``shutdown`` takes one). Idempotent.
 
         Returns:
             the jobs finalized while draining.
@@ -868,11 +871,17 @@ class TieringManager:
             _check_seconds("timeout", timeout)
         if self._closed:
             return []
+        deadline = None if timeout is None else time.monotonic() + timeout
         done = self.drain(timeout)
         errors: list[Exception] = []
         for name, tier in self._tiers.items():
-            try:
-                tier.shutdown()
+            try:  # within what is left of the deadline (a tier's own default without one)
+                if deadline is None or "timeout" not in inspect.signature(
+                        tier.shutdown).parameters:
+                    tier.shutdown()
+                else:
+                    shutdown: Callable[..., None] = tier.shutdown
+                    shutdown(timeout=max(0.0, deadline - time.monotonic()))
             except Exception as error:
                 error.add_note(f"raised by the shutdown of tier {name!r}")
                 errors.append(error)

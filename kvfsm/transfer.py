@@ -81,6 +81,7 @@ class Transfer:
         "retries",
         "retry_at",
         "slot",
+        "split",
         "started_at",
         "state",
         "success",
@@ -122,6 +123,9 @@ class Transfer:
         self.remote: Any = None
         #: transfer handle (make_prepped_xfer), or None once released
         self.xfer: Any = None
+        #: a job made one NIXL transfer per block: the others' handles (a
+        #: :class:`kvfsm.driver.Split`), or None (one transfer, or all released)
+        self.split: Any = None
         #: what the tier's remote side opened for this transfer (files), or None
         self.opened: Any = None
         #: the remote name of each key (object names, file names), as the tier checked them

@@ -244,7 +244,8 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                 submit(TransferJob(job.job_id, moved, [c for _, c in pairs],
                                    is_promotion=load))
             except BaseException:
-                del self._jobs[job.job_id]
+                if not tier.owes(job.job_id):  # (an interrupt may land once the tier took it:
+                    del self._jobs[job.job_id]  # then its result comes, and is reported)
                 raise
         except Exception as error:  # never into the manager: the job fails, its pins go
             logger.warning("%s: %s job %d refused, reported as failed: %s: %s", self.label,

@@ -12,13 +12,15 @@ import collections
 import gc
 import random
 import threading
+import time
 import weakref
 
 import pytest
 import torch
 
 from kvfsm import TransferJob
-from kvfsm.testing import FakeNixlAgent, Raise
+from kvfsm.testing import FakeNixlAgent, Raise, StayProc
+from kvfsm.tiering import CPUPrimaryTier, TieringManager
 from kvfsm.tiers import (
     DrainTimeout,
     InvalidJobError,
@@ -347,3 +349,114 @@ def test_the_names_waiting_for_a_probe_stay_bounded_while_the_store_is_slow(
     stalled.go.set()
     assert stalled.finished.wait(5)
     stalled.close()
+
+
+# -- timeouts and intervals: a bound that cannot be kept is refused by name ---------------------
+
+@pytest.mark.parametrize("call", ["drain_jobs", "shutdown"])
+@pytest.mark.parametrize("timeout", [float("nan"), "1", True])
+def test_a_timeout_that_is_not_a_number_is_refused_and_changes_nothing(
+    tier: ObjectStoreTier, agent: FakeNixlAgent, call: str, timeout: object,
+) -> None:
+    """NaN once made both calls loop for ever (no time is ever past a NaN deadline)."""
+    agent.inject("check_xfer_state", StayProc(3))
+    tier.submit_store(store(1, "running"))
+    with pytest.raises(ValueError, match=r"timeout must be a number of seconds or None, got"):
+        getattr(tier, call)(timeout)
+    assert not tier.closed
+    tier.submit_store(store(2, "still-taken"))  # a refused shutdown closed nothing
+    assert sorted(run_to_idle(tier)) == [True, True], "the running job was not cancelled"
+
+
+def test_an_infinite_timeout_is_no_bound(primary: torch.Tensor, agent: FakeNixlAgent) -> None:
+    """It raised OverflowError (from the lock's wait) once the tier had started closing."""
+    tier = ObjectStoreTier(primary, agent=agent)
+    tier.submit_store(store(1, "k"))
+    tier.drain_jobs(float("inf"))
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    tier.shutdown(1e300)
+    assert tier.closed
+
+
+def test_drain_and_shutdown_never_sleep_past_their_deadline(
+    primary: torch.Tensor, agent: FakeNixlAgent,
+) -> None:
+    """A drain sleeps poll_interval between polls: a long one once ran a whole interval past
+    the deadline (3 s for a deadline of 0.2 s)."""
+    tier = ObjectStoreTier(primary, agent=agent, poll_interval=3.0)
+    agent.inject("check_xfer_state", StayProc(20))
+    tier.submit_store(store(1, "stuck"))
+    for call in (tier.drain_jobs, tier.shutdown):
+        started = time.monotonic()
+        with pytest.raises(DrainTimeout):
+            call(0.2)
+        assert time.monotonic() - started < 2.0, f"{call.__name__} slept past its deadline"
+    tier.poll_interval = 0.0005
+    tier.shutdown(timeout=None)  # NIXL's transfer ends after its 20 answers PROC
+    assert tier.closed
+
+
+@pytest.mark.parametrize("interval", [-1, float("nan"), float("inf"), "0.1", None])
+def test_a_poll_interval_that_is_not_seconds_is_refused_before_anything_is_registered(
+    primary: torch.Tensor, agent: FakeNixlAgent, interval: object,
+) -> None:
+    with pytest.raises(ValueError, match=r"poll_interval must be a finite number of seconds"):
+        ObjectStoreTier(primary, agent=agent, poll_interval=interval)  # type: ignore[arg-type]
+    assert agent.live_registrations() == 0
+
+
+def test_the_managers_shutdown_bounds_its_tiers_shutdowns(primary: torch.Tensor,
+                                                          agent: FakeNixlAgent) -> None:
+    """The manager called each tier's shutdown with the tier's own default (30 s), whatever
+    its own timeout: a lookup probe waiting on a store that stopped answering held it."""
+    cpu = CPUPrimaryTier(NUM_BLOCKS, 16)
+    stalled = StalledStore()
+    tier = ObjectStoreTier(cpu.cache, agent=agent, probe_agent=stalled)
+    manager = TieringManager(cpu, [tier])
+    manager.load(["asked-of-the-store"])  # a lookup: a probe is queued, and waits
+    assert stalled.asked.wait(5)
+    started = time.monotonic()
+    manager.shutdown(timeout=0.3)
+    assert time.monotonic() - started < 5, "the tier's shutdown waited past the manager's"
+    assert manager.closed and tier.closed
+    stalled.go.set()
+    assert stalled.finished.wait(5)
+    stalled.close()
+
+
+@pytest.mark.parametrize("probe_batch", [0, 1.5])
+def test_a_refused_probe_batch_registers_nothing(primary: torch.Tensor, agent: FakeNixlAgent,
+                                                 probe_batch: object) -> None:
+    """It was checked after the primary cache was registered, which then stayed so."""
+    with pytest.raises(ValueError, match=r"probe_batch must be an int of at least 1"):
+        ObjectStoreTier(primary, agent=agent, probe_batch=probe_batch)  # type: ignore[arg-type]
+    assert (agent.live_registrations(), agent.live_dlist_handles()) == (0, 0)
+
+
+def test_a_probe_thread_that_cannot_start_leaves_the_lookup_answering_and_shutdown_closing(
+    primary: torch.Tensor, agent: FakeNixlAgent, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of threads once: the lookup raised RuntimeError, every later lookup of that name
+    answered RETRY for good, and shutdown raised joining a thread never started."""
+    prober = FakeNixlAgent("probe", objects=agent.objects)
+    agent.objects["k"] = bytes(256)
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=prober)
+    start = threading.Thread.start
+
+    def out_of_threads(thread: threading.Thread) -> None:
+        if thread.name == "kvfsm-object-probe":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", out_of_threads)
+    assert tier.lookup("k") is Lookup.RETRY
+    monkeypatch.setattr(threading.Thread, "start", start)  # threads are back
+    answers = [tier.lookup("k")]
+    deadline = time.monotonic() + 5
+    while answers[-1] is Lookup.RETRY and time.monotonic() < deadline:
+        time.sleep(0.01)
+        answers.append(tier.lookup("k"))
+    assert answers[-1] is Lookup.HIT, "a later lookup probes again"
+    tier.shutdown(timeout=1.0)
+    assert tier.closed and agent.live_registrations() == 0
+    prober.close()

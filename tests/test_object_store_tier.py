@@ -123,6 +123,93 @@ def test_a_load_of_a_missing_object_publishes_one_failure(
     assert result == JobResult(1, False, 0, result.transfer_time)
 
 
+# -- a transfer per block ------------------------------------------------------------------------
+#
+# NIXL 1.5.1's OBJ backend answers a transfer's state check with the error of one failed request
+# while the transfer's other requests still run, and says nothing when they end: a job published
+# as failed then has NIXL write into blocks the engine reuses (a load), or read blocks the engine
+# overwrites into objects another process then loads as a success (a store). So an object-store
+# job makes one NIXL transfer per block, and is over only once every one it posted is.
+
+def test_a_load_whose_first_block_fails_is_published_only_once_its_other_blocks_are_over(
+    tier: ObjectStoreTier, agent: FakeNixlAgent, primary: torch.Tensor,
+) -> None:
+    """Block 0's object is missing, and its transfer fails at its first check; block 1's
+    transfer runs three checks more. The job stays unpublished and holds every handle until
+    block 1's transfer is over: its bytes landed before the failure was published, never
+    into a block the engine took back. Each handle is released once."""
+    agent.objects["k1"], agent.objects["k2"] = b"\x01" * 256, b"\x02" * 256
+    tier.submit_load(load(1, {"missing": 0, "k1": 1, "k2": 2}))
+    assert agent.call_count("make_prepped_xfer") == 3, "a NIXL transfer per block"
+    checks = agent.call_count("check_xfer_state")
+    agent.inject("check_xfer_state", StayProc(3), at=checks + 2)  # block 1's first check
+
+    for poll in range(3):  # block 0 failed at the first; block 1 still runs
+        assert tier.get_finished_jobs() == [], f"poll {poll + 1}: block 1's transfer runs"
+        assert tier.state_of(1) is TransferState.PROCESSING
+        assert agent.call_count("release_xfer_handle") == 0, "nothing released under it"
+        assert agent.running_transfers() == 1
+    (result,) = tier.get_finished_jobs()
+
+    assert (result.job_id, result.success) == (1, False)
+    assert result.reason is not None and result.reason.call == "check_xfer_state"
+    assert bytes(primary[1].numpy().tobytes()) == b"\x01" * 256, "landed before the result"
+    assert bytes(primary[2].numpy().tobytes()) == b"\x02" * 256
+    assert agent.running_transfers() == 0
+    assert agent.call_count("release_xfer_handle") == 3, "each handle released once"
+
+
+def test_a_store_whose_middle_block_fails_keeps_its_other_objects_whole(
+    tier: ObjectStoreTier, agent: FakeNixlAgent, primary: torch.Tensor,
+) -> None:
+    """Block 1's transfer fails while block 2's still runs: the failure comes once block 2's
+    object is written whole, from the block as it was when the store was submitted."""
+    tier.submit_store(store(1, 0, 1, 2))
+    checks = agent.call_count("check_xfer_state")
+    agent.inject("check_xfer_state", Raise(), at=checks + 2)  # block 1's first check
+    agent.inject("check_xfer_state", StayProc(2), at=checks + 3)  # block 2's first check
+
+    assert tier.get_finished_jobs() == [], "block 2's transfer runs"
+    assert agent.call_count("release_xfer_handle") == 0
+    (result,) = results_until_idle(tier)
+
+    assert (result.success, result.reason.call if result.reason else None) == (
+        False, "check_xfer_state")
+    assert agent.objects["key-2"] == primary[2].numpy().tobytes()
+    assert "key-1" not in agent.objects
+    assert agent.call_count("release_xfer_handle") == 3
+
+
+def test_a_post_that_fails_after_the_first_fails_the_job_once_the_posted_ones_are_over(
+    tier: ObjectStoreTier, agent: FakeNixlAgent,
+) -> None:
+    """Block 1's post raises: block 2's is never made, and the job fails naming the post,
+    but not before block 0's transfer, posted and running, is over."""
+    posts, checks = agent.call_count("transfer"), agent.call_count("check_xfer_state")
+    agent.inject("transfer", Raise(), at=posts + 2)
+    agent.inject("check_xfer_state", StayProc(2), at=checks + 1)  # block 0's first check
+    tier.submit_store(store(1, 0, 1, 2))
+
+    assert tier.get_finished_jobs() == [], "block 0's transfer runs"
+    assert agent.call_count("release_xfer_handle") == 0
+    (result,) = results_until_idle(tier)
+
+    assert result.success is False
+    assert result.reason is not None and result.reason.call == "transfer"
+    assert agent.call_count("transfer") == posts + 2, "block 2 was never posted"
+    assert agent.call_count("release_xfer_handle") == 3, "posted or not, each released once"
+
+
+def test_a_one_block_job_makes_one_transfer_and_no_extra_check(
+    tier: ObjectStoreTier, agent: FakeNixlAgent,
+) -> None:
+    tier.submit_store(store(1, 0))
+    (result,) = results_until_idle(tier)
+    assert result.success
+    assert [agent.call_count(call) for call in (
+        "make_prepped_xfer", "transfer", "check_xfer_state", "release_xfer_handle")] == [1] * 4
+
+
 # -- the regressions that started the project ----------------------------------------------------
 
 def test_regression_1_state_check_raises_then_release_raises_once(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -19,8 +20,10 @@ from kvfsm.peer import (
     notification_for,
 )
 from kvfsm.peer_link import DISCONNECTED, LinkState, PeerLinkError
+from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, FakeNixlError
 from kvfsm.testing.explore import explore_table
+from kvfsm.testing.fake_ucx import fake_ucx_pair
 from kvfsm.tiers import DrainTimeout, InvalidJobError
 
 from .real_nixl import require_nixl
@@ -475,3 +478,32 @@ def test_a_receiver_drain_past_its_deadline_raises_drain_timeout_naming_the_job(
     with pytest.raises(DrainTimeout, match=stuck):
         receiver.drain_jobs(timeout=0.01)
     assert receiver.state_of(1) is ReceiveState.EXPECTING  # untouched: a later drain goes on
+
+
+def test_the_receivers_metadata_stays_while_a_quarantined_write_may_still_run() -> None:
+    """A write still running past max_running_seconds is given up: published as quarantined,
+    its handle held, NIXL may still run it. forget_peer() and shutdown() once removed the
+    receiver's metadata under it; now forget_peer() refuses, naming why, and shutdown leaves
+    the link (and the metadata) as it is."""
+    sending, receiving = fake_ucx_pair(complete_after_polls=10**9)  # a write that never ends
+    receiver = PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=receiving,
+                            peer_timeout=None)
+    sender = PeerSender(torch.ones(4, 64, dtype=torch.uint8), agent=sending,
+                        policy=RetryPolicy(max_running_seconds=0.05))
+    receiver.connect(sender.metadata())
+    sender.connect(receiver.metadata(), receiver.block_descs())
+    sender.submit_store(TransferJob(1, ["2"], [0]))
+    results: list[JobResult] = []
+    for _ in range(2000):
+        results += sender.get_finished_jobs()
+        if results:
+            break
+        time.sleep(0.001)
+    assert [(r.job_id, r.success) for r in results] == [(1, False)]
+    assert sending.running_transfers() == 1
+
+    with pytest.raises(RuntimeError, match=r"1 quarantined transfer\(s\) hold their handles"):
+        sender.forget_peer()
+    sender.shutdown(timeout=0.2)
+    assert sender.link_state() is LinkState.CONNECTED, "its metadata stays under the write"
+    assert sending.misuses == []

@@ -480,3 +480,31 @@ def test_a_thread_far_behind_with_faults_still_hands_out_every_result_once() -> 
     assert PROGRESS_SLICE * 3 // 4 < max(per_poll.values()) <= PROGRESS_SLICE
     tier.shutdown(timeout=5)
     assert agent.misuses == []
+
+
+def test_a_listener_on_the_progress_thread_may_shut_the_tier_down() -> None:
+    """An on_published listener runs on the progress thread, which publishes; its shutdown
+    once tried to join that very thread, and raised instead of closing the tier."""
+    agent = FakeNixlAgent("listener-shutdown", complete_after_polls=3)
+    tier = ObjectStoreTier(torch.zeros(4, 16), agent=agent,
+                           policy=RetryPolicy(progress_interval=0.001))
+    raised: list[BaseException] = []
+
+    def listener(transfer: Transfer) -> None:
+        try:
+            tier.shutdown(timeout=1.0)
+        except BaseException as error:  # (kept, for the assertion below)
+            raised.append(error)
+
+    tier.on_published.append(listener)
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    tier.submit_store(TransferJob(2, ["b"], [1]))
+    results: list[JobResult] = []
+    deadline = time.monotonic() + 10
+    while len(results) < 2 and time.monotonic() < deadline:
+        results += tier.get_finished_jobs()
+        time.sleep(0.001)
+    assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
+    assert raised == []
+    assert tier.closed
+    assert (agent.live_registrations(), agent.misuses) == (0, [])

@@ -107,6 +107,33 @@ def test_a_missing_object_fails_its_load_and_the_lookup_then_says_miss(
     assert tier.lookup("present") is Lookup.MISS, "F11: a failed load is not retried as a HIT"
 
 
+def test_a_failed_load_writes_nothing_into_its_blocks_once_its_failure_is_published(
+    s3_server: S3Server, tiers: list[SecondaryTier]
+) -> None:
+    """NIXL 1.5.1's OBJ backend answers a transfer's state check with the error of one failed
+    request (the missing object) while its other requests still run. The job is published as
+    failed only once NIXL wrote all it was going to: the engine then takes its blocks back
+    (here: fills them), and nothing lands in them afterwards."""
+    blocks, size = 8, 4 << 20
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    for block in range(1, blocks):
+        client.put_object(Bucket=bucket, Key=f"b{block}", Body=b"\xab" * size)
+    cache = torch.zeros(blocks, size, dtype=torch.uint8)
+    tier = ObjectStoreTier(cache, store=s3_server.config(bucket))
+    tiers.append(tier)
+    tier.submit_load(TransferJob(1, [f"b{block}" for block in range(blocks)],
+                                 list(range(blocks)), is_promotion=True))
+    result = collect(tier, 1)[1]
+    assert result.success is False
+    assert result.reason is not None and result.reason.call == "check_xfer_state"
+
+    cache.fill_(0x11)  # the engine reuses the blocks of a failed load
+    time.sleep(0.5)
+    changed = [block for block in range(blocks) if not bool((cache[block] == 0x11).all())]
+    assert changed == [], f"NIXL wrote into blocks {changed} after the failure was published"
+
+
 def wait_for_lookup(tier: SecondaryTier, key: str, timeout: float = 30) -> Lookup:
     deadline = time.monotonic() + timeout
     answer = tier.lookup(key)
@@ -140,7 +167,8 @@ def test_a_failed_release_on_real_nixl_is_retried_and_publishes_once(
     tier.submit_store(TransferJob(1, ["a", "b"], [0, 1]))
     results = collect(tier, 1)
     assert results[1].success is False, "the injected state-check failure is the verdict"
-    assert agent.call_count("release_xfer_handle") == 3
+    assert agent.call_count("release_xfer_handle") == 2 + 2, "two raised; then each block's " \
+                                                              "transfer released once"
     assert tier.stats()["retries"] == 2
 
 

@@ -587,3 +587,44 @@ def test_a_bad_setting_is_refused_with_an_error_naming_it(
     with pytest.raises(ValueError, match=re.escape(message)):
         engines(file_entry(tmp_path, **{setting: value}))
     assert list(tmp_path.iterdir()) == []  # no tier was made: nothing in its directory
+
+
+def test_an_interrupt_once_the_tier_took_a_job_loses_no_result() -> None:
+    """A KeyboardInterrupt landing right after NIXL's transfer() returned propagates out of
+    submit_store, with the job in flight in the tier (as the tier documents). The adapter used
+    to forget the job, so the tier's result for it made get_finished_jobs raise KeyError,
+    losing the other results of that call with it."""
+    import numpy as np  # noqa: PLC0415 - vLLM's job type wants its chunk ids so
+    from vllm.v1.kv_offload.tiering.base import TransferJob as VllmJob  # noqa: PLC0415
+
+    from kvfsm.testing import FakeNixlAgent  # noqa: PLC0415
+    from kvfsm.vllm import ObjectStoreTier  # noqa: PLC0415
+
+    class InterruptedAfterPost(FakeNixlAgent):
+        armed = False
+
+        def transfer(self, *args: Any, **kwargs: Any) -> str:
+            status = super().transfer(*args, **kwargs)
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt  # as a signal handled right after the call returned
+            return status
+
+    agent = InterruptedAfterPost("interrupted", complete_after_polls=1)
+    view = memoryview(bytearray(4 * 64)).cast("B", (4, 64))
+    adapter = ObjectStoreTier(None, view, "ObjectStoreTier", agent=agent,
+                              probe_agent=FakeNixlAgent("probe", objects=agent.objects))
+
+    def job(job_id: int, seed: int) -> Any:
+        return VllmJob(job_id=job_id, keys=[bytes([seed]) * 8], chunk_ids=np.array([seed]),
+                       is_promotion=False, req_context=None)
+
+    adapter.submit_store(job(1, 0))
+    agent.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        adapter.submit_store(job(2, 1))
+    assert adapter.tier.owes(2), "the tier took job 2"
+    results = list(adapter.get_finished_jobs())
+    assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
+    assert not adapter.has_pending_work()
+    adapter.shutdown()

@@ -128,15 +128,25 @@ class Violation:
 
 
 @dataclass
+class _Xfer:
+    """What the explorer saw NIXL do with one transfer handle of a job (an object-store job
+    makes one per block)."""
+
+    posted: bool = False  # transfer() was called with it
+    status: str | None = None  # the last status NIXL answered for it: PROC, DONE, FAILED
+    released: bool = False
+
+
+@dataclass
 class _Job:
     """What the explorer saw NIXL do for one job."""
 
-    xfer: Any = None
+    #: its transfer handles, by id, in the order they were made
+    xfers: dict[int, _Xfer] = field(default_factory=dict)
     remote: Any = None
     files: Any = None
-    status: str | None = None  # the last status NIXL answered: PROC, DONE, FAILED
+    failed: bool = False  # a call of its own failed (a registration, a post, a state check)
     outcome: bool | None = None  # the first end NIXL answered: True DONE, False failed
-    released: bool = False
     results: list[JobResult] = field(default_factory=list)
     #: cancelled while NIXL still ran it: its outcome must be failure
     cancelled_running: bool = False
@@ -146,6 +156,22 @@ class _Job:
     held: bool = False
     #: a step of the machine's own raised or gave a failure answer: the job must fail
     step_failed: bool = False
+
+    @property
+    def status(self) -> str | None:
+        """PROC while one of its transfers may run (its last answer PROC), else FAILED once
+        a call of its own failed, DONE once each of its transfers answered DONE; else None."""
+        statuses = [xfer.status for xfer in self.xfers.values()]
+        if "PROC" in statuses:
+            return "PROC"
+        if self.failed:
+            return "FAILED"
+        return "DONE" if statuses and all(s == "DONE" for s in statuses) else None
+
+    @property
+    def released(self) -> bool:
+        """Every transfer handle it made was released."""
+        return all(xfer.released for xfer in self.xfers.values())
 
 
 class _WatchedAgent(FakeNixlAgent):
@@ -174,7 +200,7 @@ class _WatchedAgent(FakeNixlAgent):
 
     def _failed(self, job: _Job | None) -> None:
         if job is not None:
-            job.status = "FAILED"
+            job.failed = True
             if job.outcome is None:
                 job.outcome = False
 
@@ -212,11 +238,14 @@ class _WatchedAgent(FakeNixlAgent):
             self._failed(job)
             raise
         if job is not None:
-            job.xfer = handle
+            job.xfers[id(handle)] = _Xfer()
             self._own(handle)
         return handle
 
     def transfer(self, handle: Any, notif_msg: bytes | str = b"") -> str:
+        job = self.job_of(handle)
+        if job is not None and id(handle) in job.xfers:
+            job.xfers[id(handle)].posted = True
         return self._status(handle, lambda: super(_WatchedAgent, self).transfer(handle, notif_msg))
 
     def check_xfer_state(self, handle: Any) -> str:
@@ -224,34 +253,35 @@ class _WatchedAgent(FakeNixlAgent):
 
     def _status(self, handle: Any, call: Callable[[], str]) -> str:
         job = self.job_of(handle)
+        seen = None if job is None else job.xfers.get(id(handle))
         try:
             status = call()
         except Exception:
+            if seen is not None:
+                seen.status = "FAILED"
             self._failed(job)
             raise
-        if job is not None:
-            if status == "DONE":
-                job.status = "DONE"
-                if job.outcome is None:
-                    job.outcome = True
-            elif status == "PROC":
-                job.status = "PROC"
-            else:
+        if job is not None and seen is not None:
+            seen.status = status if status in {"DONE", "PROC"} else "FAILED"
+            if seen.status == "FAILED":
                 self._failed(job)
+            elif job.status == "DONE" and job.outcome is None:  # the job's every transfer
+                job.outcome = True
         return status
 
     def release_xfer_handle(self, handle: Any) -> None:
         job = self.job_of(handle)
-        if job is not None:
-            if job.released:
+        seen = None if job is None else job.xfers.get(id(handle))
+        if job is not None and seen is not None:
+            if seen.released:
                 self._violation(Invariant.RELEASE_ONCE, self._by_handle[id(handle)],
                                 "release_xfer_handle after it had succeeded")
-            if job.status in {None, "PROC"}:
+            if seen.posted and seen.status in {None, "PROC"}:
                 self._violation(Invariant.RELEASE_WHEN_OVER, self._by_handle[id(handle)],
-                                f"NIXL's last answer for the transfer was {job.status}")
+                                f"NIXL's last answer for the transfer was {seen.status}")
         super().release_xfer_handle(handle)
-        if job is not None:
-            job.released = True
+        if seen is not None:
+            seen.released = True
 
     def release_dlist_handle(self, handle: Any) -> None:
         self._check_cleanup("release_dlist_handle", handle)
@@ -263,7 +293,7 @@ class _WatchedAgent(FakeNixlAgent):
 
     def _check_cleanup(self, call: str, handle: Any) -> None:
         job = self.job_of(handle)
-        if job is not None and job.xfer is not None and not job.released:
+        if job is not None and job.xfers and not job.released:
             self._violation(Invariant.RELEASE_BEFORE_CLEANUP, self._by_handle[id(handle)],
                             f"{call} while the transfer handle was still held")
 
@@ -394,7 +424,7 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
         violations.append(Violation(Invariant.ONE_RESULT, result.job_id,
                                     f"{len(job.results)} results"))
     quarantined_over = job.held and job.status not in {None, "PROC"}
-    if job.xfer is not None and not job.released and not quarantined_over:
+    if job.xfers and not job.released and not quarantined_over:
         violations.append(Violation(Invariant.RELEASE_BEFORE_PUBLISH, result.job_id,
                                     "its transfer handle was still held"))
     expected = (bool(job.outcome) and not job.cancelled_running and not job.held
@@ -510,7 +540,7 @@ def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
         if not seen.results:
             violations.append(Violation(Invariant.LIVENESS, job_id,
                                         f"still {_state(tier, job_id)} after {max_polls} polls"))
-        elif seen.xfer is not None and not seen.released and not seen.held:
+        elif seen.xfers and not seen.released and not seen.held:
             violations.append(Violation(Invariant.HANDLE_LEAK, job_id,
                                         "published, and its transfer handle is still held"))
     if not busy:

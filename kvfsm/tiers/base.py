@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from kvfsm.agent import LOCAL_AGENT, NixlAgent
-from kvfsm.contract import DrainTimeout, JobSide
+from kvfsm.contract import DrainTimeout, JobSide, check_interval, check_timeout
 from kvfsm.driver import RemoteSide, StepFunction, TransferDriver, check_runnable
 from kvfsm.engine import CompiledMachine, Declaration
 from kvfsm.machines.transfer import (
@@ -218,7 +218,7 @@ class SecondaryTier(JobSide):
         self.agent = agent
         self.num_blocks = int(primary.shape[0])
         self.block_bytes = int(primary[0].nbytes)
-        self.poll_interval = poll_interval
+        self.poll_interval = check_interval("poll_interval", poll_interval)
         self.policy = policy if policy is not None else RetryPolicy()
         declaration = machine or TRANSFER_MACHINE
         check_runnable(declaration, steps or {}, self.policy)  # before any NIXL call
@@ -321,7 +321,10 @@ class SecondaryTier(JobSide):
             DrainTimeout: transfers NIXL still ran at the deadline. They are not published, so
                 their blocks are not reused under a running transfer, and the tier stays open:
                 call shutdown again to go on waiting.
+            ValueError: ``timeout`` is not None nor a number of seconds (NaN, a str...);
+                nothing changed. (Infinity is no bound, as None.)
         """
+        timeout = check_timeout(timeout)
         runner = self._runner
         with self._lock:
             if self._closed:
@@ -333,7 +336,9 @@ class SecondaryTier(JobSide):
                 runner.cancel(transfer)
         try:
             self.drain_jobs(timeout)  # takes the lock a poll at a time
-            if progress is not None:  # nothing is unpublished: it ends at once, if not yet
+            if progress is not None and progress is not threading.current_thread():
+                # nothing is unpublished: it ends at once, if not yet (a listener's shutdown on
+                # the progress thread itself: it ends once that poll returns)
                 progress.join(None if self._stop_by is None
                               else max(0.0, self._stop_by - time.monotonic()))
         except DrainTimeout:
@@ -448,6 +453,18 @@ class SecondaryTier(JobSide):
         """
         transfer = self._runner.records.get(_job_id(job_id))
         return None if transfer is None else transfer.state
+
+    def owes(self, job_id: int) -> bool:
+        """True while a result for ``job_id`` is still to come from :meth:`get_finished_jobs`
+        (its job in flight, or published and not yet handed out): after a submit that an
+        interrupt cut short, whether the tier took the job.
+
+        Raises:
+            InvalidJobError: ``job_id`` is not an int.
+        """
+        job_id = _job_id(job_id)
+        runner = self._runner
+        return job_id in runner.records or job_id in runner.unreported
 
     def transfer_of(self, job_id: int) -> Transfer | None:
         """The in-flight transfer record of a job (retries, leaks, last error), or None.

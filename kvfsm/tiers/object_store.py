@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kvfsm.agent import NixlAgent
+from kvfsm.contract import check_interval
 from kvfsm.driver import StepFunction, StorageSide, check_runnable
 from kvfsm.engine import Declaration
 from kvfsm.machines.transfer import TRANSFER_MACHINE
@@ -57,9 +58,12 @@ getattr(threading, "_register_atexit", lambda _: None)(_stop_all_probers)
 
 
 class _Objects(StorageSide):
-    """The remote side: one object descriptor per block, nothing to open or close."""
+    """The remote side: one object descriptor per block, nothing to open or close; a NIXL
+    transfer per block (the OBJ backend answers a failed request's error while the job's other
+    requests still run: :class:`~kvfsm.driver.Split`)."""
 
     mem_type = "OBJ"
+    transfer_per_block = True
 
     def __init__(self, block_bytes: int) -> None:
         self.block_bytes = block_bytes
@@ -108,8 +112,16 @@ class _Prober:
                 return
             self._wanted[name] = None
             if self._thread is None:  # none running: start one, which ends once all answered
-                self._thread = threading.Thread(target=self._run, name="kvfsm-object-probe")
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="kvfsm-object-probe")
+                try:
+                    thread.start()
+                except RuntimeError:  # out of threads: nothing waits, a later lookup asks again
+                    self._wanted.pop(name, None)
+                    self.errors += 1
+                    logger.warning("lookup probe not started (no thread): %r answers RETRY",
+                                   name)
+                    return
+                self._thread = thread
 
     def stop(self, timeout: float | None = None) -> bool:
         """Drop the names not yet asked and wait up to ``timeout`` seconds (None: as long as
@@ -226,8 +238,14 @@ class _Remover:
                 return 0
             self._waiting.update(dict.fromkeys(names))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvfsm-object-remove")
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="kvfsm-object-remove")
+                try:
+                    thread.start()
+                except RuntimeError:  # out of threads: they wait for the next eviction's start
+                    logger.warning("deleting %d evicted object(s) is put off: no thread",
+                                   len(self._waiting))
+                    return 0
+                self._thread = thread
         return 0
 
     def keep(self, names: Sequence[str]) -> None:
@@ -385,6 +403,9 @@ class ObjectStoreTier(SecondaryTier):
         if not isinstance(key_prefix, str):
             raise ValueError(f"key_prefix must be a str, got {type(key_prefix).__name__}")
         self.key_prefix = key_prefix
+        if type(probe_batch) is not int or probe_batch < 1:  # (before anything is registered)
+            raise ValueError(f"probe_batch must be an int of at least 1, got {probe_batch!r}")
+        check_interval("poll_interval", poll_interval)
         if agent is None and store is None:
             raise ValueError("ObjectStoreTier needs agent= (a NIXL agent) or store= "
                              "(a kvfsm.nixl_agents.StoreConfig)")
@@ -404,8 +425,6 @@ class ObjectStoreTier(SecondaryTier):
                          machine=machine, policy=policy, steps=steps,
                          capacity_bytes=capacity_bytes, record_events=record_events,
                          remove=self._remover, in_flight=in_flight)
-        if type(probe_batch) is not int or probe_batch < 1:
-            raise ValueError(f"probe_batch must be an int of at least 1, got {probe_batch!r}")
         self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,
                                probe_batch, None if probe_agent is not None else self._lock,
                                self.probed_miss_seconds)
