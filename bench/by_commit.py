@@ -47,8 +47,9 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 N, CYCLES = 1_000, 25
 
-ONE = """
-import gc, json, statistics, sys, time
+#: what every measuring process starts with: the contender's tier on the zero-cost agent, and
+#: the jobs of a cycle
+SETUP = """
 sys.path.insert(0, {bench!r})
 import torch
 from zero_agent import ZeroAgent
@@ -64,7 +65,11 @@ else:
     assert kvfsm.__file__.startswith({tree!r}), kvfsm.__file__
     tier = ObjectStoreTier(primary, agent=agent)
 jobs = [TransferJob(i, [f"k{{i}}"], [i % 1024]) for i in range({n})]
-samples = []
+"""
+
+ONE = """
+import gc, json, statistics, sys, time
+""" + SETUP + """samples = []
 for cycle in range({cycles} + 1):
     agent.answer = "PROC"
     if {collect!r}:  # (timed: each cycle starts clean; counted: a full collection is noise)
@@ -87,22 +92,7 @@ print(json.dumps(statistics.median(samples) * 1e6 if samples else 0.0))
 
 BYTECODES = """
 import collections, json, os, sys
-sys.path.insert(0, {bench!r})
-import torch
-from zero_agent import ZeroAgent
-import kvfsm
-from kvfsm.tiers import ObjectStoreTier
-from kvfsm.transfer import TransferJob
-primary = torch.zeros(1024, 64, dtype=torch.uint8)
-agent = ZeroAgent()
-if {hand!r}:
-    from handloop import HandTier
-    tier = HandTier(primary, agent=agent)
-else:
-    assert kvfsm.__file__.startswith({tree!r}), kvfsm.__file__
-    tier = ObjectStoreTier(primary, agent=agent)
-jobs = [TransferJob(i, [f"k{{i}}"], [i % 1024]) for i in range({n})]
-
+""" + SETUP + """
 def submit_all():
     agent.answer = "PROC"
     for job in jobs:
