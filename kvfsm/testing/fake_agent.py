@@ -22,7 +22,10 @@ fault armed for that number is consumed then. After :meth:`FakeNixlAgent.close` 
 fires, then the call behaves as normal. A call that raises ``NixlMisuseError`` (or an
 argument error) still consumes its fault. The only effect of ``Raise`` is the raise, except
 on ``check_xfer_state`` of a running transfer: a raised state check ends the transfer as failed,
-as it does in real NIXL, so its handle may then be released.
+so its handle may then be released. (That holds in real NIXL for a transfer of one descriptor.
+NIXL 1.5.1's OBJ backend answers a transfer of several with the error of one failed request while
+its other requests still run, which this fake does not model: kvfsm's object-store tier makes a
+transfer per block for that reason, and so must a test's own code that drives NIXL directly.)
 
 Bookkeeping: the agent keeps only what is live (unreleased handles, registered descriptors,
 running transfers), indexed so that every call costs the same however many calls ran before and
