@@ -132,10 +132,12 @@ class Split:
     besides the first, which is the job's ``xfer``: the job runs while any of them does, and
     is over, with the first failure any of them had, once every one posted is.
 
-    ``handles`` holds the others in block order, of which the first ``posted`` were posted (one
-    whose post was interrupted counts as posted: a state check says whether NIXL runs it), and
-    the first ``done`` answered DONE (they are not asked again); they are released, each once,
-    before the first.
+    ``handles`` holds the others, of which the first ``posted`` were posted (one whose post was
+    interrupted counts as posted: a state check says whether NIXL runs it), and the first
+    ``done`` are over (each is asked until it answered DONE or failed, and not again); they are
+    released, each once, before the first. While one of them still runs once the first is
+    over, it takes the first's place (the poll schedule then asks it, and it answers PROC
+    until it is over: the first would answer DONE, or its error, every time).
     """
 
     __slots__ = ("done", "failure", "handles", "posted")
@@ -270,11 +272,14 @@ class TransferDriver:
                     split.failure = self._status(answered, call)
                     break
                 if answered == "DONE" and split.done == index:
-                    split.done = index + 1
+                    split.done = index + 1  # over already: never asked
             return self.polled(transfer, status, call)
         except Exception as error:  # a make, or the first post, that raised: nothing runs
             return Outcome(Answer.RAISED, CallFailed(call, error.with_traceback(None)))
         except BaseException as interrupt:  # the job still gets its result
+            if posting and split.posted < len(split.handles) and split.failure is None:
+                # blocks never posted: whatever the posted ones answer, the job failed
+                split.failure = Outcome(Answer.RAISED, CallFailed(call, interrupt))
             return Outcome(Answer.PROC if posting else Answer.RAISED,
                            CallFailed(call, interrupt), interrupt)
 
@@ -305,7 +310,7 @@ class TransferDriver:
         outcome = _STATUS.get(status) if type(status) is str else None
         if transfer.split is not None and outcome is not _PROC:  # the first is over: and
             outcome = self._split_over(  # the others?
-                transfer.split, outcome or self._status(status, call))
+                transfer, transfer.split, outcome or self._status(status, call))
         if outcome is None:
             return self._status(status, call)
         if outcome is _DONE and self._commits and not transfer.job.is_promotion:
@@ -324,25 +329,28 @@ class TransferDriver:
             return Outcome(Answer.RAISED, CallFailed(call, status))
         return Outcome(Answer.ERR, CallFailed(call, status))
 
-    def _split_over(self, split: Split, first: Outcome) -> Outcome:
+    def _split_over(self, transfer: Transfer, split: Split, first: Outcome) -> Outcome:
         """The first transfer of a job made per block is over (``first``: DONE, or its
-        failure): PROC while another posted one still runs, else the job's answer, DONE or
-        the first failure any of them had, each kept from the poll that saw it (a post that
-        failed included)."""
+        failure): PROC while another posted one still runs (which takes the first's place),
+        else the job's answer, DONE or the first failure any of them had (each kept from the
+        poll that saw it; a post that failed, or was cut short, included). Each of the others
+        is asked until it is over, in order, and never again (NIXL's first answer that it is
+        over is the one kept: F3), so a job costs each of its checks once, plus one for each
+        time one still running takes the first's place."""
         if first is not _DONE and split.failure is None:
             split.failure = first
-        running = False
-        for index, status in enumerate(self.check(split.handles[split.done:split.posted]),
-                                       split.done):  # (one over answers the same again)
-            if status == NIXL_RUNNING:
-                running = True
-            elif status == "DONE":
-                if split.done == index:
-                    split.done = index + 1
-            elif split.failure is None:
+        handles = split.handles
+        while split.done < split.posted:
+            index = split.done
+            status = self.check([handles[index]])[0]
+            if status == NIXL_RUNNING:  # it is checked from now on; the first, over (its
+                # answer kept above), takes its place among those never asked again
+                transfer.xfer, handles[index] = handles[index], transfer.xfer
+                split.done = index + 1
+                return _PROC
+            if status != "DONE" and split.failure is None:
                 split.failure = self._status(status, "check_xfer_state")
-        if running:
-            return _PROC  # the job runs on: asked again on a later poll
+            split.done = index + 1
         return _DONE if split.failure is None else split.failure
 
     def end(self, transfer: Transfer) -> tuple[Outcome, Outcome]:

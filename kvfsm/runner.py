@@ -696,8 +696,10 @@ class Runner(Books):
             return  # published already (a listener that polled again got there first)
         state = transfer.state
         filed = transfer.filed
-        if filed is state:
-            return  # where it was: in the list its state says already
+        if filed is state:  # where it was: in the list its state says already (its handle
+            if transfer.slot >= 0:  # may have changed: a job made per block, driver.Split)
+                self.running.handles[transfer.slot] = transfer.xfer
+            return
         if state in self.final:
             self._finish(transfer)
             return

@@ -839,7 +839,7 @@ class TieringManager:
         """
         if timeout is not None:
             _check_seconds("timeout", timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout in (None, math.inf) else time.monotonic() + timeout
         done: list[Finalized] = []
         while True:
             try:
@@ -851,7 +851,8 @@ class TieringManager:
                 return done
             if deadline is not None and time.monotonic() >= deadline:
                 raise TieringDrainTimeout("drain", self.outstanding(), done)
-            time.sleep(self.poll_interval)
+            time.sleep(self.poll_interval if deadline is None else  # (never past the deadline)
+                       min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 
     def shutdown(self, timeout: float | None = 30.0) -> list[Finalized]:
         """Drain every job, then shut every tier down, each within what is left of ``timeout``
@@ -871,13 +872,12 @@ class TieringManager:
             _check_seconds("timeout", timeout)
         if self._closed:
             return []
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout in (None, math.inf) else time.monotonic() + timeout
         done = self.drain(timeout)
         errors: list[Exception] = []
         for name, tier in self._tiers.items():
             try:  # within what is left of the deadline (a tier's own default without one)
-                if deadline is None or "timeout" not in inspect.signature(
-                        tier.shutdown).parameters:
+                if deadline is None or not _takes_timeout(tier.shutdown):
                     tier.shutdown()
                 else:
                     shutdown: Callable[..., None] = tier.shutdown
@@ -998,9 +998,17 @@ def _key_list(keys: Sequence[Key], call: str) -> tuple[Key, ...]:
     return checked
 
 
+def _takes_timeout(call: Callable[..., Any]) -> bool:
+    """Whether ``call`` takes a ``timeout`` argument (False when Python cannot say)."""
+    try:
+        return "timeout" in inspect.signature(call).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _check_seconds(what: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) \
-            or value < 0:
+            or value < 0 or (what == "poll_interval" and value == math.inf):
         raise TieringInputError(f"{what} must be a number of seconds >= 0, got {value!r}")
 
 

@@ -245,7 +245,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                                    is_promotion=load))
             except BaseException:
                 if not tier.owes(job.job_id):  # (an interrupt may land once the tier took it:
-                    del self._jobs[job.job_id]  # then its result comes, and is reported)
+                    self._jobs.pop(job.job_id, None)  # its result comes, and is reported)
                 raise
         except Exception as error:  # never into the manager: the job fails, its pins go
             logger.warning("%s: %s job %d refused, reported as failed: %s: %s", self.label,

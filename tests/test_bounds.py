@@ -460,3 +460,30 @@ def test_a_probe_thread_that_cannot_start_leaves_the_lookup_answering_and_shutdo
     tier.shutdown(timeout=1.0)
     assert tier.closed and agent.live_registrations() == 0
     prober.close()
+
+
+def test_deletes_without_a_thread_to_send_them_are_counted_not_kept(
+    primary: torch.Tensor, agent: FakeNixlAgent, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of threads when an eviction's delete is due: the names stayed queued, nothing sent
+    them, and wait() said none was left; now they are counted as objects not deleted."""
+    removed: list[str] = []
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=int(primary[0].nbytes),
+                           remove=lambda names: removed.extend(names) or 0)
+    start = threading.Thread.start
+
+    def out_of_threads(thread: threading.Thread) -> None:
+        if thread.name == "kvfsm-object-remove":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    tier.submit_store(store(1, "first"))
+    assert run_to_idle(tier) == [True]
+    monkeypatch.setattr(threading.Thread, "start", out_of_threads)
+    tier.submit_store(store(2, "second", 1))  # evicts "first": its delete is due
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert run_to_idle(tier) == [True]
+    assert tier.wait_for_removals(5)
+    assert removed == []
+    assert tier.stats()["holdings"]["remove_errors"] == 1
+    tier.shutdown(timeout=1)

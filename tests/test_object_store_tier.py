@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 from kvfsm import Declaration, JobResult, TransferJob, TransferState
 from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSFER_MACHINE, TRANSITIONS
+from kvfsm.runner import FRONT_BATCH
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import InvalidJobError, ObjectStoreTier, TierClosedError
 
@@ -148,7 +151,7 @@ def test_a_load_whose_first_block_fails_is_published_only_once_its_other_blocks_
         assert tier.get_finished_jobs() == [], f"poll {poll + 1}: block 1's transfer runs"
         assert tier.state_of(1) is TransferState.PROCESSING
         assert agent.call_count("release_xfer_handle") == 0, "nothing released under it"
-        assert agent.running_transfers() == 1
+        assert agent.running_transfers() == 2, "blocks 1 and 2, asked in turn"
     (result,) = tier.get_finished_jobs()
 
     assert (result.job_id, result.success) == (1, False)
@@ -460,3 +463,91 @@ def test_a_machine_that_acts_on_proc_gets_every_proc_answer_fired(
     assert polls == [1, 1, 1]
     assert agent.call_count("check_xfer_state") == 4, "one check per poll round, no more"
     tier.shutdown()
+
+
+class InterruptedAfterPost(FakeNixlAgent):
+    """The fake agent, with the post numbered ``armed`` cut short by a KeyboardInterrupt right
+    after NIXL took it (a signal handled as the call returned)."""
+
+    armed = 0
+
+    def transfer(self, *args: Any, **kwargs: Any) -> str:
+        status = super().transfer(*args, **kwargs)
+        if self.call_count("transfer") == self.armed:
+            raise KeyboardInterrupt
+        return status
+
+
+@pytest.mark.parametrize("cut", [1, 2])
+def test_a_job_whose_posts_an_interrupt_cut_short_fails_and_holds_nothing(
+    primary: torch.Tensor, cut: int,
+) -> None:
+    """The interrupt lands after block ``cut - 1``'s post: the blocks after it were never
+    posted, so the job fails (it once published success, with their objects never written),
+    once the posted ones are over; each handle is released once."""
+    agent = InterruptedAfterPost("interrupted")
+    agent.armed = cut
+    tier = ObjectStoreTier(primary, agent=agent)
+    with pytest.raises(KeyboardInterrupt):
+        tier.submit_store(store(1, 0, 1, 2))
+    assert tier.owes(1)
+    (result,) = results_until_idle(tier)
+    assert result.success is False
+    assert sorted(agent.objects) == [f"key-{b}" for b in range(cut)], "only those posted"
+    assert agent.call_count("release_xfer_handle") == 3
+    tier.shutdown(timeout=5)
+    assert_nothing_held_but_recorded_leaks(tier, agent)
+    assert agent.misuses == []
+    agent.close()
+
+
+class SecondBlocksRunOn(FakeNixlAgent):
+    """The fake agent, whose transfers of a job's second block keep running while ``hold``."""
+
+    hold = True
+    held = 0
+
+    def __init__(self) -> None:
+        super().__init__("second-blocks")
+        self.slow: set[int] = set()
+
+    def make_prepped_xfer(self, operation: str, local: Any, local_indices: Any, remote: Any,
+                          remote_indices: Any, *args: Any) -> Any:
+        handle = super().make_prepped_xfer(operation, local, local_indices, remote,
+                                           remote_indices, *args)
+        if list(remote_indices) == [1]:
+            self.slow.add(id(handle))
+        return handle
+
+    def check_xfer_state(self, handle: Any) -> str:
+        if self.hold and id(handle) in self.slow:
+            self.held += 1
+            return "PROC"
+        return super().check_xfer_state(handle)
+
+
+def test_a_job_whose_first_block_is_over_is_asked_through_a_block_still_running() -> None:
+    """200 jobs of two blocks, each first block over at its first check, each second one
+    running on. A job's first transfer would answer DONE at every poll: the oldest-first
+    checks took each as ended and walked all 200 jobs, asking both handles of each (400 checks
+    a poll). The one still running takes the first's place, answers PROC, and a poll asks
+    about what the schedule picks."""
+    agent = SecondBlocksRunOn()
+    tier = ObjectStoreTier(torch.zeros(400, 8), agent=agent)
+    for job_id in range(200):
+        tier.submit_store(store(job_id, 2 * job_id, 2 * job_id + 1))
+    assert tier.get_finished_jobs() == []  # each first block over, each second running
+
+    def checks() -> int:
+        return agent.call_count("check_xfer_state") + agent.held
+
+    before = checks()
+    assert tier.get_finished_jobs() == []
+    assert checks() - before <= 2 * FRONT_BATCH, "the oldest-first checks stop at PROC"
+    agent.hold = False
+    results = results_until_idle(tier, polls=200)
+    assert sorted(r.job_id for r in results if r.success) == list(range(200))
+    assert agent.call_count("release_xfer_handle") == 400
+    tier.shutdown(timeout=5)
+    assert agent.misuses == []
+    agent.close()

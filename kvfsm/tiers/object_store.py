@@ -241,9 +241,11 @@ class _Remover:
                 thread = threading.Thread(target=self._run, name="kvfsm-object-remove")
                 try:
                     thread.start()
-                except RuntimeError:  # out of threads: they wait for the next eviction's start
-                    logger.warning("deleting %d evicted object(s) is put off: no thread",
-                                   len(self._waiting))
+                except RuntimeError:  # out of threads: not sent, counted (they stay stored)
+                    logger.warning("%d evicted object(s) not deleted: no thread to send the "
+                                   "delete", len(self._waiting))
+                    self.errors += len(self._waiting)
+                    self._waiting.clear()
                     return 0
                 self._thread = thread
         return 0
