@@ -10,6 +10,7 @@ import torch
 
 from kvfsm import Declaration, JobResult, TransferJob, TransferState
 from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSFER_MACHINE, TRANSITIONS
+from kvfsm.policy import RetryPolicy
 from kvfsm.runner import FRONT_BATCH
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import InvalidJobError, ObjectStoreTier, TierClosedError
@@ -533,7 +534,10 @@ def test_a_job_whose_first_block_is_over_is_asked_through_a_block_still_running(
     a poll). The one still running takes the first's place, answers PROC, and a poll asks
     about what the schedule picks."""
     agent = SecondBlocksRunOn()
-    tier = ObjectStoreTier(torch.zeros(400, 8), agent=agent)
+    # (the sweep's share of checks grows with the time between polls: an hour's turn keeps it
+    # near none, however slowly the code runs)
+    tier = ObjectStoreTier(torch.zeros(400, 8), agent=agent,
+                           policy=RetryPolicy(max_unpolled=3600.0))
     for job_id in range(200):
         tier.submit_store(store(job_id, 2 * job_id, 2 * job_id + 1))
     assert tier.get_finished_jobs() == []  # each first block over, each second running
