@@ -489,8 +489,12 @@ def test_a_listener_on_the_progress_thread_may_shut_the_tier_down() -> None:
     tier = ObjectStoreTier(torch.zeros(4, 16), agent=agent,
                            policy=RetryPolicy(progress_interval=0.001))
     raised: list[BaseException] = []
+    published: list[int] = []
 
     def listener(transfer: Transfer) -> None:
+        published.append(transfer.job_id)
+        if len(published) < 2:
+            return  # (the second submit must come first, however slowly this runs)
         try:
             tier.shutdown(timeout=1.0)
         except BaseException as error:  # (kept, for the assertion below)
