@@ -150,7 +150,7 @@ class Split:
         self.failure: Outcome | None = None
 
     def __repr__(self) -> str:
-        return (f"<Split handles={len(self.handles)} posted={self.posted} "
+        return (f"<Split handles={len(self.handles)} posted={self.posted} done={self.done} "
                 f"failure={self.failure}>")
 
 
@@ -343,14 +343,12 @@ class TransferDriver:
         while split.done < split.posted:
             index = split.done
             status = self.check([handles[index]])[0]
-            if status == NIXL_RUNNING:  # it is checked from now on; the first, over (its
-                # answer kept above), takes its place among those never asked again
-                transfer.xfer, handles[index] = handles[index], transfer.xfer
-                split.done = index + 1
+            split.done = index + 1  # over: never asked again (or running, and then swapped
+            if status == NIXL_RUNNING:  # for the first, over, its answer kept above: it is
+                transfer.xfer, handles[index] = handles[index], transfer.xfer  # checked now)
                 return _PROC
             if status != "DONE" and split.failure is None:
                 split.failure = self._status(status, "check_xfer_state")
-            split.done = index + 1
         return _DONE if split.failure is None else split.failure
 
     def end(self, transfer: Transfer) -> tuple[Outcome, Outcome]:

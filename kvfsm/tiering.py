@@ -607,6 +607,8 @@ class TieringManager:
             raise TypeError(f"primary must be a CPUPrimaryTier, got {type(primary).__name__}")
         # checked now: time.sleep would refuse it only in drain, after a step had finalized jobs
         _check_seconds("poll_interval", poll_interval)
+        if poll_interval == math.inf:  # (a timeout may be infinite: no sleep may)
+            raise TieringInputError(f"poll_interval must be finite, got {poll_interval!r}")
         if isinstance(secondaries, Mapping):
             named = dict(secondaries)
         else:
@@ -1008,7 +1010,7 @@ def _takes_timeout(call: Callable[..., Any]) -> bool:
 
 def _check_seconds(what: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) \
-            or value < 0 or (what == "poll_interval" and value == math.inf):
+            or value < 0:
         raise TieringInputError(f"{what} must be a number of seconds >= 0, got {value!r}")
 
 
