@@ -51,7 +51,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 import torch
 
 from kvfsm.machines.transfer import FailureReason
-from kvfsm.tiers.base import Lookup, TierSaturatedError
+from kvfsm.tiers.base import Lookup, TierBusyError
 from kvfsm.transfer import JobResult, TransferJob
 
 __all__ = [
@@ -660,7 +660,8 @@ class TieringManager:
         A tier that says it is saturated (its ``saturated(nbytes)``, when it has one, answers
         True: kvfsm's tiers past their :class:`~kvfsm.policy.InFlightLimit`) is skipped: no
         job, no pin, counted in :meth:`stats` as ``stores_skipped``; so is a tier whose submit
-        refuses the job with :class:`~kvfsm.tiers.TierSaturatedError`.
+        refuses the job as busy (:class:`~kvfsm.tiers.TierBusyError`: saturated since it was
+        asked, or a delete of one of the blocks in flight).
 
         Returns:
             the job ids, one per tier that took the job, in tier order (empty when every tier
@@ -696,7 +697,8 @@ class TieringManager:
             except BaseException as error:
                 del self._jobs[job.job_id]
                 self.primary.complete_read(blocks)
-                if isinstance(error, TierSaturatedError):  # saturated since it was asked
+                if isinstance(error, TierBusyError):  # saturated since it was asked, or
+                    # removing one of the blocks: nothing registered, a later store is taken
                     self._skipped[name] += 1
                     continue
                 if not isinstance(error, Exception):

@@ -5,6 +5,7 @@ tier, so a slow tier cannot pile up pins on the primary."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -174,3 +175,49 @@ def test_the_manager_does_not_cascade_to_a_saturated_tier_so_pins_stay_bounded()
     assert stats["stores_ok"] + 8 == 300 + taken_by_slow
     assert stats["stores_skipped"] == {"fast": 0, "slow": stats["stores_skipped"]["slow"]}
     assert stats["stores_skipped"]["slow"] > 250
+
+
+def test_the_manager_skips_a_tier_deleting_the_block_it_is_asked_to_store_again() -> None:
+    """An object store evicted key-a and its delete is still in flight when the engine stores
+    key-a again: that tier refuses the job as busy, so the manager skips it (no pin kept, no
+    error to the engine) and the other tier takes it; once the delete is answered, the next
+    store of key-a goes to both."""
+    sent, gate = threading.Event(), threading.Event()
+    agent = FakeNixlAgent()
+
+    def slow_remove(names: list[str]) -> int:
+        sent.set()
+        gate.wait(10)
+        return agent.remove_objects(names)
+
+    primary = CPUPrimaryTier(8, BLOCK_BYTES, torch.uint8)
+    objects = ObjectStoreTier(primary.cache, agent=agent, capacity_bytes=BLOCK_BYTES,
+                              remove=slow_remove)
+    manager = TieringManager(primary, {"fast": DictTier(primary.cache), "objects": objects})
+    try:
+        (a,) = write(primary, "key-a")
+        (b,) = write(primary, "key-b")
+        for block in (a, b):  # key-b's store evicts key-a: its delete is sent, held
+            assert len(manager.store([block])) == 2
+            while manager.has_pending_work():
+                manager.step()
+        assert sent.wait(10)
+
+        assert len(manager.store([a])) == 1  # the fast tier's job only
+        assert manager.stats()["stores_skipped"] == {"fast": 0, "objects": 1}
+        while manager.has_pending_work():
+            manager.step()
+        assert primary.stats()["pinned"] == 0
+
+        gate.set()
+        assert objects.wait_for_removals(10)
+        assert "key-a" not in agent.objects
+        assert len(manager.store([a])) == 2
+        while manager.has_pending_work():
+            manager.step()
+        assert "key-a" in agent.objects and objects.lookup("key-a") is Lookup.HIT
+        assert primary.stats()["pinned"] == 0
+    finally:
+        gate.set()
+        manager.shutdown(timeout=10)
+

@@ -13,7 +13,9 @@ from kvfsm.tiers import (
     HoldingEvent,
     Lookup,
     ObjectStoreTier,
+    RemovalInFlightError,
     SecondaryTier,
+    TierBusyError,
     TierFullError,
 )
 
@@ -239,9 +241,10 @@ def test_a_refused_store_leaves_the_deletes_waiting_as_they_were(
 
     from kvfsm.tiers.object_store import _stop_all_probers  # noqa: PLC0415
 
-    gate = threading.Event()
+    sent, gate = threading.Event(), threading.Event()
 
     def slow_remove(names: list[str]) -> int:
+        sent.set()
         gate.wait(10)
         return agent.remove_objects(names)
 
@@ -249,10 +252,10 @@ def test_a_refused_store_leaves_the_deletes_waiting_as_they_were(
     try:
         for job_id, name in enumerate("abcd"):  # c evicts a (its delete held), d evicts b
             tier.submit_store(store(job_id, (name, job_id)))
-            settle_only = tier.get_finished_jobs
-            while tier.has_pending_work():
-                settle_only()
-        assert tier.stats()["holdings"]["removes_waiting"] >= 1
+            settle_without_removals(tier)
+            if name == "c":  # a's delete is sent before b waits (not one delete of both)
+                assert sent.wait(10)
+        assert tier.stats()["holdings"]["removes_waiting"] == 1
         with pytest.raises(TierFullError):
             tier.submit_store(store(10, ("b", 4), ("e", 5), ("f", 6)))
         gate.set()
@@ -262,6 +265,101 @@ def test_a_refused_store_leaves_the_deletes_waiting_as_they_were(
     finally:
         gate.set()
         tier.shutdown(timeout=5)
+
+
+def test_a_block_stored_again_while_its_delete_is_in_flight_is_refused_until_it_is_answered(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """Block a is evicted and its delete sent; the engine stores a again before the store
+    answers the delete. Written then, the delete could land after the new object, and the tier
+    would answer HIT for an object that is gone. So that store is refused, naming a, and
+    changes nothing; once the delete is answered, a is stored again, and every block the tier
+    answers HIT for is in the store."""
+    import threading  # noqa: PLC0415
+
+    sent, gate = threading.Event(), threading.Event()
+
+    def slow_remove(names: list[str]) -> int:
+        sent.set()
+        gate.wait(10)
+        return agent.remove_objects(names)
+
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
+    try:
+        tier.submit_store(store(1, ("a", 0)))
+        assert [r.success for r in settle_without_removals(tier)] == [True]
+        tier.submit_store(store(2, ("b", 1)))  # evicts a: its delete is sent, not answered
+        assert sent.wait(10)
+        assert [r.success for r in settle_without_removals(tier)] == [True]
+        registrations = agent.call_count("register_memory")
+
+        with pytest.raises(RemovalInFlightError, match=r"store of a refused: the object is "
+                           r"being deleted") as refused:
+            tier.submit_store(store(3, ("a", 2)))
+        assert isinstance(refused.value, TierBusyError)
+        assert agent.call_count("register_memory") == registrations  # nothing registered
+        assert not tier.has_pending_work()
+        assert tier.lookup("a") is Lookup.MISS
+        holdings = tier.stats()["holdings"]
+        assert (holdings["removes_sending"], holdings["stores_refused_removing"]) == (1, 1)
+        assert holdings["held_blocks"] == 1  # b, as before the refusal
+
+        gate.set()
+        assert tier.wait_for_removals(10)
+        assert "a" not in agent.objects
+        assert tier.stats()["holdings"]["removes_sending"] == 0
+        tier.submit_store(store(4, ("a", 2)))  # taken now (and b goes)
+        assert [r.success for r in settle(tier)] == [True]
+        assert tier.lookup("a") is Lookup.HIT
+        assert all(name in agent.objects for name in "ab" if tier.lookup(name) is Lookup.HIT)
+    finally:
+        gate.set()
+        tier.shutdown(timeout=5)
+
+
+def test_a_store_that_takes_a_waiting_delete_back_is_not_refused(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """Only a delete already sent refuses a store: one still waiting behind it is taken back,
+    and its object is never deleted."""
+    import threading  # noqa: PLC0415
+
+    sent, gate = threading.Event(), threading.Event()
+
+    def slow_remove(names: list[str]) -> int:
+        sent.set()
+        gate.wait(10)
+        return agent.remove_objects(names)
+
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
+    try:
+        for job_id, name in enumerate("abc"):  # b evicts a (sent), c evicts b (waiting)
+            tier.submit_store(store(job_id, (name, job_id)))
+            assert [r.success for r in settle_without_removals(tier)] == [True]
+            if job_id == 1:
+                assert sent.wait(10)
+        holdings = tier.stats()["holdings"]
+        assert (holdings["removes_sending"], holdings["removes_waiting"]) == (1, 1)
+        tier.submit_store(store(5, ("b", 3)))  # b's delete is waiting: taken back
+        assert tier.stats()["holdings"]["removes_waiting"] == 1  # c's, evicted by it
+        gate.set()
+        assert [r.success for r in settle(tier)] == [True]
+        assert sorted(agent.objects) == ["b"]
+        assert tier.lookup("b") is Lookup.HIT
+        assert tier.stats()["holdings"]["stores_refused_removing"] == 0
+    finally:
+        gate.set()
+        tier.shutdown(timeout=5)
+
+
+def settle_without_removals(tier: SecondaryTier) -> list[JobResult]:
+    """Every result, once the tier is idle (its deletes may still wait or run)."""
+    results: list[JobResult] = []
+    for _ in range(50):
+        results += tier.get_finished_jobs()
+        if not tier.has_pending_work():
+            break
+    return results
 
 
 def test_a_cancelled_load_keeps_the_block_it_was_reading(

@@ -526,6 +526,100 @@ def test_an_interrupted_post_answers_with_the_call_it_cut_and_hands_the_interrup
     tier.shutdown(timeout=5)
 
 
+class PerBlockSide(CountedSide):
+    """Object storage whose jobs the driver makes a NIXL transfer per block."""
+
+    transfer_per_block = True
+
+
+class InterruptedAtNth(FakeNixlAgent):
+    """A fake agent on which a Ctrl-C lands during the ``nth`` call of ``call``: before it
+    did anything, or (``after``) once NIXL took it, as the call returned."""
+
+    def __init__(self, call: str, nth: int, *, after: bool = False) -> None:
+        super().__init__("interrupted-nth")
+        self.interrupted_call, self.nth, self.after = call, nth, after
+        self.interrupt = KeyboardInterrupt()
+
+    def _cut(self, call: str, made: Any, *args: Any, **kwargs: Any) -> Any:
+        if call == self.interrupted_call and self.call_count(call) + 1 == self.nth:
+            if not self.after:
+                raise self.interrupt
+            made(*args, **kwargs)
+            raise self.interrupt
+        return made(*args, **kwargs)
+
+    def make_prepped_xfer(self, *args: Any, **kwargs: Any) -> Any:
+        return self._cut("make_prepped_xfer", super().make_prepped_xfer, *args, **kwargs)
+
+    def transfer(self, *args: Any, **kwargs: Any) -> str:
+        return self._cut("transfer", super().transfer, *args, **kwargs)
+
+
+@pytest.mark.parametrize(("call", "nth", "after", "answer", "failed"), [
+    ("make_prepped_xfer", 2, False, A.RAISED, False),  # nothing posted: over at once
+    ("transfer", 2, False, A.PROC, True),  # block 0 runs, blocks 1 and 2 were never posted
+    ("transfer", 3, True, A.PROC, False),  # every block posted: the polls say how it ends
+])
+def test_an_interrupted_post_of_a_job_made_per_block_answers_as_a_post_of_one_does(
+        call: str, nth: int, after: bool, answer: Answer, failed: bool) -> None:
+    """A job of three blocks, a transfer per block: the interrupt comes back in the outcome
+    with the call it cut, RAISED before any ``transfer()``, PROC once one was called; and
+    a job some of whose blocks were never posted has failed already, by that call (whatever
+    the posted ones answer), while one whose blocks were all posted has not."""
+    agent = InterruptedAtNth(call, nth, after=after)
+    tier = _Tier(torch.zeros(4, 8), agent=agent, remote=PerBlockSide(32))
+    driver = tier._driver
+    transfer = Transfer(TransferJob(1, ["a", "b", "c"], [0, 1, 2]), 96, 0.0,
+                        TRANSFER_MACHINE.initial)
+    transfer.names = ("a", "b", "c")
+    assert driver.post(transfer, tier._local, [0, 1, 2]) == Outcome(
+        answer, CallFailed(call, agent.interrupt), agent.interrupt)
+    split = transfer.split
+    assert split is not None
+    assert split.failure == (Outcome(A.RAISED, CallFailed(call, agent.interrupt)) if failed
+                             else None)
+    agent.interrupted_call = ""
+    if answer is A.PROC:  # the polls: the first failure, or DONE once every block is over
+        over = driver._poll_one(transfer)
+        while over.answer is A.PROC:
+            over = driver._poll_one(transfer)
+        assert over == (split.failure if failed else Outcome(A.DONE))
+    assert driver.release(transfer) == Outcome(A.OK)
+    driver.clean(transfer)
+    assert agent.live_xfer_handles() == 0 and agent.misuses == []
+    tier.shutdown(timeout=5)
+
+
+class AnswersBusy(FakeNixlAgent):
+    """A fake agent whose ``transfer()`` answers a status that is neither PROC, DONE nor ERR,
+    without taking the transfer."""
+
+    def transfer(self, *args: Any, **kwargs: Any) -> str:
+        self.answered += 1
+        return "NIXL_ERR_BUSY"
+
+    answered = 0
+
+
+def test_a_first_post_of_a_job_made_per_block_answering_an_unknown_status_keeps_it() -> None:
+    """The first block's ``transfer()`` answers neither PROC nor DONE: nothing runs, the
+    others are never posted, and the answer is ERR with the status answered kept as the
+    reason (a mutant put None there, which reads as "ERR" whatever was answered)."""
+    agent = AnswersBusy("busy")
+    tier = _Tier(torch.zeros(4, 8), agent=agent, remote=PerBlockSide(32))
+    driver = tier._driver
+    transfer = Transfer(TransferJob(1, ["a", "b"], [0, 1]), 64, 0.0, TRANSFER_MACHINE.initial)
+    transfer.names = ("a", "b")
+    assert driver.post(transfer, tier._local, [0, 1]) == Outcome(
+        A.ERR, CallFailed("transfer", "NIXL_ERR_BUSY"))
+    assert agent.answered == 1
+    assert driver.release(transfer) == Outcome(A.OK)
+    driver.clean(transfer)
+    assert agent.live_xfer_handles() == 0 and agent.misuses == []
+    tier.shutdown(timeout=5)
+
+
 class PeerSide(CountedSide):
     """Another agent's memory (``peer`` set): prepped by that agent's name, with a
     notification for it."""

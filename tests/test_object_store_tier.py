@@ -177,8 +177,8 @@ def test_a_store_whose_middle_block_fails_keeps_its_other_objects_whole(
     assert agent.call_count("release_xfer_handle") == 0
     (result,) = results_until_idle(tier)
 
-    assert (result.success, result.reason.call if result.reason else None) == (
-        False, "check_xfer_state")
+    assert (result.success, str(result.reason)) == (
+        False, "check_xfer_state raised FakeNixlError: NIXL_ERR_BACKEND")
     assert agent.objects["key-2"] == primary[2].numpy().tobytes()
     assert "key-1" not in agent.objects
     assert agent.call_count("release_xfer_handle") == 3
@@ -199,9 +199,66 @@ def test_a_post_that_fails_after_the_first_fails_the_job_once_the_posted_ones_ar
     (result,) = results_until_idle(tier)
 
     assert result.success is False
-    assert result.reason is not None and result.reason.call == "transfer"
+    assert str(result.reason) == "transfer raised FakeNixlError: NIXL_ERR_BACKEND"
     assert agent.call_count("transfer") == posts + 2, "block 2 was never posted"
     assert agent.call_count("release_xfer_handle") == 3, "posted or not, each released once"
+
+
+@pytest.mark.parametrize("post", [1, 2])
+def test_a_post_that_answers_err_fails_the_job_by_its_answer_and_nothing_after_it_is_posted(
+    tier: ObjectStoreTier, agent: FakeNixlAgent, post: int,
+) -> None:
+    """Block ``post - 1``'s ``transfer()`` answers ERR (NIXL did not take it): the blocks
+    after it are never posted, the job fails with that answer, and only the blocks posted
+    before it are asked (block 0, when the second post failed)."""
+    agent.inject("transfer", ReturnErr(), at=agent.call_count("transfer") + post)
+    checks = agent.call_count("check_xfer_state")
+    tier.submit_store(store(1, 0, 1, 2))
+    (result,) = results_until_idle(tier)
+    assert (result.success, str(result.reason)) == (False, "transfer answered 'ERR'")
+    assert agent.call_count("transfer") == post
+    assert agent.call_count("check_xfer_state") - checks == post - 1
+    assert agent.call_count("release_xfer_handle") == 3, "posted or not, each released once"
+
+
+def test_a_job_whose_posts_nixl_finished_at_once_is_over_without_a_check_even_if_one_failed(
+    primary: torch.Tensor,
+) -> None:
+    """NIXL finishes each post at once (DONE), but block 1's post raises: the job's answer is
+    known at the submit, the failure of that post, and no state check is made."""
+    agent = FakeNixlAgent("at-once", complete_after_polls=0)
+    tier = ObjectStoreTier(primary, agent=agent)
+    agent.inject("transfer", Raise(), at=2)
+    tier.submit_store(store(1, 0, 1, 2))
+    (result,) = tier.get_finished_jobs()
+    assert str(result.reason) == "transfer raised FakeNixlError: NIXL_ERR_BACKEND"
+    assert agent.call_count("check_xfer_state") == 0
+    assert sorted(agent.objects) == ["key-0"]
+    tier.shutdown(timeout=5)
+    assert_nothing_held_but_recorded_leaks(tier, agent)
+    assert agent.misuses == []
+
+
+def test_a_block_nixl_finished_at_its_post_does_not_stand_for_the_next_one_still_running(
+    primary: torch.Tensor,
+) -> None:
+    """Blocks 0 and 1 are DONE as they are posted; block 2's transfer runs three checks. The
+    job waits for block 2 (asked, not skipped over because the one before it was over
+    already), and each handle is released once it is over."""
+    agent = FakeNixlAgent("at-once", complete_after_polls=0)
+    tier = ObjectStoreTier(primary, agent=agent)
+    agent.inject("transfer", StayProc(3), at=3)  # block 2's post: PROC, then two checks more
+    tier.submit_store(store(1, 0, 1, 2))
+    assert tier.get_finished_jobs() == [], "block 2's transfer runs"
+    assert agent.running_transfers() == 1
+    assert agent.call_count("release_xfer_handle") == 0
+    (result,) = results_until_idle(tier)
+    assert result.success
+    assert agent.call_count("check_xfer_state") == 3, "block 2's, none of the others'"
+    assert sorted(agent.objects) == ["key-0", "key-1", "key-2"]
+    tier.shutdown(timeout=5)
+    assert_nothing_held_but_recorded_leaks(tier, agent)
+    assert agent.misuses == []
 
 
 def test_a_one_block_job_makes_one_transfer_and_no_extra_check(

@@ -107,6 +107,57 @@ def test_a_missing_object_fails_its_load_and_the_lookup_then_says_miss(
     assert tier.lookup("present") is Lookup.MISS, "F11: a failed load is not retried as a HIT"
 
 
+def test_a_block_stored_again_while_its_delete_runs_on_the_store_is_stored_once_it_ended(
+    s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
+) -> None:
+    """A capacity of one block: b's store evicts a, and the S3 delete of a is held on its way.
+    The engine stores a again meanwhile: refused, naming a (written then, the delete would have
+    landed after it, and the tier would have answered HIT for an object that was gone). Once
+    the delete is answered a is stored again, and its object is in the bucket and loads."""
+    import threading  # noqa: PLC0415
+
+    from kvfsm.tiers import RemovalInFlightError  # noqa: PLC0415
+    from kvfsm.tiers.object_store import s3_deleter  # noqa: PLC0415
+
+    bucket = s3_server.new_bucket()
+    config = s3_server.config(bucket)
+    delete = s3_deleter(config)
+    sent, gate = threading.Event(), threading.Event()
+
+    def held_delete(names: list[str]) -> int:
+        sent.set()
+        gate.wait(30)
+        return delete(names)
+
+    tier = ObjectStoreTier(cache, store=config, capacity_bytes=BLOCK_BYTES, remove=held_delete)
+    tiers.append(tier)
+    original = cache.clone()
+    try:
+        tier.submit_store(TransferJob(1, ["a"], [0]))
+        assert collect(tier, 1)[1].success
+        tier.submit_store(TransferJob(2, ["b"], [1]))
+        assert collect(tier, 1)[2].success
+        assert sent.wait(30)
+        with pytest.raises(RemovalInFlightError, match="store of a refused"):
+            tier.submit_store(TransferJob(3, ["a"], [0]))
+    finally:
+        gate.set()
+    assert tier.wait_for_removals(30)
+    listed = s3_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])
+    assert [o["Key"] for o in listed] == ["b"]
+
+    tier.submit_store(TransferJob(4, ["a"], [0]))
+    assert collect(tier, 1)[4].success
+    assert tier.wait_for_removals(30)  # b's delete, evicted by it
+    listed = s3_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])
+    assert [o["Key"] for o in listed] == ["a"]
+    assert tier.lookup("a") is Lookup.HIT
+    cache[5].zero_()
+    tier.submit_load(TransferJob(5, ["a"], [5], is_promotion=True))
+    assert collect(tier, 1)[5].success
+    assert torch.equal(cache[5], original[0])
+
+
 def test_a_failed_load_writes_nothing_into_its_blocks_once_its_failure_is_published(
     s3_server: S3Server, tiers: list[SecondaryTier]
 ) -> None:

@@ -46,7 +46,9 @@ __all__ = [
     "HoldingEvent",
     "InvalidJobError",
     "Lookup",
+    "RemovalInFlightError",
     "SecondaryTier",
+    "TierBusyError",
     "TierClosedError",
     "TierFullError",
     "TierSaturatedError",
@@ -90,9 +92,23 @@ class TierClosedError(RuntimeError):
     """The tier was shut down and takes no more jobs."""
 
 
-class TierSaturatedError(RuntimeError):
+class TierBusyError(RuntimeError):
+    """The tier cannot take this store now, for a reason that passes; nothing was registered
+    and no result will come: the caller keeps its blocks, to store later or elsewhere
+    (:class:`~kvfsm.tiering.TieringManager` skips the tier for that store)."""
+
+
+class TierSaturatedError(TierBusyError):
     """A store would take the tier past its bound on jobs or bytes in flight
     (:class:`~kvfsm.policy.InFlightLimit`); nothing was registered and no result will come."""
+
+
+class RemovalInFlightError(TierBusyError):
+    """A store names a block whose stored copy the tier is removing at this moment (evicted a
+    moment ago, its delete sent and not yet answered): written now, the block could be removed
+    after it, and the tier would answer HIT for a block that is gone. Nothing was registered
+    and no result will come; the block stays a MISS, and a store of it is taken once the
+    delete is answered (:meth:`~kvfsm.tiers.ObjectStoreTier.wait_for_removals`)."""
 
 
 class KnownNames:
@@ -527,8 +543,18 @@ class SecondaryTier(JobSide):
     def _stop_probes(self) -> None:
         """Stop any background probing; called once by shutdown."""
 
-    def _admitted(self, names: Sequence[str]) -> None:
-        """A store of ``names`` was admitted within the capacity (under the tier's lock)."""
+    def _take_back(self, names: Sequence[str]) -> Sequence[str]:
+        """A store of ``names`` is about to be admitted within the capacity (under the tier's
+        lock): take those of them waiting to be removed out of the removals, and return them.
+
+        Raises:
+            RemovalInFlightError: one of them is being removed now; nothing changed.
+        """
+        return ()
+
+    def _give_back(self, names: Sequence[str]) -> None:
+        """The store :meth:`_take_back` took ``names`` back for was not admitted: remove them
+        after all."""
 
     # -- internals --------------------------------------------------------------------------
 
@@ -604,9 +630,13 @@ class SecondaryTier(JobSide):
         if holdings is not None:  # a store past the capacity is refused here: nothing changed
             if load:
                 holdings.pin(names)
-            else:
-                holdings.reserve(names, job.keys)
-                self._admitted(names)
+            else:  # taken back from the removals first, so none is sent meanwhile
+                taken = self._take_back(names)
+                try:
+                    holdings.reserve(names, job.keys)
+                except BaseException:
+                    self._give_back(taken)
+                    raise
         outcome: Outcome | None = None
         try:
             runner.add(transfer)

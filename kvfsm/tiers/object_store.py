@@ -20,6 +20,7 @@ from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.tiers.base import (
     KnownNames,
     Lookup,
+    RemovalInFlightError,
     SecondaryTier,
     _check_primary,
     check_in_flight,
@@ -202,9 +203,11 @@ class _Remover:
     """Deletes objects on a thread of its own, in batches, so that an eviction never waits
     for the store: the tier forgets a block at once (its lookups answer MISS), and its object
     goes a little later. A store of a name still waiting to be deleted takes it back
-    (:meth:`keep`): its delete is not sent. A delete already sent when the same name is stored
-    again may land after the new object; a later load of it then fails, is reported as failed
-    and the block is a MISS from then on: bytes are never wrong, only missing.
+    (:meth:`take_back`): its delete is not sent. A store of a name whose delete was sent and
+    not yet answered is refused (:class:`~kvfsm.tiers.RemovalInFlightError`): the delete
+    could land after the new object, which the tier would then hold as stored. (A delete that
+    raised, a timeout say, is taken as answered: should the store still carry it out later,
+    the block's next load fails and the block is a MISS from then on; bytes are never wrong.)
 
     Its thread runs only while names wait, and is not a daemon (a delete in flight is waited
     for at exit, as a probe is).
@@ -214,6 +217,8 @@ class _Remover:
         self._delete = delete
         self._batch = batch
         self._waiting: dict[str, None] = {}
+        #: the names of the delete sent and not yet answered
+        self._sending: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -221,6 +226,8 @@ class _Remover:
         self.errors = 0
         #: objects deleted
         self.deleted = 0
+        #: stores refused while a delete of one of their names was in flight
+        self.stores_refused = 0
         _live_removers.add(self)
 
     def drop(self) -> None:
@@ -250,15 +257,35 @@ class _Remover:
                 self._thread = thread
         return 0
 
-    def keep(self, names: Sequence[str]) -> None:
-        """``names`` are being stored again: do not delete them (if not sent yet)."""
-        if self._waiting:
-            with self._lock:
-                for name in names:
-                    self._waiting.pop(name, None)
+    def take_back(self, names: Sequence[str]) -> list[str]:
+        """``names`` are about to be stored again: those waiting are not deleted; returns them.
+
+        Raises:
+            RemovalInFlightError: the delete of one of them is sent and not yet answered;
+                nothing was taken back.
+        """
+        with self._lock:
+            sending = self._sending
+            if sending and not sending.isdisjoint(names):
+                self.stores_refused += 1
+                raise RemovalInFlightError(
+                    f"store of {', '.join(n for n in names if n in sending)} refused: the "
+                    "object is being deleted (evicted a moment ago; the delete is sent, not "
+                    "yet answered), and could be deleted after a new write; nothing was "
+                    "registered and no result will come")
+            waiting = self._waiting
+            taken = [name for name in names if name in waiting] if waiting else []
+            for name in taken:
+                del waiting[name]
+            return taken
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    @property
+    def sending(self) -> int:
+        """How many names the delete in flight carries."""
+        return len(self._sending)
 
     def wait(self, timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds until no delete waits or runs; True when none does."""
@@ -296,10 +323,14 @@ class _Remover:
                 names = list(itertools.islice(self._waiting, self._batch))
                 for name in names:
                     del self._waiting[name]
+                self._sending = frozenset(names)
             try:
                 failed = self._delete(names) or 0
             except Exception:
                 failed = len(names)
+            finally:
+                with self._lock:  # answered (or given up): the names may be stored again
+                    self._sending = frozenset()
             self.errors += failed
             self.deleted += len(names) - failed
 
@@ -459,6 +490,8 @@ class ObjectStoreTier(SecondaryTier):
         if remover is not None:
             holdings = stats["holdings"]
             holdings["removes_waiting"] = len(remover)
+            holdings["removes_sending"] = remover.sending
+            holdings["stores_refused_removing"] = remover.stores_refused
             holdings["removed"] = remover.deleted
             holdings["remove_errors"] += remover.errors
         return stats
@@ -469,10 +502,14 @@ class ObjectStoreTier(SecondaryTier):
         remover = self._remover
         return remover is None or remover.wait(timeout)
 
-    def _admitted(self, names: Sequence[str]) -> None:
+    def _take_back(self, names: Sequence[str]) -> Sequence[str]:
         remover = self._remover
-        if remover is not None and len(remover):  # written again: not to be deleted
-            remover.keep(names)
+        return () if remover is None else remover.take_back(names)
+
+    def _give_back(self, names: Sequence[str]) -> None:
+        remover = self._remover
+        if remover is not None and names:
+            remover(names)
 
     @property
     def probe_errors(self) -> int:
