@@ -638,7 +638,7 @@ class TieringManager:
         #: every bookkeeping issue found so far (each was raised once, by step)
         self.bookkeeping_errors: list[BookkeepingIssue] = []
         self._counts = {"stores_ok": 0, "stores_failed": 0, "loads_ok": 0, "loads_failed": 0}
-        #: stores not cascaded to a saturated tier, per tier
+        #: stores not cascaded to a saturated or busy tier, per tier
         self._skipped = dict.fromkeys(named, 0)
         self._block_bytes = int(primary.cache[0].nbytes)
 
@@ -665,7 +665,7 @@ class TieringManager:
 
         Returns:
             the job ids, one per tier that took the job, in tier order (empty when every tier
-            was saturated).
+            was saturated or busy).
 
         Raises:
             ManagerClosedError: after :meth:`shutdown`.

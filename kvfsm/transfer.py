@@ -64,6 +64,7 @@ class Transfer:
 
     __slots__ = (
         "attempts",
+        "doomed",
         "error",
         "error_type",
         "filed",
@@ -71,6 +72,7 @@ class Transfer:
         "finished_at",
         "job",
         "job_id",
+        "landed",
         "leaks",
         "names",
         "nbytes",
@@ -128,6 +130,13 @@ class Transfer:
         self.split: Any = None
         #: what the tier's remote side opened for this transfer (files), or None
         self.opened: Any = None
+        #: whether a store that failed may have left blocks under their names (True unless
+        #: its remote side knows it put none there: a file tier's store that failed before
+        #: its rename), so that a tier with a capacity removes only what may be its own
+        self.landed = True
+        #: the names a load reads that the tier was removing as it began: whatever it
+        #: answers, the tier does not vouch for them afterwards
+        self.doomed: tuple[str, ...] = ()
         #: the remote name of each key (object names, file names), as the tier checked them
         self.names: tuple[str, ...] = ()
         #: where the runner's running list keeps the transfer while NIXL runs it (-1: not there)

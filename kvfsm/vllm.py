@@ -80,7 +80,7 @@ with warnings.catch_warnings():
     from vllm.v1.kv_offload.tiering.base import TransferJob as VllmJob
 
 from kvfsm import tiers
-from kvfsm.contract import DrainTimeout
+from kvfsm.contract import DrainTimeout, check_timeout
 from kvfsm.nixl_agents import StoreConfig
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.tiers.base import Lookup, SecondaryTier
@@ -143,6 +143,11 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                  enable_kv_events: bool = False, locality: str | None = None,
                  label: str | None = None, in_flight: Mapping[str, Any] | None = None,
                  **settings: Any) -> None:
+        try:  # (refused here, not at vLLM's shutdown, where the tier would stay open)
+            check_timeout(shutdown_timeout)
+        except ValueError:
+            raise ValueError(f"{tier_type}: shutdown_timeout must be a number of seconds or "
+                             f"None, got {shutdown_timeout!r}") from None
         limit = _limit(in_flight)
         if backpressure_detector is None and limit is not None:
             backpressure_detector = _Saturation(self)
@@ -236,6 +241,8 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                 self._ready_result(job.job_id, kind, success=not load, outcome=(
                     "missing" if load else "skipped"))
                 return
+            if job.job_id in self._jobs:  # (its entry would stand for the job in flight)
+                raise tiers.InvalidJobError(f"job id {job.job_id} is already in flight")
             moved = [k for k, _ in pairs]
             entry = _Job(load, moved, missing)
             self._jobs[job.job_id] = entry  # before the submit: a result may come at once

@@ -201,6 +201,46 @@ def test_a_file_tier_deletes_its_least_recently_used_files(
         tier.shutdown(timeout=5)
 
 
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_file_store_that_failed_before_its_rename_removes_no_file_it_did_not_write(
+    tmp_path: object, primary: torch.Tensor, durable: bool
+) -> None:
+    """Another tier (another process, say) stored k in the shared root. This tier, with a
+    capacity, stores k too, and its post fails: nothing of its store was put under k's name,
+    so the other's whole file stays (it was unlinked as this store's possible leftovers), and
+    the other tier still loads it. A store that failed after its rename removes its file."""
+    from kvfsm.nixl_agents import make_agent, nixl_available  # noqa: PLC0415
+    from kvfsm.testing import FaultyAgent  # noqa: PLC0415
+
+    if not nixl_available():
+        pytest.skip("needs real NIXL (POSIX)")
+    other = FileTier(primary, tmp_path, durable=False)
+    faulty = FaultyAgent(make_agent("capacity-fails", "POSIX"))
+    tier = FileTier(primary, tmp_path, capacity_bytes=2 * BLOCK, durable=durable, agent=faulty)
+    try:
+        other.submit_store(store(1, ("k", 3)))
+        assert [r.success for r in settle(other)] == [True]
+        faulty.inject("transfer", Raise())
+        tier.submit_store(store(2, ("k", 5)))
+        tier.drain_jobs(10)
+        (result,) = tier.get_finished_jobs()
+        assert str(result.reason) == "transfer raised FakeNixlError: NIXL_ERR_BACKEND"
+        assert tier.path_of("k").read_bytes() == primary[3].numpy().tobytes()
+        other.submit_load(load(3, ("k", 6)))
+        assert [r.success for r in settle(other)] == [True]
+
+        (tier.path_of("j2") / "in the way").mkdir(parents=True)  # j2 cannot be renamed
+        tier.submit_store(store(4, ("j1", 5), ("j2", 6)))
+        tier.drain_jobs(10)  # (a durable store waits for its flush)
+        (result,) = tier.get_finished_jobs()
+        assert (result.success, result.reason.call if result.reason else None) == (
+            False, "commit")
+        assert not tier.path_of("j1").exists(), "renamed before j2 failed: this store's"
+    finally:
+        tier.shutdown(timeout=5)
+        other.shutdown(timeout=5)
+
+
 def test_lookups_on_another_thread_never_break_an_eviction(
     small: ObjectStoreTier, agent: FakeNixlAgent
 ) -> None:
@@ -245,7 +285,7 @@ def test_a_refused_store_leaves_the_deletes_waiting_as_they_were(
 
     def slow_remove(names: list[str]) -> int:
         sent.set()
-        gate.wait(10)
+        gate.wait()  # (the test sets it, finally too)
         return agent.remove_objects(names)
 
     tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=2 * BLOCK, remove=slow_remove)
@@ -281,7 +321,7 @@ def test_a_block_stored_again_while_its_delete_is_in_flight_is_refused_until_it_
 
     def slow_remove(names: list[str]) -> int:
         sent.set()
-        gate.wait(10)
+        gate.wait()  # (the test sets it, finally too)
         return agent.remove_objects(names)
 
     tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
@@ -328,7 +368,7 @@ def test_a_store_that_takes_a_waiting_delete_back_is_not_refused(
 
     def slow_remove(names: list[str]) -> int:
         sent.set()
-        gate.wait(10)
+        gate.wait()  # (the test sets it, finally too)
         return agent.remove_objects(names)
 
     tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
@@ -340,13 +380,94 @@ def test_a_store_that_takes_a_waiting_delete_back_is_not_refused(
                 assert sent.wait(10)
         holdings = tier.stats()["holdings"]
         assert (holdings["removes_sending"], holdings["removes_waiting"]) == (1, 1)
+        with pytest.raises(RemovalInFlightError, match="store of a refused"):
+            tier.submit_store(store(4, ("b", 3), ("a", 4)))  # a's is sent: b's stays waiting
+        assert tier.stats()["holdings"]["removes_waiting"] == 1
         tier.submit_store(store(5, ("b", 3)))  # b's delete is waiting: taken back
         assert tier.stats()["holdings"]["removes_waiting"] == 1  # c's, evicted by it
         gate.set()
         assert [r.success for r in settle(tier)] == [True]
         assert sorted(agent.objects) == ["b"]
         assert tier.lookup("b") is Lookup.HIT
-        assert tier.stats()["holdings"]["stores_refused_removing"] == 0
+        assert tier.stats()["holdings"]["stores_refused_removing"] == 1
+    finally:
+        gate.set()
+        tier.shutdown(timeout=5)
+
+
+def test_a_load_of_blocks_being_deleted_does_not_make_them_a_hit_again(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """a's delete is sent and b's waits behind it when a caller that skipped the lookup (a
+    manager told which tier to load from) loads both: the objects are still there, so the
+    loads succeed, with the bytes stored; but the tier does not answer HIT for them again,
+    since their deletes are on their way (it once did, for objects then gone)."""
+    import threading  # noqa: PLC0415
+
+    sent, gate = threading.Event(), threading.Event()
+
+    def slow_remove(names: list[str]) -> int:
+        sent.set()
+        gate.wait()
+        return agent.remove_objects(names)
+
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
+    try:
+        for job_id, name in enumerate("abc"):  # b evicts a (sent), c evicts b (waiting)
+            tier.submit_store(store(job_id, (name, job_id)))
+            settle_without_removals(tier)
+            if name == "b":
+                assert sent.wait(10)
+        stored = primary[:2].clone()
+        tier.submit_load(load(5, ("a", 4), ("b", 5)))
+        assert [r.success for r in settle_without_removals(tier)] == [True]
+        assert torch.equal(primary[4:6], stored)
+        assert (tier.lookup("a"), tier.lookup("b")) == (Lookup.MISS, Lookup.MISS)
+        gate.set()
+        assert tier.wait_for_removals(10)
+        assert sorted(agent.objects) == ["c"]
+        assert (tier.lookup("a"), tier.lookup("b"), tier.lookup("c")) == (
+            Lookup.MISS, Lookup.MISS, Lookup.HIT)
+    finally:
+        gate.set()
+        tier.shutdown(timeout=5)
+
+
+def test_a_probe_finding_an_object_being_deleted_answers_miss(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """The lookup cache forgot b's eviction (newer names pushed it out) while b's delete waits:
+    a lookup of b probes the store, which still has the object; the probe answers MISS all the
+    same (it once answered HIT, for an object gone a moment later)."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    class Forgetful(ObjectStoreTier):
+        known_names = 2
+
+    sent, gate = threading.Event(), threading.Event()
+
+    def slow_remove(names: list[str]) -> int:
+        sent.set()
+        gate.wait()
+        return agent.remove_objects(names)
+
+    tier = Forgetful(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
+    try:
+        for job_id, name in enumerate("abc"):  # b evicts a (sent), c evicts b (waiting)
+            tier.submit_store(store(job_id, (name, job_id)))
+            settle_without_removals(tier)
+            if name == "b":
+                assert sent.wait(10)
+        tier.submit_store(store(7, ("x", 6)))  # evicts c; its HIT and x's push b's MISS out
+        settle_without_removals(tier)
+        assert "b" in agent.objects
+        verdict = tier.lookup("b")
+        deadline = time.monotonic() + 10
+        while verdict is Lookup.RETRY and time.monotonic() < deadline:
+            time.sleep(0.01)
+            verdict = tier.lookup("b")
+        assert verdict is Lookup.MISS
     finally:
         gate.set()
         tier.shutdown(timeout=5)

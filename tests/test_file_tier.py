@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import os
 import random
+import re
 import select
 import signal
 import subprocess
@@ -193,6 +194,60 @@ def test_two_tiers_storing_one_key_in_one_directory_each_write_a_file_of_their_o
     assert first.path_of("k").read_bytes() == block(other_cache, 3)
     assert first.lookup("k") is Lookup.HIT
     assert temporary_files(tmp_path, ("k",)) == []
+
+
+@real_nixl
+def test_a_block_of_another_tiers_size_in_a_shared_directory_is_never_loaded_as_this_ones(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier]
+) -> None:
+    """Two tiers share a root, one with blocks twice the other's size, and both store key k:
+    the small tier still answers HIT (its own store finished), but its load finds a file of
+    another size under k's name and fails by ``open``, naming the file; its block keeps its
+    bytes, and k is a MISS from then on. (NIXL read the first block's bytes of the big file
+    and answered DONE: the load once published them as a success.)"""
+    big_cache = torch.randint(0, 256, (BLOCKS, 2 * BLOCK_BYTES), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(5))
+    small = FileTier(cache, tmp_path, agent=posix(), durable=False)
+    big = FileTier(big_cache, tmp_path, agent=posix(), durable=False)
+    tiers += [small, big]
+    small.submit_store(TransferJob(1, ["k"], [0]))
+    assert results_of(small)[1].success
+    big.submit_store(TransferJob(1, ["k"], [0]))
+    assert results_of(big)[1].success
+    assert small.lookup("k") is Lookup.HIT  # the verdict its own store left
+
+    before = block(cache, 5)
+    small.submit_load(TransferJob(2, ["k"], [5], is_promotion=True))
+    result = results_of(small)[2]
+    assert not result.success
+    assert str(result.reason) == (f"open raised OSError: {small.path_of('k')} holds "
+                                  f"{2 * BLOCK_BYTES} bytes, not a block of {BLOCK_BYTES}")
+    assert block(cache, 5) == before
+    assert small.lookup("k") is Lookup.MISS
+
+
+@real_nixl
+def test_a_fifo_under_a_blocks_name_fails_its_load_at_once_and_holds_nothing_up(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier]
+) -> None:
+    """Something not a block under k's name, a FIFO nobody writes to: the load's open does not
+    wait for a writer (it once blocked the submit, holding the tier's lock, for good); the job
+    fails naming it, and the tier goes on."""
+    tier = FileTier(cache, tmp_path, agent=posix(), durable=False)
+    tiers.append(tier)
+    os.mkfifo(tier.path_of("k"))
+    done = threading.Event()
+
+    def load() -> None:
+        tier.submit_load(TransferJob(1, ["k"], [0], is_promotion=True))
+        done.set()
+
+    loader = threading.Thread(target=load, daemon=True)
+    loader.start()
+    assert done.wait(10), "the submit waited for a writer of the FIFO"
+    result = results_of(tier)[1]
+    assert str(result.reason) == (
+        f"open raised OSError: {tier.path_of('k')} is not a regular file: not a block")
 
 
 @real_nixl
@@ -725,6 +780,24 @@ def test_a_live_writer_in_another_process_keeps_its_temporary_files(
     assert cleaning.remove_stale() == 0  # (it exited without shutdown: its writer file goes)
     assert [p.name for p in blocks.iterdir()] == ["held"]
     cleaning.shutdown()
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"poll_interval": -1.0}, "poll_interval must be"),
+    ({"capacity_bytes": 10}, "capacity_bytes must be an int of at least one block "
+                             f"({BLOCK_BYTES} bytes), got 10"),
+    ({"record_events": True}, "record_events=True needs capacity_bytes"),
+    ({"durable": "false"}, "durable must be True or False, got 'false'"),
+    ({"primary": torch.zeros(0)}, "primary"),
+])
+def test_bad_input_is_refused_before_the_root_is_made(
+    cache: torch.Tensor, tmp_path: Path, options: dict[str, Any], message: str
+) -> None:
+    root = tmp_path / "not yet"
+    primary = options.pop("primary", cache)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        FileTier(primary, root, agent=FakeNixlAgent(), **options)
+    assert not root.exists()
 
 
 # -- the root: refused at once when a tier could never use it ------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvfsm.testing import FaultyAgent, Raise, ReturnErr, StayProc
+from kvfsm.tiers import Lookup
 
 from .real_nixl import S3Server, require_nixl, s3_server  # noqa: F401 - a fixture
 from .vllm_engine import CHUNK_BYTES, Engine, block, key, require_vllm
@@ -580,6 +581,9 @@ def test_kvfsm_imports_without_vllm() -> None:
     ("in_flight", {"jobs": 0}, "InFlightLimit.jobs must be"),
     ("retry", [], "retry must be a dict of RetryPolicy fields, got []"),
     ("retry", {"max_unpoled": 2}, "retry: unknown field(s) max_unpoled; RetryPolicy has "),
+    ("shutdown_timeout", "30", "FileTier: shutdown_timeout must be a number of seconds or "
+     "None, got '30'"),
+    ("durable", "false", "durable must be True or False, got 'false'"),
 ])
 def test_a_bad_setting_is_refused_with_an_error_naming_it(
     tmp_path: Path, engines: Callable[..., Engine], setting: str, value: Any, message: str
@@ -628,3 +632,42 @@ def test_an_interrupt_once_the_tier_took_a_job_loses_no_result() -> None:
     assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
     assert not adapter.has_pending_work()
     adapter.shutdown()
+
+
+def test_a_job_id_reused_while_its_job_runs_is_refused_and_the_running_job_keeps_its_keys() -> None:
+    """vLLM promotes k1 and k2, k2 a MISS (so only k1 is loaded); a store reusing that job id
+    comes while the promotion runs. It is refused (a failed result) without touching the
+    promotion's record: the promotion still reports k2 as not loaded. (The store's record once
+    replaced the promotion's, which then reported every key loaded.)"""
+    import numpy as np  # noqa: PLC0415 - vLLM's job type wants its chunk ids so
+    from vllm.v1.kv_offload.tiering.base import TransferJob as VllmJob  # noqa: PLC0415
+
+    from kvfsm.testing import FakeNixlAgent, StayProc  # noqa: PLC0415
+    from kvfsm.vllm import ObjectStoreTier  # noqa: PLC0415
+
+    agent = FakeNixlAgent("reused", complete_after_polls=1)
+    view = memoryview(bytearray(4 * 64)).cast("B", (4, 64))
+    adapter = ObjectStoreTier(None, view, "ObjectStoreTier", agent=agent,
+                              probe_agent=FakeNixlAgent("probe", objects=agent.objects))
+    k1, k2, k3 = (bytes([seed]) * 8 for seed in (1, 2, 3))
+
+    def job(job_id: int, keys: list[bytes], chunks: list[int], promotion: bool) -> Any:
+        return VllmJob(job_id=job_id, keys=keys, chunk_ids=np.array(chunks),
+                       is_promotion=promotion, req_context=None)
+
+    adapter.submit_store(job(1, [k1], [0], False))
+    adapter.drain_jobs()
+    assert [(r.job_id, r.success) for r in adapter.get_finished_jobs()] == [(1, True)]
+    adapter.tier._known.record([adapter.tier.remote_name(k2)], Lookup.MISS)  # k2: gone
+
+    agent.inject("check_xfer_state", StayProc(3))
+    adapter.submit_load(job(3, [k1, k2], [1, 2], True))
+    adapter.submit_store(job(3, [k3], [3], False))
+    adapter.drain_jobs()
+    results = list(adapter.get_finished_jobs())
+    assert [(r.job_id, r.success, r.successful_keys) for r in results] == [
+        (3, False, []),  # the store, refused
+        (3, False, [k1]),  # the promotion: k1 loaded, k2 not
+    ]
+    adapter.shutdown()
+

@@ -39,6 +39,7 @@ from kvfsm.machines.transfer import (
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.runner import END, Outcome, Runner
 from kvfsm.tiers.holdings import HoldingEvent, Holdings, Remove, TierFullError
+from kvfsm.tiers.holdings import check_capacity as holdings_capacity
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
@@ -556,6 +557,11 @@ class SecondaryTier(JobSide):
         """The store :meth:`_take_back` took ``names`` back for was not admitted: remove them
         after all."""
 
+    def _removing(self, names: Sequence[str]) -> tuple[str, ...]:
+        """Those of ``names`` the tier is removing (evicted, not yet removed): a load of them
+        that succeeds does not make them a HIT again."""
+        return ()
+
     # -- internals --------------------------------------------------------------------------
 
     def _submit_locked(self, job: TransferJob, *, load: bool) -> None:
@@ -630,9 +636,11 @@ class SecondaryTier(JobSide):
         if holdings is not None:  # a store past the capacity is refused here: nothing changed
             if load:
                 holdings.pin(names)
+                transfer.doomed = self._removing(names)
             else:  # taken back from the removals first, so none is sent meanwhile
-                taken = self._take_back(names)
+                taken: Sequence[str] = ()
                 try:
+                    taken = self._take_back(names)
                     holdings.reserve(names, job.keys)
                 except BaseException:
                     self._give_back(taken)
@@ -809,17 +817,28 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
     quarantined after NIXL finished it included: it publishes a failure) the tier cannot vouch
     for them, and a failed load is not made again and again (F11). The holdings unpin them."""
     known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS)
+    if transfer.doomed and result.success:  # read before their removal: gone by now
+        known.record(transfer.doomed, Lookup.MISS)
     if holdings is not None:
         holdings.finished(transfer.names, transfer.job.keys, load=transfer.job.is_promotion,
-                          success=result.success)
+                          success=result.success, landed=transfer.landed)
 
 
-def _holdings(known: KnownNames, block_bytes: int, capacity_bytes: int | None,
-              record_events: bool, remove: Remove | None) -> Holdings | None:
+def check_capacity(capacity_bytes: object, block_bytes: int, record_events: object) -> None:
+    """Refuse a ``capacity_bytes`` that is neither None nor an int of at least one block, and
+    ``record_events`` without a capacity, naming what was given."""
     if capacity_bytes is None:
         if record_events:
             raise ValueError("record_events=True needs capacity_bytes: a tier keeps track of "
                              "what it stored only within a capacity")
+    else:
+        holdings_capacity(capacity_bytes, block_bytes)
+
+
+def _holdings(known: KnownNames, block_bytes: int, capacity_bytes: int | None,
+              record_events: bool, remove: Remove | None) -> Holdings | None:
+    check_capacity(capacity_bytes, block_bytes, record_events)
+    if capacity_bytes is None:
         return None
     if remove is None:
         raise ValueError("capacity_bytes needs a way to remove blocks (remove=)")

@@ -81,6 +81,7 @@ from typing import Any
 import torch
 
 from kvfsm.agent import NixlAgent
+from kvfsm.contract import check_interval
 from kvfsm.driver import StepFunction, StorageSide, check_runnable
 from kvfsm.engine import Declaration
 from kvfsm.machines.transfer import TRANSFER_MACHINE
@@ -90,6 +91,7 @@ from kvfsm.tiers.base import (
     Lookup,
     SecondaryTier,
     _check_primary,
+    check_capacity,
     check_in_flight,
     key_text,
 )
@@ -115,12 +117,13 @@ logger = logging.getLogger("kvfsm")
 class _OpenFiles:
     """What a file transfer opened: descriptors, and the temporary paths of a store."""
 
-    __slots__ = ("committed", "fds", "flush", "partial")
+    __slots__ = ("committed", "fds", "flush", "partial", "placing")
 
     def __init__(self) -> None:
         self.fds: list[int] = []
         self.partial: list[tuple[str, str]] = []  # (temporary, final) paths, for a store
         self.committed = False  # renamed into place: nothing left to remove
+        self.placing = False  # renames begun: a block under its name may be this store's
         self.flush: _Flush | None = None  # the commit handed to the flusher, once it is
 
 
@@ -145,7 +148,10 @@ class _Files(StorageSide):
         for name in transfer.names:
             final = directory + name
             if transfer.job.is_promotion:
-                fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
+                # (non-blocking: a FIFO under a block's name must not hold the tier up)
+                fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+                fds.append(fd)  # (closed at the cleanup, whatever follows)
+                _check_block(fd, final, size)
             else:
                 # a name no other tier, and no earlier store of this one, ever used: O_EXCL
                 # says so, rather than truncating a file someone else may still commit
@@ -153,7 +159,7 @@ class _Files(StorageSide):
                 fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                              0o644)
                 opened.partial.append((partial, final))
-            fds.append(fd)
+                fds.append(fd)
             descs.append((0, size, fd, ""))
         return descs
 
@@ -171,6 +177,7 @@ class _Files(StorageSide):
             if transfer.success is False or not opened.partial:
                 return True
             if not self.durable:
+                opened.placing = True
                 for partial, final in opened.partial:
                     os.replace(partial, final)
                 opened.committed = True
@@ -197,6 +204,8 @@ class _Files(StorageSide):
                 os.close(fd)
             except OSError as error:
                 leaks.append(Leak("close", f"fd {fd}: {error}"))
+        if opened.partial and not opened.placing and opened.flush is None:
+            transfer.landed = False  # nothing renamed: no block under its names is this store's
         if not opened.committed:
             # (a flush still under way, for a store that failed after NIXL finished it, owns
             # copies of the descriptors; a rename it makes later finds its file gone, or has
@@ -499,7 +508,11 @@ class FileTier(SecondaryTier):
     """Stores each block as one file under ``root``.
 
     Several tiers (in one process or several) may share ``root``: each writes temporary files
-    of its own, and the last rename of a block wins, with a complete block either way. Keys are
+    of its own, and the last rename of a block wins, with a complete block either way (tiers
+    of different block sizes may share it too: a load checks that the file holds exactly one
+    block of its own tier's size, and fails otherwise). A tier with a capacity removes only
+    files it may have put in place: a store that failed before its rename leaves whatever is
+    under its blocks' names, another tier's say, alone. Keys are
     named as the module docstring says; bytes keys share the str keys' names through
     :func:`~kvfsm.tiers.base.key_text` (``b"k"`` and ``"6b"`` are one block).
 
@@ -546,6 +559,12 @@ class FileTier(SecondaryTier):
         # a machine the tier cannot run is refused before any agent is made
         check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
         check_in_flight(in_flight)
+        # the rest of what can be refused, before the root is made
+        _check_primary(primary)
+        check_interval("poll_interval", poll_interval)
+        check_capacity(capacity_bytes, int(primary[0].nbytes), record_events)
+        if type(durable) is not bool:  # ("false" from a configuration file is no False)
+            raise ValueError(f"durable must be True or False, got {durable!r}")
         self.root = Path(root)
         self.read_only = _check_root(self.root, read_only)
         #: the root as text, ending in a separator: a block's path is this and its name
@@ -669,6 +688,21 @@ class FileTier(SecondaryTier):
             logger.warning("shutdown: a flush of a store already published is still under "
                            "way; the flusher ends by itself (this tier's writer lock is held "
                            "until then)")
+
+
+def _check_block(fd: int, path: str, size: int) -> None:
+    """Refuse to load from ``fd`` unless it is a regular file of exactly one block: a finished
+    store leaves nothing else, and anything else (a block of another tier's size in a shared
+    root, a file cut short, a FIFO) is not this tier's block.
+
+    Raises:
+        OSError: naming the file and what it is (the load fails by ``open``).
+    """
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode):
+        raise OSError(f"{path} is not a regular file: not a block")
+    if found.st_size != size:
+        raise OSError(f"{path} holds {found.st_size} bytes, not a block of {size}")
 
 
 def _unlink(directory: str, names: Sequence[str]) -> int:

@@ -33,6 +33,13 @@ USES_NOTED = 4096
 Remove = Callable[[Sequence[str]], "int | None"]
 
 
+def check_capacity(capacity_bytes: object, block_bytes: int) -> None:
+    """Refuse a ``capacity_bytes`` that is not an int of at least one block, naming it."""
+    if type(capacity_bytes) is not int or capacity_bytes < block_bytes:
+        raise ValueError(f"capacity_bytes must be an int of at least one block "
+                         f"({block_bytes} bytes), got {capacity_bytes!r}")
+
+
 class TierFullError(RuntimeError):
     """A store would take the tier past its capacity and too few stored blocks are free to
     remove (transfers in flight use them); nothing was registered."""
@@ -66,9 +73,7 @@ class Holdings:
 
     def __init__(self, capacity_bytes: int, block_bytes: int, remove: Remove, *,
                  record_events: bool = False, event_limit: int = 1 << 16) -> None:
-        if type(capacity_bytes) is not int or capacity_bytes < block_bytes:
-            raise ValueError(f"capacity_bytes must be an int of at least one block "
-                             f"({block_bytes} bytes), got {capacity_bytes!r}")
+        check_capacity(capacity_bytes, block_bytes)
         self.capacity_bytes = capacity_bytes
         self.block_bytes = block_bytes
         #: how many blocks fit
@@ -136,10 +141,12 @@ class Holdings:
                 held.move_to_end(name)
 
     def finished(self, names: Sequence[str], keys: Sequence[Any], *, load: bool,
-                 success: bool) -> None:
+                 success: bool, landed: bool = True) -> None:
         """A transfer of ``names`` published its result: unpin them; a store that succeeded
         holds its blocks now. A failed store's blocks are removed unless the tier held them
-        before (a failed write may have landed, and nothing vouches for it). A failed load
+        before (a failed write may have landed, and nothing vouches for it), or the store
+        put none of them in place (``landed`` False: what is under their names, if anything,
+        is not this tier's, another process's block, say). A failed load
         removes nothing (it may have failed for a reason that has nothing to do with the stored
         bytes: cancelled, a release that kept failing, a store that did not answer): its blocks
         stay counted, and go when their turn comes (the tier answers MISS for them meanwhile)."""
@@ -159,7 +166,7 @@ class Holdings:
                     stored.append(key)
                 held[name] = key
                 held.move_to_end(name)
-            elif name not in held and not pins[name]:
+            elif landed and name not in held and not pins[name]:
                 dropped.append(name)
         if stored:
             self._event(HoldingEvent(tuple(stored), removed=False))

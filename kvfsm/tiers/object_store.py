@@ -91,10 +91,13 @@ class _Prober:
     """
 
     def __init__(self, agent: Any, known: KnownNames, batch: int,
-                 shared: threading.RLock | None, miss_for: float) -> None:
+                 shared: threading.RLock | None, miss_for: float,
+                 removing: Callable[[Sequence[str]], tuple[str, ...]] | None = None) -> None:
         self._agent = agent
         self._shared = shared
         self._known = known
+        #: the names the tier is deleting: found or not, a probe answers MISS for them
+        self._removing = removing
         self._batch = batch
         self.miss_for = miss_for
         self._wanted: dict[str, None] = {}  # insertion-ordered set of names to probe
@@ -176,6 +179,8 @@ class _Prober:
             while not shared.acquire(timeout=0.05):
                 if self._stopping:
                     return False
+        removing = self._removing
+        doomed = set(removing(names)) if removing is not None else set()
         try:
             answers = self._agent.query_memory([(0, 1, 0, name) for name in names],
                                                "OBJ", "OBJ")
@@ -188,14 +193,16 @@ class _Prober:
         if answers is not None and len(answers) != len(names):  # not an answer per name
             self.errors += 1
             answers = None
+        if answers is not None and removing is not None:  # (deleted before, or during, it)
+            doomed.update(removing(names))
         with self._lock:
             for index, name in enumerate(names):
                 self._wanted.pop(name, None)
                 if answers is not None:
                     # a result the tier recorded meanwhile is newer than this probe
                     self._known.offer(
-                        name, Lookup.MISS if answers[index] is None else Lookup.HIT,
-                        self.miss_for)
+                        name, Lookup.MISS if answers[index] is None or name in doomed
+                        else Lookup.HIT, self.miss_for)
         return True
 
 
@@ -278,6 +285,14 @@ class _Remover:
             for name in taken:
                 del waiting[name]
             return taken
+
+    def removing(self, names: Sequence[str]) -> tuple[str, ...]:
+        """Those of ``names`` waiting to be deleted or being deleted."""
+        with self._lock:
+            waiting, sending = self._waiting, self._sending
+            if not waiting and not sending:
+                return ()
+            return tuple(name for name in names if name in waiting or name in sending)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -460,7 +475,8 @@ class ObjectStoreTier(SecondaryTier):
                          remove=self._remover, in_flight=in_flight)
         self._prober = _Prober(probe_agent if probe_agent is not None else agent, self._known,
                                probe_batch, None if probe_agent is not None else self._lock,
-                               self.probed_miss_seconds)
+                               self.probed_miss_seconds,
+                               None if self._remover is None else self._remover.removing)
         # a tier dropped without shutdown() stops its prober (never waiting for it)
         weakref.finalize(self, self._prober.stop, 0.0)
 
@@ -510,6 +526,10 @@ class ObjectStoreTier(SecondaryTier):
         remover = self._remover
         if remover is not None and names:
             remover(names)
+
+    def _removing(self, names: Sequence[str]) -> tuple[str, ...]:
+        remover = self._remover
+        return () if remover is None else remover.removing(names)
 
     @property
     def probe_errors(self) -> int:
