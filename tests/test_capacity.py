@@ -3,6 +3,8 @@ transfer uses, and what was stored and removed comes back as events."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -246,8 +248,6 @@ def test_lookups_on_another_thread_never_break_an_eviction(
 ) -> None:
     """A lookup's HIT counts as use without taking the tier's lock: it is noted, and the next
     store counts it; lookups racing with evictions neither raise nor block them."""
-    import threading  # noqa: PLC0415
-
     stop = threading.Event()
     errors: list[BaseException] = []
 
@@ -277,33 +277,25 @@ def test_a_refused_store_leaves_the_deletes_waiting_as_they_were(
 ) -> None:
     """A store that names a block waiting to be deleted takes it back only once admitted: a
     refused one leaves the delete to be sent, so nothing stays in the store untracked."""
-    import threading  # noqa: PLC0415
-
     from kvfsm.tiers.object_store import _stop_all_probers  # noqa: PLC0415
 
-    sent, gate = threading.Event(), threading.Event()
-
-    def slow_remove(names: list[str]) -> int:
-        sent.set()
-        gate.wait()  # (the test sets it, finally too)
-        return agent.remove_objects(names)
-
-    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=2 * BLOCK, remove=slow_remove)
+    deletes = HeldDeletes(agent)
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=2 * BLOCK, remove=deletes)
     try:
         for job_id, name in enumerate("abcd"):  # c evicts a (its delete held), d evicts b
             tier.submit_store(store(job_id, (name, job_id)))
             settle_without_removals(tier)
             if name == "c":  # a's delete is sent before b waits (not one delete of both)
-                assert sent.wait(10)
+                assert deletes.sent.wait(10)
         assert tier.stats()["holdings"]["removes_waiting"] == 1
         with pytest.raises(TierFullError):
             tier.submit_store(store(10, ("b", 4), ("e", 5), ("f", 6)))
-        gate.set()
+        deletes.gate.set()
         assert tier.wait_for_removals(10)
         assert sorted(agent.objects) == ["c", "d"]
         _stop_all_probers()  # what interpreter exit does: nothing is left waiting
     finally:
-        gate.set()
+        deletes.gate.set()
         tier.shutdown(timeout=5)
 
 
@@ -315,21 +307,13 @@ def test_a_block_stored_again_while_its_delete_is_in_flight_is_refused_until_it_
     would answer HIT for an object that is gone. So that store is refused, naming a, and
     changes nothing; once the delete is answered, a is stored again, and every block the tier
     answers HIT for is in the store."""
-    import threading  # noqa: PLC0415
-
-    sent, gate = threading.Event(), threading.Event()
-
-    def slow_remove(names: list[str]) -> int:
-        sent.set()
-        gate.wait()  # (the test sets it, finally too)
-        return agent.remove_objects(names)
-
-    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
+    deletes = HeldDeletes(agent)
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes)
     try:
         tier.submit_store(store(1, ("a", 0)))
         assert [r.success for r in settle_without_removals(tier)] == [True]
         tier.submit_store(store(2, ("b", 1)))  # evicts a: its delete is sent, not answered
-        assert sent.wait(10)
+        assert deletes.sent.wait(10)
         assert [r.success for r in settle_without_removals(tier)] == [True]
         registrations = agent.call_count("register_memory")
 
@@ -344,7 +328,7 @@ def test_a_block_stored_again_while_its_delete_is_in_flight_is_refused_until_it_
         assert (holdings["removes_sending"], holdings["stores_refused_removing"]) == (1, 1)
         assert holdings["held_blocks"] == 1  # b, as before the refusal
 
-        gate.set()
+        deletes.gate.set()
         assert tier.wait_for_removals(10)
         assert "a" not in agent.objects
         assert tier.stats()["holdings"]["removes_sending"] == 0
@@ -353,7 +337,7 @@ def test_a_block_stored_again_while_its_delete_is_in_flight_is_refused_until_it_
         assert tier.lookup("a") is Lookup.HIT
         assert all(name in agent.objects for name in "ab" if tier.lookup(name) is Lookup.HIT)
     finally:
-        gate.set()
+        deletes.gate.set()
         tier.shutdown(timeout=5)
 
 
@@ -362,22 +346,10 @@ def test_a_store_that_takes_a_waiting_delete_back_is_not_refused(
 ) -> None:
     """Only a delete already sent refuses a store: one still waiting behind it is taken back,
     and its object is never deleted."""
-    import threading  # noqa: PLC0415
-
-    sent, gate = threading.Event(), threading.Event()
-
-    def slow_remove(names: list[str]) -> int:
-        sent.set()
-        gate.wait()  # (the test sets it, finally too)
-        return agent.remove_objects(names)
-
-    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
+    deletes = HeldDeletes(agent)
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes)
     try:
-        for job_id, name in enumerate("abc"):  # b evicts a (sent), c evicts b (waiting)
-            tier.submit_store(store(job_id, (name, job_id)))
-            assert [r.success for r in settle_without_removals(tier)] == [True]
-            if job_id == 1:
-                assert sent.wait(10)
+        store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
         holdings = tier.stats()["holdings"]
         assert (holdings["removes_sending"], holdings["removes_waiting"]) == (1, 1)
         with pytest.raises(RemovalInFlightError, match="store of a refused"):
@@ -385,13 +357,13 @@ def test_a_store_that_takes_a_waiting_delete_back_is_not_refused(
         assert tier.stats()["holdings"]["removes_waiting"] == 1
         tier.submit_store(store(5, ("b", 3)))  # b's delete is waiting: taken back
         assert tier.stats()["holdings"]["removes_waiting"] == 1  # c's, evicted by it
-        gate.set()
+        deletes.gate.set()
         assert [r.success for r in settle(tier)] == [True]
         assert sorted(agent.objects) == ["b"]
         assert tier.lookup("b") is Lookup.HIT
         assert tier.stats()["holdings"]["stores_refused_removing"] == 1
     finally:
-        gate.set()
+        deletes.gate.set()
         tier.shutdown(timeout=5)
 
 
@@ -402,34 +374,22 @@ def test_a_load_of_blocks_being_deleted_does_not_make_them_a_hit_again(
     manager told which tier to load from) loads both: the objects are still there, so the
     loads succeed, with the bytes stored; but the tier does not answer HIT for them again,
     since their deletes are on their way (it once did, for objects then gone)."""
-    import threading  # noqa: PLC0415
-
-    sent, gate = threading.Event(), threading.Event()
-
-    def slow_remove(names: list[str]) -> int:
-        sent.set()
-        gate.wait()
-        return agent.remove_objects(names)
-
-    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
+    deletes = HeldDeletes(agent)
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes)
     try:
-        for job_id, name in enumerate("abc"):  # b evicts a (sent), c evicts b (waiting)
-            tier.submit_store(store(job_id, (name, job_id)))
-            settle_without_removals(tier)
-            if name == "b":
-                assert sent.wait(10)
+        store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
         stored = primary[:2].clone()
         tier.submit_load(load(5, ("a", 4), ("b", 5)))
         assert [r.success for r in settle_without_removals(tier)] == [True]
         assert torch.equal(primary[4:6], stored)
         assert (tier.lookup("a"), tier.lookup("b")) == (Lookup.MISS, Lookup.MISS)
-        gate.set()
+        deletes.gate.set()
         assert tier.wait_for_removals(10)
         assert sorted(agent.objects) == ["c"]
         assert (tier.lookup("a"), tier.lookup("b"), tier.lookup("c")) == (
             Lookup.MISS, Lookup.MISS, Lookup.HIT)
     finally:
-        gate.set()
+        deletes.gate.set()
         tier.shutdown(timeout=5)
 
 
@@ -439,26 +399,15 @@ def test_a_probe_finding_an_object_being_deleted_answers_miss(
     """The lookup cache forgot b's eviction (newer names pushed it out) while b's delete waits:
     a lookup of b probes the store, which still has the object; the probe answers MISS all the
     same (it once answered HIT, for an object gone a moment later)."""
-    import threading  # noqa: PLC0415
     import time  # noqa: PLC0415
 
     class Forgetful(ObjectStoreTier):
         known_names = 2
 
-    sent, gate = threading.Event(), threading.Event()
-
-    def slow_remove(names: list[str]) -> int:
-        sent.set()
-        gate.wait()
-        return agent.remove_objects(names)
-
-    tier = Forgetful(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
+    deletes = HeldDeletes(agent)
+    tier = Forgetful(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes)
     try:
-        for job_id, name in enumerate("abc"):  # b evicts a (sent), c evicts b (waiting)
-            tier.submit_store(store(job_id, (name, job_id)))
-            settle_without_removals(tier)
-            if name == "b":
-                assert sent.wait(10)
+        store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
         tier.submit_store(store(7, ("x", 6)))  # evicts c; its HIT and x's push b's MISS out
         settle_without_removals(tier)
         assert "b" in agent.objects
@@ -469,8 +418,32 @@ def test_a_probe_finding_an_object_being_deleted_answers_miss(
             verdict = tier.lookup("b")
         assert verdict is Lookup.MISS
     finally:
-        gate.set()
+        deletes.gate.set()
         tier.shutdown(timeout=5)
+
+
+class HeldDeletes:
+    """An object store's ``remove=`` whose deletes wait until the test opens ``gate`` (set at
+    the end of each test, whatever happened); ``sent`` is set once one was sent."""
+
+    def __init__(self, agent: FakeNixlAgent) -> None:
+        self.agent = agent
+        self.sent, self.gate = threading.Event(), threading.Event()
+
+    def __call__(self, names: list[str]) -> int:
+        self.sent.set()
+        self.gate.wait()
+        return self.agent.remove_objects(names)
+
+
+def store_a_b_c(tier: ObjectStoreTier, deletes: HeldDeletes) -> None:
+    """Store a, b and c one after the other into a tier that keeps one block: b evicts a,
+    whose delete is sent (and held), and c evicts b, whose delete waits behind it."""
+    for job_id, name in enumerate("abc"):
+        tier.submit_store(store(job_id, (name, job_id)))
+        assert [r.success for r in settle_without_removals(tier)] == [True]
+        if name == "b":
+            assert deletes.sent.wait(10)
 
 
 def settle_without_removals(tier: SecondaryTier) -> list[JobResult]:
