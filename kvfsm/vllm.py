@@ -225,6 +225,9 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         kind = "load" if load else "store"
         try:
             tier = self.tier
+            if job.job_id in self._jobs:  # vLLM's ids are unique: a caller's bug, refused
+                # without touching the job in flight (whose record says what it moved)
+                raise tiers.InvalidJobError(f"job id {job.job_id} is already in flight")
             keys = list(job.keys)
             chunks = [int(c) for c in job.chunk_ids]
             if len(keys) != len(chunks):
@@ -241,8 +244,6 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                 self._ready_result(job.job_id, kind, success=not load, outcome=(
                     "missing" if load else "skipped"))
                 return
-            if job.job_id in self._jobs:  # (its entry would stand for the job in flight)
-                raise tiers.InvalidJobError(f"job id {job.job_id} is already in flight")
             moved = [k for k, _ in pairs]
             entry = _Job(load, moved, missing)
             self._jobs[job.job_id] = entry  # before the submit: a result may come at once

@@ -4,6 +4,7 @@ transfer uses, and what was stored and removed comes back as events."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -243,6 +244,74 @@ def test_a_file_store_that_failed_before_its_rename_removes_no_file_it_did_not_w
         other.shutdown(timeout=5)
 
 
+def test_a_file_store_whose_first_open_failed_removes_no_file_it_did_not_write(
+    tmp_path: object, primary: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's temporary file cannot be created (the disk is full): the store fails by
+    ``open`` before it wrote anything, and another tier's block under the same name stays."""
+    import errno  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    from kvfsm.nixl_agents import nixl_available  # noqa: PLC0415
+
+    if not nixl_available():
+        pytest.skip("needs real NIXL (POSIX)")
+    other = FileTier(primary, tmp_path, durable=False)
+    tier = FileTier(primary, tmp_path, capacity_bytes=2 * BLOCK, durable=False)
+    real_open = os.open
+
+    def full_disk(path: str, flags: int, *args: Any, **kwargs: Any) -> int:
+        if ".kvfsm-partial-" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    try:
+        other.submit_store(store(1, ("k", 3)))
+        assert [r.success for r in settle(other)] == [True]
+        monkeypatch.setattr(os, "open", full_disk)
+        tier.submit_store(store(2, ("k", 5)))
+        (result,) = settle(tier)
+        monkeypatch.undo()
+        assert result.reason is not None and result.reason.call == "open"
+        assert tier.path_of("k").read_bytes() == primary[3].numpy().tobytes()
+    finally:
+        monkeypatch.undo()
+        tier.shutdown(timeout=5)
+        other.shutdown(timeout=5)
+
+
+def test_what_a_failed_store_left_in_place_goes_when_the_last_store_of_it_ends(
+    tmp_path: object, primary: torch.Tensor
+) -> None:
+    """Two stores of k run at once. The second renames k into place and fails (its other block
+    cannot be renamed) while the first still runs, so k is not removed then; the first then
+    fails before any rename of its own. k, the second's block, is removed as that first store
+    ends: it is this tier's, and nothing counts it (it was once left for good)."""
+    from kvfsm.nixl_agents import make_agent, nixl_available  # noqa: PLC0415
+    from kvfsm.testing import FaultyAgent  # noqa: PLC0415
+
+    if not nixl_available():
+        pytest.skip("needs real NIXL (POSIX)")
+    faulty = FaultyAgent(make_agent("owed", "POSIX"))
+    tier = FileTier(primary, tmp_path, capacity_bytes=4 * BLOCK, durable=False, agent=faulty)
+    try:
+        faulty.inject("check_xfer_state", StayProc(60), at=1)  # the first store runs on
+        tier.submit_store(store(1, ("k", 3)))
+        (tier.path_of("j") / "in the way").mkdir(parents=True)
+        tier.submit_store(store(2, ("k", 5), ("j", 6)))
+        assert [(r.job_id, r.reason.call if r.reason else None)
+                for r in settle_without_removals(tier)] == [(2, "commit")]
+        assert tier.path_of("k").read_bytes() == primary[5].numpy().tobytes()  # the second's
+
+        faulty.inject("check_xfer_state", Raise())  # the first fails: it renamed nothing
+        (result,) = settle(tier)
+        assert (result.job_id, result.success) == (1, False)
+        assert not tier.path_of("k").exists()
+        assert tier.stats()["holdings"]["held_blocks"] == 0
+    finally:
+        tier.shutdown(timeout=5)
+
+
 def test_lookups_on_another_thread_never_break_an_eviction(
     small: ObjectStoreTier, agent: FakeNixlAgent
 ) -> None:
@@ -399,8 +468,6 @@ def test_a_probe_finding_an_object_being_deleted_answers_miss(
     """The lookup cache forgot b's eviction (newer names pushed it out) while b's delete waits:
     a lookup of b probes the store, which still has the object; the probe answers MISS all the
     same (it once answered HIT, for an object gone a moment later)."""
-    import time  # noqa: PLC0415
-
     class Forgetful(ObjectStoreTier):
         known_names = 2
 
@@ -411,15 +478,76 @@ def test_a_probe_finding_an_object_being_deleted_answers_miss(
         tier.submit_store(store(7, ("x", 6)))  # evicts c; its HIT and x's push b's MISS out
         settle_without_removals(tier)
         assert "b" in agent.objects
-        verdict = tier.lookup("b")
-        deadline = time.monotonic() + 10
-        while verdict is Lookup.RETRY and time.monotonic() < deadline:
-            time.sleep(0.01)
-            verdict = tier.lookup("b")
-        assert verdict is Lookup.MISS
+        assert wait_for_verdict(tier, "b") is Lookup.MISS
     finally:
         deletes.gate.set()
         tier.shutdown(timeout=5)
+
+
+def test_a_probe_answered_while_the_delete_ended_during_it_answers_miss(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """The probe of b finds b's object, and b's delete, which waited as the probe began, ends
+    before the probe's answer is taken: the probe still answers MISS (what the store said was
+    true when asked, and no longer is)."""
+    deletes = HeldDeletes(agent)
+
+    class DeleteDuringQuery(FakeNixlAgent):
+        def query_memory(self, *args: Any, **kwargs: Any) -> Any:
+            answers = super().query_memory(*args, **kwargs)
+            deletes.gate.set()  # the deletes go on, and end, before NIXL answers
+            assert tier.wait_for_removals(10)
+            return answers
+
+    class Forgetful(ObjectStoreTier):
+        known_names = 2
+
+    tier = Forgetful(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes,
+                     probe_agent=DeleteDuringQuery("probe", objects=agent.objects))
+    try:
+        store_a_b_c(tier, deletes)
+        tier.submit_store(store(7, ("x", 6)))  # evicts c; its MISS and x's HIT push b's out
+        settle_without_removals(tier)
+        assert "b" in agent.objects
+        assert wait_for_verdict(tier, "b") is Lookup.MISS
+        assert "b" not in agent.objects
+    finally:
+        deletes.gate.set()
+        tier.shutdown(timeout=5)
+
+
+def test_a_load_of_a_block_a_store_took_back_meanwhile_leaves_it_a_hit(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """b's delete waits when a load of b begins; while the load runs, a store of b takes the
+    delete back and succeeds: the tier holds b, and the load ending does not make it a MISS."""
+    deletes = HeldDeletes(agent)
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes)
+    try:
+        store_a_b_c(tier, deletes)
+        agent.inject("check_xfer_state", StayProc(3), at=agent.call_count("check_xfer_state") + 1)
+        tier.submit_load(load(8, ("b", 6)))
+        tier.submit_store(store(9, ("b", 1)))  # takes b's waiting delete back
+        assert sorted(r.job_id for r in settle_without_removals(tier)) == [8, 9]
+        assert tier.holds("b") and tier.lookup("b") is Lookup.HIT
+        deletes.gate.set()
+        assert tier.wait_for_removals(10)
+        assert "b" in agent.objects and tier.lookup("b") is Lookup.HIT
+    finally:
+        deletes.gate.set()
+        tier.shutdown(timeout=5)
+
+
+def wait_for_verdict(tier: ObjectStoreTier, name: str) -> Lookup:
+    """The lookup's answer once its probe is over (RETRY until then), within 10 s."""
+    import time  # noqa: PLC0415
+
+    verdict = tier.lookup(name)
+    deadline = time.monotonic() + 10
+    while verdict is Lookup.RETRY and time.monotonic() < deadline:
+        time.sleep(0.01)
+        verdict = tier.lookup(name)
+    return verdict
 
 
 class HeldDeletes:

@@ -663,10 +663,12 @@ def test_a_job_id_reused_while_its_job_runs_is_refused_and_the_running_job_keeps
     agent.inject("check_xfer_state", StayProc(3))
     adapter.submit_load(job(3, [k1, k2], [1, 2], True))
     adapter.submit_store(job(3, [k3], [3], False))
+    adapter.submit_store(job(3, [k1], [0], False))  # k1 is held: nothing to move, refused too
     adapter.drain_jobs()
     results = list(adapter.get_finished_jobs())
     assert [(r.job_id, r.success, r.successful_keys) for r in results] == [
-        (3, False, []),  # the store, refused
+        (3, False, []),  # the stores, refused
+        (3, False, []),
         (3, False, [k1]),  # the promotion: k1 loaded, k2 not
     ]
     adapter.shutdown()

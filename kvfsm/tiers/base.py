@@ -817,8 +817,11 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
     quarantined after NIXL finished it included: it publishes a failure) the tier cannot vouch
     for them, and a failed load is not made again and again (F11). The holdings unpin them."""
     known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS)
-    if transfer.doomed and result.success:  # read before their removal: gone by now
-        known.record(transfer.doomed, Lookup.MISS)
+    if transfer.doomed and result.success:  # read before their removal: gone by now,
+        # unless a store took one back meanwhile (the tier holds it again)
+        gone = [name for name in transfer.doomed
+                if holdings is None or not holdings.holds(name)]
+        known.record(gone, Lookup.MISS)
     if holdings is not None:
         holdings.finished(transfer.names, transfer.job.keys, load=transfer.job.is_promotion,
                           success=result.success, landed=transfer.landed)

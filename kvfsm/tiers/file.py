@@ -152,6 +152,9 @@ class _Files(StorageSide):
                 fd = os.open(final, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
                 fds.append(fd)  # (closed at the cleanup, whatever follows)
                 _check_block(fd, final, size)
+                # a block file: read as any (io_uring answers EAGAIN for O_NONBLOCK reads
+                # that would wait for the disk, where it would otherwise wait)
+                fcntl.fcntl(fd, fcntl.F_SETFL, os.O_RDONLY)
             else:
                 # a name no other tier, and no earlier store of this one, ever used: O_EXCL
                 # says so, rather than truncating a file someone else may still commit
@@ -204,7 +207,9 @@ class _Files(StorageSide):
                 os.close(fd)
             except OSError as error:
                 leaks.append(Leak("close", f"fd {fd}: {error}"))
-        if opened.partial and not opened.placing and opened.flush is None:
+        flush = opened.flush
+        if not transfer.job.is_promotion and not opened.placing and (
+                flush is None or (flush.done and not flush.placing)):
             transfer.landed = False  # nothing renamed: no block under its names is this store's
         if not opened.committed:
             # (a flush still under way, for a store that failed after NIXL finished it, owns
@@ -226,7 +231,7 @@ class _Flush:
     its renames, how it went, and who to tell. ``done`` is set once ``error`` is final, and
     ``wake`` called after it (so whoever it tells finds the flush over)."""
 
-    __slots__ = ("done", "error", "fds", "renames", "wake")
+    __slots__ = ("done", "error", "fds", "placing", "renames", "wake")
 
     def __init__(self, fds: list[int], renames: list[tuple[str, str]],
                  wake: Callable[[], None] | None = None) -> None:
@@ -235,6 +240,7 @@ class _Flush:
         self.wake = wake
         self.error: Exception | None = None
         self.done = False
+        self.placing = False  # renames begun: a block under its name may be this store's
 
     def over(self) -> None:
         """Mark the flush done (its error final), then tell the tier's runner."""
@@ -390,6 +396,7 @@ def _rename(flush: _Flush) -> bool:
     try:
         for fd in flush.fds:
             os.fsync(fd)
+        flush.placing = True
         for partial, final in flush.renames:
             os.replace(partial, final)
     except Exception as error:  # that store's failure; the others go on
@@ -510,9 +517,12 @@ class FileTier(SecondaryTier):
     Several tiers (in one process or several) may share ``root``: each writes temporary files
     of its own, and the last rename of a block wins, with a complete block either way (tiers
     of different block sizes may share it too: a load checks that the file holds exactly one
-    block of its own tier's size, and fails otherwise). A tier with a capacity removes only
-    files it may have put in place: a store that failed before its rename leaves whatever is
-    under its blocks' names, another tier's say, alone. Keys are
+    block of its own tier's size, and fails otherwise). A tier with a capacity removes the file
+    of a block it evicts, whoever renamed it last, and the files of a store that failed once
+    its renames began; a store that failed before them (NIXL's error, an open that failed, a
+    flush that failed before its first rename) leaves whatever is under its blocks' names,
+    another tier's say, alone (one quarantined before its cleanup is taken to have renamed).
+    Keys are
     named as the module docstring says; bytes keys share the str keys' names through
     :func:`~kvfsm.tiers.base.key_text` (``b"k"`` and ``"6b"`` are one block).
 

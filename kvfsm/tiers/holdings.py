@@ -87,6 +87,8 @@ class Holdings:
         self._fresh: set[str] = set()
         #: how many transfers in flight use each name
         self._pins: collections.Counter[str] = collections.Counter()
+        #: names a failed store may have left in place, to remove once no transfer uses them
+        self._owed: set[str] = set()
         #: names lookups found, not yet counted as used (appending is safe from any thread)
         self._used: collections.deque[str] = collections.deque(maxlen=USES_NOTED)
         self.record_events = record_events
@@ -146,13 +148,18 @@ class Holdings:
         holds its blocks now. A failed store's blocks are removed unless the tier held them
         before (a failed write may have landed, and nothing vouches for it), or the store
         put none of them in place (``landed`` False: what is under their names, if anything,
-        is not this tier's, another process's block, say). A failed load
+        is not this tier's, another process's block, say); one another transfer still uses
+        is removed when the last of them ends, whatever that one was. A failed load
         removes nothing (it may have failed for a reason that has nothing to do with the stored
         bytes: cancelled, a release that kept failing, a store that did not answer): its blocks
         stay counted, and go when their turn comes (the tier answers MISS for them meanwhile)."""
-        pins, held = self._pins, self._held
+        pins, held, owed = self._pins, self._held, self._owed
         _drop_one(pins, names)
         if load:
+            free = [name for name in names if name in owed and not pins[name]] if owed else ()
+            if free:  # the last use of what a failed store may have left: it goes now
+                owed.difference_update(free)
+                self._call_remove(list(free))
             return
         writers, fresh = self._writers, self._fresh
         _drop_one(writers, names)
@@ -166,8 +173,13 @@ class Holdings:
                     stored.append(key)
                 held[name] = key
                 held.move_to_end(name)
-            elif landed and name not in held and not pins[name]:
-                dropped.append(name)
+                owed.discard(name)  # (its own block now: what was left is overwritten)
+            elif name not in held and (landed or name in owed):
+                if pins[name]:  # another transfer uses it: it goes when the last one ends
+                    owed.add(name)
+                else:
+                    owed.discard(name)
+                    dropped.append(name)
         if stored:
             self._event(HoldingEvent(tuple(stored), removed=False))
         if dropped:
