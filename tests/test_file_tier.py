@@ -573,6 +573,32 @@ def test_max_running_seconds_bounds_a_store_whose_flush_hangs_and_releases_its_h
     assert temporary_files(tmp_path) == []
 
 
+@real_nixl
+def test_a_store_quarantined_before_its_commit_removes_no_file_it_did_not_write(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier]
+) -> None:
+    """Another tier stored k. This tier (with a capacity) stores k too, and NIXL keeps
+    answering PROC past ``max_running_seconds``: the store is quarantined, published as failed,
+    having renamed nothing (its commit never ran), so the other tier's k stays."""
+    other = FileTier(cache, tmp_path, agent=posix(), durable=False)
+    faulty = posix(faulty=True)
+    tier = FileTier(cache, tmp_path, agent=faulty, durable=False, capacity_bytes=4 * BLOCK_BYTES,
+                    policy=RetryPolicy(max_running_seconds=60))
+    tiers += [other, tier]
+    other.submit_store(TransferJob(1, ["k"], [3]))
+    assert results_of(other)[1].success
+    faulty.inject("check_xfer_state", StayProc(5))
+    tier.submit_store(TransferJob(2, ["k"], [5]))
+    assert tier.get_finished_jobs() == []
+    transfer = tier.transfer_of(2)
+    assert transfer is not None
+    transfer.started_at -= 120  # submitted long ago: past the bound (no sleeping for it)
+    [result] = tier.get_finished_jobs()
+    assert (result.success, str(result.reason)) == (
+        False, "quarantined waiting on check_xfer_state: still running after 60 s")
+    assert tier.path_of("k").read_bytes() == block(cache, 3), "the other tier's block"
+
+
 # -- other processes: alive, and killed mid-store -------------------------------------------------
 
 HEADER = 32

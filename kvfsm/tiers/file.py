@@ -117,13 +117,12 @@ logger = logging.getLogger("kvfsm")
 class _OpenFiles:
     """What a file transfer opened: descriptors, and the temporary paths of a store."""
 
-    __slots__ = ("committed", "fds", "flush", "partial", "placing")
+    __slots__ = ("committed", "fds", "flush", "partial")
 
     def __init__(self) -> None:
         self.fds: list[int] = []
         self.partial: list[tuple[str, str]] = []  # (temporary, final) paths, for a store
         self.committed = False  # renamed into place: nothing left to remove
-        self.placing = False  # renames begun: a block under its name may be this store's
         self.flush: _Flush | None = None  # the commit handed to the flusher, once it is
 
 
@@ -143,6 +142,8 @@ class _Files(StorageSide):
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         opened = transfer.opened = _OpenFiles()
+        if not transfer.job.is_promotion:  # nothing of a store is under a block's name
+            transfer.landed = False  # until its commit renames (or hands the renames over)
         descs = []
         directory, size, fds = self.directory, self.block_bytes, opened.fds
         for name in transfer.names:
@@ -180,7 +181,7 @@ class _Files(StorageSide):
             if transfer.success is False or not opened.partial:
                 return True
             if not self.durable:
-                opened.placing = True
+                transfer.landed = True  # the renames begin
                 for partial, final in opened.partial:
                     os.replace(partial, final)
                 opened.committed = True
@@ -189,6 +190,7 @@ class _Files(StorageSide):
             opened.flush = self._flusher.hand(
                 opened.fds, opened.partial,
                 None if over is None else functools.partial(over, transfer))
+            transfer.landed = True  # the renames are the flusher's now
             return False
         if not flush.done:
             return False
@@ -208,9 +210,8 @@ class _Files(StorageSide):
             except OSError as error:
                 leaks.append(Leak("close", f"fd {fd}: {error}"))
         flush = opened.flush
-        if not transfer.job.is_promotion and not opened.placing and (
-                flush is None or (flush.done and not flush.placing)):
-            transfer.landed = False  # nothing renamed: no block under its names is this store's
+        if flush is not None and flush.done and not flush.placing:
+            transfer.landed = False  # the flush failed before its first rename
         if not opened.committed:
             # (a flush still under way, for a store that failed after NIXL finished it, owns
             # copies of the descriptors; a rename it makes later finds its file gone, or has
@@ -519,9 +520,9 @@ class FileTier(SecondaryTier):
     of different block sizes may share it too: a load checks that the file holds exactly one
     block of its own tier's size, and fails otherwise). A tier with a capacity removes the file
     of a block it evicts, whoever renamed it last, and the files of a store that failed once
-    its renames began; a store that failed before them (NIXL's error, an open that failed, a
-    flush that failed before its first rename) leaves whatever is under its blocks' names,
-    another tier's say, alone (one quarantined before its cleanup is taken to have renamed).
+    its renames began (all of them: a flush still under way counts as renaming); a store that
+    failed before them (NIXL's error, an open that failed, a flush that failed before its
+    first rename) leaves whatever is under its blocks' names, another tier's say, alone.
     Keys are
     named as the module docstring says; bytes keys share the str keys' names through
     :func:`~kvfsm.tiers.base.key_text` (``b"k"`` and ``"6b"`` are one block).
