@@ -302,12 +302,14 @@ def test_what_a_failed_store_left_in_place_goes_when_the_last_store_of_it_ends(
         assert [(r.job_id, r.reason.call if r.reason else None)
                 for r in settle_without_removals(tier)] == [(2, "commit")]
         assert tier.path_of("k").read_bytes() == primary[5].numpy().tobytes()  # the second's
+        assert tier.stats()["holdings"]["owed_blocks"] == 1
 
         faulty.inject("check_xfer_state", Raise())  # the first fails: it renamed nothing
         (result,) = settle(tier)
         assert (result.job_id, result.success) == (1, False)
         assert not tier.path_of("k").exists()
-        assert tier.stats()["holdings"]["held_blocks"] == 0
+        holdings = tier.stats()["holdings"]
+        assert (holdings["held_blocks"], holdings["owed_blocks"]) == (0, 0)
     finally:
         tier.shutdown(timeout=5)
 

@@ -226,6 +226,8 @@ class Holdings:
             "held_blocks": len(self._held),
             "held_bytes": len(self._held) * self.block_bytes,
             "writing_blocks": len(self._writers),
+            # what failed stores may have left in place, removed once no transfer uses them
+            "owed_blocks": len(self._owed),
             "removed": self.removed,
             "remove_errors": self.remove_errors,
             "events_dropped": self.events_dropped,
