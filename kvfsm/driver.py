@@ -308,8 +308,9 @@ class TransferDriver:
         an outcome: PROC, DONE (a store's commit made), ERR, or RAISED. A store NIXL finished
         whose commit raised answers RAISED, and one whose commit is not over yet PROC."""
         outcome = _STATUS.get(status) if type(status) is str else None
-        if transfer.split is not None and outcome is not _PROC:  # the first is over: and
-            outcome = self._split_over(  # the others?
+        if transfer.split is not None and outcome is not _PROC:
+            # a job made per block whose first transfer is over: is every other one?
+            outcome = self._split_over(
                 transfer, transfer.split, outcome or self._status(status, call))
         if outcome is None:
             return self._status(status, call)
@@ -343,9 +344,11 @@ class TransferDriver:
         while split.done < split.posted:
             index = split.done
             status = self.check([handles[index]])[0]
-            split.done = index + 1  # over: never asked again (or running, and then swapped
-            if status == NIXL_RUNNING:  # for the first, over, its answer kept above: it is
-                transfer.xfer, handles[index] = handles[index], transfer.xfer  # checked now)
+            # over, and never asked again; or running, and then it takes the place of the
+            # first (over, its answer kept above), which is never asked again either
+            split.done = index + 1
+            if status == NIXL_RUNNING:
+                transfer.xfer, handles[index] = handles[index], transfer.xfer
                 return _PROC
             if status != "DONE" and split.failure is None:
                 split.failure = self._status(status, "check_xfer_state")

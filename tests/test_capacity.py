@@ -4,6 +4,7 @@ transfer uses, and what was stored and removed comes back as events."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -344,128 +345,108 @@ def test_lookups_on_another_thread_never_break_an_eviction(
 
 
 def test_a_refused_store_leaves_the_deletes_waiting_as_they_were(
-    primary: torch.Tensor, agent: FakeNixlAgent
+    primary: torch.Tensor, agent: FakeNixlAgent, deletes: HeldDeletes
 ) -> None:
     """A store that names a block waiting to be deleted takes it back only once admitted: a
     refused one leaves the delete to be sent, so nothing stays in the store untracked."""
     from kvfsm.tiers.object_store import _stop_all_probers  # noqa: PLC0415
 
-    deletes = HeldDeletes(agent)
-    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=2 * BLOCK, remove=deletes)
-    try:
-        for job_id, name in enumerate("abcd"):  # c evicts a (its delete held), d evicts b
-            tier.submit_store(store(job_id, (name, job_id)))
-            settle_without_removals(tier)
-            if name == "c":  # a's delete is sent before b waits (not one delete of both)
-                assert deletes.sent.wait(10)
-        assert tier.stats()["holdings"]["removes_waiting"] == 1
-        with pytest.raises(TierFullError):
-            tier.submit_store(store(10, ("b", 4), ("e", 5), ("f", 6)))
-        deletes.gate.set()
-        assert tier.wait_for_removals(10)
-        assert sorted(agent.objects) == ["c", "d"]
-        _stop_all_probers()  # what interpreter exit does: nothing is left waiting
-    finally:
-        deletes.gate.set()
-        tier.shutdown(timeout=5)
+    tier = deletes.tier(ObjectStoreTier, primary, capacity_bytes=2 * BLOCK)
+    for job_id, name in enumerate("abcd"):  # c evicts a (its delete held), d evicts b
+        tier.submit_store(store(job_id, (name, job_id)))
+        settle_without_removals(tier)
+        if name == "c":  # a's delete is sent before b waits (not one delete of both)
+            assert deletes.sent.wait(10)
+    assert tier.stats()["holdings"]["removes_waiting"] == 1
+    with pytest.raises(TierFullError):
+        tier.submit_store(store(10, ("b", 4), ("e", 5), ("f", 6)))
+    deletes.gate.set()
+    assert tier.wait_for_removals(10)
+    assert sorted(agent.objects) == ["c", "d"]
+    _stop_all_probers()  # what interpreter exit does: nothing is left waiting
 
 
 def test_a_block_stored_again_while_its_delete_is_in_flight_is_refused_until_it_is_answered(
-    primary: torch.Tensor, agent: FakeNixlAgent
+    primary: torch.Tensor, agent: FakeNixlAgent, deletes: HeldDeletes
 ) -> None:
     """Block a is evicted and its delete sent; the engine stores a again before the store
     answers the delete. Written then, the delete could land after the new object, and the tier
     would answer HIT for an object that is gone. So that store is refused, naming a, and
     changes nothing; once the delete is answered, a is stored again, and every block the tier
     answers HIT for is in the store."""
-    deletes = HeldDeletes(agent)
-    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes)
-    try:
-        tier.submit_store(store(1, ("a", 0)))
-        assert [r.success for r in settle_without_removals(tier)] == [True]
-        tier.submit_store(store(2, ("b", 1)))  # evicts a: its delete is sent, not answered
-        assert deletes.sent.wait(10)
-        assert [r.success for r in settle_without_removals(tier)] == [True]
-        registrations = agent.call_count("register_memory")
+    tier = deletes.tier(ObjectStoreTier, primary, capacity_bytes=BLOCK)
+    tier.submit_store(store(1, ("a", 0)))
+    assert [r.success for r in settle_without_removals(tier)] == [True]
+    tier.submit_store(store(2, ("b", 1)))  # evicts a: its delete is sent, not answered
+    assert deletes.sent.wait(10)
+    assert [r.success for r in settle_without_removals(tier)] == [True]
+    registrations = agent.call_count("register_memory")
 
-        with pytest.raises(RemovalInFlightError, match=r"store of a refused: the object is "
-                           r"being deleted") as refused:
-            tier.submit_store(store(3, ("a", 2)))
-        assert isinstance(refused.value, TierBusyError)
-        assert agent.call_count("register_memory") == registrations  # nothing registered
-        assert not tier.has_pending_work()
-        assert tier.lookup("a") is Lookup.MISS
-        holdings = tier.stats()["holdings"]
-        assert (holdings["removes_sending"], holdings["stores_refused_removing"]) == (1, 1)
-        assert holdings["held_blocks"] == 1  # b, as before the refusal
+    with pytest.raises(RemovalInFlightError, match=r"store of a refused: the object is "
+                       r"being deleted") as refused:
+        tier.submit_store(store(3, ("a", 2)))
+    assert isinstance(refused.value, TierBusyError)
+    assert agent.call_count("register_memory") == registrations  # nothing registered
+    assert not tier.has_pending_work()
+    assert tier.lookup("a") is Lookup.MISS
+    holdings = tier.stats()["holdings"]
+    assert (holdings["removes_sending"], holdings["stores_refused_removing"]) == (1, 1)
+    assert holdings["held_blocks"] == 1  # b, as before the refusal
 
-        deletes.gate.set()
-        assert tier.wait_for_removals(10)
-        assert "a" not in agent.objects
-        assert tier.stats()["holdings"]["removes_sending"] == 0
-        tier.submit_store(store(4, ("a", 2)))  # taken now (and b goes)
-        assert [r.success for r in settle(tier)] == [True]
-        assert tier.lookup("a") is Lookup.HIT
-        assert all(name in agent.objects for name in "ab" if tier.lookup(name) is Lookup.HIT)
-    finally:
-        deletes.gate.set()
-        tier.shutdown(timeout=5)
+    deletes.gate.set()
+    assert tier.wait_for_removals(10)
+    assert "a" not in agent.objects
+    assert tier.stats()["holdings"]["removes_sending"] == 0
+    tier.submit_store(store(4, ("a", 2)))  # taken now (and b goes)
+    assert [r.success for r in settle(tier)] == [True]
+    assert tier.lookup("a") is Lookup.HIT
+    assert all(name in agent.objects for name in "ab" if tier.lookup(name) is Lookup.HIT)
 
 
 def test_a_store_that_takes_a_waiting_delete_back_is_not_refused(
-    primary: torch.Tensor, agent: FakeNixlAgent
+    primary: torch.Tensor, agent: FakeNixlAgent, deletes: HeldDeletes
 ) -> None:
     """Only a delete already sent refuses a store: one still waiting behind it is taken back,
     and its object is never deleted."""
-    deletes = HeldDeletes(agent)
-    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes)
-    try:
-        store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
-        holdings = tier.stats()["holdings"]
-        assert (holdings["removes_sending"], holdings["removes_waiting"]) == (1, 1)
-        with pytest.raises(RemovalInFlightError, match="store of a refused"):
-            tier.submit_store(store(4, ("b", 3), ("a", 4)))  # a's is sent: b's stays waiting
-        assert tier.stats()["holdings"]["removes_waiting"] == 1
-        tier.submit_store(store(5, ("b", 3)))  # b's delete is waiting: taken back
-        assert tier.stats()["holdings"]["removes_waiting"] == 1  # c's, evicted by it
-        deletes.gate.set()
-        assert [r.success for r in settle(tier)] == [True]
-        assert sorted(agent.objects) == ["b"]
-        assert tier.lookup("b") is Lookup.HIT
-        assert tier.stats()["holdings"]["stores_refused_removing"] == 1
-    finally:
-        deletes.gate.set()
-        tier.shutdown(timeout=5)
+    tier = deletes.tier(ObjectStoreTier, primary, capacity_bytes=BLOCK)
+    store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
+    holdings = tier.stats()["holdings"]
+    assert (holdings["removes_sending"], holdings["removes_waiting"]) == (1, 1)
+    with pytest.raises(RemovalInFlightError, match="store of a refused"):
+        tier.submit_store(store(4, ("b", 3), ("a", 4)))  # a's is sent: b's stays waiting
+    assert tier.stats()["holdings"]["removes_waiting"] == 1
+    tier.submit_store(store(5, ("b", 3)))  # b's delete is waiting: taken back
+    assert tier.stats()["holdings"]["removes_waiting"] == 1  # c's, evicted by it
+    deletes.gate.set()
+    assert [r.success for r in settle(tier)] == [True]
+    assert sorted(agent.objects) == ["b"]
+    assert tier.lookup("b") is Lookup.HIT
+    assert tier.stats()["holdings"]["stores_refused_removing"] == 1
 
 
 def test_a_load_of_blocks_being_deleted_does_not_make_them_a_hit_again(
-    primary: torch.Tensor, agent: FakeNixlAgent
+    primary: torch.Tensor, agent: FakeNixlAgent, deletes: HeldDeletes
 ) -> None:
     """a's delete is sent and b's waits behind it when a caller that skipped the lookup (a
     manager told which tier to load from) loads both: the objects are still there, so the
     loads succeed, with the bytes stored; but the tier does not answer HIT for them again,
     since their deletes are on their way (it once did, for objects then gone)."""
-    deletes = HeldDeletes(agent)
-    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes)
-    try:
-        store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
-        stored = primary[:2].clone()
-        tier.submit_load(load(5, ("a", 4), ("b", 5)))
-        assert [r.success for r in settle_without_removals(tier)] == [True]
-        assert torch.equal(primary[4:6], stored)
-        assert (tier.lookup("a"), tier.lookup("b")) == (Lookup.MISS, Lookup.MISS)
-        deletes.gate.set()
-        assert tier.wait_for_removals(10)
-        assert sorted(agent.objects) == ["c"]
-        assert (tier.lookup("a"), tier.lookup("b"), tier.lookup("c")) == (
-            Lookup.MISS, Lookup.MISS, Lookup.HIT)
-    finally:
-        deletes.gate.set()
-        tier.shutdown(timeout=5)
+    tier = deletes.tier(ObjectStoreTier, primary, capacity_bytes=BLOCK)
+    store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
+    stored = primary[:2].clone()
+    tier.submit_load(load(5, ("a", 4), ("b", 5)))
+    assert [r.success for r in settle_without_removals(tier)] == [True]
+    assert torch.equal(primary[4:6], stored)
+    assert (tier.lookup("a"), tier.lookup("b")) == (Lookup.MISS, Lookup.MISS)
+    deletes.gate.set()
+    assert tier.wait_for_removals(10)
+    assert sorted(agent.objects) == ["c"]
+    assert (tier.lookup("a"), tier.lookup("b"), tier.lookup("c")) == (
+        Lookup.MISS, Lookup.MISS, Lookup.HIT)
 
 
 def test_a_probe_finding_an_object_being_deleted_answers_miss(
-    primary: torch.Tensor, agent: FakeNixlAgent
+    primary: torch.Tensor, agent: FakeNixlAgent, deletes: HeldDeletes
 ) -> None:
     """The lookup cache forgot b's eviction (newer names pushed it out) while b's delete waits:
     a lookup of b probes the store, which still has the object; the probe answers MISS all the
@@ -473,26 +454,20 @@ def test_a_probe_finding_an_object_being_deleted_answers_miss(
     class Forgetful(ObjectStoreTier):
         known_names = 2
 
-    deletes = HeldDeletes(agent)
-    tier = Forgetful(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes)
-    try:
-        store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
-        tier.submit_store(store(7, ("x", 6)))  # evicts c; its HIT and x's push b's MISS out
-        settle_without_removals(tier)
-        assert "b" in agent.objects
-        assert wait_for_verdict(tier, "b") is Lookup.MISS
-    finally:
-        deletes.gate.set()
-        tier.shutdown(timeout=5)
+    tier = deletes.tier(Forgetful, primary, capacity_bytes=BLOCK)
+    store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
+    tier.submit_store(store(7, ("x", 6)))  # evicts c; its HIT and x's push b's MISS out
+    settle_without_removals(tier)
+    assert "b" in agent.objects
+    assert wait_for_verdict(tier, "b") is Lookup.MISS
 
 
 def test_a_probe_answered_while_the_delete_ended_during_it_answers_miss(
-    primary: torch.Tensor, agent: FakeNixlAgent
+    primary: torch.Tensor, agent: FakeNixlAgent, deletes: HeldDeletes
 ) -> None:
     """The probe of b finds b's object, and b's delete, which waited as the probe began, ends
     before the probe's answer is taken: the probe still answers MISS (what the store said was
     true when asked, and no longer is)."""
-    deletes = HeldDeletes(agent)
 
     class DeleteDuringQuery(FakeNixlAgent):
         def query_memory(self, *args: Any, **kwargs: Any) -> Any:
@@ -504,40 +479,31 @@ def test_a_probe_answered_while_the_delete_ended_during_it_answers_miss(
     class Forgetful(ObjectStoreTier):
         known_names = 2
 
-    tier = Forgetful(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes,
-                     probe_agent=DeleteDuringQuery("probe", objects=agent.objects))
-    try:
-        store_a_b_c(tier, deletes)
-        tier.submit_store(store(7, ("x", 6)))  # evicts c; its MISS and x's HIT push b's out
-        settle_without_removals(tier)
-        assert "b" in agent.objects
-        assert wait_for_verdict(tier, "b") is Lookup.MISS
-        assert "b" not in agent.objects
-    finally:
-        deletes.gate.set()
-        tier.shutdown(timeout=5)
+    tier = deletes.tier(Forgetful, primary, capacity_bytes=BLOCK,
+                        probe_agent=DeleteDuringQuery("probe", objects=agent.objects))
+    store_a_b_c(tier, deletes)
+    tier.submit_store(store(7, ("x", 6)))  # evicts c; its MISS and x's HIT push b's out
+    settle_without_removals(tier)
+    assert "b" in agent.objects
+    assert wait_for_verdict(tier, "b") is Lookup.MISS
+    assert "b" not in agent.objects
 
 
 def test_a_load_of_a_block_a_store_took_back_meanwhile_leaves_it_a_hit(
-    primary: torch.Tensor, agent: FakeNixlAgent
+    primary: torch.Tensor, agent: FakeNixlAgent, deletes: HeldDeletes
 ) -> None:
     """b's delete waits when a load of b begins; while the load runs, a store of b takes the
     delete back and succeeds: the tier holds b, and the load ending does not make it a MISS."""
-    deletes = HeldDeletes(agent)
-    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=deletes)
-    try:
-        store_a_b_c(tier, deletes)
-        agent.inject("check_xfer_state", StayProc(3), at=agent.call_count("check_xfer_state") + 1)
-        tier.submit_load(load(8, ("b", 6)))
-        tier.submit_store(store(9, ("b", 1)))  # takes b's waiting delete back
-        assert sorted(r.job_id for r in settle_without_removals(tier)) == [8, 9]
-        assert tier.holds("b") and tier.lookup("b") is Lookup.HIT
-        deletes.gate.set()
-        assert tier.wait_for_removals(10)
-        assert "b" in agent.objects and tier.lookup("b") is Lookup.HIT
-    finally:
-        deletes.gate.set()
-        tier.shutdown(timeout=5)
+    tier = deletes.tier(ObjectStoreTier, primary, capacity_bytes=BLOCK)
+    store_a_b_c(tier, deletes)
+    agent.inject("check_xfer_state", StayProc(3), at=agent.call_count("check_xfer_state") + 1)
+    tier.submit_load(load(8, ("b", 6)))
+    tier.submit_store(store(9, ("b", 1)))  # takes b's waiting delete back
+    assert sorted(r.job_id for r in settle_without_removals(tier)) == [8, 9]
+    assert tier.holds("b") and tier.lookup("b") is Lookup.HIT
+    deletes.gate.set()
+    assert tier.wait_for_removals(10)
+    assert "b" in agent.objects and tier.lookup("b") is Lookup.HIT
 
 
 def wait_for_verdict(tier: ObjectStoreTier, name: str) -> Lookup:
@@ -559,11 +525,31 @@ class HeldDeletes:
     def __init__(self, agent: FakeNixlAgent) -> None:
         self.agent = agent
         self.sent, self.gate = threading.Event(), threading.Event()
+        self.tiers: list[ObjectStoreTier] = []
 
     def __call__(self, names: list[str]) -> int:
         self.sent.set()
         self.gate.wait()
         return self.agent.remove_objects(names)
+
+    def tier(self, kind: type[ObjectStoreTier], primary: torch.Tensor, **options: Any
+             ) -> ObjectStoreTier:
+        """A tier of ``kind`` on the agent, whose evicted objects these deletes remove; shut
+        down at the end of the test."""
+        tier = kind(primary, agent=self.agent, remove=self, **options)
+        self.tiers.append(tier)
+        return tier
+
+
+@pytest.fixture
+def deletes(agent: FakeNixlAgent) -> Iterator[HeldDeletes]:
+    """Deletes held until a test lets them go (let go at its end, whatever happened, before
+    its tiers are shut down)."""
+    held = HeldDeletes(agent)
+    yield held
+    held.gate.set()
+    for tier in held.tiers:
+        tier.shutdown(timeout=5)
 
 
 def store_a_b_c(tier: ObjectStoreTier, deletes: HeldDeletes) -> None:

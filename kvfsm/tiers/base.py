@@ -38,8 +38,7 @@ from kvfsm.machines.transfer import (
 )
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.runner import END, Outcome, Runner
-from kvfsm.tiers.holdings import HoldingEvent, Holdings, Remove, TierFullError
-from kvfsm.tiers.holdings import check_capacity as holdings_capacity
+from kvfsm.tiers.holdings import HoldingEvent, Holdings, Remove, TierFullError, check_capacity
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
@@ -827,7 +826,8 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
                           success=result.success, landed=transfer.landed)
 
 
-def check_capacity(capacity_bytes: object, block_bytes: int, record_events: object) -> None:
+def check_capacity_options(capacity_bytes: object, block_bytes: int,
+                           record_events: object) -> None:
     """Refuse a ``capacity_bytes`` that is neither None nor an int of at least one block, and
     ``record_events`` without a capacity, naming what was given."""
     if capacity_bytes is None:
@@ -835,12 +835,12 @@ def check_capacity(capacity_bytes: object, block_bytes: int, record_events: obje
             raise ValueError("record_events=True needs capacity_bytes: a tier keeps track of "
                              "what it stored only within a capacity")
     else:
-        holdings_capacity(capacity_bytes, block_bytes)
+        check_capacity(capacity_bytes, block_bytes)
 
 
 def _holdings(known: KnownNames, block_bytes: int, capacity_bytes: int | None,
               record_events: bool, remove: Remove | None) -> Holdings | None:
-    check_capacity(capacity_bytes, block_bytes, record_events)
+    check_capacity_options(capacity_bytes, block_bytes, record_events)
     if capacity_bytes is None:
         return None
     if remove is None:

@@ -91,7 +91,7 @@ from kvfsm.tiers.base import (
     Lookup,
     SecondaryTier,
     _check_primary,
-    check_capacity,
+    check_capacity_options,
     check_in_flight,
     key_text,
 )
@@ -522,9 +522,8 @@ class FileTier(SecondaryTier):
     of a block it evicts, whoever renamed it last, and the files of a store that failed once
     its renames began (all of them: a flush still under way counts as renaming); a store that
     failed before them (NIXL's error, an open that failed, a flush that failed before its
-    first rename) leaves whatever is under its blocks' names, another tier's say, alone.
-    Keys are
-    named as the module docstring says; bytes keys share the str keys' names through
+    first rename) leaves whatever is under its blocks' names, another tier's say, alone. Keys
+    are named as the module docstring says; bytes keys share the str keys' names through
     :func:`~kvfsm.tiers.base.key_text` (``b"k"`` and ``"6b"`` are one block).
 
     Args:
@@ -573,7 +572,7 @@ class FileTier(SecondaryTier):
         # the rest of what can be refused, before the root is made
         _check_primary(primary)
         check_interval("poll_interval", poll_interval)
-        check_capacity(capacity_bytes, int(primary[0].nbytes), record_events)
+        check_capacity_options(capacity_bytes, int(primary[0].nbytes), record_events)
         if type(durable) is not bool:  # ("false" from a configuration file is no False)
             raise ValueError(f"durable must be True or False, got {durable!r}")
         self.root = Path(root)

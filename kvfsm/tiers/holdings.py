@@ -156,10 +156,11 @@ class Holdings:
         pins, held, owed = self._pins, self._held, self._owed
         _drop_one(pins, names)
         if load:
-            free = [name for name in names if name in owed and not pins[name]] if owed else ()
-            if free:  # the last use of what a failed store may have left: it goes now
-                owed.difference_update(free)
-                self._call_remove(list(free))
+            if owed:  # the last use of what a failed store may have left: it goes now
+                free = [name for name in names if name in owed and not pins[name]]
+                if free:
+                    owed.difference_update(free)
+                    self._call_remove(free)
             return
         writers, fresh = self._writers, self._fresh
         _drop_one(writers, names)
