@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from itertools import islice
 from typing import Any, Protocol
@@ -59,6 +60,9 @@ _EFFECTS: dict[str, frozenset[Answer]] = {
 #: kept as the failure's reason; one that raises answers RAISED
 StepFunction = Callable[[Transfer, Any], "enum.Enum | tuple[enum.Enum, str]"]
 _OK = Outcome(Answer.OK)
+#: a batch of at least this many state checks is made in one list comprehension
+#: (:meth:`TransferDriver.check`); the poll schedule's batches are smaller
+BULK_CHECKS = 256
 
 
 class RemoteSide(Protocol):
@@ -125,6 +129,32 @@ class StorageSide:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+def _check_each(check: Callable[[Any], str], handles: Sequence[Any]
+                ) -> list[str | Exception]:
+    """``check`` once on every handle, in one ``map`` resumed past each handle whose call
+    raised: what each answered, or what it raised."""
+    statuses: list[str | Exception] = []
+    while len(statuses) < len(handles):
+        try:  # CPython's list.extend keeps what map produced before a call raised
+            statuses.extend(map(check, islice(handles, len(statuses), None))
+                            if statuses else map(check, handles))
+        except Exception as error:  # that handle's answer: the machine hears poll(RAISED)
+            statuses.append(_raised(error))
+            continue
+        if len(statuses) < len(handles):  # a StopIteration ends map quietly: that call's
+            statuses.append(RuntimeError("check_xfer_state raised StopIteration"))
+    return statuses
+
+
+def _raised(error: Exception) -> Exception:
+    """What a state check that raised ``error`` answered: the error without its traceback
+    (which would hold the poll's frames, and through them the agent, in a cycle only the
+    garbage collector breaks); a ``StopIteration`` named as such."""
+    if isinstance(error, StopIteration):
+        return RuntimeError("check_xfer_state raised StopIteration")
+    return error.with_traceback(None)
 
 
 class Split:
@@ -284,23 +314,30 @@ class TransferDriver:
                            CallFailed(call, interrupt), interrupt)
 
     def check(self, handles: Sequence[Any]) -> list[str | Exception]:
-        """``check_xfer_state`` on every handle, in one ``map``: what each answered, or what
-        the call raised (``StopIteration`` included), in order. The one place kvfsm asks NIXL
-        about a running transfer."""
+        """``check_xfer_state`` on every handle: what each answered, or what the call raised
+        (``StopIteration`` included), in order. The one place kvfsm asks NIXL about a running
+        transfer.
+
+        A batch of :data:`BULK_CHECKS` handles or more is asked in one list comprehension, where
+        CPython calls a check written in Python (NIXL's ``check_xfer_state`` is one) without
+        the cost of calling it from C (``map``: ~1.4x the calls alone, against ~1.05x). A
+        check that raises there loses the answers before it in the batch: those handles are
+        asked again (a state check only reads; each answer is then the latest), then the
+        rest, one call each. A smaller batch is asked once per handle whatever raises.
+        """
         check = self.agent.check_xfer_state
-        statuses: list[str | Exception] = []
-        while len(statuses) < len(handles):
-            try:  # CPython's list.extend keeps what map produced before a call raised
-                statuses.extend(map(check, islice(handles, len(statuses), None))
-                                if statuses else map(check, handles))
-            except Exception as error:  # that handle's answer: the machine hears poll(RAISED)
-                # (its text is what is kept; its traceback would hold the poll's frames, and
-                # through them the agent, in a cycle only the garbage collector breaks)
-                statuses.append(error.with_traceback(None))
-                continue
-            if len(statuses) < len(handles):  # a StopIteration ends map quietly: that call's
-                statuses.append(RuntimeError("check_xfer_state raised StopIteration"))
-        return statuses
+        if len(handles) >= BULK_CHECKS and type(handles) is list:
+            rest = iter(handles)
+            try:
+                return [check(handle) for handle in rest]
+            except Exception as error:  # the handle at ``failed`` raised it
+                failed = len(handles) - operator.length_hint(rest) - 1
+                raised = _raised(error)
+            statuses = _check_each(check, handles[:failed])
+            statuses.append(raised)
+            statuses += _check_each(check, handles[failed + 1:])
+            return statuses
+        return _check_each(check, handles)
 
     def polled(self, transfer: Transfer, status: str | Exception,
                call: str = "check_xfer_state") -> Outcome:

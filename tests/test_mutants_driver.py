@@ -29,7 +29,13 @@ import torch
 
 from examples.verify_lifecycle import VERIFY_MACHINE
 from kvfsm import TRANSFER_MACHINE, Declaration, TransferJob
-from kvfsm.driver import MachineRefused, StorageSide, TransferDriver, check_runnable
+from kvfsm.driver import (
+    BULK_CHECKS,
+    MachineRefused,
+    StorageSide,
+    TransferDriver,
+    check_runnable,
+)
 from kvfsm.engine import COMPILE_LISTENERS
 from kvfsm.lifecycle import Answer, CallFailed
 from kvfsm.machines.transfer import FailureKind, FailureReason
@@ -371,6 +377,43 @@ def test_a_batch_of_state_checks_asks_each_handle_once_whatever_some_raise() -> 
     assert str(answers[1]) == "check_xfer_state raised StopIteration"
     assert answers[2] is backend and backend.__traceback__ is None
     assert driver.check([]) == [] and agent.asked[5:] == []
+
+
+def test_a_large_batch_whose_check_raises_asks_those_before_it_again_and_the_rest_once(
+) -> None:
+    """A batch of BULK_CHECKS handles or more is asked in one list comprehension, which loses
+    the answers before a check that raised: those handles are asked again (their answers are
+    then the second ones), the raising one is not, and each after it is asked once. A
+    StopIteration there is told apart as in a small batch."""
+    size = BULK_CHECKS + 44
+    names = [f"h{i}" for i in range(size)]
+    backend = RuntimeError("NIXL_ERR_BACKEND")
+    script: dict[str, str | BaseException] = dict.fromkeys(names, "PROC")
+    script.update({"h3": "DONE", "h100": backend, "h101": "ERR", "h200": StopIteration()})
+    agent = ScriptedChecks(script)
+    driver = TransferDriver(agent, CountedSide(64), TRANSFER_MACHINE)
+
+    class Later(dict[str, Any]):  # h3 is over by the time it is asked again
+        def __getitem__(self, name: str) -> Any:
+            if name == "h3" and agent.asked.count("h3") > 1:
+                return "ERR"
+            return super().__getitem__(name)
+
+    agent.script = Later(script)
+    answers = driver.check(names)
+    assert agent.asked == names[:101] + names[:100] + names[101:], (
+        "the ones before the raise asked twice, the raising one once, the rest once")
+    assert len(answers) == size
+    assert answers[3] == "ERR", "the answer asked last is the one kept"
+    assert answers[100] is backend and backend.__traceback__ is None
+    assert answers[101] == "ERR"
+    assert str(answers[200]) == "check_xfer_state raised StopIteration"
+    assert answers.count("PROC") == size - 4
+
+    agent.asked.clear()
+    calm = ScriptedChecks(dict.fromkeys(names, "PROC"))
+    assert TransferDriver(calm, CountedSide(64), TRANSFER_MACHINE).check(names) == (
+        ["PROC"] * size) and calm.asked == names, "nothing raised: each asked once"
 
 
 def test_a_transfer_released_once_is_never_handed_to_nixl_again() -> None:

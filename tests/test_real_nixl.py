@@ -107,6 +107,53 @@ def test_a_missing_object_fails_its_load_and_the_lookup_then_says_miss(
     assert tier.lookup("present") is Lookup.MISS, "F11: a failed load is not retried as a HIT"
 
 
+#: keys NIXL's S3 client would send as one object (it collapses a leading "/", "//", "/./" and
+#: "x/../"), keys that only look alike, and a key that reads as another's quoted name
+LOOKALIKE_KEYS = ["k", "/k", "a/b", "a//b", "a/./b", "x/../a/b", "k/", "..", "%2Fk", "%%2Fk",
+                  "k%20b", "k b"]
+
+
+def test_keys_nixl_would_send_as_one_object_each_load_their_own_bytes(
+    s3_server: S3Server, tiers: list[SecondaryTier]
+) -> None:
+    """Each key is stored in turn, the later ones over the earlier ones if they shared an
+    object; each then loads its own block, and a lookup from a tier that never stored ``a//b``
+    does not find ``a/b`` under it."""
+    bucket = s3_server.new_bucket()
+    count = len(LOOKALIKE_KEYS)
+    cache = torch.stack([torch.full((4096,), index + 1, dtype=torch.uint8)
+                         for index in range(count)])
+    tier = ObjectStoreTier(cache, store=s3_server.config(bucket, key_prefix="kv/"))
+    tiers.append(tier)
+    for index, key in enumerate(LOOKALIKE_KEYS):  # one after the other: the last write wins
+        tier.submit_store(TransferJob(index, [key], [index]))
+        assert collect(tier, 1)[index].success, key
+    names = {o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]}
+    assert len(names) == count, f"one object a key: {sorted(names)}"
+    cache.zero_()
+    tier.submit_load(TransferJob(100, LOOKALIKE_KEYS, list(range(count)), is_promotion=True))
+    assert collect(tier, 1)[100].success
+    got = {key: int(cache[index, 0]) for index, key in enumerate(LOOKALIKE_KEYS)}
+    assert got == {key: index + 1 for index, key in enumerate(LOOKALIKE_KEYS)}
+
+    other = ObjectStoreTier(torch.zeros(2, 4096, dtype=torch.uint8),
+                            store=s3_server.config(bucket, key_prefix="kv/"))
+    tiers.append(other)
+    assert wait_for_lookup(other, "a/b") is Lookup.HIT
+    assert wait_for_lookup(other, "q//r") is Lookup.MISS
+
+
+def test_a_key_prefix_nixl_would_not_send_as_it_is_is_refused_before_any_agent_is_made(
+    s3_server: S3Server, cache: torch.Tensor
+) -> None:
+    bucket = s3_server.new_bucket()
+    for prefix in ("/kv/", "kv//", "kv/./", "kv/../other/", "../kv/"):
+        with pytest.raises(ValueError, match=r"key_prefix .* has an empty, '\.' or '\.\.' part"):
+            ObjectStoreTier(cache, store=s3_server.config(bucket, key_prefix=prefix))
+    for prefix in ("", "kv/", "kv", "kv/.", "a.b/..c/"):  # sent as they are
+        ObjectStoreTier(cache, store=s3_server.config(bucket, key_prefix=prefix)).shutdown()
+
+
 def test_a_block_stored_again_while_its_delete_runs_on_the_store_is_stored_once_it_ended(
     s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import urllib.parse
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -380,6 +381,43 @@ def s3_deleter(store: Any) -> Callable[[list[str]], int]:
     return delete
 
 
+def _plain(text: str) -> bool:
+    """Whether NIXL sends the object name ``text`` as it is: not empty, no empty, ``.`` or
+    ``..`` segment between its slashes, and (so that quoted names stay apart) no leading
+    ``%``."""
+    if not text or text[0] == "%":
+        return False
+    if "//" in text or text[0] == "/" or text[-1] == "/":
+        return False
+    return "." not in text or not any(part in (".", "..") for part in text.split("/"))
+
+
+def object_text(text: str) -> str:
+    """The part of an object's name that names key text ``text`` (not empty): ``text`` itself
+    when NIXL sends it as it is (:func:`_plain`), else ``%`` and ``text`` percent-quoted whole
+    (no ``/`` is left in it, and every ``%`` of it is quoted)."""
+    return text if _plain(text) else "%" + urllib.parse.quote(text, safe="")
+
+
+def check_key_prefix(prefix: object) -> None:
+    """Refuse a key prefix NIXL would not send as it is (a leading ``/``, ``//``, a ``.`` or
+    ``..`` segment before its last ``/``): two prefixes, or a prefix and a key, could then
+    name one object.
+
+    Raises:
+        ValueError: names the prefix and what is wrong with it.
+    """
+    if not isinstance(prefix, str):
+        raise ValueError(f"key_prefix must be a str, got {type(prefix).__name__}")
+    *folders, _ = prefix.split("/")  # the last part is joined to the key's first
+    for folder in folders:
+        if folder in ("", ".", ".."):
+            raise ValueError(
+                f"key_prefix {prefix!r} has an empty, '.' or '..' part before its last '/': "
+                "NIXL's S3 client collapses those, so its objects could be another prefix's "
+                "(write it without a leading '/', '//', './' or '../')")
+
+
 class ObjectStoreTier(SecondaryTier):
     """Stores each block as one object, named ``key_prefix`` + the block key.
 
@@ -448,8 +486,7 @@ class ObjectStoreTier(SecondaryTier):
         check_in_flight(in_flight)
         if key_prefix is None:
             key_prefix = store.key_prefix if store is not None else ""
-        if not isinstance(key_prefix, str):
-            raise ValueError(f"key_prefix must be a str, got {type(key_prefix).__name__}")
+        check_key_prefix(key_prefix)
         self.key_prefix = key_prefix
         if type(probe_batch) is not int or probe_batch < 1:  # (before anything is registered)
             raise ValueError(f"probe_batch must be an int of at least 1, got {probe_batch!r}")
@@ -485,17 +522,24 @@ class ObjectStoreTier(SecondaryTier):
 
     def object_key(self, key: bytes | str) -> str:
         """The object name block ``key`` is stored under: the prefix, then the key as text
-        (a str as it is, bytes in hex; see :func:`~kvfsm.tiers.base.key_text`)."""
-        return self.key_prefix + key_text(key)
+        (a str as it is, bytes in hex; see :func:`~kvfsm.tiers.base.key_text`).
+
+        NIXL's S3 client tidies an object's path before it sends it (a leading ``/``, ``//``,
+        ``/./`` and ``x/../`` collapse), so ``"/k"`` and ``"k"`` would be one object. A key
+        whose text has an empty, ``.`` or ``..`` segment, or starts with ``%``, is therefore
+        named ``%`` and its text percent-quoted whole (``"/k"`` is ``"%%2Fk"``): no other key's
+        name starts with ``%``, and quoting keeps distinct keys apart.
+        """
+        return self.key_prefix + object_text(key_text(key))
 
     remote_name = object_key
 
     def _remote_names(self, keys: Sequence[Any]) -> tuple[str, ...]:
         if type(self).object_key is not ObjectStoreTier.object_key:  # a subclass names them
             return super()._remote_names(keys)
-        prefix = self.key_prefix  # a non-empty str key is its own text: no call for it
-        return tuple([prefix + key if type(key) is str and key else prefix + key_text(key)
-                      for key in keys])
+        prefix = self.key_prefix  # a plain str key is its own text: no call for it
+        return tuple([prefix + key if type(key) is str and _plain(key)
+                      else prefix + object_text(key_text(key)) for key in keys])
 
     def stats(self) -> dict[str, Any]:
         """The tier's stats, and how many names wait for a probe (at most
