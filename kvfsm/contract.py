@@ -22,7 +22,8 @@ from kvfsm.transfer import JobResult
 
 def check_timeout(timeout: object) -> float | None:
     """A drain's or a shutdown's ``timeout``, as its deadline arithmetic takes it: None (no
-    bound) for None or infinity, else the seconds (0 and below: at once).
+    bound) for None, infinity or a wait longer than any the platform can make
+    (``threading.TIMEOUT_MAX``, some 292 years), else the seconds (0 and below: at once).
 
     Raises:
         ValueError: not None nor a real number (a bool, a str, NaN), naming what was given.
@@ -30,9 +31,11 @@ def check_timeout(timeout: object) -> float | None:
     if timeout is None:
         return None
     if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-            or math.isnan(timeout)):
+            or (isinstance(timeout, float) and math.isnan(timeout))):
         raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
-    return None if timeout == math.inf else float(timeout)
+    if timeout >= threading.TIMEOUT_MAX:
+        return None
+    return float(timeout) if timeout > 0 else 0.0  # (-10**400 is no float)
 
 
 def check_interval(name: str, value: object) -> float:

@@ -314,30 +314,38 @@ class TransferDriver:
                            CallFailed(call, interrupt), interrupt)
 
     def check(self, handles: Sequence[Any]) -> list[str | Exception]:
-        """``check_xfer_state`` on every handle: what each answered, or what the call raised
-        (``StopIteration`` included), in order. The one place kvfsm asks NIXL about a running
-        transfer.
+        """``check_xfer_state`` once on every handle, in one ``map`` resumed past each handle
+        whose call raised: what each answered, or what the call raised (``StopIteration``
+        included), in order. The one place kvfsm asks NIXL about a running transfer, with
+        :meth:`check_all`."""
+        return _check_each(self._state_check(), handles)
 
-        A batch of :data:`BULK_CHECKS` handles or more is asked in one list comprehension, where
-        CPython calls a check written in Python (NIXL's ``check_xfer_state`` is one) without
-        the cost of calling it from C (``map``: ~1.4x the calls alone, against ~1.05x). A
-        check that raises there loses the answers before it in the batch: those handles are
-        asked again (a state check only reads; each answer is then the latest), then the
-        rest, one call each. A smaller batch is asked once per handle whatever raises.
+    def _state_check(self) -> Callable[[Any], str]:
+        return self.agent.check_xfer_state
+
+    def check_all(self, handles: Sequence[Any]) -> list[str | Exception]:
+        """:meth:`check` for a round that asks about every running transfer (a drain, or at
+        most ``check_all_below`` running): a batch of :data:`BULK_CHECKS` handles or more is
+        asked in one list comprehension, where CPython calls a check written in Python (NIXL's
+        ``check_xfer_state`` is one) without the cost of calling it from C (``map``: ~1.4x the
+        calls alone on the zero-cost agent, against ~1.05x). A check that raises there loses
+        the answers before it in the batch: those handles are asked again (a state check only
+        reads; each answer is then the latest), then the rest once each. (The poll schedule's
+        batches, which a progress thread's slice bounds, go through :meth:`check`: asked once.)
         """
-        check = self.agent.check_xfer_state
-        if len(handles) >= BULK_CHECKS and type(handles) is list:
-            rest = iter(handles)
-            try:
-                return [check(handle) for handle in rest]
-            except Exception as error:  # the handle at ``failed`` raised it
-                failed = len(handles) - operator.length_hint(rest) - 1
-                raised = _raised(error)
-            statuses = _check_each(check, handles[:failed])
-            statuses.append(raised)
-            statuses += _check_each(check, handles[failed + 1:])
-            return statuses
-        return _check_each(check, handles)
+        check = self._state_check()
+        if len(handles) < BULK_CHECKS or type(handles) is not list:
+            return _check_each(check, handles)
+        rest = iter(handles)
+        try:
+            return [check(handle) for handle in rest]
+        except Exception as error:  # the handle at ``failed`` raised it
+            failed = len(handles) - operator.length_hint(rest) - 1
+            raised = _raised(error)
+        statuses = _check_each(check, handles[:failed])
+        statuses.append(raised)
+        statuses += _check_each(check, handles[failed + 1:])
+        return statuses
 
     def polled(self, transfer: Transfer, status: str | Exception,
                call: str = "check_xfer_state") -> Outcome:

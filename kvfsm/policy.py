@@ -67,7 +67,7 @@ class RetryPolicy:
     Args:
         max_attempts: failed releases after which the next failure quarantines (None: no bound).
         max_seconds: seconds after the transfer ended after which a failed release quarantines
-            (None: no bound).
+            (None: no bound); the backoff never puts a try past it, so one comes at that bound.
         backoff: seconds to wait before retrying the first failed release; doubled after each
             further failure up to ``max_backoff``. 0 retries on every poll.
         max_backoff: the longest wait between two attempts.
@@ -148,14 +148,19 @@ class RetryPolicy:
             return True
         return self.max_seconds is not None and now - ended_at >= self.max_seconds
 
-    def next_attempt(self, failures: int, now: float) -> float:
-        """When to try again after the ``failures``-th failed release."""
+    def next_attempt(self, failures: int, now: float, ended_at: float | None = None) -> float:
+        """When to try again after the ``failures``-th failed release (0.0: at once); with
+        ``ended_at``, when the transfer ended, never past ``max_seconds`` after it, so that a
+        release that keeps failing quarantines at that bound, not a backoff later."""
         if not self.backoff:
             return 0.0
         # the exponent is capped where 2.0 ** n is still a float: past 1024 failures (an
         # unbounded policy) it would raise OverflowError; the wait is max_backoff long before
         doubled = self.backoff * 2.0 ** min(failures - 1, 1023)
-        return now + float(min(self.max_backoff, doubled))
+        at = now + float(min(self.max_backoff, doubled))
+        if ended_at is not None and self.max_seconds is not None:
+            at = min(at, ended_at + self.max_seconds)
+        return at
 
 
 @dataclass(frozen=True, slots=True)

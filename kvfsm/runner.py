@@ -229,19 +229,22 @@ class Runner(Books):
         return answered
 
     def check_round(self, check: Callable[[list[Any]], list[str | Exception]],
-                    everything: bool = False,
-                    limit: int | None = None) -> list[tuple[Transfer, Any]]:
+                    everything: bool = False, limit: int | None = None,
+                    check_all: Callable[[list[Any]], list[str | Exception]] | None = None,
+                    ) -> list[tuple[Transfer, Any]]:
         """This round's state checks, made with ``check`` (the driver's batch call, given a
         list of handles, answering a status or an exception for each); returns, as
         :meth:`take_checks` does, the transfers whose answer must be fired.
 
         With ``everything`` (a drain) or at most ``policy.check_all_below`` running, every
-        running transfer is checked. Else the schedule picks: first the stores whose commit
-        their remote side said is over (:attr:`commits_over`); then the oldest, in batches of
-        :data:`FRONT_BATCH`, until a batch finds none that ended (a store waiting on its
-        commit is not among them: NIXL answers DONE for it until the commit is over, so it
-        would be asked about every round); then the sweep, which checks
-        each transfer whose turn is due (every running transfer's comes at most
+        running transfer is checked, with ``check_all`` when given (the driver's, which may ask
+        again those before a check that raised in a large batch; see
+        :meth:`~kvfsm.driver.TransferDriver.check_all`). Else the schedule picks: first the
+        stores whose commit their remote side said is over (:attr:`commits_over`); then the
+        oldest, in batches of :data:`FRONT_BATCH`, until a batch finds none that ended (a store
+        waiting on its commit is not among them: NIXL answers DONE for it until the commit is
+        over, so it would be asked about every round); then the sweep, which checks each
+        transfer whose turn is due (every running transfer's comes at most
         ``policy.max_unpolled`` seconds after its last, or after it started running) and, to
         spread the checks evenly, a share of the others in turn: ``max_unpolled`` split over
         the running transfers, for the time since the last round. A transfer is checked at
@@ -267,7 +270,7 @@ class Runner(Books):
             self._swept_at = time.monotonic()
             self.behind = False  # every turn is taken
             queued = len(self.commits_over)  # checked now: their commits were over before
-            answers = check(running.handles)
+            answers = (check_all or check)(running.handles)
             for _ in range(queued):
                 self.commits_over.popleft()
             return self.take_checks(answers)
@@ -661,7 +664,8 @@ class Runner(Books):
             return
         self.machine.fire(transfer, effect, answer, detail)
         transfer.attempts = failures
-        retry_at = transfer.retry_at = self.policy.next_attempt(failures, now)
+        retry_at = transfer.retry_at = self.policy.next_attempt(failures, now,
+                                                                transfer.finished_at)
         if retry_at:  # backing off: out of the rounds until its entry comes due
             heapq.heappush(self._backing_off, (retry_at, next(self._entries), transfer))
             self._ready.pop(transfer.job_id, None)

@@ -1026,9 +1026,16 @@ def _refused(refusals: Sequence[tuple[str, int, BaseException]],
 
 
 def _check_same_cache(name: str, tier: object, cache: torch.Tensor) -> None:
-    """A kvfsm tier (it has ``primary``) must copy to and from the manager's primary cache."""
+    """A kvfsm tier (it has ``primary``) must copy to and from the manager's primary cache,
+    cut into the same blocks: block ``i`` is the same bytes to both."""
     theirs = getattr(tier, "primary", None)
-    if isinstance(theirs, torch.Tensor) and (
-            theirs.data_ptr() != cache.data_ptr() or theirs.nbytes != cache.nbytes):
+    if not isinstance(theirs, torch.Tensor):
+        return
+    if theirs.data_ptr() != cache.data_ptr() or theirs.nbytes != cache.nbytes:
         raise TieringInputError(f"tier {name!r} copies to and from another tensor than the "
                                 "primary tier's cache")
+    if theirs.shape[0] != cache.shape[0]:
+        raise TieringInputError(
+            f"tier {name!r} cuts the primary tier's cache into {theirs.shape[0]} blocks of "
+            f"{theirs[0].nbytes} bytes, the primary tier into {cache.shape[0]} of "
+            f"{cache[0].nbytes}: a block id would name other bytes in each")

@@ -9,6 +9,7 @@ lookup probe against an object store that had stopped answering.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import random
 import threading
@@ -19,7 +20,8 @@ import pytest
 import torch
 
 from kvfsm import TransferJob
-from kvfsm.testing import FakeNixlAgent, Raise, StayProc
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent, FakeNixlError, Raise, StayProc
 from kvfsm.tiering import CPUPrimaryTier, TieringManager
 from kvfsm.tiers import (
     DrainTimeout,
@@ -487,3 +489,136 @@ def test_deletes_without_a_thread_to_send_them_are_counted_not_kept(
     assert removed == []
     assert tier.stats()["holdings"]["remove_errors"] == 1
     tier.shutdown(timeout=1)
+
+
+# -- found by review: shutdown's deadline, and bounds given as numbers too large or not numbers --
+
+def test_shutdown_lets_go_of_the_tier_while_it_waits_for_a_probe(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """Shutdown waits for a probe in flight up to its deadline once the tier is closed, not
+    holding the tier: a submit on another thread is refused at once meanwhile, and a poll
+    answers (they both waited for the probe with it, 1.8 s for a 2 s probe)."""
+    stalled = StalledStore()
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=stalled)
+    tier.lookup("key-0")
+    assert stalled.asked.wait(5)
+    shutter = threading.Thread(target=tier.shutdown, args=(30,))
+    shutter.start()
+    deadline = time.monotonic() + 5
+    while not tier.closed and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert tier.closed and shutter.is_alive(), "shutdown waits for the probe, the tier closed"
+    began = time.monotonic()
+    with pytest.raises(TierClosedError):
+        tier.submit_store(store(1, "after"))
+    assert tier.get_finished_jobs() == []
+    took = time.monotonic() - began
+    assert shutter.is_alive() and took < 1.0, f"the calls waited {took:.2f} s for the probe"
+    stalled.go.set()
+    shutter.join(5)
+    assert not shutter.is_alive()
+    stalled.close()
+
+
+class SlowFailingRelease(FakeNixlAgent):
+    """A release that stalls 0.4 s, then raises: each poll that retries it holds the tier."""
+
+    def release_xfer_handle(self, handle: object) -> None:
+        time.sleep(0.4)
+        raise FakeNixlError("NIXL_ERR_BACKEND")
+
+
+def test_shutdown_counts_waiting_for_another_threads_polls_against_its_deadline(
+    primary: torch.Tensor,
+) -> None:
+    """Another thread polls back to back, each poll 0.4 s: shutdown(0.3) returns by its
+    deadline plus one poll (it took 2.9-22 s: its waits for the lock restarted the clock)."""
+    agent = SlowFailingRelease("slow-release", complete_after_polls=0)
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(max_seconds=None))
+    tier.submit_store(store(1, "stuck-release"))
+    stop = threading.Event()
+    poller = threading.Thread(target=lambda: [tier.get_finished_jobs()
+                                              for _ in iter(stop.is_set, True)])
+    poller.start()
+    try:
+        time.sleep(0.1)
+        began = time.monotonic()
+        with contextlib.suppress(DrainTimeout):
+            tier.shutdown(timeout=0.3)
+        took = time.monotonic() - began
+        assert took < 0.3 + 0.4 + 0.5, f"shutdown(0.3) took {took:.2f} s"
+    finally:
+        stop.set()
+        poller.join(10)
+    tier.shutdown(timeout=10)  # alone now: the last try quarantines the stuck release
+    assert tier.closed and tier.stats()["quarantined"] == 1
+    agent.close()
+
+
+@pytest.mark.parametrize("timeout", [1e10, 10**400])
+def test_a_timeout_longer_than_any_wait_is_no_bound(
+    primary: torch.Tensor, agent: FakeNixlAgent, timeout: float
+) -> None:
+    """Longer than threading.TIMEOUT_MAX (some 292 years): the joins raised OverflowError
+    halfway through a shutdown (jobs cancelled, the tier not closed), and a drain did too."""
+    stalled = StalledStore()
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=stalled,
+                           policy=RetryPolicy(progress_interval=0.01))
+    tier.submit_store(store(1, "k"))
+    tier.drain_jobs(timeout)
+    tier.lookup("probed")
+    assert stalled.asked.wait(5)
+    stalled.go.set()
+    tier.shutdown(timeout)
+    assert tier.closed and [r.success for r in tier.get_finished_jobs()] == [True]
+    stalled.close()
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), "1", True])
+def test_wait_for_removals_refuses_a_timeout_that_is_not_seconds(
+    primary: torch.Tensor, agent: FakeNixlAgent, timeout: object
+) -> None:
+    """NaN answered False at once, True waited a second, "1" raised TypeError."""
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=4 * int(primary[0].nbytes),
+                           remove=agent.remove_objects)
+    with pytest.raises(ValueError, match="timeout must be a number of seconds or None"):
+        tier.wait_for_removals(timeout)  # type: ignore[arg-type]
+    assert tier.wait_for_removals(1.0)
+    tier.shutdown(timeout=5)
+
+
+class FailingRelease(FakeNixlAgent):
+    def release_xfer_handle(self, handle: object) -> None:
+        raise FakeNixlError("NIXL_ERR_BACKEND")
+
+
+def test_a_release_that_keeps_failing_quarantines_at_max_seconds_not_a_backoff_later(
+    primary: torch.Tensor,
+) -> None:
+    """max_seconds=0.2 with a 2 s backoff: the next try waited the whole backoff, so the
+    quarantine (and a drain waiting for it) came at 2 s; the try now comes at the bound."""
+    agent = FailingRelease("failing-release", complete_after_polls=0)
+    tier = ObjectStoreTier(primary, agent=agent,
+                           policy=RetryPolicy(max_seconds=0.2, backoff=2.0, max_backoff=2.0))
+    began = time.monotonic()
+    tier.submit_store(store(1, "k"))
+    tier.drain_jobs(timeout=10)
+    took = time.monotonic() - began
+    (result,) = tier.get_finished_jobs()
+    assert not result.success and tier.stats()["quarantined"] == 1
+    assert 0.2 <= took < 1.0, f"quarantined after {took:.2f} s"
+    tier.shutdown(timeout=1)
+
+
+@pytest.mark.parametrize("peer_timeout", [True, "30", float("nan"), 0, -1])
+def test_a_peer_timeout_that_is_not_seconds_is_refused_by_name(
+    primary: torch.Tensor, peer_timeout: object
+) -> None:
+    """True was taken as 1 s, and "30" raised a bare TypeError."""
+    from kvfsm.peer import PeerReceiver  # noqa: PLC0415
+
+    agent = FakeNixlAgent("peer-timeout")
+    with pytest.raises(ValueError, match="peer_timeout must be > 0 seconds or None"):
+        PeerReceiver(primary, agent=agent, peer_timeout=peer_timeout)  # type: ignore[arg-type]
+    agent.close()

@@ -379,12 +379,13 @@ def test_a_batch_of_state_checks_asks_each_handle_once_whatever_some_raise() -> 
     assert driver.check([]) == [] and agent.asked[5:] == []
 
 
-def test_a_large_batch_whose_check_raises_asks_those_before_it_again_and_the_rest_once(
+def test_a_large_batch_of_every_check_asks_those_before_a_raise_again_and_the_rest_once(
 ) -> None:
-    """A batch of BULK_CHECKS handles or more is asked in one list comprehension, which loses
-    the answers before a check that raised: those handles are asked again (their answers are
-    then the second ones), the raising one is not, and each after it is asked once. A
-    StopIteration there is told apart as in a small batch."""
+    """A round that checks every running transfer asks a batch of BULK_CHECKS handles or more
+    in one list comprehension, which loses the answers before a check that raised: those
+    handles are asked again (their answers are then the second ones), the raising one is not,
+    and each after it is asked once. A StopIteration there is told apart as in a small batch.
+    The poll schedule's batches (``check``) are asked once, whatever their size."""
     size = BULK_CHECKS + 44
     names = [f"h{i}" for i in range(size)]
     backend = RuntimeError("NIXL_ERR_BACKEND")
@@ -400,7 +401,7 @@ def test_a_large_batch_whose_check_raises_asks_those_before_it_again_and_the_res
             return super().__getitem__(name)
 
     agent.script = Later(script)
-    answers = driver.check(names)
+    answers = driver.check_all(names)
     assert agent.asked == names[:101] + names[:100] + names[101:], (
         "the ones before the raise asked twice, the raising one once, the rest once")
     assert len(answers) == size
@@ -412,8 +413,12 @@ def test_a_large_batch_whose_check_raises_asks_those_before_it_again_and_the_res
 
     agent.asked.clear()
     calm = ScriptedChecks(dict.fromkeys(names, "PROC"))
-    assert TransferDriver(calm, CountedSide(64), TRANSFER_MACHINE).check(names) == (
-        ["PROC"] * size) and calm.asked == names, "nothing raised: each asked once"
+    calm_driver = TransferDriver(calm, CountedSide(64), TRANSFER_MACHINE)
+    assert calm_driver.check_all(names) == ["PROC"] * size and calm.asked == names, (
+        "nothing raised: each asked once")
+    agent.asked.clear()
+    assert len(driver.check(names)) == size and agent.asked == names, (
+        "the schedule's batches, however large, are asked once whatever raises")
 
 
 def test_a_transfer_released_once_is_never_handed_to_nixl_again() -> None:

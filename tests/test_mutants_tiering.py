@@ -309,6 +309,17 @@ def test_a_manager_is_built_only_from_what_it_can_use_and_says_what_was_wrong() 
     assert str(refused.value) == ("tier 'other' copies to and from another tensor than the "
                                   "primary tier's cache")
     other.shutdown()
+    # the same bytes cut into blocks of half the size: block 1 would be the first half of
+    # the primary's block 0, and a load "succeeded" into the wrong bytes
+    halves = ObjectStoreTier(primary.cache.view(8, BLOCK_BYTES // 2),
+                             agent=FakeNixlAgent("halves"))
+    with pytest.raises(TieringInputError) as refused:
+        TieringManager(primary, {"halves": halves})
+    assert str(refused.value) == (
+        f"tier 'halves' cuts the primary tier's cache into 8 blocks of {BLOCK_BYTES // 2} "
+        f"bytes, the primary tier into 4 of {BLOCK_BYTES}: a block id would name other bytes "
+        "in each")
+    halves.shutdown()
 
 
 class SecondPoll(DictTier):

@@ -270,6 +270,8 @@ class SecondaryTier(JobSide):
         self._progress_last: threading.Thread | None = None  # shutdown joins it
         self._progress_polls = 0
         self._progress_error: str | None = None
+        #: set by shutdown: the progress thread's pause ends at once
+        self._progress_wake = threading.Event()
         base = primary.data_ptr()
         self._dram = agent.register_memory(
             [(base, self.num_blocks * self.block_bytes, 0, "")], "DRAM")
@@ -333,48 +335,89 @@ class SecondaryTier(JobSide):
         it is over, so its failure is published and only its handles (and the primary
         cache's registration they refer to) stay held.
 
+        Returns by the deadline, plus one poll; waiting for another thread's call to let go of
+        the tier's lock counts against it. The tier's background threads (a lookup probe, the
+        deletes of evicted objects, a flush of a store already published) are waited for until
+        the deadline too, once the tier is closed and its lock let go: calls on other threads
+        are refused at once meanwhile.
+
         Raises:
-            DrainTimeout: transfers NIXL still ran at the deadline. They are not published, so
-                their blocks are not reused under a running transfer, and the tier stays open:
-                call shutdown again to go on waiting.
+            DrainTimeout: transfers NIXL still ran at the deadline, or another thread's call
+                held the tier's lock past it. They are not published, so their blocks are not
+                reused under a running transfer, and the tier stays open: call shutdown again
+                to go on waiting.
             ValueError: ``timeout`` is not None nor a number of seconds (NaN, a str...);
                 nothing changed. (Infinity is no bound, as None.)
         """
         timeout = check_timeout(timeout)
-        runner = self._runner
-        with self._lock:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock_by(deadline):
+            raise DrainTimeout("shutdown (another thread held the tier's lock past the "
+                               "deadline; call shutdown again)", self.unpublished())
+        try:
             if self._closed:
                 return
-            self._closing = True  # the progress thread ends at its next poll
+            self._closing = True  # the progress thread ends now, not after its pause
+            self._progress_wake.set()
             progress = self._progress_last
-            self._stop_by = None if timeout is None else time.monotonic() + timeout
+            self._stop_by = deadline
             for transfer in self.unpublished():
-                runner.cancel(transfer)
+                self._runner.cancel(transfer)
+        finally:
+            self._lock.release()
         try:
-            self.drain_jobs(timeout)  # takes the lock a poll at a time
+            self.drain_jobs(_left(deadline))  # takes the lock a poll at a time
             if progress is not None and progress is not threading.current_thread():
                 # nothing is unpublished: it ends at once, if not yet (a listener's shutdown on
                 # the progress thread itself: it ends once that poll returns)
-                progress.join(None if self._stop_by is None
-                              else max(0.0, self._stop_by - time.monotonic()))
+                progress.join(_left(deadline))
         except DrainTimeout:
-            with self._lock:
-                for transfer in self.unpublished():
-                    if transfer.state not in runner.running_states:  # over: a last try
-                        runner.retry_now(transfer)  # in the rounds, if interrupted
-                        self._advance((transfer,))
-                        if transfer.job_id in runner.records:
-                            runner.give_up(transfer, "shutdown deadline passed")
-                running = self.unpublished()
-                if running:
-                    raise DrainTimeout("shutdown (NIXL still runs these; call shutdown again "
-                                       "to wait longer)", running) from None
-        with self._lock:
-            if not self._closed:
+            self._last_tries(deadline)
+        if not self._lock_by(deadline):
+            raise DrainTimeout("shutdown (every job is published, but another thread held the "
+                               "tier's lock past the deadline; call shutdown again)", [])
+        try:
+            closing = not self._closed
+            if closing:
                 self._close()
+        finally:
+            self._lock.release()
+        if closing:  # without the tier's lock: its calls on other threads are refused at once
+            self._stop_probes()
+
+    def _last_tries(self, deadline: float | None) -> None:
+        """Shutdown's deadline passed with jobs unpublished: a transfer that is over gets one
+        last release attempt, and is quarantined if it fails; raise DrainTimeout naming those
+        NIXL still runs (and all of them if another thread's call holds the tier's lock)."""
+        if not self._lock_by(deadline):  # past it: only if no other call holds the lock
+            raise DrainTimeout("shutdown (NIXL still runs these, or another thread held the "
+                               "tier's lock; call shutdown again to wait longer)",
+                               self.unpublished()) from None
+        runner = self._runner
+        try:
+            for transfer in self.unpublished():
+                if transfer.state not in runner.running_states:  # over: a last try
+                    runner.retry_now(transfer)  # in the rounds, if interrupted
+                    self._advance((transfer,))
+                    if transfer.job_id in runner.records:
+                        runner.give_up(transfer, "shutdown deadline passed")
+            running = self.unpublished()
+            if running:
+                raise DrainTimeout("shutdown (NIXL still runs these; call shutdown again "
+                                   "to wait longer)", running) from None
+        finally:
+            self._lock.release()
+
+    def _lock_by(self, deadline: float | None) -> bool:
+        """Take the tier's lock, waiting until ``deadline`` at most (None: as long as it
+        takes; past it: only if it is free); True when taken."""
+        if deadline is None:
+            return self._lock.acquire()
+        return self._lock.acquire(
+            timeout=min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX))
 
     def _close(self) -> None:
-        self._stop_probes()
+        """Close the tier (under its lock; shutdown then stops its background work)."""
         self._closed = True
         runner = self._runner
         if runner.quarantined or runner.may_run:  # their handles refer to the registration
@@ -593,11 +636,11 @@ class SecondaryTier(JobSide):
     def _progress_loop(self, interval: float) -> None:
         """Poll every ``interval`` seconds while jobs are unpublished and the tier is open (at
         once, after :data:`BEHIND_PAUSE`, while the last poll left turns due it did not take)."""
-        lock, records = self._lock, self._runner.records
+        lock, records, wake = self._lock, self._runner.records, self._progress_wake
         try:
             runner, pause = self._runner, min(interval, BEHIND_PAUSE)
             while True:
-                time.sleep(pause if runner.behind else interval)
+                wake.wait(pause if runner.behind else interval)
                 with lock:
                     if not records or self._closing:
                         self._progress_thread = None
@@ -674,7 +717,7 @@ class SecondaryTier(JobSide):
         """
         runner, driver = self._runner, self._driver
         waiting = runner.waiting_now()  # those in it now, not backing off: one round each
-        answered = runner.check_round(driver.check, everything, limit)
+        answered = runner.check_round(driver.check, everything, limit, driver.check_all)
         if answered:
             self._take_polls(answered)
         overdue = runner.overdue()
@@ -883,6 +926,14 @@ def key_text(key: object) -> str:
     if not text:
         raise ValueError("a key must not be empty")
     return text
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: no deadline), 0 once it passed, at most the longest
+    wait the platform can make."""
+    if deadline is None:
+        return None
+    return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
 
 
 def _job_id(job_id: object) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvfsm.agent import NixlAgent
-from kvfsm.contract import check_interval
+from kvfsm.contract import check_interval, check_timeout
 from kvfsm.driver import StepFunction, StorageSide, check_runnable
 from kvfsm.engine import Declaration
 from kvfsm.machines.transfer import TRANSFER_MACHINE
@@ -558,7 +558,12 @@ class ObjectStoreTier(SecondaryTier):
 
     def wait_for_removals(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds (None: as long as it takes) until every object this
-        tier evicted was deleted (or its delete failed); True when none is left to send."""
+        tier evicted was deleted (or its delete failed); True when none is left to send.
+
+        Raises:
+            ValueError: ``timeout`` is not None nor a number of seconds (NaN, a str...).
+        """
+        timeout = check_timeout(timeout)
         remover = self._remover
         return remover is None or remover.wait(timeout)
 
