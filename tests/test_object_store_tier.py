@@ -612,3 +612,33 @@ def test_a_job_whose_first_block_is_over_is_asked_through_a_block_still_running(
     tier.shutdown(timeout=5)
     assert agent.misuses == []
     agent.close()
+
+
+# -- object names NIXL sends as they are ---------------------------------------------------------
+
+def _sent_as_it_is(text: str) -> bool:
+    """The definition: not empty, no leading "%", no empty, "." or ".." part between slashes."""
+    return bool(text) and text[0] != "%" and all(
+        part not in ("", ".", "..") for part in text.split("/"))
+
+
+def test_the_one_call_that_tells_plain_object_names_agrees_with_their_definition() -> None:
+    """Every text of up to six characters over the ones that matter: the name is the text
+    itself exactly when NIXL sends it as it is, and otherwise starts with "%" and holds no
+    "/"; no two texts share a name."""
+    from itertools import product  # noqa: PLC0415
+
+    from kvfsm.tiers.object_store import _plain, object_text  # noqa: PLC0415
+
+    names: dict[str, str] = {}
+    for length in range(1, 7):
+        for chars in product("a./%", repeat=length):
+            text = "".join(chars)
+            assert (_plain(text) is not None) is _sent_as_it_is(text), text
+            name = object_text(text)
+            if _sent_as_it_is(text):
+                assert name == text
+            else:
+                assert name.startswith("%") and "/" not in name, (text, name)
+            assert names.setdefault(name, text) == text, f"{text!r} and {names[name]!r}"
+    assert len(names) == sum(4 ** n for n in range(1, 7))

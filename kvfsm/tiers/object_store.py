@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import threading
 import time
 import urllib.parse
@@ -381,22 +382,17 @@ def s3_deleter(store: Any) -> Callable[[list[str]], int]:
     return delete
 
 
-def _plain(text: str) -> bool:
-    """Whether NIXL sends the object name ``text`` as it is: not empty, no empty, ``.`` or
-    ``..`` segment between its slashes, and (so that quoted names stay apart) no leading
-    ``%``."""
-    if not text or text[0] == "%":
-        return False
-    if "//" in text or text[0] == "/" or text[-1] == "/":
-        return False
-    return "." not in text or not any(part in (".", "..") for part in text.split("/"))
+#: whether NIXL sends the object name ``text`` as it is: not empty, no empty, ``.`` or ``..``
+#: part between its slashes, and (so that quoted names stay apart) no leading ``%`` (one C call
+#: a key: ``tests/test_object_store_tier.py`` checks it against that definition, part by part)
+_plain = re.compile(r"(?!%)(?!\.{1,2}(?:/|\Z))[^/]+(?:/(?!\.{1,2}(?:/|\Z))[^/]+)*").fullmatch
 
 
 def object_text(text: str) -> str:
     """The part of an object's name that names key text ``text`` (not empty): ``text`` itself
-    when NIXL sends it as it is (:func:`_plain`), else ``%`` and ``text`` percent-quoted whole
+    when NIXL sends it as it is (``_plain``), else ``%`` and ``text`` percent-quoted whole
     (no ``/`` is left in it, and every ``%`` of it is quoted)."""
-    return text if _plain(text) else "%" + urllib.parse.quote(text, safe="")
+    return text if _plain(text) is not None else "%" + urllib.parse.quote(text, safe="")
 
 
 def check_key_prefix(prefix: object) -> None:
@@ -538,7 +534,7 @@ class ObjectStoreTier(SecondaryTier):
         if type(self).object_key is not ObjectStoreTier.object_key:  # a subclass names them
             return super()._remote_names(keys)
         prefix = self.key_prefix  # a plain str key is its own text: no call for it
-        return tuple([prefix + key if type(key) is str and _plain(key)
+        return tuple([prefix + key if type(key) is str and _plain(key) is not None
                       else prefix + object_text(key_text(key)) for key in keys])
 
     def stats(self) -> dict[str, Any]:
