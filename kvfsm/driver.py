@@ -60,8 +60,8 @@ _EFFECTS: dict[str, frozenset[Answer]] = {
 #: kept as the failure's reason; one that raises answers RAISED
 StepFunction = Callable[[Transfer, Any], "enum.Enum | tuple[enum.Enum, str]"]
 _OK = Outcome(Answer.OK)
-#: a batch of at least this many state checks is made in one list comprehension
-#: (:meth:`TransferDriver.check`); the poll schedule's batches are smaller
+#: a round that checks every running transfer asks a batch of at least this many in one list
+#: comprehension (:meth:`TransferDriver.check_all`)
 BULK_CHECKS = 256
 
 

@@ -622,3 +622,92 @@ def test_a_peer_timeout_that_is_not_seconds_is_refused_by_name(
     with pytest.raises(ValueError, match="peer_timeout must be > 0 seconds or None"):
         PeerReceiver(primary, agent=agent, peer_timeout=peer_timeout)  # type: ignore[arg-type]
     agent.close()
+
+
+class ProbedOnTheTiersAgent(FakeNixlAgent):
+    """The tier's own agent, which its lookups also probe with: notes a query made once the
+    tier is closed, and releases the cache's registration slowly (a probe waits meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__(name="probed-on-the-tiers-agent")
+        self.tier: ObjectStoreTier | None = None
+        self.after_close = 0
+
+    def query_memory(self, *args: object, **kwargs: object) -> list[dict[str, str] | None]:
+        if self.tier is not None and self.tier.closed:
+            self.after_close += 1
+        time.sleep(0.005)
+        return super().query_memory(*args, **kwargs)  # type: ignore[arg-type]
+
+    def deregister_memory(self, *args: object, **kwargs: object) -> None:
+        time.sleep(0.2)
+        super().deregister_memory(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_no_probe_asks_the_tiers_agent_once_shutdown_closed_the_tier(
+    primary: torch.Tensor,
+) -> None:
+    """A probe that shares the tier's agent waited for the tier's lock while shutdown closed
+    the tier, then asked the agent anyway, after the cache's registration was released and
+    possibly after shutdown had returned (the caller may destroy the agent then)."""
+    agent = ProbedOnTheTiersAgent()
+    tier = ObjectStoreTier(primary, agent=agent, probe_batch=1)
+    agent.tier = tier
+    for index in range(300):
+        tier.lookup(f"key-{index}")
+    time.sleep(0.02)
+    tier.shutdown(timeout=2)
+    for thread in [t for t in threading.enumerate() if t.name == "kvfsm-object-probe"]:
+        thread.join(5)
+    assert agent.after_close == 0, f"{agent.after_close} probe(s) once the tier was closed"
+    agent.close()
+
+
+def test_a_shutdown_cut_short_while_it_waits_for_the_background_is_finished_by_the_next(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """An interrupt while shutdown waited for the probe left the tier closed, and a second
+    shutdown returned at once: the deletes of evicted objects were never stopped."""
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=4 * int(primary[0].nbytes),
+                           remove=agent.remove_objects)
+    stop, calls = tier._prober.stop, []
+
+    def interrupted_once(timeout: float | None = None) -> bool:
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return stop(timeout)
+
+    tier._prober.stop = interrupted_once  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        tier.shutdown(timeout=1)
+    assert tier.closed
+    tier.shutdown(timeout=1)
+    assert len(calls) == 2 and tier._remover is not None and tier._remover._stopping
+    tier.shutdown(timeout=1)
+    assert len(calls) == 2, "done once it was finished"
+
+
+def test_a_second_shutdown_waits_for_the_first_ones_wait_on_the_background(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """A shutdown on another thread while the first waits for a probe returned at once,
+    before the probe was over; it now waits for it too, until its own deadline."""
+    stalled = StalledStore()
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=stalled)
+    tier.lookup("key-0")
+    assert stalled.asked.wait(5)
+    first = threading.Thread(target=tier.shutdown, args=(10,))
+    first.start()
+    deadline = time.monotonic() + 5
+    while not tier.closed and time.monotonic() < deadline:
+        time.sleep(0.001)
+    threading.Timer(0.3, stalled.go.set).start()
+    began = time.monotonic()
+    tier.shutdown(timeout=5)
+    assert time.monotonic() - began >= 0.25 and stalled.finished.is_set()
+    first.join(5)
+    began = time.monotonic()
+    tier.shutdown(timeout=0)  # all done: at once
+    assert time.monotonic() - began < 0.1
+    stalled.close()

@@ -117,8 +117,8 @@ def test_keys_nixl_would_send_as_one_object_each_load_their_own_bytes(
     s3_server: S3Server, tiers: list[SecondaryTier]
 ) -> None:
     """Each key is stored in turn, the later ones over the earlier ones if they shared an
-    object; each then loads its own block, and a lookup from a tier that never stored ``a//b``
-    does not find ``a/b`` under it."""
+    object; each then loads its own block, and the keys NIXL sends as they are keep their
+    names. In a bucket holding only ``a/b``, a lookup of ``a//b`` does not find it."""
     bucket = s3_server.new_bucket()
     count = len(LOOKALIKE_KEYS)
     cache = torch.stack([torch.full((4096,), index + 1, dtype=torch.uint8)
@@ -130,17 +130,20 @@ def test_keys_nixl_would_send_as_one_object_each_load_their_own_bytes(
         assert collect(tier, 1)[index].success, key
     names = {o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]}
     assert len(names) == count, f"one object a key: {sorted(names)}"
+    assert {"kv/k", "kv/a/b", "kv/k/", "kv/k%20b", "kv/k b"} <= names, sorted(names)
     cache.zero_()
     tier.submit_load(TransferJob(100, LOOKALIKE_KEYS, list(range(count)), is_promotion=True))
     assert collect(tier, 1)[100].success
     got = {key: int(cache[index, 0]) for index, key in enumerate(LOOKALIKE_KEYS)}
     assert got == {key: index + 1 for index, key in enumerate(LOOKALIKE_KEYS)}
 
+    alone = s3_server.new_bucket()
+    s3_server.client().put_object(Bucket=alone, Key="kv/a/b", Body=b"x" * 4096)
     other = ObjectStoreTier(torch.zeros(2, 4096, dtype=torch.uint8),
-                            store=s3_server.config(bucket, key_prefix="kv/"))
+                            store=s3_server.config(alone, key_prefix="kv/"))
     tiers.append(other)
     assert wait_for_lookup(other, "a/b") is Lookup.HIT
-    assert wait_for_lookup(other, "q//r") is Lookup.MISS
+    assert wait_for_lookup(other, "a//b") is Lookup.MISS, "a//b found a/b"
 
 
 def test_a_key_prefix_nixl_would_not_send_as_it_is_is_refused_before_any_agent_is_made(

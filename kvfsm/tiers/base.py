@@ -272,6 +272,9 @@ class SecondaryTier(JobSide):
         self._progress_error: str | None = None
         #: set by shutdown: the progress thread's pause ends at once
         self._progress_wake = threading.Event()
+        #: shutdown's wait for the background work: one at a time, and once it is done
+        self._stop_lock = threading.Lock()
+        self._background_stopped = False
         base = primary.data_ptr()
         self._dram = agent.register_memory(
             [(base, self.num_blocks * self.block_bytes, 0, "")], "DRAM")
@@ -355,16 +358,19 @@ class SecondaryTier(JobSide):
             raise DrainTimeout("shutdown (another thread held the tier's lock past the "
                                "deadline; call shutdown again)", self.unpublished())
         try:
-            if self._closed:
-                return
-            self._closing = True  # the progress thread ends now, not after its pause
-            self._progress_wake.set()
-            progress = self._progress_last
-            self._stop_by = deadline
-            for transfer in self.unpublished():
-                self._runner.cancel(transfer)
+            closed = self._closed
+            if not closed:
+                self._closing = True  # the progress thread ends now, not after its pause
+                self._progress_wake.set()
+                progress = self._progress_last
+                self._stop_by = deadline
+                for transfer in self.unpublished():
+                    self._runner.cancel(transfer)
         finally:
             self._lock.release()
+        if closed:  # (an earlier shutdown's wait for the background work may be under way, or
+            self._stop_background(deadline)  # cut short by an interrupt: it is finished here)
+            return
         try:
             self.drain_jobs(_left(deadline))  # takes the lock a poll at a time
             if progress is not None and progress is not threading.current_thread():
@@ -377,13 +383,30 @@ class SecondaryTier(JobSide):
             raise DrainTimeout("shutdown (every job is published, but another thread held the "
                                "tier's lock past the deadline; call shutdown again)", [])
         try:
-            closing = not self._closed
-            if closing:
+            if not self._closed:
+                self._signal_stop()  # no background call starts from now on
                 self._close()
         finally:
             self._lock.release()
-        if closing:  # without the tier's lock: its calls on other threads are refused at once
-            self._stop_probes()
+        # waited for without the tier's lock: its calls on other threads are refused at once
+        self._stop_background(deadline)
+
+    def _stop_background(self, deadline: float | None) -> None:
+        """Wait for the tier's background work (:meth:`_stop_probes`) until ``deadline``, once:
+        a shutdown that finds another at it waits for it until its own deadline; one that
+        finds it cut short (an interrupt) does it again."""
+        if self._background_stopped:
+            return
+        if not self._stop_lock.acquire(timeout=-1 if deadline is None else min(
+                max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)):
+            return  # another shutdown is waiting for it, past this one's deadline
+        try:
+            if not self._background_stopped:
+                self._stop_by = deadline
+                self._stop_probes()
+                self._background_stopped = True
+        finally:
+            self._stop_lock.release()
 
     def _last_tries(self, deadline: float | None) -> None:
         """Shutdown's deadline passed with jobs unpublished: a transfer that is over gets one
@@ -583,8 +606,14 @@ class SecondaryTier(JobSide):
         """Answer a lookup the tier knows nothing about (without blocking the caller)."""
         raise NotImplementedError
 
+    def _signal_stop(self) -> None:
+        """Tell the background work to stop, waiting for nothing (under the tier's lock, as
+        shutdown closes the tier): a probe not yet made is not made."""
+
     def _stop_probes(self) -> None:
-        """Stop any background probing; called once by shutdown."""
+        """Stop any background probing, waiting until ``_stop_by`` at most (shutdown calls it
+        without the tier's lock, once the tier is closed; again if an interrupt cut it short).
+        """
 
     def _take_back(self, names: Sequence[str]) -> Sequence[str]:
         """A store of ``names`` is about to be admitted within the capacity (under the tier's

@@ -129,6 +129,12 @@ class _Prober:
                     return
                 self._thread = thread
 
+    def signal_stop(self) -> None:
+        """Drop the names not yet asked; no query starts from now on (one in flight goes on)."""
+        with self._lock:
+            self._stopping = True
+            self._wanted.clear()
+
     def stop(self, timeout: float | None = None) -> bool:
         """Drop the names not yet asked and wait up to ``timeout`` seconds (None: as long as
         it takes) for the query in flight; True when no query runs any more."""
@@ -181,6 +187,9 @@ class _Prober:
             while not shared.acquire(timeout=0.05):
                 if self._stopping:
                     return False
+            if self._stopping:  # stopped while it waited: the tier may be closed by now
+                shared.release()
+                return False
         removing = self._removing
         doomed = set(removing(names)) if removing is not None else set()
         try:
@@ -383,9 +392,10 @@ def s3_deleter(store: Any) -> Callable[[list[str]], int]:
 
 
 #: whether NIXL sends the object name ``text`` as it is: not empty, no empty, ``.`` or ``..``
-#: part between its slashes, and (so that quoted names stay apart) no leading ``%`` (one C call
-#: a key: ``tests/test_object_store_tier.py`` checks it against that definition, part by part)
-_plain = re.compile(r"(?!%)(?!\.{1,2}(?:/|\Z))[^/]+(?:/(?!\.{1,2}(?:/|\Z))[^/]+)*").fullmatch
+#: part between its slashes (one trailing ``/`` is sent as it is), and (so that quoted names
+#: stay apart) no leading ``%``; one C call a key (``tests/test_object_store_tier.py`` checks
+#: it against that definition, part by part)
+_plain = re.compile(r"(?!%)(?!\.{1,2}(?:/|\Z))[^/]+(?:/(?!\.{1,2}(?:/|\Z))[^/]+)*/?").fullmatch
 
 
 def object_text(text: str) -> str:
@@ -522,9 +532,11 @@ class ObjectStoreTier(SecondaryTier):
 
         NIXL's S3 client tidies an object's path before it sends it (a leading ``/``, ``//``,
         ``/./`` and ``x/../`` collapse), so ``"/k"`` and ``"k"`` would be one object. A key
-        whose text has an empty, ``.`` or ``..`` segment, or starts with ``%``, is therefore
-        named ``%`` and its text percent-quoted whole (``"/k"`` is ``"%%2Fk"``): no other key's
-        name starts with ``%``, and quoting keeps distinct keys apart.
+        whose text has an empty (but a trailing ``/``), ``.`` or ``..`` part between its
+        slashes, or starts with ``%``, is therefore named ``%`` and its text percent-quoted
+        whole (``"/k"`` is ``"%%2Fk"``): no other key's name starts with ``%``, and quoting
+        keeps distinct keys apart. (A key starting with ``%`` was stored under its text before
+        this naming: such blocks are not found again.)
         """
         return self.key_prefix + object_text(key_text(key))
 
@@ -584,6 +596,9 @@ class ObjectStoreTier(SecondaryTier):
     def _probe(self, name: str) -> Lookup:
         self._prober.want(name)
         return Lookup.RETRY
+
+    def _signal_stop(self) -> None:
+        self._prober.signal_stop()
 
     def _stop_probes(self) -> None:
         deadline = self._stop_by
