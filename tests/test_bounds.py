@@ -493,21 +493,29 @@ def test_deletes_without_a_thread_to_send_them_are_counted_not_kept(
 
 # -- found by review: shutdown's deadline, and bounds given as numbers too large or not numbers --
 
+def shutting_down_behind_a_probe(primary: torch.Tensor, agent: FakeNixlAgent, timeout: float,
+                                 ) -> tuple[StalledStore, ObjectStoreTier, threading.Thread]:
+    """A tier whose lookup probe waits on the store, and a shutdown(timeout) on a thread of its
+    own, returned once that shutdown closed the tier (it then waits for the probe)."""
+    stalled = StalledStore()
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=stalled)
+    tier.lookup("key-0")
+    assert stalled.asked.wait(5)
+    shutter = threading.Thread(target=tier.shutdown, args=(timeout,))
+    shutter.start()
+    deadline = time.monotonic() + 5
+    while not tier.closed and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return stalled, tier, shutter
+
+
 def test_shutdown_lets_go_of_the_tier_while_it_waits_for_a_probe(
     primary: torch.Tensor, agent: FakeNixlAgent
 ) -> None:
     """Shutdown waits for a probe in flight up to its deadline once the tier is closed, not
     holding the tier: a submit on another thread is refused at once meanwhile, and a poll
     answers (they both waited for the probe with it, 1.8 s for a 2 s probe)."""
-    stalled = StalledStore()
-    tier = ObjectStoreTier(primary, agent=agent, probe_agent=stalled)
-    tier.lookup("key-0")
-    assert stalled.asked.wait(5)
-    shutter = threading.Thread(target=tier.shutdown, args=(30,))
-    shutter.start()
-    deadline = time.monotonic() + 5
-    while not tier.closed and time.monotonic() < deadline:
-        time.sleep(0.001)
+    stalled, tier, shutter = shutting_down_behind_a_probe(primary, agent, 30)
     assert tier.closed and shutter.is_alive(), "shutdown waits for the probe, the tier closed"
     began = time.monotonic()
     with pytest.raises(TierClosedError):
@@ -693,15 +701,7 @@ def test_a_second_shutdown_waits_for_the_first_ones_wait_on_the_background(
 ) -> None:
     """A shutdown on another thread while the first waits for a probe returned at once,
     before the probe was over; it now waits for it too, until its own deadline."""
-    stalled = StalledStore()
-    tier = ObjectStoreTier(primary, agent=agent, probe_agent=stalled)
-    tier.lookup("key-0")
-    assert stalled.asked.wait(5)
-    first = threading.Thread(target=tier.shutdown, args=(10,))
-    first.start()
-    deadline = time.monotonic() + 5
-    while not tier.closed and time.monotonic() < deadline:
-        time.sleep(0.001)
+    stalled, tier, first = shutting_down_behind_a_probe(primary, agent, 10)
     threading.Timer(0.3, stalled.go.set).start()
     began = time.monotonic()
     tier.shutdown(timeout=5)
