@@ -38,6 +38,13 @@ def check_timeout(timeout: object) -> float | None:
     return float(timeout) if timeout > 0 else 0.0  # (-10**400 is no float)
 
 
+def seconds_left(deadline: float) -> float:
+    """Seconds until ``deadline`` (monotonic time), 0 once it passed, at most the longest wait
+    the platform can make (``threading.TIMEOUT_MAX``): what a lock's or a join's timeout
+    takes."""
+    return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
+
+
 def check_interval(name: str, value: object) -> float:
     """A number of seconds to sleep between polls: finite and >= 0.
 
@@ -158,8 +165,7 @@ class JobSide:
                 step()
             # the lock is released while sleeping, so other threads can submit; waiting for it
             # (behind another thread's poll) never runs past the deadline
-            if not lock.acquire(timeout=-1 if deadline is None else min(
-                    max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)):
+            if not lock.acquire(timeout=-1 if deadline is None else seconds_left(deadline)):
                 if not records:
                     return  # another thread's poll published the last of them
                 raise DrainTimeout("drain_jobs", self.unpublished(), self._noun)

@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from kvfsm.agent import LOCAL_AGENT, NixlAgent
-from kvfsm.contract import DrainTimeout, JobSide, check_interval, check_timeout
+from kvfsm.contract import (
+    DrainTimeout,
+    JobSide,
+    check_interval,
+    check_timeout,
+    seconds_left,
+)
 from kvfsm.driver import RemoteSide, StepFunction, TransferDriver, check_runnable
 from kvfsm.engine import CompiledMachine, Declaration
 from kvfsm.machines.transfer import (
@@ -363,7 +369,6 @@ class SecondaryTier(JobSide):
                 self._closing = True  # the progress thread ends now, not after its pause
                 self._progress_wake.set()
                 progress = self._progress_last
-                self._stop_by = deadline
                 for transfer in self.unpublished():
                     self._runner.cancel(transfer)
         finally:
@@ -397,8 +402,8 @@ class SecondaryTier(JobSide):
         finds it cut short (an interrupt) does it again."""
         if self._background_stopped:
             return
-        if not self._stop_lock.acquire(timeout=-1 if deadline is None else min(
-                max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)):
+        if not self._stop_lock.acquire(
+                timeout=-1 if deadline is None else seconds_left(deadline)):
             return  # another shutdown is waiting for it, past this one's deadline
         try:
             if not self._background_stopped:
@@ -434,10 +439,7 @@ class SecondaryTier(JobSide):
     def _lock_by(self, deadline: float | None) -> bool:
         """Take the tier's lock, waiting until ``deadline`` at most (None: as long as it
         takes; past it: only if it is free); True when taken."""
-        if deadline is None:
-            return self._lock.acquire()
-        return self._lock.acquire(
-            timeout=min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX))
+        return self._lock.acquire(timeout=-1 if deadline is None else seconds_left(deadline))
 
     def _close(self) -> None:
         """Close the tier (under its lock; shutdown then stops its background work)."""
@@ -958,11 +960,8 @@ def key_text(key: object) -> str:
 
 
 def _left(deadline: float | None) -> float | None:
-    """Seconds until ``deadline`` (None: no deadline), 0 once it passed, at most the longest
-    wait the platform can make."""
-    if deadline is None:
-        return None
-    return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
+    """:func:`~kvfsm.contract.seconds_left`, or None for no deadline (a timeout's None)."""
+    return None if deadline is None else seconds_left(deadline)
 
 
 def _job_id(job_id: object) -> int:

@@ -138,9 +138,8 @@ class _Prober:
     def stop(self, timeout: float | None = None) -> bool:
         """Drop the names not yet asked and wait up to ``timeout`` seconds (None: as long as
         it takes) for the query in flight; True when no query runs any more."""
+        self.signal_stop()
         with self._lock:
-            self._stopping = True
-            self._wanted.clear()
             thread = self._thread
             if thread is None:
                 self._agent = None
