@@ -30,6 +30,9 @@ Every other key of an entry is the tier's own setting (see :class:`ObjectStoreTi
   vLLM's manager the tier is saturated once a store would take it past the bound, and the
   manager does not cascade the store there (it pins nothing; vLLM counts the store dropped);
   a store that reaches the tier past the bound all the same is a failed result;
+- blocks of other models and KV layouts are never loaded: vLLM's keys hash tokens only, so a
+  tier keeps its blocks under its ``prefix`` or ``directory`` in a folder of their model and
+  layout (:func:`namespace`), and engines of other ones find nothing there;
 - a promotion loads the keys the tier holds; one whose keys were removed since the lookup (the
   tier evicted them) fails and names the keys that did load (``successful_keys``); a key whose
   load failed is a MISS from then on, for every request (no reload loop);
@@ -44,7 +47,11 @@ This module imports vLLM; ``import kvfsm`` never does.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import re
 import warnings
 import weakref
 from collections import deque
@@ -74,6 +81,7 @@ with warnings.catch_warnings():
         ReqContext,
         RequestOffloadingContext,
     )
+    from vllm.v1.kv_offload.file_mapper import FileMapper
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector, DropStorePolicy
     from vllm.v1.kv_offload.tiering.base import JobResult as VllmResult
     from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
@@ -86,7 +94,7 @@ from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.tiers.base import Lookup, SecondaryTier
 from kvfsm.transfer import TransferJob
 
-__all__ = ["FileTier", "HandlesHeld", "ObjectStoreTier"]
+__all__ = ["FileTier", "HandlesHeld", "ObjectStoreTier", "namespace"]
 
 logger = logging.getLogger("kvfsm.vllm")
 
@@ -125,6 +133,38 @@ class _Job:
     moved: list[OffloadKey]
     #: a promotion's keys the tier no longer held (not loaded: the result fails)
     missing: list[OffloadKey] = field(default_factory=list)
+
+
+#: how much of a model's name a namespace keeps (its digest tells the rest apart)
+_MODEL_TEXT = 64
+
+
+def namespace(offloading_spec: Any, chunk_bytes: int) -> str:
+    """The folder a tier keeps its blocks in for one model and KV layout: ``<model>_<digest>``.
+
+    vLLM's block keys are hashes of tokens, so engines serving other models, dtypes, block sizes
+    or parallel layouts make the same keys: a block one of them stored would load into the other
+    as a success, with the other's bytes (and an object smaller than the chunk fills only part
+    of it). A tier therefore keeps its blocks under its ``prefix`` or ``directory`` in a folder
+    of their own. The digest is over what vLLM's own storage tiers name their folders by
+    (vLLM's ``FileMapper``, parallelism-agnostic where vLLM says the layout is: the model's name
+    and dtype, tokens per hash, blocks per chunk, the KV cache groups and their layers, the
+    parallel layout, the canonical format) and the chunk's size in bytes, which the KV cache's
+    own dtype changes too. The model's name leads, made one safe folder name, for operators.
+    """
+    try:
+        mapper = FileMapper.from_offloading_spec(
+            "", offloading_spec, blocks_per_file=offloading_spec.blocks_per_chunk,
+            parallel_agnostic=True)
+    except AttributeError as error:
+        raise ValueError(f"the offloading spec does not say the model and KV layout its tier "
+                         f"serves ({error}); a kvfsm tier names its folder by them") from None
+    fields = {**mapper.get_run_config(), "chunk_bytes": chunk_bytes}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    model = re.sub(r"[^A-Za-z0-9._-]+", "_", str(fields["model_name"]))
+    model = model.lstrip(".")[:_MODEL_TEXT] or "model"
+    return f"{model}_{digest}"
 
 
 class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-checked here
@@ -170,9 +210,14 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         chunk_bytes = self.block_size_bytes
         # zero copy: the tensor is vLLM's memory (dropped again in shutdown)
         primary = torch.frombuffer(primary_kv_view, dtype=torch.uint8).view(chunks, chunk_bytes)
+        #: the folder this tier's blocks go in, under its ``prefix`` or ``directory``: one per
+        #: model and KV layout (:func:`namespace`)
+        self.namespace = namespace(offloading_spec, chunk_bytes)
         self._tier: SecondaryTier | None = self._build(
-            primary, policy=policy, capacity_bytes=capacity_bytes,
+            primary, self.namespace, policy=policy, capacity_bytes=capacity_bytes,
             record_events=capacity_bytes is not None, in_flight=limit, **settings)
+        logger.info("%s: blocks kept in the folder %s (this model's and KV layout's)",
+                    self.label, self.namespace)
         self._jobs: dict[int, _Job] = {}
         #: results made without a transfer (refused jobs, stores with nothing to move)
         self._ready: list[VllmResult] = []
@@ -182,7 +227,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         self._counts: dict[tuple[str, str], int] = {}  # (kind, outcome) -> jobs
         self._bytes: dict[str, int] = {"store": 0, "load": 0}
 
-    def _build(self, primary: torch.Tensor, **options: Any) -> SecondaryTier:
+    def _build(self, primary: torch.Tensor, folder: str, **options: Any) -> SecondaryTier:
         raise NotImplementedError
 
     @property
@@ -438,8 +483,9 @@ class ObjectStoreTier(_Adapter):
 
     - ``bucket`` (required), ``endpoint`` (``http(s)://host:port``; None for AWS),
       ``access_key``/``secret_key``, ``region``, ``use_virtual_addressing``,
-      ``req_checksum``, ``io_threads``, ``prefix`` (prepended to object names): the store
-      (:class:`kvfsm.nixl_agents.StoreConfig`);
+      ``req_checksum``, ``io_threads``: the store (:class:`kvfsm.nixl_agents.StoreConfig`);
+    - ``prefix``: the tier's blocks are the objects ``<prefix><namespace>/<key>``, the
+      namespace being the folder of the model and KV layout (:func:`namespace`);
     - ``capacity_bytes``: the most bytes of objects kept; the least recently used are deleted
       (with boto3) to make room (None: no bound);
     - ``retry``: the :class:`kvfsm.policy.RetryPolicy` fields, as a dict;
@@ -454,13 +500,16 @@ class ObjectStoreTier(_Adapter):
       of making them (tests inject faults this way).
     """
 
-    def _build(self, primary: torch.Tensor, *, bucket: str | None = None,
+    def _build(self, primary: torch.Tensor, folder: str, *, bucket: str | None = None,
                endpoint: str | None = None, access_key: str | None = None,
                secret_key: str | None = None, region: str = "us-east-1",
                use_virtual_addressing: bool = False, req_checksum: str = "required",
                io_threads: int | None = None, prefix: str = "", agent: Any = None,
                probe_agent: Any = None, remove: Any = None,
                **options: Any) -> SecondaryTier:
+        if not isinstance(prefix, str):
+            raise ValueError(f"{self.tier_type}: prefix must be a str, got {prefix!r}")
+        prefix = f"{prefix}{folder}/"
         store = None
         if agent is None or (options.get("capacity_bytes") is not None and remove is None):
             if bucket is None:
@@ -480,17 +529,21 @@ class ObjectStoreTier(_Adapter):
 class FileTier(_Adapter):
     """kvfsm's file tier (:class:`kvfsm.tiers.FileTier`) for vLLM: one file per block.
 
-    Settings: ``directory`` (required), ``durable`` (fsync before a store succeeds; default
-    True), ``capacity_bytes``, ``retry``, ``shutdown_timeout``, ``in_flight``, ``enable_kv_events``,
-    ``locality``, ``label`` (as :class:`ObjectStoreTier`), ``agent`` (a NIXL agent with the POSIX
-    backend, instead of one made by the tier).
+    Settings: ``directory`` (required; the blocks are files in ``<directory>/<namespace>``,
+    the folder of the model and KV layout: :func:`namespace`), ``durable`` (fsync before a store
+    succeeds; default True), ``capacity_bytes``, ``retry``, ``shutdown_timeout``,
+    ``in_flight``, ``enable_kv_events``, ``locality``, ``label`` (as :class:`ObjectStoreTier`),
+    ``agent`` (a NIXL agent with the POSIX backend, instead of one made by the tier).
     """
 
-    def _build(self, primary: torch.Tensor, *, directory: str | None = None,
+    def _build(self, primary: torch.Tensor, folder: str, *, directory: str | None = None,
                durable: bool = True, agent: Any = None, **options: Any) -> SecondaryTier:
         if directory is None:
             raise ValueError(f"{self.tier_type}: the tier's settings need a directory")
-        return tiers.FileTier(primary, directory, durable=durable, agent=agent, **options)
+        if not isinstance(directory, str | os.PathLike):
+            raise ValueError(f"{self.tier_type}: directory must be a path, got {directory!r}")
+        return tiers.FileTier(primary, os.path.join(directory, folder), durable=durable,
+                              agent=agent, **options)
 
 
 class _Saturation(BackpressureDetector):  # type: ignore[misc]

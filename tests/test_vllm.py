@@ -21,7 +21,7 @@ from kvfsm.testing import FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import Lookup
 
 from .real_nixl import S3Server, require_nixl, s3_server  # noqa: F401 - a fixture
-from .vllm_engine import CHUNK_BYTES, Engine, block, key, require_vllm
+from .vllm_engine import CHUNK_BYTES, Engine, block, key, offloading_spec, require_vllm
 
 pytestmark = [pytest.mark.nixl, pytest.mark.timeout(180)]  # the first test imports vLLM
 
@@ -73,6 +73,16 @@ def the_tier(engine: Engine) -> Any:
     return tier
 
 
+def path_of(tier: Any, seed: int) -> Path:
+    """Where a file tier keeps the block of ``key(seed)``."""
+    return Path(tier.tier.root / tier.tier.remote_name(key(seed)))
+
+
+def stored(tier: Any) -> list[str]:
+    """The names of the blocks a file tier's folder holds (its own files left out)."""
+    return sorted(p.name for p in tier.tier.root.iterdir() if not p.name.startswith("."))
+
+
 # -- the round trip ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["files", "objects"])
@@ -116,8 +126,7 @@ def test_a_capacity_removes_the_least_recently_used_files_and_says_so(
     engine.settle()
     engine.offload("C", blocks(5, 6))  # past 4 blocks: A's two go
     engine.settle()
-    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
-    assert names == sorted(tier.tier.remote_name(key(s)) for s in (3, 4, 5, 6))
+    assert stored(tier) == sorted(tier.tier.remote_name(key(s)) for s in (3, 4, 5, 6))
     ours = [(e.removed, sorted(e.keys)) for e in engine.events if e.ownership == "FileTier"]
     assert ours == [(False, sorted([key(1), key(2)])), (False, sorted([key(3), key(4)])),
                     (True, sorted([key(1), key(2)])), (False, sorted([key(5), key(6)]))]
@@ -177,8 +186,7 @@ def test_vllms_touch_counts_as_use_and_no_events_are_kept_unless_asked_for(
         manager.touch([key(1)], request)  # 2 is now the least recently used
     engine.offload("C", blocks(3))
     engine.settle()
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == sorted(
-        tier.tier.remote_name(key(s)) for s in (1, 3))
+    assert stored(tier) == sorted(tier.tier.remote_name(key(s)) for s in (1, 3))
     assert [e for e in engine.events if e.ownership == "FileTier"] == []  # not enabled
     assert tier.tier.take_events() == []  # and not piling up either
 
@@ -191,7 +199,8 @@ def test_a_job_for_a_closed_or_confused_tier_is_a_failed_result(tmp_path: Path) 
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: PLC0415
 
     view = memoryview(torch.zeros((4, CHUNK_BYTES), dtype=torch.int8).numpy())
-    tier = SecondaryTierFactory.create_secondary_tier(file_entry(tmp_path), view, None)
+    tier = SecondaryTierFactory.create_secondary_tier(file_entry(tmp_path), view,
+                                                      offloading_spec())
     context = ReqContext(req_id="r")
     tier.submit_store(TransferJob(1, [key(1), key(2)], np.array([0], np.int32), False, context))
     tier.submit_load(TransferJob(2, [key(1)], np.array([9], np.int32), True, context))
@@ -217,6 +226,67 @@ def test_blocks_an_earlier_engine_stored_are_found_and_loaded(
     second.settle()
     jobs = the_tier(second).get_stats().data["data"]["vllm:kv_offload_kvfsm_jobs"]
     assert jobs == {("FileTier", "load", "ok"): 1}
+
+
+@pytest.mark.parametrize("kind", ["files", "objects"])
+def test_engines_of_other_models_or_layouts_sharing_a_store_never_load_each_others_blocks(
+    kind: str, tmp_path: Path, s3_server: S3Server, engines: Callable[..., Engine]  # noqa: F811
+) -> None:
+    """vLLM's keys hash tokens, not the model: an engine of another model, dtype or block size
+    sharing the bucket or directory makes the same keys. Each keeps its blocks in a folder of
+    its own model and layout, so the others find nothing there (a MISS, not their bytes: an
+    object half a chunk's size once loaded into a chunk as a success), while an engine of the
+    same model and layout finds them all."""
+    entry = file_entry(tmp_path) if kind == "files" else object_entry(s3_server)
+    first = engines(entry)
+    first.offload("A", blocks(1, 2))
+    first.settle()
+    first.shutdown()
+    others = [engines(entry, model="another-model"), engines(entry, dtype="bfloat16"),
+              engines(entry, chunk_bytes=2 * CHUNK_BYTES)]
+    for other in others:
+        assert other.fetch("B", [key(1), key(2)]) == {key(1): None, key(2): None}
+        other.shutdown()
+    folders = {the_tier(engine).namespace for engine in [first, *others]}
+    assert len(folders) == 4
+    assert the_tier(first).namespace.startswith("kvfsm-test-model_")
+    same = engines(entry)
+    assert the_tier(same).namespace == the_tier(first).namespace
+    assert same.fetch("C", [key(1), key(2)]) == blocks(1, 2)
+
+
+def test_a_prefix_or_directory_that_is_not_one_is_refused_by_name() -> None:
+    from kvfsm.testing import FakeNixlAgent  # noqa: PLC0415
+    from kvfsm.vllm import FileTier, ObjectStoreTier  # noqa: PLC0415
+
+    view = memoryview(bytearray(4 * 64)).cast("B", (4, 64))
+    agent = FakeNixlAgent("prefix")
+    with pytest.raises(ValueError, match=r"ObjectStoreTier: prefix must be a str, got b'kv/'"):
+        ObjectStoreTier(offloading_spec(chunk_bytes=64), view, "ObjectStoreTier", agent=agent,
+                        prefix=b"kv/")
+    assert agent.live_registrations() == 0, "nothing was registered"
+    with pytest.raises(ValueError, match=r"FileTier: directory must be a path, got 3"):
+        FileTier(offloading_spec(chunk_bytes=64), view, "FileTier", directory=3)
+
+
+def test_a_namespace_names_the_model_and_changes_with_every_part_of_the_layout() -> None:
+    from kvfsm.vllm import namespace  # noqa: PLC0415
+
+    base = namespace(offloading_spec(), CHUNK_BYTES)
+    assert re.fullmatch(r"kvfsm-test-model_[0-9a-f]{16}", base)
+    assert namespace(offloading_spec(), CHUNK_BYTES) == base  # the same in every process
+    assert namespace(offloading_spec(tier_poll_interval=0.5, primary_chunks=8),
+                     CHUNK_BYTES) == base  # the engine's own settings are not the layout
+    changed = [namespace(offloading_spec(model="org/another-model"), CHUNK_BYTES),
+               namespace(offloading_spec(dtype="bfloat16"), CHUNK_BYTES),
+               namespace(offloading_spec(), 2 * CHUNK_BYTES)]  # (a KV cache dtype of its own)
+    assert len({base, *changed}) == 4
+    assert namespace(offloading_spec(chunk_bytes=2 * CHUNK_BYTES), 2 * CHUNK_BYTES) == changed[2]
+    assert changed[0].startswith("org_another-model_")  # one folder, not two
+    for odd, start in (("../../etc", "_.._etc_"), ("..", "model_"), ("a b/c:d", "a_b_c_d_")):
+        assert namespace(offloading_spec(model=odd), CHUNK_BYTES).startswith(start)
+    with pytest.raises(ValueError, match="does not say the model and KV layout"):
+        namespace(None, CHUNK_BYTES)
 
 
 def test_two_tiers_of_one_type_are_told_apart_by_their_labels(
@@ -296,7 +366,7 @@ def test_a_promotion_of_blocks_removed_since_the_lookup_names_what_did_load(
     cache = torch.zeros((4, CHUNK_BYTES), dtype=torch.int8)
     view = memoryview(cache.numpy())
     tier = SecondaryTierFactory.create_secondary_tier(
-        file_entry(tmp_path, capacity_bytes=2 * CHUNK_BYTES), view, None)
+        file_entry(tmp_path, capacity_bytes=2 * CHUNK_BYTES), view, offloading_spec())
     try:
         context = ReqContext(req_id="r")
         for chunk, seed in enumerate((1, 2)):
@@ -336,10 +406,10 @@ def test_a_job_the_tier_cannot_start_is_a_failed_result_not_an_exception(
     assert engine.pinned_chunks() == 0
     jobs = the_tier(engine).get_stats().data["data"]["vllm:kv_offload_kvfsm_jobs"]
     assert jobs == {("FileTier", "store", "refused"): 1}
-    assert [p for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+    assert stored(the_tier(engine)) == []
     engine.offload("B", blocks(4, 5))  # the tier still works
     engine.settle()
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == sorted(
+    assert stored(the_tier(engine)) == sorted(
         the_tier(engine).tier.remote_name(key(s)) for s in (4, 5))
 
 
@@ -362,7 +432,7 @@ def test_reset_cache_drains_transfers_still_running_without_aborting_them(
     assert prepared is not None
     assert engine.manager._jobs == {}
     assert agent.call_count("check_xfer_state") >= 40
-    assert (tmp_path / the_tier(engine).tier.remote_name(key(1))).exists()
+    assert path_of(the_tier(engine), 1).exists()
 
 
 def test_past_its_in_flight_bound_vllms_manager_stops_cascading_to_the_tier(
@@ -391,7 +461,7 @@ def test_past_its_in_flight_bound_vllms_manager_stops_cascading_to_the_tier(
     engine.settle()
     assert engine.pinned_chunks() == 0
     stored = [seed for seed in range(1, 6)
-              if (tmp_path / tier.tier.remote_name(key(seed))).exists()]
+              if path_of(tier, seed).exists()]
     assert stored == [1, 2]
     assert not tier.bp_detector.is_under_pressure()
 
@@ -415,7 +485,7 @@ def test_vllms_tier_poll_thread_collects_results_between_scheduler_steps(
         time.sleep(0.005)
     assert engine.pinned_chunks() == 0
     assert agent.call_count("check_xfer_state") >= 20
-    assert (tmp_path / the_tier(engine).tier.remote_name(key(1))).exists()
+    assert path_of(the_tier(engine), 1).exists()
     with engine.locked() as manager:
         assert not manager.has_pending_work()
 
@@ -616,7 +686,7 @@ def test_an_interrupt_once_the_tier_took_a_job_loses_no_result() -> None:
 
     agent = InterruptedAfterPost("interrupted", complete_after_polls=1)
     view = memoryview(bytearray(4 * 64)).cast("B", (4, 64))
-    adapter = ObjectStoreTier(None, view, "ObjectStoreTier", agent=agent,
+    adapter = ObjectStoreTier(offloading_spec(chunk_bytes=64), view, "ObjectStoreTier", agent=agent,
                               probe_agent=FakeNixlAgent("probe", objects=agent.objects))
 
     def job(job_id: int, seed: int) -> Any:
@@ -647,7 +717,7 @@ def test_a_job_id_reused_while_its_job_runs_is_refused_and_the_running_job_keeps
 
     agent = FakeNixlAgent("reused", complete_after_polls=1)
     view = memoryview(bytearray(4 * 64)).cast("B", (4, 64))
-    adapter = ObjectStoreTier(None, view, "ObjectStoreTier", agent=agent,
+    adapter = ObjectStoreTier(offloading_spec(chunk_bytes=64), view, "ObjectStoreTier", agent=agent,
                               probe_agent=FakeNixlAgent("probe", objects=agent.objects))
     k1, k2, k3 = (bytes([seed]) * 8 for seed in (1, 2, 3))
 

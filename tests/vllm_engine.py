@@ -41,37 +41,53 @@ def require_vllm() -> None:
         pytest.skip(f"vLLM 0.33 is not installed (scripts/install-vllm): {error}")
 
 
+def offloading_spec(tiers: Sequence[dict[str, Any]] = (), *, primary_chunks: int = 4,
+                    events: bool = True, tier_poll_interval: float = 0,
+                    model: str = "kvfsm-test-model", dtype: str = "float16",
+                    chunk_bytes: int = CHUNK_BYTES, engine_id: str = "kvfsm-test") -> Any:
+    """vLLM's offloading spec for a model (its name and dtype) with one layer of blocks of
+    ``chunk_bytes``, and ``tiers`` behind a primary of ``primary_chunks`` chunks."""
+    from vllm.v1.kv_offload.config import (  # noqa: PLC0415
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: PLC0415
+
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer.0",),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=chunk_bytes, enable_kv_cache_events=events,
+        extra_config={"cpu_bytes_to_use": primary_chunks * chunk_bytes,
+                      "eviction_policy": "lru", "tier_poll_interval_s": tier_poll_interval,
+                      "secondary_tiers": list(tiers)},
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True))
+    return TieringOffloadingSpec(config)
+
+
 class Engine:
     """A vLLM tiering manager with kvfsm tiers, and the scheduler steps that drive it."""
 
     def __init__(self, tiers: Sequence[dict[str, Any]], *, primary_chunks: int = 4,
-                 events: bool = True, tier_poll_interval: float = 0) -> None:
+                 events: bool = True, tier_poll_interval: float = 0,
+                 model: str = "kvfsm-test-model", dtype: str = "float16",
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         from vllm.v1.kv_offload.base import ScheduleEndContext  # noqa: PLC0415
-        from vllm.v1.kv_offload.config import (  # noqa: PLC0415
-            OffloadingCacheConfig,
-            OffloadingConfig,
-            OffloadingGroupConfig,
-            OffloadingModelConfig,
-            OffloadingParallelConfig,
-        )
-        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: PLC0415
 
         self.engine_id = f"kvfsm-test-{uuid.uuid4().hex[:8]}"
-        config = OffloadingConfig(
-            groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer.0",),
-                                          group_id=0),),
-            worker_kv_bytes_per_block=CHUNK_BYTES, enable_kv_cache_events=events,
-            extra_config={"cpu_bytes_to_use": primary_chunks * CHUNK_BYTES,
-                          "eviction_policy": "lru", "tier_poll_interval_s": tier_poll_interval,
-                          "secondary_tiers": list(tiers)},
-            engine_id=self.engine_id,
-            model=OffloadingModelConfig(name="kvfsm-test-model", dtype="float16"),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(
-                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                is_parallelism_agnostic=True))
-        self.spec = TieringOffloadingSpec(config)
+        self.chunk_bytes = chunk_bytes
+        self.spec = offloading_spec(tiers, primary_chunks=primary_chunks, events=events,
+                                    tier_poll_interval=tier_poll_interval, model=model,
+                                    dtype=dtype, chunk_bytes=chunk_bytes,
+                                    engine_id=self.engine_id)
         self.manager = self.spec.get_manager()
         self._end = ScheduleEndContext
         self._new: list[str] = []
@@ -89,7 +105,8 @@ class Engine:
         return list(self.manager.secondary_tiers)
 
     def chunk(self, chunk_id: int) -> bytes:
-        return bytes(self.view[chunk_id * CHUNK_BYTES:(chunk_id + 1) * CHUNK_BYTES])
+        size = self.chunk_bytes
+        return bytes(self.view[chunk_id * size:(chunk_id + 1) * size])
 
     # -- scheduler steps ---------------------------------------------------------------------
 
@@ -130,8 +147,8 @@ class Engine:
             stored = list(prepared.keys_to_store)
             # the worker copies each block into the chunk the primary gave it
             for key, chunk_id in zip(stored, prepared.store_spec.chunk_ids, strict=True):
-                start = int(chunk_id) * CHUNK_BYTES
-                self.view[start:start + CHUNK_BYTES] = blocks[key]
+                start = int(chunk_id) * self.chunk_bytes
+                self.view[start:start + self.chunk_bytes] = blocks[key]
         self.end_step()
         with self.locked() as manager:
             if stored:
@@ -220,9 +237,9 @@ def _chunks(primary: Any) -> list[Any]:
     return list(primary._policy.chunks.values())
 
 
-def block(seed: int) -> bytes:
-    """CHUNK_BYTES of bytes distinct for each seed."""
-    return bytes((seed * 131 + i * 7) % 251 for i in range(CHUNK_BYTES))
+def block(seed: int, size: int = CHUNK_BYTES) -> bytes:
+    """``size`` bytes distinct for each seed."""
+    return bytes((seed * 131 + i * 7) % 251 for i in range(size))
 
 
 def key(seed: int) -> bytes:
