@@ -499,7 +499,11 @@ class OffloadTier(Protocol):
     A tier may also have ``remote_name(key) -> str``, as kvfsm's tiers do: the name it stores a
     block under, raising ``ValueError`` for a key it cannot name. The manager then checks every
     job's keys with it before changing anything (a load's allocation may evict blocks, which
-    cannot be undone when the tier refuses the job afterwards).
+    cannot be undone when the tier refuses the job afterwards). And it may have
+    ``owes(job_id) -> bool``, as kvfsm's tiers do: whether a result for the job is still to
+    come. After a submit that an interrupt (``KeyboardInterrupt``) cut short, the manager keeps
+    a job its tier owes, with its pins or its allocated blocks, until the result comes: NIXL may
+    be moving those blocks. A tier without it took nothing when its submit raised.
     """
 
     def submit_store(self, job: TransferJob) -> None:
@@ -520,6 +524,14 @@ class OffloadTier(Protocol):
     def shutdown(self) -> None:
         """Release everything; idempotent. (One that takes ``timeout``, as kvfsm's tiers do, is
         given what is left of :meth:`TieringManager.shutdown`'s.)"""
+
+
+def _took(tier: OffloadTier, job_id: int) -> bool:
+    """Whether ``tier`` took the job of a submit an interrupt cut short (NIXL may be moving
+    its blocks): its ``owes`` says, if it has one (kvfsm's tiers do); without one, a submit
+    that raised took nothing."""
+    owes = getattr(tier, "owes", None)
+    return owes is not None and bool(owes(job_id))
 
 
 _CONTRACT = ("submit_store", "submit_load", "get_finished_jobs", "has_pending_work", "lookup",
@@ -587,7 +599,9 @@ class TieringManager:
     it did for that job (drops its pins, frees a load's blocks), forgets its id, and raises
     :class:`TierSubmitError` naming the tier and job id; a store still cascades to the other
     tiers first. When every tier refused with a ``ValueError`` and none took a job, that is a
-    :class:`TierInputRefusedError`, a ``ValueError`` too.
+    :class:`TierInputRefusedError`, a ``ValueError`` too. An interrupt that cuts a submit short
+    once the tier took the job (its ``owes`` says so, see :class:`OffloadTier`) leaves the job
+    outstanding, its pins or blocks held until its result comes, and is raised as it is.
 
     Args:
         primary: the primary tier; every secondary tier must copy to and from ``primary.cache``.
@@ -695,6 +709,8 @@ class TieringManager:
             try:
                 tier.submit_store(job)
             except BaseException as error:
+                if not isinstance(error, Exception) and _took(tier, job.job_id):
+                    raise  # an interrupt once the tier took the job: it keeps its pin
                 del self._jobs[job.job_id]
                 self.primary.complete_read(blocks)
                 if isinstance(error, TierBusyError):  # saturated since it was asked, or
@@ -782,6 +798,8 @@ class TieringManager:
         try:
             self._tiers[tier].submit_load(job)
         except BaseException as error:
+            if not isinstance(error, Exception) and _took(self._tiers[tier], job.job_id):
+                raise  # an interrupt once the tier took the job: its blocks wait for it
             del self._jobs[job.job_id]
             self.primary.complete_write(blocks, success=False)
             if not isinstance(error, Exception):

@@ -575,6 +575,77 @@ def test_a_tier_refusing_a_load_frees_its_block(stack: Stack) -> None:
     assert not manager.has_pending_work()
 
 
+class InterruptedAfterPost(FakeNixlAgent):
+    """A fake agent on which a signal lands right after ``transfer()`` returned, once armed."""
+
+    armed = False
+
+    def transfer(self, *args: object, **kwargs: object) -> str:
+        status = super().transfer(*args, **kwargs)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return status
+
+
+def interrupted_stack() -> tuple[CPUPrimaryTier, TieringManager, InterruptedAfterPost]:
+    """A manager over one object store on that agent, and a primary of one block."""
+    primary = CPUPrimaryTier(1, BLOCK_BYTES, torch.uint8)
+    agent = InterruptedAfterPost("interrupted", complete_after_polls=3)
+    tier = ObjectStoreTier(primary.cache, agent=agent,
+                           probe_agent=FakeNixlAgent("probe", objects=agent.objects))
+    return primary, TieringManager(primary, {"only": tier}), agent
+
+
+def test_an_interrupt_once_a_tier_took_a_store_keeps_its_pin_until_the_result() -> None:
+    """A signal lands just after NIXL posted a store. The tier took the job, and NIXL goes on
+    reading the block: the manager keeps the job and its pin (it once dropped both, and the
+    engine's next block went into the block under the running PUT, which then stored those
+    bytes under the first key, published as a success)."""
+    primary, manager, agent = interrupted_stack()
+    (block,) = write(primary, "k1")
+    agent.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        manager.store([block])
+    assert [(job.job_id, job.tier) for job in manager.outstanding()] == [(1, "only")]
+    assert primary.pin_count(block) == 1, "NIXL still reads the block"
+    with pytest.raises(BlockStateError, match="pinned by 1"):  # the engine cannot reuse it
+        primary.free([block])
+    with pytest.raises(OutOfBlocksError):
+        primary.allocate(["k2"])
+
+    assert ids(manager.drain(timeout=5)) == [(1, "only", True)]
+    assert primary.pin_count(block) == 0
+    primary.free([block])
+    (again,) = write(primary, "k2")  # now the block may take other bytes
+    assert again == block
+    loaded = manager.load(["k1"])
+    assert loaded is not None
+    assert ids(manager.drain(timeout=5)) == [(loaded, "only", True)]
+    assert holds(primary, "k1"), "k1's object holds k1's bytes"
+    manager.shutdown(timeout=5)
+
+
+def test_an_interrupt_once_a_tier_took_a_load_keeps_its_blocks_until_the_result() -> None:
+    """The same signal, just after a load was posted: its blocks stay being written (neither
+    freed nor handed to another load, which NIXL's GET would overwrite) until its result."""
+    primary, manager, agent = interrupted_stack()
+    (block,) = write(primary, "k1")
+    manager.store([block])
+    manager.drain(timeout=5)
+    primary.free([block])
+    agent.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        manager.load(["k1"], tier="only")
+    assert [job.tier for job in manager.outstanding()] == ["only"]
+    assert primary.stats()["writing"] == 1, "NIXL still writes the block"
+    with pytest.raises(OutOfBlocksError):
+        primary.allocate(["k3"])
+    (done,) = manager.drain(timeout=5)
+    assert done.success and holds(primary, "k1")
+    manager.shutdown(timeout=5)
+
+
 @pytest.mark.parametrize(("call", "error", "message"), [
     (lambda m, b: m.store([]), TieringInputError, "a store needs at least one block"),
     (lambda m, b: m.store(3), TieringInputError, "block ids must be a list or tuple"),
