@@ -13,7 +13,7 @@ from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSFER_MACHINE, TRANSITI
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import FRONT_BATCH
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
-from kvfsm.tiers import InvalidJobError, ObjectStoreTier, TierClosedError
+from kvfsm.tiers import InvalidJobError, Lookup, ObjectStoreTier, TierClosedError
 
 from .conftest import NUM_BLOCKS, assert_nothing_held_but_recorded_leaks
 
@@ -497,6 +497,38 @@ def test_object_keys_name_the_block_key(primary: torch.Tensor, agent: FakeNixlAg
     with pytest.raises(ValueError, match="must not be empty"):
         tier.object_key(b"")
     tier.shutdown()
+
+
+def test_a_subclass_that_names_its_objects_is_obeyed_by_transfers_and_lookups(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """Two layouts keep their blocks apart by naming them in a subclass (``object_key``).
+    Every name the tier uses is the subclass's: a store lands under it, and the other
+    layout's tier, whose name for the key holds nothing, neither finds nor loads it (the
+    base class's names were once used for transfers whatever the subclass said, so the
+    other layout loaded these bytes as a success)."""
+
+    class Layout(ObjectStoreTier):
+        def __init__(self, name: str) -> None:
+            self.layout = name
+            super().__init__(primary, agent=agent,
+                             probe_agent=FakeNixlAgent(f"probe-{name}", objects=agent.objects))
+
+        def object_key(self, key: bytes | str) -> str:
+            return f"{self.layout}/{super().object_key(key)}"
+
+    first, second = Layout("a"), Layout("b")
+    first.submit_store(TransferJob(1, ["k"], [1]))
+    assert [r.success for r in results_until_idle(first)] == [True]
+    assert sorted(agent.objects) == ["a/k"]
+    assert first.remote_name("k") == "a/k" and first.lookup("k") is Lookup.HIT
+
+    primary[2] = -1.0
+    second.submit_load(TransferJob(2, ["k"], [2], is_promotion=True))
+    assert [r.success for r in results_until_idle(second)] == [False]
+    assert bool((primary[2] == -1.0).all()), "no byte of the other layout landed"
+    first.shutdown()
+    second.shutdown()
 
 
 def test_a_machine_that_acts_on_proc_gets_every_proc_answer_fired(

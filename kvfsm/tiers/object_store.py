@@ -539,10 +539,15 @@ class ObjectStoreTier(SecondaryTier):
         """
         return self.key_prefix + object_text(key_text(key))
 
-    remote_name = object_key
+    def remote_name(self, key: bytes | str) -> str:
+        """The object name of block ``key``: :meth:`object_key`, which a subclass may name
+        its blocks by (transfers, lookups and removals all use it)."""
+        return self.object_key(key)
 
     def _remote_names(self, keys: Sequence[Any]) -> tuple[str, ...]:
-        if type(self).object_key is not ObjectStoreTier.object_key:  # a subclass names them
+        cls = type(self)
+        if (cls.object_key is not ObjectStoreTier.object_key
+                or cls.remote_name is not ObjectStoreTier.remote_name):  # a subclass's names
             return super()._remote_names(keys)
         prefix = self.key_prefix  # a plain str key is its own text: no call for it
         return tuple([prefix + key if type(key) is str and _plain(key) is not None
