@@ -147,19 +147,25 @@ def namespace(offloading_spec: Any, chunk_bytes: int) -> str:
     as a success, with the other's bytes (and an object smaller than the chunk fills only part
     of it). A tier therefore keeps its blocks under its ``prefix`` or ``directory`` in a folder
     of their own. The digest is over what vLLM's own storage tiers name their folders by
-    (vLLM's ``FileMapper``, parallelism-agnostic where vLLM says the layout is: the model's name
-    and dtype, tokens per hash, blocks per chunk, the KV cache groups and their layers, the
-    parallel layout, the canonical format) and the chunk's size in bytes, which the KV cache's
-    own dtype changes too. The model's name leads, made one safe folder name, for operators.
+    (vLLM's ``FileMapper``: the model's name, the KV cache's dtype, tokens per hash, blocks per
+    chunk, the KV cache groups and their layers, the canonical format), the parallel layout
+    (always: a chunk holds every worker's slice of a block in rank order, so with more than one
+    layer tensor-parallel sizes order its bytes differently, even where vLLM calls the layout
+    parallelism-agnostic), the KV cache's memory layout (``kv_cache_layout``: NHD, HND...) and
+    the chunk's size in bytes. The model's name leads, made one safe folder name, for
+    operators. What vLLM's offloading config does not carry cannot count: a model's revision,
+    its quantization or RoPE scaling, fp8 scales; engines that differ only there need a
+    ``prefix`` or ``directory`` each.
     """
     try:
         mapper = FileMapper.from_offloading_spec(
             "", offloading_spec, blocks_per_file=offloading_spec.blocks_per_chunk,
-            parallel_agnostic=True)
+            parallel_agnostic=False)
+        layout = offloading_spec.config.kv_cache_layout
     except AttributeError as error:
         raise ValueError(f"the offloading spec does not say the model and KV layout its tier "
                          f"serves ({error}); a kvfsm tier names its folder by them") from None
-    fields = {**mapper.get_run_config(), "chunk_bytes": chunk_bytes}
+    fields = {**mapper.get_run_config(), "kv_cache_layout": layout, "chunk_bytes": chunk_bytes}
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     model = re.sub(r"[^A-Za-z0-9._-]+", "_", str(fields["model_name"]))
@@ -531,7 +537,8 @@ class FileTier(_Adapter):
 
     Settings: ``directory`` (required; the blocks are files in ``<directory>/<namespace>``,
     the folder of the model and KV layout: :func:`namespace`), ``durable`` (fsync before a store
-    succeeds; default True), ``capacity_bytes``, ``retry``, ``shutdown_timeout``,
+    succeeds; default True), ``read_only`` (only load; the folder may not exist yet: MISS until
+    other engines' stores make it), ``capacity_bytes``, ``retry``, ``shutdown_timeout``,
     ``in_flight``, ``enable_kv_events``, ``locality``, ``label`` (as :class:`ObjectStoreTier`),
     ``agent`` (a NIXL agent with the POSIX backend, instead of one made by the tier).
     """

@@ -848,6 +848,37 @@ def test_a_root_that_is_a_file_is_refused_by_name_and_nothing_is_created(
     agent.close()
 
 
+def test_a_read_only_root_that_does_not_exist_yet_answers_miss_until_stores_make_it(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier]
+) -> None:
+    """An engine that only loads from a shared directory may start before any engine of its
+    model stored there: its root is missing, its lookups answer MISS, and it finds the blocks
+    once a writing tier made the root. A root whose parent is missing too is a mistyped path,
+    refused by name."""
+    root = tmp_path / "model-folder"
+    reader = FileTier(cache, root, agent=posix(), read_only=True)
+    tiers.append(reader)
+    assert not root.exists() and reader.lookup("k") is Lookup.MISS
+    reader.submit_load(TransferJob(1, ["other"], [0], is_promotion=True))
+    assert not results_of(reader)[1].success
+
+    writer = FileTier(cache, root, agent=posix(), durable=False)
+    tiers.append(writer)
+    writer.submit_store(TransferJob(2, ["k"], [1]))
+    assert results_of(writer)[2].success
+    cache[3] = 0
+    assert reader.lookup("k") is Lookup.HIT
+    reader.submit_load(TransferJob(3, ["k"], [3], is_promotion=True))
+    assert results_of(reader)[3].success and block(cache, 3) == block(cache, 1)
+
+    agent = FakeNixlAgent(name="mistyped")
+    with pytest.raises(ValueError, match=r"'.*/missing/folder' does not exist, nor does its "
+                                         r"parent"):
+        FileTier(cache, tmp_path / "missing" / "folder", agent=agent, read_only=True)
+    assert agent.live_registrations() == 0
+    agent.close()
+
+
 def test_a_root_that_cannot_be_written_is_refused_unless_the_tier_only_loads(
     cache: torch.Tensor,
 ) -> None:

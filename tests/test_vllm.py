@@ -279,8 +279,11 @@ def test_a_namespace_names_the_model_and_changes_with_every_part_of_the_layout()
                      CHUNK_BYTES) == base  # the engine's own settings are not the layout
     changed = [namespace(offloading_spec(model="org/another-model"), CHUNK_BYTES),
                namespace(offloading_spec(dtype="bfloat16"), CHUNK_BYTES),
-               namespace(offloading_spec(), 2 * CHUNK_BYTES)]  # (a KV cache dtype of its own)
-    assert len({base, *changed}) == 4
+               namespace(offloading_spec(), 2 * CHUNK_BYTES),  # (a KV cache dtype of its own)
+               # a chunk's bytes in another order (where vLLM calls the layout agnostic too)
+               namespace(offloading_spec(tp_size=2), CHUNK_BYTES),
+               namespace(offloading_spec(kv_cache_layout="HND"), CHUNK_BYTES)]
+    assert len({base, *changed}) == 6
     assert namespace(offloading_spec(chunk_bytes=2 * CHUNK_BYTES), 2 * CHUNK_BYTES) == changed[2]
     assert changed[0].startswith("org_another-model_")  # one folder, not two
     for odd, start in (("../../etc", "_.._etc_"), ("..", "model_"), ("a b/c:d", "a_b_c_d_")):

@@ -44,9 +44,11 @@ def require_vllm() -> None:
 def offloading_spec(tiers: Sequence[dict[str, Any]] = (), *, primary_chunks: int = 4,
                     events: bool = True, tier_poll_interval: float = 0,
                     model: str = "kvfsm-test-model", dtype: str = "float16",
-                    chunk_bytes: int = CHUNK_BYTES, engine_id: str = "kvfsm-test") -> Any:
+                    chunk_bytes: int = CHUNK_BYTES, engine_id: str = "kvfsm-test",
+                    tp_size: int = 1, kv_cache_layout: str | None = None) -> Any:
     """vLLM's offloading spec for a model (its name and dtype) with one layer of blocks of
-    ``chunk_bytes``, and ``tiers`` behind a primary of ``primary_chunks`` chunks."""
+    ``chunk_bytes`` (a layout vLLM calls parallelism-agnostic, on ``tp_size`` workers, in
+    ``kv_cache_layout``), and ``tiers`` behind a primary of ``primary_chunks`` chunks."""
     from vllm.v1.kv_offload.config import (  # noqa: PLC0415
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -63,11 +65,11 @@ def offloading_spec(tiers: Sequence[dict[str, Any]] = (), *, primary_chunks: int
         extra_config={"cpu_bytes_to_use": primary_chunks * chunk_bytes,
                       "eviction_policy": "lru", "tier_poll_interval_s": tier_poll_interval,
                       "secondary_tiers": list(tiers)},
-        engine_id=engine_id,
+        engine_id=engine_id, kv_cache_layout=kv_cache_layout,
         model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            rank=0, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1, dcp_size=1,
             data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
             is_parallelism_agnostic=True))
     return TieringOffloadingSpec(config)

@@ -531,7 +531,8 @@ class FileTier(SecondaryTier):
         root: the directory holding the block files (created if missing).
         read_only: only load from ``root`` (stores are refused); a root that cannot be
             written to must say so, so a tier that could never store is refused at once
-            rather than failing every store later.
+            rather than failing every store later. A read-only root need not exist yet if
+            its parent does: its lookups answer MISS until other tiers' stores make it.
         agent: a NIXL agent with the POSIX backend; None creates one.
         durable: ``fsync`` files and directory before a store succeeds, so a finished store
             survives a power loss too (a process crash never needs it). The flush runs on the
@@ -751,9 +752,11 @@ def _check_root(root: Path, read_only: object) -> bool:
     if root.exists() and not root.is_dir():
         raise ValueError(f"FileTier root {str(root)!r} exists and is not a directory")
     if not root.exists():
-        if read_only:
-            raise ValueError(f"FileTier root {str(root)!r} does not exist (read_only=True: "
-                             "nothing to load)")
+        if read_only:  # nothing to load yet: found once other tiers' stores make it, unless
+            if root.parent.is_dir():  # its parent is missing too (a mistyped path)
+                return True
+            raise ValueError(f"FileTier root {str(root)!r} does not exist, nor does its "
+                             "parent (read_only=True: nothing to load)")
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as error:
