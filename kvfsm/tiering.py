@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 import inspect
 import itertools
+import logging
 import math
 import operator
 import time
@@ -53,6 +54,8 @@ import torch
 from kvfsm.machines.transfer import FailureReason
 from kvfsm.tiers.base import Lookup, TierBusyError
 from kvfsm.transfer import JobResult, TransferJob
+
+logger = logging.getLogger("kvfsm")
 
 __all__ = [
     "BlockStateError",
@@ -528,10 +531,23 @@ class OffloadTier(Protocol):
 
 def _took(tier: OffloadTier, job_id: int) -> bool:
     """Whether ``tier`` took the job of a submit an interrupt cut short (NIXL may be moving
-    its blocks): its ``owes`` says, if it has one (kvfsm's tiers do); without one, a submit
-    that raised took nothing."""
+    its blocks): its ``owes`` says, if it has one (kvfsm's tiers do). An ``owes`` that raises
+    says nothing: the job is kept (its blocks are not reused under a transfer that may run).
+    Without one, the submit that raised is taken to have taken nothing, and a warning says
+    the manager could not tell."""
     owes = getattr(tier, "owes", None)
-    return owes is not None and bool(owes(job_id))
+    if owes is None:
+        logger.warning("job %d: an interrupt cut its submit short, and the tier has no owes() "
+                       "to say whether it took the job; its pins or blocks are taken back, so "
+                       "a tier that did take it may move them while they are reused", job_id)
+        return False
+    try:
+        return bool(owes(job_id))
+    except Exception:
+        logger.exception("job %d: an interrupt cut its submit short, and the tier's owes() "
+                         "raised; the job is kept, its pins or blocks held until its result",
+                         job_id)
+        return True
 
 
 _CONTRACT = ("submit_store", "submit_load", "get_finished_jobs", "has_pending_work", "lookup",
@@ -704,14 +720,18 @@ class TieringManager:
                 self._skipped[name] += 1
                 continue
             job = TransferJob(next(self._ids), list(keys), list(blocks))
-            self.primary.pin(blocks)
             self._jobs[job.job_id] = Submitted(job, name)
+            pinned = False
             try:
+                self.primary.pin(blocks)
+                pinned = True
                 tier.submit_store(job)
             except BaseException as error:
-                if not isinstance(error, Exception) and _took(tier, job.job_id):
+                if pinned and not isinstance(error, Exception) and _took(tier, job.job_id):
                     raise  # an interrupt once the tier took the job: it keeps its pin
                 del self._jobs[job.job_id]
+                if not pinned:  # the pin failed, or an interrupt came before it: no tier's
+                    raise  # doing, and nothing pinned (pin changes nothing when it raises)
                 self.primary.complete_read(blocks)
                 if isinstance(error, TierBusyError):  # saturated since it was asked, or
                     # removing one of the blocks: nothing registered, a later store is taken
@@ -792,16 +812,24 @@ class TieringManager:
         else:
             self._check_names(checked, (tier,))
         # everything is checked: the allocation is the first change, and may evict
-        blocks = self.primary.allocate(checked)
-        job = TransferJob(next(self._ids), list(checked), blocks, is_promotion=True)
-        self._jobs[job.job_id] = Submitted(job, tier)
+        blocks: list[int] | None = None
+        job: TransferJob | None = None
         try:
+            blocks = self.primary.allocate(checked)
+            job = TransferJob(next(self._ids), list(checked), blocks, is_promotion=True)
+            self._jobs[job.job_id] = Submitted(job, tier)
             self._tiers[tier].submit_load(job)
         except BaseException as error:
-            if not isinstance(error, Exception) and _took(self._tiers[tier], job.job_id):
+            if blocks is None:  # allocate raised (having changed nothing), or an interrupt
+                raise  # came before it: nothing to take back
+            if (job is not None and not isinstance(error, Exception)
+                    and _took(self._tiers[tier], job.job_id)):
                 raise  # an interrupt once the tier took the job: its blocks wait for it
-            del self._jobs[job.job_id]
+            if job is not None:
+                self._jobs.pop(job.job_id, None)
             self.primary.complete_write(blocks, success=False)
+            if job is None:
+                raise
             if not isinstance(error, Exception):
                 raise
             raise _refused([(tier, job.job_id, error)], []) from error

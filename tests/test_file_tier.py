@@ -859,6 +859,7 @@ def test_a_read_only_root_that_does_not_exist_yet_answers_miss_until_stores_make
     reader = FileTier(cache, root, agent=posix(), read_only=True)
     tiers.append(reader)
     assert not root.exists() and reader.lookup("k") is Lookup.MISS
+    assert reader.remove_stale() == 0, "nothing in a root no store made yet"
     reader.submit_load(TransferJob(1, ["other"], [0], is_promotion=True))
     assert not results_of(reader)[1].success
 

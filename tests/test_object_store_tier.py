@@ -530,6 +530,13 @@ def test_a_subclass_that_names_its_objects_is_obeyed_by_transfers_and_lookups(
     first.shutdown()
     second.shutdown()
 
+    third = ObjectStoreTier(primary, agent=agent)  # named on the instance, not in a subclass
+    third.object_key = lambda key: f"c/{key}"  # type: ignore[method-assign]
+    third.submit_store(TransferJob(3, ["k"], [1]))
+    assert [r.success for r in results_until_idle(third)] == [True]
+    assert sorted(agent.objects) == ["a/k", "c/k"]
+    third.shutdown()
+
 
 def test_a_machine_that_acts_on_proc_gets_every_proc_answer_fired(
     primary: torch.Tensor, agent: FakeNixlAgent

@@ -646,6 +646,48 @@ def test_an_interrupt_once_a_tier_took_a_load_keeps_its_blocks_until_the_result(
     manager.shutdown(timeout=5)
 
 
+def test_an_interrupted_submit_to_a_tier_that_cannot_say_what_it_took(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tier whose ``owes`` raises says nothing: the job is kept (its blocks are not reused
+    under a transfer that may run), the error is logged, and the interrupt goes on as it is
+    rather than as the owes error. A tier without ``owes`` (a user's own) cannot be asked:
+    the manager takes its pin back, as before, and says it could not tell."""
+
+    class BrokenOwes(DictTier):
+        def submit_store(self, job: TransferJob) -> None:
+            super().submit_store(job)
+            raise KeyboardInterrupt
+
+        def owes(self, job_id: int) -> bool:
+            raise RuntimeError("owes broke")
+
+    class NoOwes(DictTier):
+        def submit_store(self, job: TransferJob) -> None:
+            raise KeyboardInterrupt
+
+    primary = CPUPrimaryTier(2, BLOCK_BYTES, torch.uint8)
+    manager = TieringManager(primary, {"broken": BrokenOwes(primary.cache)})
+    (block,) = write(primary, "k1")
+    with pytest.raises(KeyboardInterrupt):
+        manager.store([block])
+    assert [job.tier for job in manager.outstanding()] == ["broken"]
+    assert primary.pin_count(block) == 1
+    assert "the tier's owes() raised; the job is kept" in caplog.text
+    assert ids(manager.drain(timeout=5)) == [(1, "broken", True)]
+    assert primary.pin_count(block) == 0
+    manager.shutdown(timeout=5)
+
+    primary = CPUPrimaryTier(2, BLOCK_BYTES, torch.uint8)
+    manager = TieringManager(primary, {"plain": NoOwes(primary.cache)})
+    (block,) = write(primary, "k1")
+    with pytest.raises(KeyboardInterrupt):
+        manager.store([block])
+    assert manager.outstanding() == [] and primary.pin_count(block) == 0
+    assert "the tier has no owes() to say whether it took the job" in caplog.text
+    manager.shutdown(timeout=5)
+
+
 @pytest.mark.parametrize(("call", "error", "message"), [
     (lambda m, b: m.store([]), TieringInputError, "a store needs at least one block"),
     (lambda m, b: m.store(3), TieringInputError, "block ids must be a list or tuple"),

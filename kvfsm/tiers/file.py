@@ -647,7 +647,13 @@ class FileTier(SecondaryTier):
         own = self.writer_id
         by_writer: dict[str, list[str]] = {}
         writers: set[str] = set()
-        with os.scandir(directory) as entries:
+        try:
+            entries = os.scandir(directory)
+        except FileNotFoundError:
+            if self.read_only:
+                return 0  # a read-only root no store made yet: nothing in it
+            raise
+        with entries:
             for entry in entries:
                 name = entry.name
                 if name.startswith(_PARTIAL):

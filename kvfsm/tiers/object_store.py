@@ -545,10 +545,9 @@ class ObjectStoreTier(SecondaryTier):
         return self.object_key(key)
 
     def _remote_names(self, keys: Sequence[Any]) -> tuple[str, ...]:
-        cls = type(self)
-        if (cls.object_key is not ObjectStoreTier.object_key
-                or cls.remote_name is not ObjectStoreTier.remote_name):  # a subclass's names
-            return super()._remote_names(keys)
+        if (getattr(self.object_key, "__func__", None) is not _OBJECT_KEY
+                or type(self).remote_name is not ObjectStoreTier.remote_name):  # other names
+            return super()._remote_names(keys)  # (a subclass's, or an instance's own)
         prefix = self.key_prefix  # a plain str key is its own text: no call for it
         return tuple([prefix + key if type(key) is str and _plain(key) is not None
                       else prefix + object_text(key_text(key)) for key in keys])
@@ -615,6 +614,10 @@ class ObjectStoreTier(SecondaryTier):
                 None if deadline is None else max(0.0, deadline - time.monotonic())):
             logger.warning("shutdown: deleting evicted objects did not finish by the deadline; "
                            "%d were left in the store", remover.errors)
+
+
+#: the class's own naming: a tier whose ``object_key`` is this names keys on the fast path
+_OBJECT_KEY = ObjectStoreTier.object_key
 
 
 def _agents_for(store: Any, probe_agent: Any) -> tuple[Any, Any]:
