@@ -53,3 +53,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # a user-facing command: say what went wrong, in one line
         print(f"kvfsm {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1
+    except KeyboardInterrupt:  # (the command cleaned up on its way out): no traceback
+        print(f"kvfsm {args.command}: interrupted", file=sys.stderr)
+        return 130

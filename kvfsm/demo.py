@@ -13,8 +13,9 @@ injected from the others. A load of blocks whose store failed fails because of t
 
 Exit status: 0 when every block verified, or every failure came from the injected faults; 1
 when a byte mismatched, a result was duplicated, a job failed for a reason that was not
-injected (a read-only directory, a store that refused the credentials...), or a phase did not
-finish by ``--timeout``; 2 for bad options.
+injected (a directory that takes no new file, a store that refused the credentials...), or a
+phase did not finish by ``--timeout``; 2 for bad options (a ``--dir`` on a read-only file
+system, an S3 server and no credentials for it); 130 on Ctrl-C, once the tier is shut down.
 
 Progress bars (rate and time left) go to stderr, for each phase and while a release that keeps
 raising is waited out up to the retry bound; they are on when stderr is a terminal, or with
@@ -31,7 +32,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from kvfsm.machines.transfer import FailureKind, FailureReason
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, Fault, FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import DrainTimeout, FileTier, ObjectStoreTier, SecondaryTier
+from kvfsm.tiers.file import RootNotWritableError
 from kvfsm.trace import TraceRecorder
 from kvfsm.transfer import JobResult, TransferJob
 
@@ -305,9 +307,11 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
                             access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
                             secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
                             key_prefix="kvfsm-demo/")
-        from kvfsm.nixl_agents import check_bucket  # noqa: PLC0415
+        from kvfsm.nixl_agents import NO_CREDENTIALS, check_bucket, credentials_found  # noqa: PLC0415
 
         check_bucket(store)
+        if not credentials_found(store):  # every transfer would fail, naming no cause
+            raise ValueError(f"{NO_CREDENTIALS}; the demo needs them for {args.s3_endpoint}")
         agent = faulty(make_agent("kvfsm-demo-obj", "OBJ", store.backend_params()))
         yield ObjectStoreTier(cache, agent=agent, key_prefix=store.key_prefix,
                               policy=policy), \
@@ -317,7 +321,12 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
     with contextlib.ExitStack() as stack:
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfsm-demo-"))
         agent = faulty(make_agent("kvfsm-demo-posix", "POSIX"))
-        yield FileTier(cache, root, agent=agent, durable=False, policy=policy), \
+        try:
+            tier = FileTier(cache, root, agent=agent, durable=False, policy=policy)
+        except RootNotWritableError:
+            raise ValueError(f"--dir {root}: cannot be written to (a read-only file system or "
+                             "no permission); the demo stores its blocks there") from None
+        yield tier, \
             f"file tier on real NIXL (POSIX), files in {root}"
 
 
@@ -344,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
         pattern.fill(cache, bar)
 
     with _open_tier(args, cache, faults) as (tier, what), contextlib.ExitStack() as traces:
+        traces.push(_on_interrupt(tier, args.timeout))
         if args.trace:
             tier.on_published.append(traces.enter_context(TraceRecorder(args.trace)))
         print(f"  {what}", flush=True)
@@ -367,6 +377,19 @@ def run(args: argparse.Namespace) -> int:
     _report(tier, stores, loads, duplicates, stored_in, loaded_in)
     return _verify(args, cache, pattern, (stored_of, stores), (loads_of, loads), duplicates,
                    faults, progress)
+
+
+def _on_interrupt(tier: SecondaryTier, timeout: float) -> Callable[..., bool]:
+    """What leaving the demo's phases does: after an interrupt (Ctrl-C) the tier, which may
+    have transfers running, is shut down, waiting for NIXL, before the process exits (an exit
+    under a running transfer can abort it); the interrupt then goes on."""
+    def leaving(kind: type[BaseException] | None, *_: object) -> bool:
+        if kind is not None and issubclass(kind, KeyboardInterrupt) and not tier.closed:
+            print("kvfsm demo: interrupted; shutting the tier down (waiting for NIXL)",
+                  file=sys.stderr, flush=True)
+            tier.shutdown(timeout=timeout)
+        return False
+    return leaving
 
 
 def _verify(args: argparse.Namespace, cache: torch.Tensor, pattern: _Pattern,

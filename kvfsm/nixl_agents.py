@@ -125,6 +125,33 @@ class StoreConfig:
         return params
 
 
+def credentials_found(config: StoreConfig) -> bool:
+    """Whether S3 credentials are to be had for ``config`` without asking a network service:
+    its own keys, ``AWS_ACCESS_KEY_ID`` with ``AWS_SECRET_ACCESS_KEY``, a profile, a web
+    identity or container credentials, or a credentials or config file. False leaves only an
+    instance role, which AWS itself honours and a server of one's own (moto, MinIO) does not:
+    without credentials NIXL's OBJ backend signs nothing, and every transfer fails with
+    ``NIXL_ERR_BACKEND``, naming no cause."""
+    if config.access_key is not None:
+        return True
+    env = os.environ
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        return True
+    if any(env.get(name) for name in (
+            "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")):
+        return True
+    files = (env.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+             env.get("AWS_CONFIG_FILE", "~/.aws/config"))
+    return any(os.path.isfile(os.path.expanduser(path)) for path in files)
+
+
+#: what to do when no credentials are found: for the messages that say so
+NO_CREDENTIALS = ("no S3 credentials found (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a "
+                  "profile, or ~/.aws/credentials); a local server such as moto takes any, "
+                  "e.g. AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test")
+
+
 def check_bucket(config: StoreConfig, timeout: float = 5.0) -> None:
     """Raise :class:`BucketUnreachable` unless the endpoint answers for the bucket.
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,42 @@ def test_a_read_only_directory_fails_the_demo_and_says_why(
     assert "every byte verified" not in out
 
 
+def test_a_directory_on_a_read_only_file_system_is_a_bad_option_named_as_the_demos(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """/proc/sys is mounted read-only: the tier refuses it before any job runs, and the demo
+    says so in its own terms (the tier's advice, read_only=True, is not a demo option)."""
+    require_nixl()
+    assert main(["demo", *SMALL, "--dir", "/proc/sys"]) == 2
+    captured = capsys.readouterr()
+    assert "results:" not in captured.out, "no job ran"
+    assert captured.err == ("kvfsm demo: ValueError: --dir /proc/sys: cannot be written to (a "
+                            "read-only file system or no permission); the demo stores its "
+                            "blocks there\n")
+
+
+def test_ctrl_c_during_the_demo_shuts_the_tier_down_and_prints_no_traceback() -> None:
+    """An interrupt while releases are retried (the likeliest moment: the demo waits for the
+    retry bound) shuts the tier down, waiting for NIXL, and exits 130 with one line."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "kvfsm", "demo", "--fake", *SMALL, "--no-progress",
+         "--inject-faults", "release_xfer_handle:raise*100000", "--retry-seconds", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:  # the phases begin once the tier is made
+            if "tier on" in line:
+                break
+        time.sleep(0.5)  # the stores are over; their releases raise, again and again
+        demo.send_signal(signal.SIGINT)
+        _, err = demo.communicate(timeout=60)
+    finally:
+        demo.kill()
+    assert demo.returncode == 130
+    assert err == ("kvfsm demo: interrupted; shutting the tier down (waiting for NIXL)\n"
+                   "kvfsm demo: interrupted\n")
+
+
 @pytest.fixture
 def s3_refusing_credentials(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Server, str]]:
     """An S3 server that checks credentials (moto, past its first two requests: the bucket's
@@ -166,6 +204,56 @@ def test_an_object_store_that_refuses_the_credentials_fails_the_demo_and_says_wh
     assert re.search(r"^ +2 stores: (transfer|check_xfer_state) raised nixl\w+: NIXL_ERR_\w+ "
                      r"\(NOT injected\)$", out, re.M), out
     assert "failed for a reason that was not injected" in out
+
+
+def test_an_object_store_demo_without_credentials_says_so_before_any_job(
+    s3_refusing_credentials: tuple[S3Server, str], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without credentials NIXL's OBJ backend signs nothing, and every transfer failed with
+    NIXL_ERR_BACKEND, naming no cause (the README's moto server took a newcomer there). The
+    demo says what is missing, and what a local server takes, before it makes an agent."""
+    server, bucket = s3_refusing_credentials
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
+                 "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    assert main(["demo", *SMALL, "--s3-endpoint", server.endpoint, "--bucket", bucket]) == 2
+    captured = capsys.readouterr()
+    assert "results:" not in captured.out, "no job ran"
+    assert captured.err == (
+        "kvfsm demo: ValueError: no S3 credentials found (AWS_ACCESS_KEY_ID and "
+        "AWS_SECRET_ACCESS_KEY, a profile, or ~/.aws/credentials); a local server such as "
+        "moto takes any, e.g. AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test; the demo "
+        f"needs them for {server.endpoint}\n")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "nobody")  # (so that the server answers 403)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    assert main(["demo", *SMALL, "--s3-endpoint", server.endpoint, "--bucket", bucket]) == 1
+
+
+@pytest.mark.parametrize("source", ["keys", "env", "profile", "file", "none"])
+def test_credentials_are_found_where_the_default_chain_looks(
+    source: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from kvfsm.nixl_agents import StoreConfig, credentials_found  # noqa: PLC0415
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
+                 "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    keys = {"access_key": "a", "secret_key": "s"} if source == "keys" else {}
+    if source == "env":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    if source == "profile":
+        monkeypatch.setenv("AWS_PROFILE", "work")
+    if source == "file":
+        (tmp_path / "credentials").write_text("[default]\n")
+    assert credentials_found(StoreConfig("b", **keys)) is (source != "none")
 
 
 @pytest.mark.parametrize(("extra", "named"), [

@@ -97,7 +97,7 @@ from kvfsm.tiers.base import (
 )
 from kvfsm.transfer import Leak, Transfer, TransferJob
 
-__all__ = ["FileTier"]
+__all__ = ["FileTier", "RootNotWritableError"]
 
 _MAX_NAME = 200  # longer names are hashed (names may have 255 bytes; a temporary one adds <= 53)
 #: a key that quoting leaves as it is and that does not start with a dot
@@ -112,6 +112,11 @@ _WRITER_ID = re.compile(r"[0-9a-f]{16}")
 _PARTIAL_NAME = re.compile(re.escape(_PARTIAL) + r"([0-9a-f]{16})-").match
 
 logger = logging.getLogger("kvfsm")
+
+
+class RootNotWritableError(ValueError):
+    """A FileTier that stores was given a root it cannot write to (a read-only file system,
+    or no permission)."""
 
 
 class _OpenFiles:
@@ -771,8 +776,9 @@ def _check_root(root: Path, read_only: object) -> bool:
     if read_only:
         return True
     if not os.access(root, os.W_OK | os.X_OK) or os.statvfs(root).f_flag & os.ST_RDONLY:
-        raise ValueError(f"FileTier root {str(root)!r} cannot be written to (a read-only file "
-                         "system or no permission); pass read_only=True to only load from it")
+        raise RootNotWritableError(f"FileTier root {str(root)!r} cannot be written to (a "
+                                   "read-only file system or no permission); pass "
+                                   "read_only=True to only load from it")
     return False
 
 

@@ -621,12 +621,21 @@ _OBJECT_KEY = ObjectStoreTier.object_key
 
 
 def _agents_for(store: Any, probe_agent: Any) -> tuple[Any, Any]:
-    from kvfsm.nixl_agents import StoreConfig, check_bucket, make_agent  # noqa: PLC0415
+    from kvfsm.nixl_agents import (  # noqa: PLC0415
+        NO_CREDENTIALS,
+        StoreConfig,
+        check_bucket,
+        credentials_found,
+        make_agent,
+    )
 
     if not isinstance(store, StoreConfig):
         raise ValueError(f"store must be a kvfsm.nixl_agents.StoreConfig, got "
                          f"{type(store).__name__}")
     check_bucket(store)
+    if not credentials_found(store):  # (an instance role may still answer, on AWS itself)
+        logger.warning("ObjectStoreTier: %s; unless this machine's instance role answers, "
+                       "every transfer will fail with NIXL_ERR_BACKEND", NO_CREDENTIALS)
     threads = store.io_threads or 0
     agent = make_agent(f"kvfsm-obj-{id(store):x}", "OBJ", store.backend_params(), threads)
     if probe_agent is None:
