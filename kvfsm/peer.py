@@ -121,7 +121,13 @@ from kvfsm.peer_link import (
     new_nonce,
 )
 from kvfsm.policy import RetryPolicy
-from kvfsm.tiers.base import InvalidJobError, Lookup, SecondaryTier, _check_primary
+from kvfsm.tiers.base import (
+    InvalidJobError,
+    Lookup,
+    SecondaryTier,
+    TierClosedError,
+    _check_primary,
+)
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
@@ -268,6 +274,8 @@ class PeerReceiver(JobSide):
         self._leaks: list[tuple[str, str]] = []
         #: how many unpublished jobs each link owes
         self._owed: dict[PeerLink, int] = {}
+        #: the block ids of the expected jobs, each with the job whose sender writes it
+        self._writing: dict[int, int] = {}
         self._lock = threading.RLock()
         self._closed = False
 
@@ -300,6 +308,8 @@ class PeerReceiver(JobSide):
         """
         nonce, agent_metadata = _parse_sender_metadata(sender_metadata)
         with self._lock:
+            if self._closed:
+                raise TierClosedError("PeerReceiver is shut down; no sender is connected")
             inbox = self._inboxes.get(nonce)
             if inbox is not None:
                 raise PeerLinkError(f"peer {inbox.link.name!r} is already linked "
@@ -324,23 +334,28 @@ class PeerReceiver(JobSide):
         written, by the receiver's parent).
 
         Raises:
-            InvalidJobError: the job id is already expected, the sender's link is not CONNECTED
-                (:class:`PeerNotConnected`), or a block id is out of range; nothing changed.
+            InvalidJobError: ``job`` is not a TransferJob with an int id and a non-empty list
+                of distinct int block ids in range; its id is already expected, or has a result
+                not yet collected (the engine would take that result for this job's); a block
+                is one another expected job's sender writes too (both would be published
+                as arrived, one with the other's bytes); or the sender's link is not CONNECTED
+                (:class:`PeerNotConnected`); nothing changed.
+            TierClosedError: the receiver is shut down.
         """
         with self._lock:
-            if job.job_id in self._expected:
-                raise InvalidJobError(f"job {job.job_id} is already expected")
+            if self._closed:
+                raise TierClosedError(f"PeerReceiver is shut down; job "
+                                      f"{getattr(job, 'job_id', job)!r} refused")
+            self._check_expected(job)
             link = self.links.get(sender)
             if link is None or link.state is not LinkState.CONNECTED:
                 state = "unknown; connect() it first" if link is None else link.state.name
                 raise PeerNotConnected(f"job {job.job_id}: sender {sender!r} is {state}")
-            for block in job.block_ids:
-                if not 0 <= block < self.num_blocks:
-                    raise InvalidJobError(f"job {job.job_id}: block {block} is out of range "
-                                          f"[0, {self.num_blocks})")
             if not self._owes(link):  # silence counts from when something is owed
                 link.quiet_since = time.monotonic()
             expected = self._expected[job.job_id] = _Expected(job, sender, link)
+            for block in job.block_ids:
+                self._writing[block] = job.job_id
             self._owed[link] = self._owed.get(link, 0) + 1
             inbox = self._inboxes[link.nonce]
             message = notification_for(link.nonce, job.job_id, job.block_ids)
@@ -351,6 +366,34 @@ class PeerReceiver(JobSide):
                 self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
             else:
                 inbox.waiting[message] = job.job_id
+
+    def _check_expected(self, job: Any) -> None:
+        """Raise InvalidJobError naming what is wrong with an expected ``job``."""
+        if not isinstance(job, TransferJob):
+            raise InvalidJobError(f"expected a TransferJob, got {type(job).__name__}")
+        job_id = job.job_id
+        if not isinstance(job_id, int) or isinstance(job_id, bool):
+            raise InvalidJobError(f"job_id must be an int, got {job_id!r}")
+        if job_id in self._expected:
+            raise InvalidJobError(f"job {job_id} is already expected")
+        if job_id in self._books.unreported:
+            raise InvalidJobError(f"job {job_id} has a result not yet collected")
+        blocks = job.block_ids
+        if not isinstance(blocks, list | tuple) or not blocks:
+            raise InvalidJobError(f"job {job_id}: block_ids must be a non-empty list or tuple, "
+                                  f"got {blocks!r}")
+        for block in blocks:
+            if not isinstance(block, int) or isinstance(block, bool):
+                raise InvalidJobError(f"job {job_id}: block {block!r} is not an int")
+            if not 0 <= block < self.num_blocks:
+                raise InvalidJobError(f"job {job_id}: block {block} is out of range "
+                                      f"[0, {self.num_blocks})")
+            other = self._writing.get(block)
+            if other is not None:
+                raise InvalidJobError(f"job {job_id}: block {block} is expected from job "
+                                      f"{other} already (its sender may still write it)")
+        if len(set(blocks)) != len(blocks):
+            raise InvalidJobError(f"job {job_id}: a block appears twice in {list(blocks)}")
 
     def forget_peer(self, sender: str) -> None:
         """The sender is gone: remove its metadata, then fail what it owed (at the next poll).
@@ -522,6 +565,8 @@ class PeerReceiver(JobSide):
     def _publish(self, expected: _Expected) -> None:
         self.machine.fire(expected, ReceiveEvent.PUBLISH, PeerAnswer.OK)
         del self._expected[expected.job.job_id]
+        for block in expected.job.block_ids:
+            del self._writing[block]
         owed = self._owed[expected.link] - 1
         if owed:
             self._owed[expected.link] = owed
@@ -537,6 +582,22 @@ class PeerReceiver(JobSide):
             len(expected.job.block_ids) * self.block_bytes if success else 0,
             expected.finished_at - expected.started_at,
             None if success else expected.reason))
+
+
+def _block_descs(descs: object) -> list[tuple[int, int, int]]:
+    """A receiver's block descriptors (:meth:`PeerReceiver.block_descs`), checked: a
+    non-empty list or tuple of (address, length, device) int triples."""
+    if not isinstance(descs, list | tuple) or not descs:
+        raise ValueError(f"receiver_blocks must be a non-empty list of (address, length, "
+                         f"device) descriptors (PeerReceiver.block_descs()), got {descs!r}")
+    checked = []
+    for index, desc in enumerate(descs):
+        if (not isinstance(desc, list | tuple) or len(desc) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in desc)):
+            raise ValueError(f"receiver_blocks[{index}] must be an (address, length, device) "
+                             f"triple of ints, got {desc!r}")
+        checked.append((desc[0], desc[1], desc[2]))
+    return checked
 
 
 class _Receiver:
@@ -672,15 +733,21 @@ class PeerSender(SecondaryTier):
         """Load the receiver's metadata and the descriptors of its blocks; returns its name.
 
         Raises:
+            ValueError: ``receiver_blocks`` is not a non-empty list of (address, length,
+                device) int triples; nothing changed.
             kvfsm.peer_link.PeerLinkError: NIXL refused the metadata, or lost it at once; or
                 the link to the previous receiver is not over yet (forget it first).
+            TierClosedError: the sender is shut down.
         """
+        blocks = _block_descs(receiver_blocks)  # before anything changes
         with self._lock:
+            if self._closed or self._closing:
+                raise TierClosedError("PeerSender is shut down; no receiver is connected")
             if self.link is not None and self.link.state not in PEER_LINK.final:
                 raise PeerLinkError(f"already linked to receiver {self.link.name!r} "
                                     f"({self.link.state.name}); forget_peer() first")
             link = self._receiver.link = self.links.connect(receiver_metadata, self._nonce)
-            self._receiver.blocks = [tuple(d) for d in receiver_blocks]  # type: ignore[misc]
+            self._receiver.blocks = blocks
             return str(link.name)
 
     def link_state(self) -> LinkState:

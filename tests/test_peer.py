@@ -24,7 +24,7 @@ from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, FakeNixlError
 from kvfsm.testing.explore import explore_table
 from kvfsm.testing.fake_ucx import fake_ucx_pair
-from kvfsm.tiers import DrainTimeout, InvalidJobError
+from kvfsm.tiers import DrainTimeout, InvalidJobError, TierClosedError
 
 from .real_nixl import require_nixl
 
@@ -507,3 +507,99 @@ def test_the_receivers_metadata_stays_while_a_quarantined_write_may_still_run() 
     sender.shutdown(timeout=0.2)
     assert sender.link_state() is LinkState.CONNECTED, "its metadata stays under the write"
     assert sending.misuses == []
+
+
+# -- what a receiver and a sender refuse -----------------------------------------------------------
+
+def fake_peers() -> tuple[PeerSender, PeerReceiver, str]:
+    """A sender and a receiver of four 64-byte blocks on fake UCX agents, linked both ways;
+    the sender's name, as the receiver knows it."""
+    sending, receiving = fake_ucx_pair()
+    receiver = PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=receiving,
+                            peer_timeout=None)
+    sender = PeerSender(torch.arange(256, dtype=torch.uint8).view(4, 64), agent=sending)
+    name = receiver.connect(sender.metadata())
+    sender.connect(receiver.metadata(), receiver.block_descs())
+    return sender, receiver, name
+
+
+def test_a_job_id_whose_result_waits_or_a_block_another_job_expects_is_refused() -> None:
+    """Two expected jobs on one receiver block would both be published as arrived, one of them
+    with the other's bytes; a job id whose earlier result the engine has not collected would
+    make the engine take that result for the new job's. Both are refused, naming why, and
+    taken once the earlier job is over and its result collected."""
+    sender, receiver, name = fake_peers()
+    receiver.expect(TransferJob(1, ["1"], [1]), name)
+    with pytest.raises(InvalidJobError, match=r"job 2: block 1 is expected from job 1 already"):
+        receiver.expect(TransferJob(2, ["1"], [1]), name)
+    assert receiver.state_of(2) is None
+
+    sender.submit_store(TransferJob(1, ["1"], [3]))
+    sender.drain_jobs(timeout=5)  # written and notified
+    assert [(r.job_id, r.success) for r in sender.get_finished_jobs()] == [(1, True)]
+    receiver.drain_jobs(timeout=5)  # published, not yet handed out
+    with pytest.raises(InvalidJobError, match="job 1 has a result not yet collected"):
+        receiver.expect(TransferJob(1, ["2"], [2]), name)
+    assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(1, True)]
+    assert bytes(receiver.primary[1].numpy()) == bytes(sender.primary[3].numpy())
+
+    receiver.expect(TransferJob(1, ["2"], [2]), name)  # now both may be taken again
+    receiver.expect(TransferJob(2, ["1"], [1]), name)
+    assert receiver.state_of(1) is receiver.state_of(2) is not None
+    sender.shutdown(timeout=5)
+    receiver.shutdown()
+
+
+@pytest.mark.parametrize(("job", "message"), [
+    ("job", "expected a TransferJob, got str"),
+    (TransferJob("x", ["1"], [1]), "job_id must be an int, got 'x'"),  # type: ignore[arg-type]
+    (TransferJob(True, ["1"], [1]), "job_id must be an int, got True"),
+    (TransferJob(1, [], []), r"job 1: block_ids must be a non-empty list or tuple, got \[\]"),
+    (TransferJob(1, "12", "12"), "job 1: block_ids must be a non-empty list or tuple, got '12'"),
+    (TransferJob(1, ["1"], [3.0]), r"job 1: block 3.0 is not an int"),  # type: ignore[list-item]
+    (TransferJob(1, ["1"], [True]), "job 1: block True is not an int"),
+    (TransferJob(1, ["1"], [4]), r"job 1: block 4 is out of range \[0, 4\)"),
+    (TransferJob(1, ["1", "2"], [0, 0]), r"job 1: a block appears twice in \[0, 0\]"),
+])
+def test_a_malformed_expected_job_is_refused_naming_what_is_wrong(job: Any, message: str) -> None:
+    sender, receiver, name = fake_peers()
+    with pytest.raises(InvalidJobError, match=message):
+        receiver.expect(job, name)
+    assert receiver.stats()["expected"] == 0
+    sender.shutdown(timeout=5)
+    receiver.shutdown()
+
+
+def test_a_shut_down_receiver_or_sender_links_nothing_and_expects_nothing() -> None:
+    sender, receiver, name = fake_peers()
+    receiver.shutdown()
+    with pytest.raises(TierClosedError, match="PeerReceiver is shut down; job 1 refused"):
+        receiver.expect(TransferJob(1, ["1"], [1]), name)
+    with pytest.raises(TierClosedError, match="PeerReceiver is shut down"):
+        receiver.connect(sender.metadata())
+    sender.forget_peer()
+    sender.shutdown(timeout=5)
+    with pytest.raises(TierClosedError, match="PeerSender is shut down"):
+        sender.connect(receiver.metadata(), receiver.block_descs())
+
+
+@pytest.mark.parametrize(("blocks", "message"), [
+    (None, "receiver_blocks must be a non-empty list"),
+    ([], "receiver_blocks must be a non-empty list"),
+    ([(0, 64)], r"receiver_blocks\[0\] must be an \(address, length, device\) triple"),
+    ([(0, 64, 0), (64, "64", 0)], r"receiver_blocks\[1\] must be an \(address, length, device\)"),
+])
+def test_a_sender_given_bad_receiver_blocks_is_not_linked(blocks: Any, message: str) -> None:
+    """The link was made, and its metadata loaded, before the blocks were read: a retry then
+    met 'already linked'. Now nothing changes."""
+    sending, receiving = fake_ucx_pair()
+    receiver = PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=receiving)
+    sender = PeerSender(torch.zeros(4, 64, dtype=torch.uint8), agent=sending)
+    with pytest.raises(ValueError, match=message):
+        sender.connect(receiver.metadata(), blocks)
+    assert sender.link_state() is LinkState.UNKNOWN
+    sender.connect(receiver.metadata(), receiver.block_descs())  # the retry links
+    assert sender.link_state() is LinkState.CONNECTED
+    sender.forget_peer()
+    sender.shutdown(timeout=5)
+    receiver.shutdown()
