@@ -82,6 +82,8 @@ class Invariant(enum.Enum):
     RELEASE_WHEN_OVER = "a transfer handle was released while its transfer may still run"
     RELEASE_BEFORE_CLEANUP = "descriptors were released before the transfer handle"
     HANDLE_LEAK = "a transfer handle was never released"
+    DESCRIPTOR_LEAK = ("descriptors or registrations were still held after shutdown that no "
+                       "recorded leak accounts for")
     OUTCOME = "a job published a result other than its transfer's outcome"
     NO_MISUSE = "the agent saw a call that would crash real NIXL"
     NO_ESCAPE = "an exception escaped the tier"
@@ -545,6 +547,19 @@ def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
                                         "published, and its transfer handle is still held"))
     if not busy:
         tier.shutdown(timeout=0)
+        stats = tier.stats()
+        if tier.closed and not stats["quarantined"]:  # (a quarantined transfer's handle is
+            # held for good, and with it what it uses: its descriptors, the primary's)
+            leaked = [leak.call for _, leak in stats["leaked"]]
+            dlists, registered = agent.live_dlist_handles(), agent.live_registrations()
+            if (dlists > leaked.count("release_dlist_handle")
+                    or (registered and "deregister_memory" not in leaked)):
+                violations.append(Violation(
+                    Invariant.DESCRIPTOR_LEAK, None,
+                    f"{dlists} descriptor list(s) and {registered} registered descriptor(s) "
+                    f"still held after shutdown; leaks recorded: "
+                    f"{leaked.count('release_dlist_handle')} release_dlist_handle, "
+                    f"{leaked.count('deregister_memory')} deregister_memory"))
     violations += [Violation(Invariant.NO_MISUSE, None, misuse) for misuse in agent.misuses]
 
 
