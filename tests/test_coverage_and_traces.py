@@ -71,8 +71,15 @@ def test_the_plugin_prints_what_a_users_machine_took(lamp_project: pytest.Pytest
     ])
 
 
-def test_the_plugin_fails_a_run_that_missed_a_transition(lamp_project: pytest.Pytester) -> None:
-    result = lamp_project.runpytest("--kvfsm-coverage-fail", "--kvfsm-machine", "lamp:LAMP")
+@pytest.mark.parametrize("selection", [[], ["--deselect", "test_lamp_more.py::test_nothing"],
+                                       ["-k", "not test_nothing"]])
+def test_the_plugin_fails_a_run_that_missed_a_transition(
+    lamp_project: pytest.Pytester, selection: list[str]
+) -> None:
+    """Whatever the run selected: a --deselect once passed with the table saying FAILED."""
+    lamp_project.makepyfile(test_lamp_more="def test_nothing():\n    pass\n")
+    result = lamp_project.runpytest("--kvfsm-coverage-fail", "--kvfsm-machine", "lamp:LAMP",
+                                    *selection)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["*FAILED: 1 declared transition(s) never taken*"])
 
