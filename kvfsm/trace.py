@@ -131,6 +131,7 @@ def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Diverge
     answer_types = {event: type(next(iter(answers)))
                     for event, answers in declaration.answers.items()}
     state = declaration.initial
+    failed = False
 
     def diverged(index: int, recorded: str, declared: str) -> Divergence:
         return Divergence(trace.get("job_id"), trace.get("line", 0), index, recorded, declared)
@@ -151,6 +152,17 @@ def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Diverge
             return diverged(index, recorded, f"{source} -{event}({answer_name})-> "
                                              f"{step.dest.name}")
         state = step.dest
+        failed = failed or state in declaration.failure_states
+    end = len(trace["steps"]) + 1
+    if state not in declaration.final:  # a trace is written as its transfer is published
+        return diverged(end, f"the trace ends in {state.name}",
+                        "a published transfer is in a final state: "
+                        + ", ".join(sorted(s.name for s in declaration.final)))
+    success = trace.get("success")
+    if isinstance(success, bool) and success is failed:
+        went = "went through a failure state" if failed else "went through no failure state"
+        names = ", ".join(sorted(s.name for s in declaration.failure_states))
+        return diverged(end, f"success={str(success).lower()}", f"the steps {went} ({names})")
     return None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -147,6 +148,39 @@ def test_a_trace_that_departs_from_the_declaration_is_reported_at_its_first_dive
     assert divergence is not None
     assert (divergence.line, divergence.job_id, divergence.step) == (1, 4, 3)
     assert "PROCESSING -poll(RAISED)-> FAILED" in str(divergence)
+
+
+SUCCESS_STEPS = [["post", "PROC", "SUBMITTED", "PROCESSING", 0.0],
+                 ["poll", "DONE", "PROCESSING", "DONE", 0.1],
+                 ["release", "OK", "DONE", "XFER_RELEASED", 0.2],
+                 ["clean", "OK", "XFER_RELEASED", "CLEANED", 0.3],
+                 ["publish", "OK", "CLEANED", "PUBLISHED", 0.4]]
+FAILURE_STEPS = [["post", "RAISED", "SUBMITTED", "FAILED", 0.0],
+                 ["release", "OK", "FAILED", "XFER_RELEASED", 0.1],
+                 ["clean", "OK", "XFER_RELEASED", "CLEANED", 0.2],
+                 ["publish", "OK", "CLEANED", "PUBLISHED", 0.3]]
+
+
+@pytest.mark.parametrize(("steps", "success", "declared"), [
+    (SUCCESS_STEPS[:2], True, "step 3: recorded the trace ends in DONE; the declaration: a "
+                              "published transfer is in a final state: PUBLISHED, QUARANTINED"),
+    ([], True, "step 1: recorded the trace ends in SUBMITTED"),
+    (FAILURE_STEPS, True, "step 5: recorded success=true; the declaration: the steps went "
+                          "through a failure state (CANCELLING, FAILED, QUARANTINED)"),
+    (SUCCESS_STEPS, False, "step 6: recorded success=false; the declaration: the steps went "
+                           "through no failure state"),
+])
+def test_a_trace_that_ends_short_or_says_another_outcome_than_its_steps_diverges(
+    steps: list[list[Any]], success: bool, declared: str
+) -> None:
+    """Each step declared is not enough: a trace is written as its transfer is published, so
+    it ends in a final state, and the outcome it records is the one its steps took (these all
+    replayed clean once)."""
+    trace = {"machine": "transfer", "job_id": 5, "line": 1, "success": success, "steps": steps}
+    divergence = replay(TRANSFER_MACHINE, trace)
+    assert divergence is not None and declared in str(divergence), divergence
+    assert replay(TRANSFER_MACHINE, {**trace, "steps": SUCCESS_STEPS, "success": True}) is None
+    assert replay(TRANSFER_MACHINE, {**trace, "steps": FAILURE_STEPS, "success": False}) is None
 
 
 def test_a_file_that_is_not_traces_is_refused_by_line(tmp_path: Path) -> None:
