@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvfsm import TRANSFER_MACHINE, Declaration, TransferState
+from kvfsm import TRANSFER_MACHINE, Declaration, FailureKind, FailureReason, TransferState
 from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSITIONS
 from kvfsm.testing.explore import Invariant, explore, parse_path, replay
 
@@ -35,6 +35,8 @@ def variant(name: str, replace: dict[tuple[TransferState, str, str], dict[str, A
 def overwrite_outcome(success: bool) -> Any:
     def action(transfer: Any, answer: Any, detail: Any) -> None:
         transfer.success = success  # recomputed on every visit: the F3 bug
+        if not success:  # (with a reason: the bug is the outcome, not a missing why)
+            transfer.reason = FailureReason(FailureKind.ERR, "check_xfer_state", str(answer))
 
     return action
 
@@ -74,6 +76,10 @@ BROKEN = {
         variant("swallow_submit_error", {
             (S.SUBMITTED, "post", "errored"): {"dest": S.SUBMITTED, "after": []}}),
         Invariant.LIVENESS),
+    "fail_without_a_reason": (  # an error answered, and nothing latches the failure's why
+        variant("fail_without_a_reason", {
+            (S.PROCESSING, "poll", "errored"): {"after": []}}),
+        Invariant.REASON),
     "skip_the_cleanup": (  # every released transfer leaves its descriptors registered
         variant("skip_the_cleanup", {
             (S.DONE, "release", "released"): {"dest": S.CLEANED},

@@ -57,7 +57,7 @@ from kvfsm.testing.faults import (
 )
 from kvfsm.tiers.base import SecondaryTier
 from kvfsm.tiers.object_store import ObjectStoreTier
-from kvfsm.transfer import JobResult, TransferJob
+from kvfsm.transfer import FailureKind, JobResult, TransferJob
 
 __all__ = [
     "Choice",
@@ -85,6 +85,7 @@ class Invariant(enum.Enum):
     DESCRIPTOR_LEAK = ("descriptors or registrations were still held after shutdown that no "
                        "recorded leak accounts for")
     OUTCOME = "a job published a result other than its transfer's outcome"
+    REASON = "a failed job published no reason (no action latched why it failed)"
     NO_MISUSE = "the agent saw a call that would crash real NIXL"
     NO_ESCAPE = "an exception escaped the tier"
     PINS = "a primary block was left pinned or half-written (with the parent)"
@@ -442,6 +443,10 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
         violations.append(Violation(
             Invariant.OUTCOME, result.job_id,
             f"NIXL said the transfer {what}, the job published success={result.success}"))
+    if not result.success and (result.reason is None
+                               or result.reason.kind is FailureKind.UNKNOWN):
+        violations.append(Violation(Invariant.REASON, result.job_id,
+                                    f"its failure says {result.reason}"))
 
 
 class _NoProbes:
