@@ -48,6 +48,7 @@ This module imports vLLM; ``import kvfsm`` never does.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -219,6 +220,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         #: the folder this tier's blocks go in, under its ``prefix`` or ``directory``: one per
         #: model and KV layout (:func:`namespace`)
         self.namespace = namespace(offloading_spec, chunk_bytes)
+        self._check_settings(settings)
         self._tier: SecondaryTier | None = self._build(
             primary, self.namespace, policy=policy, capacity_bytes=capacity_bytes,
             record_events=capacity_bytes is not None, in_flight=limit, **settings)
@@ -232,6 +234,23 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         self._observed: list[tuple[str, float]] = []  # (kind, seconds) since get_stats
         self._counts: dict[tuple[str, str], int] = {}  # (kind, outcome) -> jobs
         self._bytes: dict[str, int] = {"store": 0, "load": 0}
+
+    #: the kvfsm tier behind the adapter, whose own keywords are settings too
+    _tier_class: ClassVar[type[SecondaryTier]]
+    #: what the adapter gives the tier itself, never a setting (retry makes the policy)
+    _OWN = frozenset({"policy", "record_events", "store", "key_prefix", "root"})
+
+    def _check_settings(self, settings: Mapping[str, Any]) -> None:
+        """Refuse, by name, a setting neither the adapter nor its tier takes (a typo such as
+        ``capacity_byte`` would otherwise reach the tier's constructor as a TypeError)."""
+        known = {name for function in (type(self).__init__, self._build,
+                                       self._tier_class.__init__)
+                 for name, parameter in inspect.signature(function).parameters.items()
+                 if parameter.kind is inspect.Parameter.KEYWORD_ONLY} - self._OWN
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(f"{self.tier_type}: unknown setting(s) {', '.join(unknown)}; "
+                             f"its settings: {', '.join(sorted(known))}")
 
     def _build(self, primary: torch.Tensor, folder: str, **options: Any) -> SecondaryTier:
         raise NotImplementedError
@@ -506,6 +525,8 @@ class ObjectStoreTier(_Adapter):
       of making them (tests inject faults this way).
     """
 
+    _tier_class = tiers.ObjectStoreTier
+
     def _build(self, primary: torch.Tensor, folder: str, *, bucket: str | None = None,
                endpoint: str | None = None, access_key: str | None = None,
                secret_key: str | None = None, region: str = "us-east-1",
@@ -542,6 +563,8 @@ class FileTier(_Adapter):
     ``in_flight``, ``enable_kv_events``, ``locality``, ``label`` (as :class:`ObjectStoreTier`),
     ``agent`` (a NIXL agent with the POSIX backend, instead of one made by the tier).
     """
+
+    _tier_class = tiers.FileTier
 
     def _build(self, primary: torch.Tensor, folder: str, *, directory: str | None = None,
                durable: bool = True, agent: Any = None, **options: Any) -> SecondaryTier:

@@ -657,6 +657,9 @@ def test_kvfsm_imports_without_vllm() -> None:
     ("shutdown_timeout", "30", "FileTier: shutdown_timeout must be a number of seconds or "
      "None, got '30'"),
     ("durable", "false", "durable must be True or False, got 'false'"),
+    ("capacity_byte", 100, "FileTier: unknown setting(s) capacity_byte; its settings: agent, "
+     "capacity_bytes, directory, durable,"),
+    ("policy", {}, "FileTier: unknown setting(s) policy; its settings:"),  # (retry makes it)
 ])
 def test_a_bad_setting_is_refused_with_an_error_naming_it(
     tmp_path: Path, engines: Callable[..., Engine], setting: str, value: Any, message: str
