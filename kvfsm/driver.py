@@ -512,6 +512,16 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     Raises:
         MachineRefused: one line naming the machine, the state and what is missing.
     """
+    if not isinstance(declaration, Declaration):
+        raise MachineRefused(f"machine must be a kvfsm Declaration (kvfsm.TRANSFER_MACHINE, or "
+                             f"one of its extend()), got {type(declaration).__name__} "
+                             f"{declaration!r}")
+    if not isinstance(steps, Mapping):
+        raise ValueError(f"steps must be a dict of effect names to step functions, got "
+                         f"{type(steps).__name__} {steps!r}")
+    if not isinstance(policy, RetryPolicy):
+        raise ValueError(f"policy must be a kvfsm.policy.RetryPolicy, got "
+                         f"{type(policy).__name__} {policy!r}")
     name = declaration.name
     effects = declaration.effects
     if not effects:

@@ -354,6 +354,11 @@ class Declaration(Generic[S, A]):
                 new declaration gets wrong (it is checked as any declaration is).
         """
         names = [state.name for state in self.states]
+        for field, given in (("states", states), ("running", running), ("final", final),
+                             ("failure_states", failure_states)):
+            if isinstance(given, str | bytes):  # (a str is iterable: one state per letter)
+                raise DeclarationError(f"{name}: {field} must be a list of state names, got "
+                                       f"{given!r}; write [{given!r}]")
         added = list(states)
         clash = sorted(set(added) & set(names)) or sorted(
             {state for state in added if added.count(state) > 1})

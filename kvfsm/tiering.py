@@ -641,6 +641,9 @@ class TieringManager:
             raise TieringInputError(f"poll_interval must be finite, got {poll_interval!r}")
         if isinstance(secondaries, Mapping):
             named = dict(secondaries)
+        elif not isinstance(secondaries, list | tuple):
+            raise TieringInputError(f"secondaries must be a list of tiers or a dict of names to "
+                                    f"tiers, got {type(secondaries).__name__}")
         else:
             named = {f"{type(tier).__name__}[{index}]": tier
                      for index, tier in enumerate(secondaries)}

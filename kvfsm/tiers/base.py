@@ -973,6 +973,22 @@ def _job_id(job_id: object) -> int:
     raise InvalidJobError(f"a job id is an int, got {type(job_id).__name__} {job_id!r}")
 
 
+#: the calls a tier makes of its NIXL agent
+AGENT_CALLS = ("register_memory", "prep_xfer_dlist", "make_prepped_xfer", "transfer",
+               "check_xfer_state", "release_xfer_handle", "release_dlist_handle",
+               "deregister_memory")
+
+
+def check_agent(agent: object) -> None:
+    """Refuse, naming what it lacks, an ``agent`` that is not a NIXL agent (a ``nixl_agent``,
+    :class:`kvfsm.testing.FakeNixlAgent`, or a wrapper with their calls)."""
+    missing = [name for name in AGENT_CALLS if not callable(getattr(agent, name, None))]
+    if missing:
+        raise ValueError(f"agent must be a NIXL agent (nixl_agent, or "
+                         f"kvfsm.testing.FakeNixlAgent), got {type(agent).__name__} "
+                         f"{agent!r}, which has no {', '.join(missing)}")
+
+
 def check_in_flight(in_flight: object) -> None:
     """Refuse an ``in_flight=`` that is not an :class:`~kvfsm.policy.InFlightLimit` or None
     (a subclass calls it before it makes any agent)."""

@@ -91,6 +91,7 @@ from kvfsm.tiers.base import (
     Lookup,
     SecondaryTier,
     _check_primary,
+    check_agent,
     check_capacity_options,
     check_in_flight,
     key_text,
@@ -581,6 +582,10 @@ class FileTier(SecondaryTier):
         check_capacity_options(capacity_bytes, int(primary[0].nbytes), record_events)
         if type(durable) is not bool:  # ("false" from a configuration file is no False)
             raise ValueError(f"durable must be True or False, got {durable!r}")
+        if agent is not None:
+            check_agent(agent)
+        if not isinstance(root, str | os.PathLike) or not os.fspath(root):
+            raise ValueError(f"root must be a directory's path, got {root!r}")
         self.root = Path(root)
         self.read_only = _check_root(self.root, read_only)
         #: the root as text, ending in a separator: a block's path is this and its name

@@ -25,6 +25,8 @@ from kvfsm.tiers.base import (
     RemovalInFlightError,
     SecondaryTier,
     _check_primary,
+    check_agent,
+    check_capacity_options,
     check_in_flight,
     key_text,
     logger,
@@ -489,6 +491,13 @@ class ObjectStoreTier(SecondaryTier):
         # a machine the tier cannot run is refused before any agent is made
         check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
         check_in_flight(in_flight)
+        _check_primary(primary)
+        check_capacity_options(capacity_bytes, int(primary[0].nbytes), record_events)
+        if agent is not None:
+            check_agent(agent)
+        if probe_agent is not None and not callable(getattr(probe_agent, "query_memory", None)):
+            raise ValueError(f"probe_agent must be a NIXL agent with the OBJ backend (it asks "
+                             f"query_memory), got {type(probe_agent).__name__} {probe_agent!r}")
         if key_prefix is None:
             key_prefix = store.key_prefix if store is not None else ""
         check_key_prefix(key_prefix)

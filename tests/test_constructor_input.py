@@ -1,0 +1,101 @@
+"""A tier, a manager or a machine given an argument of the wrong kind refuses it at once, naming
+the argument and what it got, and nothing is made: no agent call, no directory, no half-built
+object (each of these once surfaced as an AttributeError or TypeError from deep inside)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvfsm import TRANSFER_MACHINE, DeclarationError
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent
+from kvfsm.tiering import CPUPrimaryTier, TieringInputError, TieringManager
+from kvfsm.tiers import FileTier, ObjectStoreTier
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def cache() -> torch.Tensor:
+    return torch.zeros(4, 64, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"policy": {"max_seconds": 5}},
+     r"policy must be a kvfsm.policy.RetryPolicy, got dict \{'max_seconds': 5\}"),
+    ({"machine": "verify"}, "machine must be a kvfsm Declaration .*, got str 'verify'"),
+    ({"steps": ["checksums"]}, r"steps must be a dict of effect names to step functions, "
+                               r"got list \['checksums'\]"),
+    ({"capacity_bytes": -1}, "capacity_bytes"),  # its own value first, not the missing remove=
+])
+def test_an_object_store_tier_names_the_argument_of_the_wrong_kind(
+    options: dict[str, Any], message: str
+) -> None:
+    agent = FakeNixlAgent("wrong-kind")
+    with pytest.raises(ValueError, match=message):
+        ObjectStoreTier(cache(), agent=agent, **options)
+    assert agent.calls == [], "nothing was asked of NIXL"
+    agent.close()
+
+
+@pytest.mark.parametrize(("agent", "message"), [
+    ("nixl", r"agent must be a NIXL agent \(nixl_agent, or kvfsm.testing.FakeNixlAgent\), got "
+             r"str 'nixl', which has no register_memory, prep_xfer_dlist"),
+    (object(), "agent must be a NIXL agent .*, got object"),
+])
+def test_a_tier_given_something_else_than_an_agent_says_what_it_lacks(
+    agent: Any, message: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ObjectStoreTier(cache(), agent=agent)
+    with pytest.raises(ValueError, match=message):
+        FileTier(cache(), tmp_path / "blocks", agent=agent)
+    assert not (tmp_path / "blocks").exists(), "no directory was made"
+
+
+def test_a_probe_agent_without_queries_is_refused() -> None:
+    agent = FakeNixlAgent("probed")
+    with pytest.raises(ValueError, match="probe_agent must be a NIXL agent with the OBJ backend "
+                                         r"\(it asks query_memory\), got str 'probe'"):
+        ObjectStoreTier(cache(), agent=agent, probe_agent="probe")
+    assert agent.calls == []
+    agent.close()
+
+
+@pytest.mark.parametrize("root", [None, "", 3])
+def test_a_file_tier_root_that_is_not_a_path_is_refused(root: Any) -> None:
+    agent = FakeNixlAgent("rootless")
+    with pytest.raises(ValueError, match=f"root must be a directory's path, got {root!r}"):
+        FileTier(cache(), root, agent=agent)
+    assert agent.calls == []
+    agent.close()
+
+
+def test_a_manager_given_one_tier_instead_of_a_list_says_so() -> None:
+    primary = CPUPrimaryTier(4, 64, torch.uint8)
+    agent = FakeNixlAgent("single")
+    tier = ObjectStoreTier(primary.cache, agent=agent)
+    with pytest.raises(TieringInputError, match="secondaries must be a list of tiers or a dict "
+                                                "of names to tiers, got ObjectStoreTier"):
+        TieringManager(primary, tier)  # type: ignore[arg-type]
+    tier.shutdown()
+    agent.close()
+
+
+@pytest.mark.parametrize("field", ["states", "running", "final", "failure_states"])
+def test_a_machine_extended_with_one_name_instead_of_a_list_says_so(field: str) -> None:
+    """A str is iterable: "VERIFYING" was taken as the states V, E, R, I..."""
+    with pytest.raises(DeclarationError, match=f"verify: {field} must be a list of state "
+                                               "names, got 'VERIFYING'; write \\['VERIFYING'\\]"):
+        TRANSFER_MACHINE.extend("verify", **{field: "VERIFYING"})
+
+
+def test_a_policy_of_the_right_kind_is_taken() -> None:
+    agent = FakeNixlAgent("right-kind")
+    tier = ObjectStoreTier(cache(), agent=agent, policy=RetryPolicy(max_seconds=5))
+    assert tier.policy.max_seconds == 5
+    tier.shutdown()
+    agent.close()
