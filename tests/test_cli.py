@@ -487,12 +487,32 @@ def test_steps_that_name_no_steps_are_a_usage_error_naming_why(
     assert captured.err.startswith(f"kvfsm explore: ValueError: {message}"), captured.err
 
 
-def test_steps_for_a_machine_no_tier_runs_are_a_usage_error(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["explore", "--machine", "peer_link",
-                 "--steps", "examples.verify_lifecycle:STEPS"]) == 2
-    assert ("--steps: machine 'peer_link' declares no effects"
+@pytest.mark.parametrize(("options", "named"), [
+    (["--machine", "peer_link", "--steps", "examples.verify_lifecycle:STEPS"], "--steps"),
+    (["--machine", "peer_receive", "--parent"], "--parent"),
+    (["--machine", "peer_link", "--replay", "mode=1;"], "--replay"),
+])
+def test_options_for_a_machine_no_tier_runs_are_a_usage_error(
+        options: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """They were once dropped without a word, and the table explored as if not given."""
+    assert main(["explore", *options]) == 2
+    machine = options[1]
+    assert (f"kvfsm explore: ValueError: {named}: machine {machine!r} declares no effects"
             in capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    (["--machine", "examples.verify_lifecycle:VERIFY_MACHINE"], "--machine"),
+    (["--parent"], "--parent"),
+    (["--steps", "examples.verify_lifecycle:STEPS", "--parent"], "--steps, --parent"),
+])
+def test_options_the_peer_explorer_does_not_take_are_a_usage_error(
+        options: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explore", "--peer", *options]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"kvfsm explore: ValueError: {named}: not with --peer"), \
+        captured.err
 
 
 def test_kvfsm_explore_shows_progress_when_asked(capsys: pytest.CaptureFixture[str]) -> None:

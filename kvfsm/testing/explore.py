@@ -877,6 +877,12 @@ def run(args: Any) -> int:
     if getattr(args, "peer", False):
         from kvfsm.testing.explore_peer import run_peer  # noqa: PLC0415 - only this mode
 
+        ignored = [option for option, given in (
+            ("--machine", args.machine != "transfer"), ("--steps", args.steps),
+            ("--parent", args.parent)) if given]
+        if ignored:  # it explores the shipped peer machines, always
+            raise ValueError(f"{', '.join(ignored)}: not with --peer, which explores kvfsm's "
+                             "peer sender and receiver (--receiver picks a broken receiver)")
         return run_peer(args)
     if getattr(args, "receiver", None) is not None:
         raise ValueError("--receiver: only with --peer")
@@ -885,9 +891,12 @@ def run(args: Any) -> int:
     machine = load_machine(args.machine)
     steps = load_steps(args.steps) if args.steps else None
     if not machine.effects:  # not a lifecycle a tier runs: explore its table
-        if steps:
-            raise ValueError(f"--steps: machine {machine.name!r} declares no effects, so it is "
-                             "explored at the level of its table, where no step runs")
+        ignored = [option for option, given in (
+            ("--steps", steps), ("--parent", args.parent), ("--replay", args.replay)) if given]
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)}: machine {machine.name!r} declares no "
+                             "effects, so it is explored at the level of its table, where no "
+                             "step runs, no tier or parent, and no fault path")
         return _run_table(machine)
     if args.max_faults < 0 or args.max_stall < 1:
         raise ValueError("--max-faults must be at least 0 and --max-stall at least 1")
