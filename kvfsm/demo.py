@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
 import re
 import sys
@@ -41,6 +42,7 @@ import torch
 from kvfsm.machines.transfer import FailureKind, FailureReason
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, Fault, FaultyAgent, Raise, ReturnErr, StayProc
+from kvfsm.testing.faults import FAULTABLE_CALLS, STATUS_CALLS
 from kvfsm.tiers import DrainTimeout, FileTier, ObjectStoreTier, SecondaryTier
 from kvfsm.tiers.file import RootNotWritableError
 from kvfsm.trace import TraceRecorder
@@ -86,6 +88,12 @@ def parse_fault_spec(spec: str) -> list[FaultSpec]:
         times = int(match["times"]) if match["times"] else 1
         if at == 0 or times == 0:
             raise ValueError(f"bad fault {item!r}: @AT and *TIMES count from 1")
+        if match["call"] not in FAULTABLE_CALLS:
+            raise ValueError(f"bad fault {item!r}: {match['call']!r} is not a NIXL call kvfsm "
+                             f"can fail; one of {', '.join(sorted(FAULTABLE_CALLS))}")
+        if kind != "raise" and match["call"] not in STATUS_CALLS:  # (in the CLI's words)
+            raise ValueError(f"bad fault {item!r}: {kind.split('=')[0]} only applies to "
+                             f"{' and '.join(sorted(STATUS_CALLS))}; other calls take raise")
         faults.append(FaultSpec(match["call"], fault, at, times))
     return faults
 
@@ -339,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--s3-endpoint and --bucket go together")
     if not args.retry_seconds > 0:
         raise ValueError("--retry-seconds must be positive")
+    if not 0 < args.timeout < math.inf:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     faults = parse_fault_spec(args.inject_faults)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     block_bytes = args.block_kib * 1024

@@ -378,12 +378,20 @@ def test_the_fault_spec_grammar() -> None:
     (["--inject-faults", "teleport:raise"], "'teleport' is not a NIXL call"),
     (["--blocks", "0"], "--blocks must be at least 1"),
     (["--retry-seconds", "0"], "--retry-seconds must be positive"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+    (["--timeout", "-1"], "--timeout must be a positive number of seconds, got -1.0"),
+    (["--timeout", "nan"], "--timeout must be a positive number of seconds, got nan"),
+    (["--inject-faults", "release_xfer_handle:err"], "bad fault 'release_xfer_handle:err': err "
+     "only applies to check_xfer_state and transfer; other calls take raise"),
+    (["--inject-faults", "deregister_memory:proc=2"], "proc only applies to check_xfer_state"),
 ])
 def test_bad_options_are_named(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["demo", "--fake", "--blocks", "4", *args]) == 2
-    assert message in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.out == "", "refused before the demo began"
 
 
 def test_a_bucket_without_an_endpoint_is_named(capsys: pytest.CaptureFixture[str]) -> None:
