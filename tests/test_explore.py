@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import pytest
 
 from kvfsm import TRANSFER_MACHINE, Declaration, FailureKind, FailureReason, TransferState
 from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSITIONS
-from kvfsm.testing.explore import Invariant, explore, parse_path, replay
+from kvfsm.testing.explore import Invariant, explore, explore_table, parse_path, replay
 
 S = TransferState
 
@@ -143,3 +144,44 @@ def test_a_dropped_transfer_leaves_its_block_pinned_and_the_explorer_says_so() -
 
 #: a broken variant by name, for ``kvfsm explore --machine tests.test_explore:...``
 PUBLISH_BEFORE_RELEASE = BROKEN["publish_before_release"][0]
+
+
+class Step(enum.Enum):
+    START = 1
+    MIDDLE = 2
+    END = 3
+
+
+class Go(enum.Enum):
+    OK = 1
+
+
+def boom(record: Any, answer: Any, detail: Any) -> None:
+    raise RuntimeError("boom")
+
+
+def test_an_action_that_raises_is_named_and_its_edge_still_counts_for_reachability() -> None:
+    """Table level: the raising action is named with its step, and the states past its edge
+    are no dead ends (the edge was once left out of the graph, which made them look so)."""
+    machine = Declaration(
+        "boom", states=Step, initial=Step.START, answers={"go": list(Go)},
+        guards={"ok": [Go.OK]}, actions={"boom": boom},
+        transitions=[
+            {"trigger": "go", "source": Step.START, "dest": Step.MIDDLE, "conditions": "ok",
+             "after": "boom"},
+            {"trigger": "go", "source": Step.MIDDLE, "dest": Step.END, "conditions": "ok"}],
+        final={Step.END})
+    found = explore_table(machine)
+    assert [v.invariant for v in found.violations] == [Invariant.ACTION_RAISED]
+    assert "action 'boom'" in found.violations[0].detail
+
+
+def test_an_action_that_raises_in_a_tier_is_named_with_its_step() -> None:
+    """Tier level: the NO_ESCAPE line carries the engine's note naming the action and the
+    step, which only a traceback showed before."""
+    machine = variant("latch_raises", {
+        (S.PROCESSING, "poll", "finished"): {"after": "boom"}}, actions={"boom": boom})
+    found = explore(machine, max_faults=0)
+    escaped = [v for v in found.violations if v.invariant is Invariant.NO_ESCAPE]
+    assert escaped, found.report()
+    assert "action 'boom'" in escaped[0].detail and "PROCESSING" in escaped[0].detail

@@ -327,7 +327,7 @@ def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
             results = tier.get_finished_jobs()
         except Exception as error:
             violations.append(Violation(Invariant.NO_ESCAPE, None,
-                                        f"get_finished_jobs raised {error!r}"))
+                                        f"get_finished_jobs raised {_described(error)}"))
             return
         for result in results:
             _published(agent, result, violations)
@@ -342,7 +342,8 @@ def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
             submitted = TransferJob(job_id, keys, blocks, is_promotion=load)
             (tier.submit_load if load else tier.submit_store)(submitted)
         except Exception as error:
-            violations.append(Violation(Invariant.NO_ESCAPE, job_id, f"submit raised {error!r}"))
+            violations.append(Violation(Invariant.NO_ESCAPE, job_id,
+                                        f"submit raised {_described(error)}"))
             agent.jobs[job_id].results.append(JobResult(job_id, False))  # no result is due
         finally:
             agent.current = None
@@ -409,7 +410,8 @@ def _cancel(agent: _WatchedAgent, tier: SecondaryTier, job_id: int) -> None:
     try:
         tier.cancel(job_id)
     except Exception as error:
-        agent.violations.append(Violation(Invariant.NO_ESCAPE, job_id, f"cancel raised {error!r}"))
+        agent.violations.append(Violation(Invariant.NO_ESCAPE, job_id,
+                                          f"cancel raised {_described(error)}"))
 
 
 def _state(tier: SecondaryTier, job_id: int) -> str:
@@ -449,6 +451,12 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
                                     f"its failure says {result.reason}"))
 
 
+def _described(error: BaseException) -> str:
+    """An exception as a violation says it: its repr, and the notes kvfsm's engine adds (the
+    action and the step that raised it)."""
+    return repr(error) + "".join(f" ({note})" for note in getattr(error, "__notes__", ()))
+
+
 class _NoProbes:
     """Lookups the tier has no answer for say MISS at once (no thread timing on any path)."""
 
@@ -484,7 +492,8 @@ def _run_with_parent(path: Path, machine: Declaration[Any, Any], max_polls: int,
         except BookkeepingError as error:
             violations.append(Violation(Invariant.ONE_RESULT, None, str(error)))
         except Exception as error:
-            violations.append(Violation(Invariant.NO_ESCAPE, None, f"step raised {error!r}"))
+            violations.append(Violation(Invariant.NO_ESCAPE, None,
+                                        f"step raised {_described(error)}"))
 
     try:
         first = manager.store(blocks[:2])
@@ -501,7 +510,8 @@ def _run_with_parent(path: Path, machine: Declaration[Any, Any], max_polls: int,
                 break
             step()
     except Exception as error:
-        violations.append(Violation(Invariant.NO_ESCAPE, None, f"the parent raised {error!r}"))
+        violations.append(Violation(Invariant.NO_ESCAPE, None,
+                                    f"the parent raised {_described(error)}"))
     for block in range(primary.num_blocks):
         if primary.key_of(block) is not None and primary.pin_count(block) != 0:
             violations.append(Violation(Invariant.PINS, None,
@@ -791,7 +801,8 @@ def explore_table(machine: Declaration[Any, Any]) -> Exploration:
                     Invariant.ACTION_RAISED, None,
                     f"{record.state.name} -{event}({answer.name})-> raised {error!r}"
                     + "".join(f" ({note})" for note in getattr(error, "__notes__", ()))))
-                continue
+                # the move is declared, and the record is where it leads: gone on from there
+                # (the failing action is the violation, not the states past its edge)
             edges.add((record.state, after.state))
             if after.key() not in seen:
                 seen.add(after.key())
