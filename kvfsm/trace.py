@@ -189,8 +189,11 @@ def run(args: Any) -> int:
     for trace in read_traces(args.file):
         declaration = fixed or machines.get(trace.get("machine", ""))
         if declaration is None:
-            declaration = machines[trace.get("machine", "")] = load_machine(
-                str(trace.get("machine", "")))
+            try:
+                declaration = load_machine(str(trace.get("machine", "")))
+            except ValueError as error:  # where it is said, as for a line that is no trace
+                raise ValueError(f"{args.file}:{trace.get('line', '?')}: {error}") from None
+            machines[trace.get("machine", "")] = declaration
         divergence = replay(declaration, trace)
         if divergence is not None:
             print(f"kvfsm replay: {args.file}: diverges from {declaration.name} at {divergence}")

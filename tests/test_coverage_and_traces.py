@@ -183,6 +183,18 @@ def test_a_trace_that_ends_short_or_says_another_outcome_than_its_steps_diverges
     assert replay(TRANSFER_MACHINE, {**trace, "steps": FAILURE_STEPS, "success": False}) is None
 
 
+def test_a_trace_naming_a_machine_that_does_not_exist_is_refused_by_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvfsm.cli import main  # noqa: PLC0415
+
+    path = tmp_path / "other.jsonl"
+    good = {"machine": "transfer", "job_id": 1, "success": True, "steps": SUCCESS_STEPS}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "machine": "lamp"}) + "\n")
+    assert main(["replay", str(path)]) == 2
+    assert capsys.readouterr().err.startswith(f"kvfsm replay: ValueError: {path}:2: ")
+
+
 def test_a_file_that_is_not_traces_is_refused_by_line(tmp_path: Path) -> None:
     path = tmp_path / "junk.jsonl"
     path.write_text('{"machine": "transfer", "job_id": 1, "steps": []}\nnot json\n')
