@@ -88,14 +88,21 @@ def parse_fault_spec(spec: str) -> list[FaultSpec]:
         times = int(match["times"]) if match["times"] else 1
         if at == 0 or times == 0:
             raise ValueError(f"bad fault {item!r}: @AT and *TIMES count from 1")
-        if match["call"] not in FAULTABLE_CALLS:
-            raise ValueError(f"bad fault {item!r}: {match['call']!r} is not a NIXL call kvfsm "
-                             f"can fail; one of {', '.join(sorted(FAULTABLE_CALLS))}")
-        if kind != "raise" and match["call"] not in STATUS_CALLS:  # (in the CLI's words)
-            raise ValueError(f"bad fault {item!r}: {kind.split('=')[0]} only applies to "
-                             f"{' and '.join(sorted(STATUS_CALLS))}; other calls take raise")
         faults.append(FaultSpec(match["call"], fault, at, times))
     return faults
+
+
+def _check_faults(faults: list[FaultSpec]) -> None:
+    """Refuse, in the CLI's words and before the demo begins, a fault the demo's agent cannot
+    inject: a call it cannot fail, or err or proc=N for a call that only takes raise."""
+    for fault in faults:
+        if fault.call not in FAULTABLE_CALLS:
+            raise ValueError(f"bad fault for {fault.call!r}: not a NIXL call kvfsm can fail; "
+                             f"one of {', '.join(sorted(FAULTABLE_CALLS))}")
+        if not isinstance(fault.fault, Raise) and fault.call not in STATUS_CALLS:
+            kind = "err" if isinstance(fault.fault, ReturnErr) else "proc"
+            raise ValueError(f"bad fault for {fault.call!r}: {kind} only applies to "
+                             f"{' and '.join(sorted(STATUS_CALLS))}; other calls take raise")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -350,6 +357,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.timeout < math.inf:
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     faults = parse_fault_spec(args.inject_faults)
+    _check_faults(faults)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     block_bytes = args.block_kib * 1024
     groups = [list(range(start, min(start + args.blocks_per_job, args.blocks)))

@@ -375,13 +375,13 @@ def test_the_fault_spec_grammar() -> None:
     (["--inject-faults", "transfer"], "bad fault 'transfer'"),
     (["--inject-faults", "transfer:explode"], "bad fault 'transfer:explode'"),
     (["--inject-faults", "transfer:raise@0"], "count from 1"),
-    (["--inject-faults", "teleport:raise"], "'teleport' is not a NIXL call"),
+    (["--inject-faults", "teleport:raise"], "bad fault for 'teleport': not a NIXL call"),
     (["--blocks", "0"], "--blocks must be at least 1"),
     (["--retry-seconds", "0"], "--retry-seconds must be positive"),
     (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
     (["--timeout", "-1"], "--timeout must be a positive number of seconds, got -1.0"),
     (["--timeout", "nan"], "--timeout must be a positive number of seconds, got nan"),
-    (["--inject-faults", "release_xfer_handle:err"], "bad fault 'release_xfer_handle:err': err "
+    (["--inject-faults", "release_xfer_handle:err"], "bad fault for 'release_xfer_handle': err "
      "only applies to check_xfer_state and transfer; other calls take raise"),
     (["--inject-faults", "deregister_memory:proc=2"], "proc only applies to check_xfer_state"),
 ])
