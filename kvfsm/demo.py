@@ -319,8 +319,8 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
 
     if args.s3_endpoint:
         store = StoreConfig(args.bucket, endpoint=args.s3_endpoint,
-                            access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
-                            secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+                            access_key=os.environ.get("AWS_ACCESS_KEY_ID") or None,
+                            secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY") or None,
                             key_prefix="kvfsm-demo/")
         from kvfsm.nixl_agents import NO_CREDENTIALS, check_bucket, credentials_found  # noqa: PLC0415
 
@@ -371,9 +371,9 @@ def run(args: argparse.Namespace) -> int:
         pattern.fill(cache, bar)
 
     with _open_tier(args, cache, faults) as (tier, what), contextlib.ExitStack() as traces:
-        traces.push(_on_interrupt(tier, args.timeout))
         if args.trace:
             tier.on_published.append(traces.enter_context(TraceRecorder(args.trace)))
+        traces.push(_on_interrupt(tier, args.timeout))  # (first out: the traces still open)
         print(f"  {what}", flush=True)
         started = time.perf_counter()
         stored_of = dict(enumerate(groups))
@@ -405,7 +405,10 @@ def _on_interrupt(tier: SecondaryTier, timeout: float) -> Callable[..., bool]:
         if kind is not None and issubclass(kind, KeyboardInterrupt) and not tier.closed:
             print("kvfsm demo: interrupted; shutting the tier down (waiting for NIXL)",
                   file=sys.stderr, flush=True)
-            tier.shutdown(timeout=timeout)
+            try:
+                tier.shutdown(timeout=timeout)
+            except DrainTimeout as error:  # said, and the interrupt goes on (exit 130)
+                print(f"kvfsm demo: {error}", file=sys.stderr, flush=True)
         return False
     return leaving
 

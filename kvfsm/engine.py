@@ -355,7 +355,7 @@ class Declaration(Generic[S, A]):
         """
         names = [state.name for state in self.states]
         for field, given in (("states", states), ("running", running), ("final", final),
-                             ("failure_states", failure_states)):
+                             ("failure_states", failure_states), ("unreachable", unreachable)):
             if isinstance(given, str | bytes):  # (a str is iterable: one state per letter)
                 raise DeclarationError(f"{name}: {field} must be a list of state names, got "
                                        f"{given!r}; write [{given!r}]")

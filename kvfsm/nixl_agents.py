@@ -132,7 +132,7 @@ def credentials_found(config: StoreConfig) -> bool:
     instance role, which AWS itself honours and a server of one's own (moto, MinIO) does not:
     without credentials NIXL's OBJ backend signs nothing, and every transfer fails with
     ``NIXL_ERR_BACKEND``, naming no cause."""
-    if config.access_key is not None:
+    if config.access_key and config.secret_key:
         return True
     env = os.environ
     if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
@@ -143,7 +143,23 @@ def credentials_found(config: StoreConfig) -> bool:
         return True
     files = (env.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
              env.get("AWS_CONFIG_FILE", "~/.aws/config"))
-    return any(os.path.isfile(os.path.expanduser(path)) for path in files)
+    return any(_gives_credentials(os.path.expanduser(path)) for path in files)
+
+
+#: the settings of an AWS credentials or config file that give credentials
+_CREDENTIAL_SETTINGS = ("aws_access_key_id", "credential_process", "role_arn", "sso_",
+                        "web_identity_token_file", "credential_source")
+
+
+def _gives_credentials(path: str) -> bool:
+    """Whether an AWS credentials or config file sets any of :data:`_CREDENTIAL_SETTINGS` (a
+    config file with a region alone gives none)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            text = file.read(1 << 20).lower()
+    except OSError:
+        return False
+    return any(setting in text for setting in _CREDENTIAL_SETTINGS)
 
 
 #: what to do when no credentials are found: for the messages that say so

@@ -383,7 +383,7 @@ class PeerReceiver(JobSide):
             raise InvalidJobError(f"job {job_id}: block_ids must be a non-empty list or tuple, "
                                   f"got {blocks!r}")
         for block in blocks:
-            if not isinstance(block, int) or isinstance(block, bool):
+            if isinstance(block, bool) or not hasattr(block, "__index__"):  # (numpy's too)
                 raise InvalidJobError(f"job {job_id}: block {block!r} is not an int")
             if not 0 <= block < self.num_blocks:
                 raise InvalidJobError(f"job {job_id}: block {block} is out of range "

@@ -641,7 +641,7 @@ class TieringManager:
             raise TieringInputError(f"poll_interval must be finite, got {poll_interval!r}")
         if isinstance(secondaries, Mapping):
             named = dict(secondaries)
-        elif not isinstance(secondaries, list | tuple):
+        elif isinstance(secondaries, str | bytes) or not isinstance(secondaries, Iterable):
             raise TieringInputError(f"secondaries must be a list of tiers or a dict of names to "
                                     f"tiers, got {type(secondaries).__name__}")
         else:

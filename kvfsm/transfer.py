@@ -162,7 +162,7 @@ class Transfer:
         reason = None if success else self.reason
         if reason is None and not success:
             reason = FailureReason(FailureKind.QUARANTINED if held else FailureKind.UNKNOWN, None,
-                                   self.error or "no reason recorded")
+                                   self.error or NO_REASON)
         return JobResult(self.job_id, success, self.nbytes if success else 0,
                          self.finished_at - self.started_at, reason)
 
@@ -177,5 +177,7 @@ class Transfer:
                 f"retries={self.retries} leaks={len(self.leaks)}>")
 
 
+#: the text of a failure whose machine recorded neither a reason nor an error
+NO_REASON = "no reason recorded"
 #: the transfer machine's final failure states: a transfer ending in one is held (quarantined)
 _HELD = TRANSFER_MACHINE.final & TRANSFER_MACHINE.failure_states

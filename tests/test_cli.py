@@ -152,12 +152,18 @@ def test_a_directory_on_a_read_only_file_system_is_a_bad_option_named_as_the_dem
                             "blocks there\n")
 
 
-def test_ctrl_c_during_the_demo_shuts_the_tier_down_and_prints_no_traceback() -> None:
+def test_ctrl_c_during_the_demo_shuts_the_tier_down_and_prints_no_traceback(
+    tmp_path: Path,
+) -> None:
     """An interrupt while releases are retried (the likeliest moment: the demo waits for the
-    retry bound) shuts the tier down, waiting for NIXL, and exits 130 with one line."""
+    retry bound) shuts the tier down, waiting for NIXL, and exits 130 with one line; the
+    traces of the jobs that shutdown publishes are written (the trace file was once closed
+    first)."""
+    traces = tmp_path / "t.jsonl"
     demo = subprocess.Popen(
         [sys.executable, "-m", "kvfsm", "demo", "--fake", *SMALL, "--no-progress",
-         "--inject-faults", "release_xfer_handle:raise*100000", "--retry-seconds", "60"],
+         "--inject-faults", "release_xfer_handle:raise*100000", "--retry-seconds", "60",
+         "--trace", str(traces)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert demo.stdout is not None
@@ -172,6 +178,7 @@ def test_ctrl_c_during_the_demo_shuts_the_tier_down_and_prints_no_traceback() ->
     assert demo.returncode == 130
     assert err == ("kvfsm demo: interrupted; shutting the tier down (waiting for NIXL)\n"
                    "kvfsm demo: interrupted\n")
+    assert len(traces.read_text().splitlines()) == 8, "every store's trace, the last included"
 
 
 @pytest.fixture
@@ -233,7 +240,8 @@ def test_an_object_store_demo_without_credentials_says_so_before_any_job(
     assert main(["demo", *SMALL, "--s3-endpoint", server.endpoint, "--bucket", bucket]) == 1
 
 
-@pytest.mark.parametrize("source", ["keys", "env", "profile", "file", "none"])
+@pytest.mark.parametrize("source", ["keys", "env", "profile", "file", "config-process", "none",
+                                    "empty-env", "empty-keys", "config-region-only"])
 def test_credentials_are_found_where_the_default_chain_looks(
     source: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -245,15 +253,22 @@ def test_credentials_are_found_where_the_default_chain_looks(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
-    keys = {"access_key": "a", "secret_key": "s"} if source == "keys" else {}
-    if source == "env":
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    keys = {"keys": {"access_key": "a", "secret_key": "s"},
+            "empty-keys": {"access_key": "", "secret_key": ""}}.get(source, {})
+    if source in ("env", "empty-env"):
+        value = "a" if source == "env" else ""
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", value)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", value)
     if source == "profile":
         monkeypatch.setenv("AWS_PROFILE", "work")
     if source == "file":
-        (tmp_path / "credentials").write_text("[default]\n")
-    assert credentials_found(StoreConfig("b", **keys)) is (source != "none")
+        (tmp_path / "credentials").write_text("[default]\naws_access_key_id = a\n")
+    if source == "config-process":
+        (tmp_path / "config").write_text("[default]\ncredential_process = /bin/creds\n")
+    if source == "config-region-only":  # a file that gives no credentials is none
+        (tmp_path / "config").write_text("[default]\nregion = us-east-1\n")
+    found = source in ("keys", "env", "profile", "file", "config-process")
+    assert credentials_found(StoreConfig("b", **keys)) is found
 
 
 @pytest.mark.parametrize(("extra", "named"), [
@@ -499,6 +514,8 @@ def test_steps_that_name_no_steps_are_a_usage_error_naming_why(
     (["--machine", "peer_link", "--steps", "examples.verify_lifecycle:STEPS"], "--steps"),
     (["--machine", "peer_receive", "--parent"], "--parent"),
     (["--machine", "peer_link", "--replay", "mode=1;"], "--replay"),
+    (["--machine", "peer_link", "--max-faults", "7", "--max-stall", "9", "--all"],
+     "--max-faults, --max-stall, --all"),
 ])
 def test_options_for_a_machine_no_tier_runs_are_a_usage_error(
         options: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ object (each of these once surfaced as an AttributeError or TypeError from deep 
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +82,14 @@ def test_a_manager_given_one_tier_instead_of_a_list_says_so() -> None:
     with pytest.raises(TieringInputError, match="secondaries must be a list of tiers or a dict "
                                                 "of names to tiers, got ObjectStoreTier"):
         TieringManager(primary, tier)  # type: ignore[arg-type]
-    tier.shutdown()
+    manager = TieringManager(primary, collections.deque([tier]))  # any sequence is one
+    assert list(manager.tiers) == ["ObjectStoreTier[0]"]
+    manager.shutdown(timeout=5)
     agent.close()
 
 
-@pytest.mark.parametrize("field", ["states", "running", "final", "failure_states"])
+@pytest.mark.parametrize("field", ["states", "running", "final", "failure_states",
+                                   "unreachable"])
 def test_a_machine_extended_with_one_name_instead_of_a_list_says_so(field: str) -> None:
     """A str is iterable: "VERIFYING" was taken as the states V, E, R, I..."""
     with pytest.raises(DeclarationError, match=f"verify: {field} must be a list of state "

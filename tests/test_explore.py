@@ -185,3 +185,13 @@ def test_an_action_that_raises_in_a_tier_is_named_with_its_step() -> None:
     escaped = [v for v in found.violations if v.invariant is Invariant.NO_ESCAPE]
     assert escaped, found.report()
     assert "action 'boom'" in escaped[0].detail and "PROCESSING" in escaped[0].detail
+
+
+def test_a_step_answering_a_failure_alone_is_a_failure_with_its_reason() -> None:
+    """A user's step may answer a failing answer without a why (a bare MISMATCH): its failure
+    says what it answered, which is a reason; only a failure with nothing latched is not."""
+    from examples.verify_lifecycle import VERIFY_MACHINE, Verified  # noqa: PLC0415
+
+    found = explore(VERIFY_MACHINE, steps={"verify": lambda primary, transfer: Verified.MISMATCH},
+                    max_faults=1)
+    assert found.ok, found.report()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -544,7 +545,7 @@ def test_a_job_id_whose_result_waits_or_a_block_another_job_expects_is_refused()
     assert bytes(receiver.primary[1].numpy()) == bytes(sender.primary[3].numpy())
 
     receiver.expect(TransferJob(1, ["2"], [2]), name)  # now both may be taken again
-    receiver.expect(TransferJob(2, ["1"], [1]), name)
+    receiver.expect(TransferJob(2, ["1"], list(np.array([1]))), name)  # numpy's ints are ints
     assert receiver.state_of(1) is receiver.state_of(2) is not None
     sender.shutdown(timeout=5)
     receiver.shutdown()

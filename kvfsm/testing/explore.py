@@ -57,7 +57,7 @@ from kvfsm.testing.faults import (
 )
 from kvfsm.tiers.base import SecondaryTier
 from kvfsm.tiers.object_store import ObjectStoreTier
-from kvfsm.transfer import FailureKind, JobResult, TransferJob
+from kvfsm.transfer import NO_REASON, FailureKind, JobResult, TransferJob
 
 __all__ = [
     "Choice",
@@ -85,7 +85,7 @@ class Invariant(enum.Enum):
     DESCRIPTOR_LEAK = ("descriptors or registrations were still held after shutdown that no "
                        "recorded leak accounts for")
     OUTCOME = "a job published a result other than its transfer's outcome"
-    REASON = "a failed job published no reason (no action latched why it failed)"
+    REASON = "a failed job published no reason (nothing latched why it failed, nor an error)"
     NO_MISUSE = "the agent saw a call that would crash real NIXL"
     NO_ESCAPE = "an exception escaped the tier"
     PINS = "a primary block was left pinned or half-written (with the parent)"
@@ -445,8 +445,8 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
         violations.append(Violation(
             Invariant.OUTCOME, result.job_id,
             f"NIXL said the transfer {what}, the job published success={result.success}"))
-    if not result.success and (result.reason is None
-                               or result.reason.kind is FailureKind.UNKNOWN):
+    if not result.success and (result.reason is None or (
+            result.reason.kind is FailureKind.UNKNOWN and result.reason.error == NO_REASON)):
         violations.append(Violation(Invariant.REASON, result.job_id,
                                     f"its failure says {result.reason}"))
 
@@ -897,13 +897,16 @@ def run(args: Any) -> int:
         return run_peer(args)
     if getattr(args, "receiver", None) is not None:
         raise ValueError("--receiver: only with --peer")
+    faults_given = args.max_faults is not None
     if args.max_faults is None:
         args.max_faults = 2
     machine = load_machine(args.machine)
     steps = load_steps(args.steps) if args.steps else None
     if not machine.effects:  # not a lifecycle a tier runs: explore its table
         ignored = [option for option, given in (
-            ("--steps", steps), ("--parent", args.parent), ("--replay", args.replay)) if given]
+            ("--steps", steps), ("--parent", args.parent), ("--replay", args.replay),
+            ("--max-faults", faults_given), ("--max-stall", args.max_stall != 2),
+            ("--all", args.all)) if given]
         if ignored:
             raise ValueError(f"{', '.join(ignored)}: machine {machine.name!r} declares no "
                              "effects, so it is explored at the level of its table, where no "
