@@ -213,6 +213,17 @@ def test_an_object_store_that_refuses_the_credentials_fails_the_demo_and_says_wh
     assert "failed for a reason that was not injected" in out
 
 
+def no_aws_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No S3 credentials anywhere the default chain looks; its files are ``tmp_path``'s
+    ``credentials`` and ``config`` (not written)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
+                 "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+
+
 def test_an_object_store_demo_without_credentials_says_so_before_any_job(
     s3_refusing_credentials: tuple[S3Server, str], monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -221,12 +232,7 @@ def test_an_object_store_demo_without_credentials_says_so_before_any_job(
     NIXL_ERR_BACKEND, naming no cause (the README's moto server took a newcomer there). The
     demo says what is missing, and what a local server takes, before it makes an agent."""
     server, bucket = s3_refusing_credentials
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
-                 "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    no_aws_credentials(monkeypatch, tmp_path)
     assert main(["demo", *SMALL, "--s3-endpoint", server.endpoint, "--bucket", bucket]) == 2
     captured = capsys.readouterr()
     assert "results:" not in captured.out, "no job ran"
@@ -247,12 +253,7 @@ def test_credentials_are_found_where_the_default_chain_looks(
 ) -> None:
     from kvfsm.nixl_agents import StoreConfig, credentials_found  # noqa: PLC0415
 
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
-                 "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    no_aws_credentials(monkeypatch, tmp_path)
     keys = {"keys": {"access_key": "a", "secret_key": "s"},
             "empty-keys": {"access_key": "", "secret_key": ""}}.get(source, {})
     if source in ("env", "empty-env"):
