@@ -831,9 +831,7 @@ class TieringManager:
             if job is not None:
                 self._jobs.pop(job.job_id, None)
             self.primary.complete_write(blocks, success=False)
-            if job is None:
-                raise
-            if not isinstance(error, Exception):
+            if job is None or not isinstance(error, Exception):
                 raise
             raise _refused([(tier, job.job_id, error)], []) from error
         return job.job_id

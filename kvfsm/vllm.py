@@ -238,7 +238,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
     #: the kvfsm tier behind the adapter, whose own keywords are settings too
     _tier_class: ClassVar[type[SecondaryTier]]
     #: what the adapter gives the tier itself, never a setting (retry makes the policy)
-    _OWN = frozenset({"policy", "record_events", "store", "key_prefix", "root"})
+    _OWN = frozenset({"policy", "record_events", "store", "key_prefix"})
 
     def _check_settings(self, settings: Mapping[str, Any]) -> None:
         """Refuse, by name, a setting neither the adapter nor its tier takes (a typo such as

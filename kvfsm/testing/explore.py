@@ -799,8 +799,8 @@ def explore_table(machine: Declaration[Any, Any]) -> Exploration:
             except Exception as error:
                 found.violations.append(Violation(
                     Invariant.ACTION_RAISED, None,
-                    f"{record.state.name} -{event}({answer.name})-> raised {error!r}"
-                    + "".join(f" ({note})" for note in getattr(error, "__notes__", ()))))
+                    f"{record.state.name} -{event}({answer.name})-> raised "
+                    f"{_described(error)}"))
                 # the move is declared, and the record is where it leads: gone on from there
                 # (the failing action is the violation, not the states past its edge)
             edges.add((record.state, after.state))

@@ -518,7 +518,6 @@ class ObjectStoreTier(SecondaryTier):
             self._remover = _Remover(remove)
         if agent is None:
             agent, probe_agent = _agents_for(store, probe_agent)
-        _check_primary(primary)
         super().__init__(primary, agent=agent, remote=_Objects(int(primary[0].nbytes)),
                          poll_interval=poll_interval,
                          machine=machine, policy=policy, steps=steps,
@@ -554,9 +553,10 @@ class ObjectStoreTier(SecondaryTier):
         return self.object_key(key)
 
     def _remote_names(self, keys: Sequence[Any]) -> tuple[str, ...]:
-        if (getattr(self.object_key, "__func__", None) is not _OBJECT_KEY
-                or type(self).remote_name is not ObjectStoreTier.remote_name):  # other names
-            return super()._remote_names(keys)  # (a subclass's, or an instance's own)
+        cls = type(self)
+        if (cls.object_key is not _OBJECT_KEY or cls.remote_name is not _REMOTE_NAME
+                or "object_key" in self.__dict__):  # other names: a subclass's, an instance's
+            return super()._remote_names(keys)
         prefix = self.key_prefix  # a plain str key is its own text: no call for it
         return tuple([prefix + key if type(key) is str and _plain(key) is not None
                       else prefix + object_text(key_text(key)) for key in keys])
@@ -625,8 +625,8 @@ class ObjectStoreTier(SecondaryTier):
                            "%d were left in the store", remover.errors)
 
 
-#: the class's own naming: a tier whose ``object_key`` is this names keys on the fast path
-_OBJECT_KEY = ObjectStoreTier.object_key
+#: the class's own naming: a tier that names keys with these takes the fast path
+_OBJECT_KEY, _REMOTE_NAME = ObjectStoreTier.object_key, ObjectStoreTier.remote_name
 
 
 def _agents_for(store: Any, probe_agent: Any) -> tuple[Any, Any]:
