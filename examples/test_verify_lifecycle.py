@@ -93,13 +93,14 @@ def test_a_corrupted_object_fails_its_load_with_a_mismatch_on_real_nixl(
     s3 = s3_server.client()
 
     def corrupt(key: str) -> None:
-        body = bytearray(s3.get_object(Bucket=bucket, Key=f"kv/{key}")["Body"].read())
+        name = tier.object_key(key)  # "kv/<block bytes>-bytes/<key>"
+        body = bytearray(s3.get_object(Bucket=bucket, Key=name)["Body"].read())
         body[0] ^= 0x01
-        s3.put_object(Bucket=bucket, Key=f"kv/{key}", Body=bytes(body))
+        s3.put_object(Bucket=bucket, Key=name, Body=bytes(body))
 
     try:
         assert_the_corrupted_load_failed(store_corrupt_load(tier, cache, corrupt), cache,
-                                         "kv/b")
+                                         f"kv/{BLOCK_BYTES}-bytes/b")
     finally:
         tier.shutdown()
 
@@ -111,10 +112,12 @@ def test_on_the_fake_agent_the_transfer_passes_through_verifying(cache: torch.Te
                            steps={"verify": checksums})
 
     def corrupt(key: str) -> None:
-        agent.objects[key] = bytes([agent.objects[key][0] ^ 1]) + agent.objects[key][1:]
+        name = tier.object_key(key)
+        agent.objects[name] = bytes([agent.objects[name][0] ^ 1]) + agent.objects[name][1:]
 
-    assert_the_corrupted_load_failed(store_corrupt_load(tier, cache, corrupt), cache)
-    assert set(checksums.crcs) == {"a", "b", "c", "d"}
+    assert_the_corrupted_load_failed(store_corrupt_load(tier, cache, corrupt), cache,
+                                     f"{BLOCK_BYTES}-bytes/b")
+    assert set(checksums.crcs) == {f"{BLOCK_BYTES}-bytes/{key}" for key in "abcd"}
     taken = {(e.source, e.event, e.dest): n
              for e, n in tier.machine.transition_counts().items() if n}
     assert taken[("PROCESSING", "poll", "VERIFYING")] == 3
@@ -126,7 +129,8 @@ def test_on_the_fake_agent_the_transfer_passes_through_verifying(cache: torch.Te
 def test_a_load_of_a_block_nobody_recorded_fails_and_a_step_that_raises_fails_its_job(
         cache: torch.Tensor) -> None:
     agent = FakeNixlAgent(name="verify")
-    agent.objects["elsewhere"] = bytes(BLOCK_BYTES)  # stored by someone else: no checksum
+    # stored by someone else, as a block of this size: no checksum
+    agent.objects[f"{BLOCK_BYTES}-bytes/elsewhere"] = bytes(BLOCK_BYTES)
 
     def broken(transfer: object, primary: torch.Tensor) -> object:
         raise OSError("the checksum index is gone")

@@ -71,7 +71,8 @@ class StoreConfig:
         req_checksum: NIXL's request checksum mode; "required" (PUTs of 64 MiB or more to some
             servers never complete without it) or "when_supported".
         io_threads: the OBJ backend's I/O threads; None for NIXL's default.
-        key_prefix: prepended to every object name.
+        key_prefix: prepended to every object name (an :class:`~kvfsm.tiers.ObjectStoreTier`
+            then adds the folder of its block size).
     """
 
     bucket: str

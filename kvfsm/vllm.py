@@ -238,7 +238,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
     #: the kvfsm tier behind the adapter, whose own keywords are settings too
     _tier_class: ClassVar[type[SecondaryTier]]
     #: what the adapter gives the tier itself, never a setting (retry makes the policy)
-    _OWN = frozenset({"policy", "record_events", "store", "key_prefix"})
+    _OWN = frozenset({"policy", "record_events", "store", "key_prefix", "size_folder"})
 
     def _check_settings(self, settings: Mapping[str, Any]) -> None:
         """Refuse, by name, a setting neither the adapter nor its tier takes (a typo such as
@@ -546,11 +546,13 @@ class ObjectStoreTier(_Adapter):
                                 use_virtual_addressing=use_virtual_addressing,
                                 req_checksum=req_checksum, io_threads=io_threads,
                                 key_prefix=prefix)
+        # the folder's digest covers the chunk's size: no folder of the size under it
         if agent is not None:
             return tiers.ObjectStoreTier(primary, agent=agent, store=store, key_prefix=prefix,
-                                         probe_agent=probe_agent, remove=remove, **options)
+                                         size_folder=False, probe_agent=probe_agent,
+                                         remove=remove, **options)
         return tiers.ObjectStoreTier(primary, store=store, probe_agent=probe_agent,
-                                     remove=remove, **options)
+                                     size_folder=False, remove=remove, **options)
 
 
 class FileTier(_Adapter):

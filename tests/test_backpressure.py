@@ -211,11 +211,12 @@ def test_the_manager_skips_a_tier_deleting_the_block_it_is_asked_to_store_again(
 
         gate.set()
         assert objects.wait_for_removals(10)
-        assert "key-a" not in agent.objects
+        assert objects.object_key("key-a") not in agent.objects
         assert len(manager.store([a])) == 2
         while manager.has_pending_work():
             manager.step()
-        assert "key-a" in agent.objects and objects.lookup("key-a") is Lookup.HIT
+        assert objects.object_key("key-a") in agent.objects
+        assert objects.lookup("key-a") is Lookup.HIT
         assert primary.stats()["pinned"] == 0
     finally:
         gate.set()

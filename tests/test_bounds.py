@@ -441,7 +441,7 @@ def test_a_probe_thread_that_cannot_start_leaves_the_lookup_answering_and_shutdo
     """Out of threads once: the lookup raised RuntimeError, every later lookup of that name
     answered RETRY for good, and shutdown raised joining a thread never started."""
     prober = FakeNixlAgent("probe", objects=agent.objects)
-    agent.objects["k"] = bytes(256)
+    agent.objects["256-bytes/k"] = bytes(256)  # block k, stored by another process
     tier = ObjectStoreTier(primary, agent=agent, probe_agent=prober)
     start = threading.Thread.start
 

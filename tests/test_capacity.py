@@ -3,6 +3,7 @@ transfer uses, and what was stored and removed comes back as events."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +27,11 @@ from kvfsm.tiers import (
 from .conftest import NUM_BLOCKS
 
 BLOCK = 256  # bytes of one block of the conftest primary
+
+
+def object_names(tier: ObjectStoreTier, *keys: str) -> list[str]:
+    """The sorted names of the objects of ``keys`` in ``tier`` (in its block size's folder)."""
+    return sorted(tier.object_key(key) for key in keys)
 
 
 def store(job_id: int, *pairs: tuple[str, int]) -> TransferJob:
@@ -67,7 +73,7 @@ def test_the_least_recently_used_block_goes_first_and_a_lookup_counts_as_use(
 
     small.submit_store(store(2, ("d", 3)))
     assert [r.success for r in settle(small)] == [True]
-    assert sorted(agent.objects) == ["a", "c", "d"]
+    assert sorted(agent.objects) == object_names(small, "a", "c", "d")
     assert small.lookup("b") is Lookup.MISS
     assert small.take_events() == [HoldingEvent(("b",), removed=True),
                                    HoldingEvent(("d",), removed=False)]
@@ -84,7 +90,7 @@ def test_touch_and_a_load_count_as_use(small: ObjectStoreTier, agent: FakeNixlAg
     assert [r.success for r in settle(small)] == [True]
     small.submit_store(store(3, ("d", 3), ("e", 4)))
     settle(small)
-    assert sorted(agent.objects) == ["b", "d", "e"]
+    assert sorted(agent.objects) == object_names(small, "b", "d", "e")
 
 
 def test_a_block_a_load_still_reads_is_never_removed(
@@ -96,7 +102,8 @@ def test_a_block_a_load_still_reads_is_never_removed(
     small.submit_load(load(2, ("a", 5)))
     small.submit_store(store(3, ("d", 3)))  # a is the oldest, but read: b goes
     assert small.wait_for_removals(5)
-    assert "a" in agent.objects and "b" not in agent.objects
+    assert small.object_key("a") in agent.objects
+    assert small.object_key("b") not in agent.objects
     assert sorted((r.job_id, r.success) for r in settle(small)) == [(2, True), (3, True)]
 
 
@@ -111,18 +118,18 @@ def test_a_store_that_cannot_make_room_is_refused_and_changes_nothing(
     assert small.stats()["holdings"]["writing_blocks"] == 2
     small.submit_store(store(2, ("c", 2)))  # fits: the same job id is free to use
     assert sorted((r.job_id, r.success) for r in settle(small)) == [(1, True), (2, True)]
-    assert sorted(agent.objects) == ["a", "b", "c"]
+    assert sorted(agent.objects) == object_names(small, "a", "b", "c")
 
 
 def test_a_failed_store_of_a_new_block_removes_what_may_have_landed(
     small: ObjectStoreTier, agent: FakeNixlAgent
 ) -> None:
-    agent.objects["a"] = b"half a block"  # what a broken write may leave
+    agent.objects[small.object_key("a")] = b"half a block"  # what a broken write may leave
     agent.inject("check_xfer_state", Raise("NIXL_ERR_BACKEND"))
     small.submit_store(store(1, ("a", 0)))
     (result,) = settle(small)
     assert not result.success
-    assert "a" not in agent.objects
+    assert small.object_key("a") not in agent.objects
     assert small.lookup("a") is Lookup.MISS
     holdings = small.stats()["holdings"]
     assert (holdings["held_blocks"], holdings["writing_blocks"]) == (0, 0)
@@ -139,11 +146,12 @@ def test_a_failed_load_is_a_miss_and_its_block_goes_when_its_turn_comes(
     (result,) = settle(small)
     assert not result.success
     assert small.lookup("a") is Lookup.MISS  # F11: not loaded again and again
-    assert sorted(agent.objects) == ["a", "b"]  # the failure may not be the bytes' fault
+    # the failure may not be the bytes' fault
+    assert sorted(agent.objects) == object_names(small, "a", "b")
     small.lookup("b")  # b is used, a is not: a goes first
     small.submit_store(store(3, ("c", 2), ("d", 3)))
     settle(small)
-    assert sorted(agent.objects) == ["b", "c", "d"]
+    assert sorted(agent.objects) == object_names(small, "b", "c", "d")
 
 
 def test_capacity_needs_a_way_to_remove_and_at_least_one_block(
@@ -174,7 +182,8 @@ def test_a_removal_that_fails_is_counted_and_the_block_forgotten(
         tier.shutdown(timeout=5)
         holdings = tier.stats()["holdings"]
         assert (holdings["removed"], holdings["remove_errors"]) == (0, 1)
-        assert sorted(agent.objects) == ["a", "b"]  # a stays in the store, unknown to the tier
+        # a stays in the store, unknown to the tier
+        assert sorted(agent.objects) == object_names(tier, "a", "b")
         assert tier.stats()["holdings"]["held_blocks"] == 1
     finally:
         tier.shutdown(timeout=5)
@@ -362,7 +371,7 @@ def test_a_refused_store_leaves_the_deletes_waiting_as_they_were(
         tier.submit_store(store(10, ("b", 4), ("e", 5), ("f", 6)))
     deletes.gate.set()
     assert tier.wait_for_removals(10)
-    assert sorted(agent.objects) == ["c", "d"]
+    assert sorted(agent.objects) == object_names(tier, "c", "d")
     _stop_all_probers()  # what interpreter exit does: nothing is left waiting
 
 
@@ -382,8 +391,9 @@ def test_a_block_stored_again_while_its_delete_is_in_flight_is_refused_until_it_
     assert [r.success for r in settle_without_removals(tier)] == [True]
     registrations = agent.call_count("register_memory")
 
-    with pytest.raises(RemovalInFlightError, match=r"store of a refused: the object is "
-                       r"being deleted") as refused:
+    with pytest.raises(RemovalInFlightError,
+                       match=rf"store of {re.escape(tier.object_key('a'))} refused: the object "
+                       r"is being deleted") as refused:
         tier.submit_store(store(3, ("a", 2)))
     assert isinstance(refused.value, TierBusyError)
     assert agent.call_count("register_memory") == registrations  # nothing registered
@@ -395,12 +405,13 @@ def test_a_block_stored_again_while_its_delete_is_in_flight_is_refused_until_it_
 
     deletes.gate.set()
     assert tier.wait_for_removals(10)
-    assert "a" not in agent.objects
+    assert tier.object_key("a") not in agent.objects
     assert tier.stats()["holdings"]["removes_sending"] == 0
     tier.submit_store(store(4, ("a", 2)))  # taken now (and b goes)
     assert [r.success for r in settle(tier)] == [True]
     assert tier.lookup("a") is Lookup.HIT
-    assert all(name in agent.objects for name in "ab" if tier.lookup(name) is Lookup.HIT)
+    assert all(tier.object_key(name) in agent.objects
+               for name in "ab" if tier.lookup(name) is Lookup.HIT)
 
 
 def test_a_store_that_takes_a_waiting_delete_back_is_not_refused(
@@ -412,14 +423,15 @@ def test_a_store_that_takes_a_waiting_delete_back_is_not_refused(
     store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
     holdings = tier.stats()["holdings"]
     assert (holdings["removes_sending"], holdings["removes_waiting"]) == (1, 1)
-    with pytest.raises(RemovalInFlightError, match="store of a refused"):
+    with pytest.raises(RemovalInFlightError,
+                       match=f"store of {re.escape(tier.object_key('a'))} refused"):
         tier.submit_store(store(4, ("b", 3), ("a", 4)))  # a's is sent: b's stays waiting
     assert tier.stats()["holdings"]["removes_waiting"] == 1
     tier.submit_store(store(5, ("b", 3)))  # b's delete is waiting: taken back
     assert tier.stats()["holdings"]["removes_waiting"] == 1  # c's, evicted by it
     deletes.gate.set()
     assert [r.success for r in settle(tier)] == [True]
-    assert sorted(agent.objects) == ["b"]
+    assert sorted(agent.objects) == object_names(tier, "b")
     assert tier.lookup("b") is Lookup.HIT
     assert tier.stats()["holdings"]["stores_refused_removing"] == 1
 
@@ -440,7 +452,7 @@ def test_a_load_of_blocks_being_deleted_does_not_make_them_a_hit_again(
     assert (tier.lookup("a"), tier.lookup("b")) == (Lookup.MISS, Lookup.MISS)
     deletes.gate.set()
     assert tier.wait_for_removals(10)
-    assert sorted(agent.objects) == ["c"]
+    assert sorted(agent.objects) == object_names(tier, "c")
     assert (tier.lookup("a"), tier.lookup("b"), tier.lookup("c")) == (
         Lookup.MISS, Lookup.MISS, Lookup.HIT)
 
@@ -458,7 +470,7 @@ def test_a_probe_finding_an_object_being_deleted_answers_miss(
     store_a_b_c(tier, deletes)  # b evicts a (its delete sent), c evicts b (waiting)
     tier.submit_store(store(7, ("x", 6)))  # evicts c; its HIT and x's push b's MISS out
     settle_without_removals(tier)
-    assert "b" in agent.objects
+    assert tier.object_key("b") in agent.objects
     assert wait_for_verdict(tier, "b") is Lookup.MISS
 
 
@@ -484,9 +496,9 @@ def test_a_probe_answered_while_the_delete_ended_during_it_answers_miss(
     store_a_b_c(tier, deletes)
     tier.submit_store(store(7, ("x", 6)))  # evicts c; its MISS and x's HIT push b's out
     settle_without_removals(tier)
-    assert "b" in agent.objects
+    assert tier.object_key("b") in agent.objects
     assert wait_for_verdict(tier, "b") is Lookup.MISS
-    assert "b" not in agent.objects
+    assert tier.object_key("b") not in agent.objects
 
 
 def test_a_load_of_a_block_a_store_took_back_meanwhile_leaves_it_a_hit(
@@ -503,7 +515,7 @@ def test_a_load_of_a_block_a_store_took_back_meanwhile_leaves_it_a_hit(
     assert tier.holds("b") and tier.lookup("b") is Lookup.HIT
     deletes.gate.set()
     assert tier.wait_for_removals(10)
-    assert "b" in agent.objects and tier.lookup("b") is Lookup.HIT
+    assert tier.object_key("b") in agent.objects and tier.lookup("b") is Lookup.HIT
 
 
 def wait_for_verdict(tier: ObjectStoreTier, name: str) -> Lookup:
@@ -584,7 +596,7 @@ def test_a_cancelled_load_keeps_the_block_it_was_reading(
     small.cancel(2)
     (result,) = settle(small)
     assert not result.success
-    assert "a" in agent.objects
+    assert small.object_key("a") in agent.objects
     assert small.stats()["holdings"]["held_blocks"] == 1
     assert small.lookup("a") is Lookup.MISS
     assert not small.holds("a")

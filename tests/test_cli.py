@@ -334,7 +334,8 @@ class _Corrupting(FakeNixlAgent):
     def make_prepped_xfer(self, operation: str, *args: Any, **kwargs: Any) -> Any:
         if operation == "READ" and not getattr(self, "corrupted", False):
             self.corrupted = True
-            for key in ("demo/block-9", "demo/block-5"):
+            size = len(next(iter(self.objects.values())))  # the demo's block size
+            for key in (f"demo/{size}-bytes/block-9", f"demo/{size}-bytes/block-5"):
                 data = bytearray(self.objects[key])
                 data[100] ^= 0xFF
                 self.objects[key] = bytes(data)

@@ -142,7 +142,7 @@ def test_a_touched_block_is_removed_after_those_not_touched(
     tier.submit_store(TransferJob(2, ["d"], [3]))
     assert [r.success for r in settle(tier)] == [True]
     assert tier.wait_for_removals(5)
-    assert sorted(agent.objects) == ["a", "c", "d"]
+    assert sorted(agent.objects) == [tier.object_key(key) for key in "acd"]
     assert (tier.holds("a"), tier.holds("b")) == (True, False)
     tier.shutdown(timeout=5)
 
@@ -282,7 +282,7 @@ def test_a_load_counts_as_use_when_submitted_not_again_when_it_finishes(
     tier.submit_store(TransferJob(3, ["d", "e"], [3, 4]))  # room for two: c and a go
     assert [r.success for r in settle(tier)] == [True]
     assert tier.wait_for_removals(5)
-    assert sorted(agent.objects) == ["b", "d", "e"]
+    assert sorted(agent.objects) == [tier.object_key(key) for key in "bde"]
     tier.shutdown(timeout=5)
 
 
@@ -448,7 +448,8 @@ def test_an_interrupt_before_the_post_answered_settles_the_job_by_its_handle(
             "PostInterrupted: the submit was interrupted before NIXL answered the post",
             "PostInterrupted")
     else:
-        assert result.success and agent.objects["a"] == primary[0].numpy().tobytes()
+        assert result.success
+        assert agent.objects[tier.object_key("a")] == primary[0].numpy().tobytes()
     tier.shutdown(timeout=5)
 
 

@@ -282,7 +282,8 @@ def test_every_tier_that_names_keys_is_checked_after_one_that_does_not() -> None
     blocks = write(primary, "6b")
     blocks += primary.allocate([b"k"])
     primary.complete_write(blocks[1:], success=True)
-    with pytest.raises(TieringInputError, match="name the same block '6b' in tier 'named'"):
+    with pytest.raises(TieringInputError,
+                       match=f"name the same block '{named.object_key('6b')}' in tier 'named'"):
         manager.store(blocks)
     assert manager.outstanding() == []
     manager.shutdown()

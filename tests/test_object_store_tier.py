@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import time
 from typing import Any
 
 import numpy as np
@@ -142,7 +144,8 @@ def test_a_load_whose_first_block_fails_is_published_only_once_its_other_blocks_
     transfer runs three checks more. The job stays unpublished and holds every handle until
     block 1's transfer is over: its bytes landed before the failure was published, never
     into a block the engine took back. Each handle is released once."""
-    agent.objects["k1"], agent.objects["k2"] = b"\x01" * 256, b"\x02" * 256
+    agent.objects[tier.object_key("k1")] = b"\x01" * 256
+    agent.objects[tier.object_key("k2")] = b"\x02" * 256
     tier.submit_load(load(1, {"missing": 0, "k1": 1, "k2": 2}))
     assert agent.call_count("make_prepped_xfer") == 3, "a NIXL transfer per block"
     checks = agent.call_count("check_xfer_state")
@@ -179,8 +182,8 @@ def test_a_store_whose_middle_block_fails_keeps_its_other_objects_whole(
 
     assert (result.success, str(result.reason)) == (
         False, "check_xfer_state raised FakeNixlError: NIXL_ERR_BACKEND")
-    assert agent.objects["key-2"] == primary[2].numpy().tobytes()
-    assert "key-1" not in agent.objects
+    assert agent.objects[tier.object_key("key-2")] == primary[2].numpy().tobytes()
+    assert tier.object_key("key-1") not in agent.objects
     assert agent.call_count("release_xfer_handle") == 3
 
 
@@ -233,7 +236,7 @@ def test_a_job_whose_posts_nixl_finished_at_once_is_over_without_a_check_even_if
     (result,) = tier.get_finished_jobs()
     assert str(result.reason) == "transfer raised FakeNixlError: NIXL_ERR_BACKEND"
     assert agent.call_count("check_xfer_state") == 0
-    assert sorted(agent.objects) == ["key-0"]
+    assert sorted(agent.objects) == [tier.object_key("key-0")]
     tier.shutdown(timeout=5)
     assert_nothing_held_but_recorded_leaks(tier, agent)
     assert agent.misuses == []
@@ -255,7 +258,7 @@ def test_a_block_nixl_finished_at_its_post_does_not_stand_for_the_next_one_still
     (result,) = results_until_idle(tier)
     assert result.success
     assert agent.call_count("check_xfer_state") == 3, "block 2's, none of the others'"
-    assert sorted(agent.objects) == ["key-0", "key-1", "key-2"]
+    assert sorted(agent.objects) == [tier.object_key(f"key-{b}") for b in range(3)]
     tier.shutdown(timeout=5)
     assert_nothing_held_but_recorded_leaks(tier, agent)
     assert agent.misuses == []
@@ -425,8 +428,10 @@ def test_f9_a_release_that_never_succeeds_is_quarantined_at_the_shutdown_deadlin
     (TransferJob(5, ["a"], ["0"]), r"block_ids\[0\] is '0', not an int"),  # type: ignore[list-item]
     (TransferJob(5, [3], [0]), r"keys\[0\]: a key must be bytes or str, got int 3"),  # type: ignore[list-item]
     (TransferJob(5, [""], [0]), r"keys\[0\]: a key must not be empty"),
-    (TransferJob(5, ["a", "a"], [0, 1]), r"keys\[0\] and keys\[1\] name the same block 'a'"),
-    (TransferJob(5, ["6b", b"k"], [0, 1]), "name the same block '6b'"),
+    # (<name_prefix>: the tier's, which starts every object name)
+    (TransferJob(5, ["a", "a"], [0, 1]),
+     r"keys\[0\] and keys\[1\] name the same block '<name_prefix>a'"),
+    (TransferJob(5, ["6b", b"k"], [0, 1]), "name the same block '<name_prefix>6b'"),
     (TransferJob(5, "ab", [0, 1]), "keys must be a list or tuple, got str 'ab'"),
     (TransferJob(5, None, [0]), "keys must be a list or tuple, got NoneType"),  # type: ignore[arg-type]
     (TransferJob(5, ["a"], 0), "block_ids must be a list or tuple, got int 0"),  # type: ignore[arg-type]
@@ -438,7 +443,8 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(
     tier: ObjectStoreTier, agent: FakeNixlAgent, job: TransferJob, message: str
 ) -> None:
     calls_before = list(agent.calls)
-    with pytest.raises(InvalidJobError, match=message):
+    with pytest.raises(InvalidJobError,
+                       match=message.replace("<name_prefix>", re.escape(tier.name_prefix))):
         tier.submit_store(job)
     assert agent.calls == calls_before
     assert not tier.has_pending_work()
@@ -467,7 +473,7 @@ def test_numpy_and_torch_integers_are_block_ids(
     tier.submit_store(TransferJob(1, ["a", "b"], [np.int64(2), torch.tensor(3)]))
     (result,) = results_until_idle(tier)
     assert result.success
-    assert agent.objects["b"] == primary[3].numpy().tobytes()
+    assert agent.objects[tier.object_key("b")] == primary[3].numpy().tobytes()
 
 
 def test_a_load_into_the_same_block_twice_is_refused(tier: ObjectStoreTier) -> None:
@@ -490,8 +496,9 @@ def test_a_bad_primary_cache_is_refused(
 
 def test_object_keys_name_the_block_key(primary: torch.Tensor, agent: FakeNixlAgent) -> None:
     tier = ObjectStoreTier(primary, agent=agent, key_prefix="kv/")
-    assert tier.object_key("layer0/block7") == "kv/layer0/block7"
-    assert tier.object_key(b"\x01\xff") == "kv/01ff"
+    assert tier.name_prefix == "kv/256-bytes/"  # the prefix, then the block size's folder
+    assert tier.object_key("layer0/block7") == "kv/256-bytes/layer0/block7"
+    assert tier.object_key(b"\x01\xff") == "kv/256-bytes/01ff"
     with pytest.raises(ValueError, match="bytes or str"):
         tier.object_key(7)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="must not be empty"):
@@ -520,8 +527,9 @@ def test_a_subclass_that_names_its_objects_is_obeyed_by_transfers_and_lookups(
     first, second = Layout("a"), Layout("b")
     first.submit_store(TransferJob(1, ["k"], [1]))
     assert [r.success for r in results_until_idle(first)] == [True]
-    assert sorted(agent.objects) == ["a/k"]
-    assert first.remote_name("k") == "a/k" and first.lookup("k") is Lookup.HIT
+    assert sorted(agent.objects) == [f"a/{first.name_prefix}k"]
+    assert first.remote_name("k") == f"a/{first.name_prefix}k"
+    assert first.lookup("k") is Lookup.HIT
 
     primary[2] = -1.0
     second.submit_load(TransferJob(2, ["k"], [2], is_promotion=True))
@@ -534,8 +542,79 @@ def test_a_subclass_that_names_its_objects_is_obeyed_by_transfers_and_lookups(
     third.object_key = lambda key: f"c/{key}"  # type: ignore[method-assign]
     third.submit_store(TransferJob(3, ["k"], [1]))
     assert [r.success for r in results_until_idle(third)] == [True]
-    assert sorted(agent.objects) == ["a/k", "c/k"]
+    assert sorted(agent.objects) == [f"a/{first.name_prefix}k", "c/k"]
     third.shutdown()
+
+
+def verdict_once_probed(tier: ObjectStoreTier, key: str) -> Lookup:
+    """The lookup's answer once its probe is over (RETRY until then), within 10 s."""
+    verdict = tier.lookup(key)
+    deadline = time.monotonic() + 10
+    while verdict is Lookup.RETRY and time.monotonic() < deadline:
+        time.sleep(0.01)
+        verdict = tier.lookup(key)
+    return verdict
+
+
+@pytest.mark.timeout(30)
+def test_a_tier_of_another_block_size_on_the_same_prefix_neither_finds_nor_loads_its_blocks(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """A tier of 256-byte blocks and one of 512-byte blocks share a bucket and a key prefix.
+    Each keeps its objects in its block size's folder: the 512-byte tier's probe finds
+    nothing under k, its load of k fails and leaves its block as it was, and its own k is
+    another object. Without the folders (``size_folder=False``, the old layout) both name k
+    alike: the 512-byte tier's probe finds the 256-byte object, a HIT, and its load reads
+    what the object has into the first half of its block, as real NIXL's OBJ backend does,
+    and succeeds: the second half keeps what it held, wrong bytes published as a success."""
+    wide = torch.arange(4 * 128, dtype=torch.float32).neg().view(4, 128)  # 512-byte blocks
+
+    def tiers(size_folder: bool) -> tuple[ObjectStoreTier, ObjectStoreTier]:
+        """The 256-byte tier and the 512-byte one, on the agent's objects, prefix "kv/"."""
+        def tier(cache: torch.Tensor) -> ObjectStoreTier:
+            probe = FakeNixlAgent(f"probe-{cache[0].nbytes}", objects=agent.objects)
+            return ObjectStoreTier(cache, agent=agent, key_prefix="kv/",
+                                   size_folder=size_folder, probe_agent=probe)
+        return tier(primary), tier(wide)
+
+    small, large = tiers(size_folder=True)
+    try:
+        small.submit_store(TransferJob(1, ["k"], [1]))
+        assert [r.success for r in results_until_idle(small)] == [True]
+        assert agent.objects == {"kv/256-bytes/k": primary[1].numpy().tobytes()}
+
+        assert verdict_once_probed(large, "k") is Lookup.MISS
+        before = wide.clone()
+        large.submit_load(TransferJob(2, ["k"], [2], is_promotion=True))
+        assert [r.success for r in results_until_idle(large)] == [False]
+        assert torch.equal(wide, before), "no byte of the 256-byte block landed"
+
+        large.submit_store(TransferJob(3, ["k"], [0]))  # its own k, beside the other's
+        assert [r.success for r in results_until_idle(large)] == [True]
+        assert sorted(agent.objects) == ["kv/256-bytes/k", "kv/512-bytes/k"]
+        small.submit_load(TransferJob(4, ["k"], [5], is_promotion=True))
+        assert [r.success for r in results_until_idle(small)] == [True]
+        assert torch.equal(primary[5], primary[1])
+    finally:
+        small.shutdown(timeout=5)
+        large.shutdown(timeout=5)
+
+    agent.objects.clear()
+    small, large = tiers(size_folder=False)  # the old layout: one name for both sizes
+    try:
+        small.submit_store(TransferJob(5, ["k"], [1]))
+        assert [r.success for r in results_until_idle(small)] == [True]
+        assert agent.objects == {"kv/k": primary[1].numpy().tobytes()}
+
+        assert verdict_once_probed(large, "k") is Lookup.HIT, "the other size's object"
+        before = wide.clone()
+        large.submit_load(TransferJob(6, ["k"], [2], is_promotion=True))
+        assert [r.success for r in results_until_idle(large)] == [True]
+        assert wide[2, :64].numpy().tobytes() == primary[1].numpy().tobytes()
+        assert torch.equal(wide[2, 64:], before[2, 64:]), "half the block is what it held"
+    finally:
+        small.shutdown(timeout=5)
+        large.shutdown(timeout=5)
 
 
 def test_a_machine_that_acts_on_proc_gets_every_proc_answer_fired(
@@ -590,7 +669,8 @@ def test_a_job_whose_posts_an_interrupt_cut_short_fails_and_holds_nothing(
     assert tier.owes(1)
     (result,) = results_until_idle(tier)
     assert result.success is False
-    assert sorted(agent.objects) == [f"key-{b}" for b in range(cut)], "only those posted"
+    assert sorted(agent.objects) == [tier.object_key(f"key-{b}") for b in range(cut)], (
+        "only those posted")
     assert agent.call_count("release_xfer_handle") == 3
     tier.shutdown(timeout=5)
     assert_nothing_held_but_recorded_leaks(tier, agent)

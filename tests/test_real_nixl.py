@@ -79,7 +79,9 @@ def test_object_store_round_trip_on_real_nixl(
 
     s3 = s3_server.client()
     for block in range(BLOCKS):
-        body = s3.get_object(Bucket=bucket, Key=f"kv/seq0/block{block}")["Body"].read()
+        name = f"kv/{BLOCK_BYTES}-bytes/seq0/block{block}"  # the prefix, the size's folder, the key
+        assert tier.object_key(f"seq0/block{block}") == name
+        body = s3.get_object(Bucket=bucket, Key=name)["Body"].read()
         assert body == original[block].numpy().tobytes(), f"object of block {block}"
 
     cache.zero_()
@@ -130,7 +132,8 @@ def test_keys_nixl_would_send_as_one_object_each_load_their_own_bytes(
         assert collect(tier, 1)[index].success, key
     names = {o["Key"] for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]}
     assert len(names) == count, f"one object a key: {sorted(names)}"
-    assert {"kv/k", "kv/a/b", "kv/k/", "kv/k%20b", "kv/k b"} <= names, sorted(names)
+    assert {f"kv/4096-bytes/{key}" for key in ("k", "a/b", "k/", "k%20b", "k b")} <= names, \
+        sorted(names)
     cache.zero_()
     tier.submit_load(TransferJob(100, LOOKALIKE_KEYS, list(range(count)), is_promotion=True))
     assert collect(tier, 1)[100].success
@@ -138,12 +141,44 @@ def test_keys_nixl_would_send_as_one_object_each_load_their_own_bytes(
     assert got == {key: index + 1 for index, key in enumerate(LOOKALIKE_KEYS)}
 
     alone = s3_server.new_bucket()
-    s3_server.client().put_object(Bucket=alone, Key="kv/a/b", Body=b"x" * 4096)
+    s3_server.client().put_object(Bucket=alone, Key="kv/4096-bytes/a/b", Body=b"x" * 4096)
     other = ObjectStoreTier(torch.zeros(2, 4096, dtype=torch.uint8),
                             store=s3_server.config(alone, key_prefix="kv/"))
     tiers.append(other)
     assert wait_for_lookup(other, "a/b") is Lookup.HIT
     assert wait_for_lookup(other, "a//b") is Lookup.MISS, "a//b found a/b"
+
+
+def test_a_tier_of_another_block_size_on_the_same_prefix_finds_nothing_to_load_half_of(
+    s3_server: S3Server, tiers: list[SecondaryTier]
+) -> None:
+    """Two engines of different block sizes share a bucket and a key prefix, and make the same
+    key. NIXL's OBJ backend reads what an object has and answers DONE, so a tier of 8 KiB
+    blocks loading a 4 KiB object published half of its block as a success: the other half
+    kept what the engine had left in it. Each tier keeps its objects in a folder of its block
+    size, so the larger tier finds no object of its size: a MISS, and a load that fails."""
+    bucket = s3_server.new_bucket()
+    for size_folder in (True, False):
+        small = torch.full((2, 4096), 0x11, dtype=torch.uint8)
+        large = torch.full((2, 8192), 0x22, dtype=torch.uint8)
+        prefix = "kv/" if size_folder else "flat/"  # the old layout: the objects under the prefix
+        small_tier = ObjectStoreTier(small, store=s3_server.config(bucket, key_prefix=prefix),
+                                     size_folder=size_folder)
+        large_tier = ObjectStoreTier(large, store=s3_server.config(bucket, key_prefix=prefix),
+                                     size_folder=size_folder)
+        tiers += [small_tier, large_tier]
+        small_tier.submit_store(TransferJob(1, ["k"], [0]))
+        assert collect(small_tier, 1)[1].success
+        large_tier.submit_load(TransferJob(2, ["k"], [1], is_promotion=True))
+        loaded = collect(large_tier, 1)[2]
+        if size_folder:
+            assert small_tier.object_key("k") == "kv/4096-bytes/k"
+            assert large_tier.object_key("k") == "kv/8192-bytes/k"
+            assert wait_for_lookup(large_tier, "k") is Lookup.MISS
+            assert not loaded.success, "a 4 KiB object loaded into an 8 KiB block"
+        else:  # what the names without the size's folder let through: wrong bytes, published
+            assert loaded.success
+            assert bool((large[1, :4096] == 0x11).all()) and bool((large[1, 4096:] == 0x22).all())
 
 
 def test_a_key_prefix_nixl_would_not_send_as_it_is_is_refused_before_any_agent_is_made(
@@ -188,19 +223,19 @@ def test_a_block_stored_again_while_its_delete_runs_on_the_store_is_stored_once_
         tier.submit_store(TransferJob(2, ["b"], [1]))
         assert collect(tier, 1)[2].success
         assert sent.wait(30)
-        with pytest.raises(RemovalInFlightError, match="store of a refused"):
+        with pytest.raises(RemovalInFlightError, match=f"store of {tier.object_key('a')} refused"):
             tier.submit_store(TransferJob(3, ["a"], [0]))
     finally:
         gate.set()
     assert tier.wait_for_removals(30)
     listed = s3_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])
-    assert [o["Key"] for o in listed] == ["b"]
+    assert [o["Key"] for o in listed] == [tier.object_key("b")]
 
     tier.submit_store(TransferJob(4, ["a"], [0]))
     assert collect(tier, 1)[4].success
     assert tier.wait_for_removals(30)  # b's delete, evicted by it
     listed = s3_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])
-    assert [o["Key"] for o in listed] == ["a"]
+    assert [o["Key"] for o in listed] == [tier.object_key("a")]
     assert tier.lookup("a") is Lookup.HIT
     cache[5].zero_()
     tier.submit_load(TransferJob(5, ["a"], [5], is_promotion=True))
@@ -219,7 +254,7 @@ def test_a_failed_load_writes_nothing_into_its_blocks_once_its_failure_is_publis
     bucket = s3_server.new_bucket()
     client = s3_server.client()
     for block in range(1, blocks):
-        client.put_object(Bucket=bucket, Key=f"b{block}", Body=b"\xab" * size)
+        client.put_object(Bucket=bucket, Key=f"{size}-bytes/b{block}", Body=b"\xab" * size)
     cache = torch.zeros(blocks, size, dtype=torch.uint8)
     tier = ObjectStoreTier(cache, store=s3_server.config(bucket))
     tiers.append(tier)
@@ -248,7 +283,8 @@ def test_lookups_probe_objects_another_process_stored(
     s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
 ) -> None:
     bucket = s3_server.new_bucket()
-    s3_server.client().put_object(Bucket=bucket, Key="elsewhere", Body=b"x" * BLOCK_BYTES)
+    s3_server.client().put_object(Bucket=bucket, Key=f"{BLOCK_BYTES}-bytes/elsewhere",
+                                  Body=b"x" * BLOCK_BYTES)
     tier = ObjectStoreTier(cache, store=s3_server.config(bucket))
     tiers.append(tier)
     assert tier.lookup("elsewhere") is Lookup.RETRY, "the caller never waits on S3"

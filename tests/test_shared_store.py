@@ -46,6 +46,10 @@ __all__ = ["s3_server"]  # the fixture, imported for pytest
 pytestmark = pytest.mark.nixl
 
 BLOCKS, BLOCK_BYTES = 24, 64 * 1024
+#: the key prefix of every object-store tier here
+KEY_PREFIX = "shared/"
+#: what their object names start with: the key prefix, then the folder of their block size
+NAME_PREFIX = f"{KEY_PREFIX}{BLOCK_BYTES}-bytes/"
 
 
 class Eager(ObjectStoreTier):
@@ -79,7 +83,7 @@ def load_one(tier: ObjectStoreTier, key: str, job_id: int, block: int) -> bool:
 
 def test_a_block_another_tier_stores_is_found_after_a_miss(s3_server: S3Server) -> None:
     require_nixl()
-    config = s3_server.config(s3_server.new_bucket(), key_prefix="shared/")
+    config = s3_server.config(s3_server.new_bucket(), key_prefix=KEY_PREFIX)
     writer_cache = torch.stack([block_bytes(0), block_bytes(1)])
     reader_cache = torch.zeros(2, BLOCK_BYTES, dtype=torch.uint8)
     writer = ObjectStoreTier(writer_cache, store=config)
@@ -177,7 +181,7 @@ def engine(spec: dict[str, Any]) -> None:
     if "bucket" in spec:
         tier = Eager(cache, store=StoreConfig(spec["bucket"], endpoint=spec["endpoint"],
                                               access_key=ACCESS_KEY, secret_key=SECRET_KEY,
-                                              key_prefix="shared/"))
+                                              key_prefix=KEY_PREFIX))
     else:
         agent: FaultyAgent | None = None
         if spec.get("pause_at") is not None:
@@ -611,7 +615,8 @@ def shared_store(shared: str, tmp_path: Path, request: pytest.FixtureRequest,
                  ) -> tuple[dict[str, Any], Callable[[], dict[str, bytes]]]:
     """A new bucket on the session's S3 server (``shared`` "bucket"), or a new directory:
     where the engines find it, and a function reading everything in it (name: bytes; a
-    bucket's names without their key prefix, a directory's kvfsm files included)."""
+    bucket's names without the tiers' :data:`NAME_PREFIX`, a directory's kvfsm files
+    included)."""
     if shared == "bucket":
         server: S3Server = request.getfixturevalue("s3_server")
         bucket = server.new_bucket()
@@ -619,7 +624,7 @@ def shared_store(shared: str, tmp_path: Path, request: pytest.FixtureRequest,
         def objects() -> dict[str, bytes]:
             client = server.client()
             listed = client.list_objects_v2(Bucket=bucket).get("Contents", [])
-            return {o["Key"].removeprefix("shared/"):
+            return {o["Key"].removeprefix(NAME_PREFIX):
                     client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
                     for o in listed}
 
@@ -638,7 +643,7 @@ def test_a_reader_process_loads_only_whole_blocks_a_writer_process_is_storing(
     require_nixl()
     bucket = s3_server.new_bucket()
     reader_cache = torch.zeros(BLOCKS, BLOCK_BYTES, dtype=torch.uint8)
-    reader = Eager(reader_cache, store=s3_server.config(bucket, key_prefix="shared/"))
+    reader = Eager(reader_cache, store=s3_server.config(bucket, key_prefix=KEY_PREFIX))
     loaded: set[int] = set()
     job_ids = iter(range(10**6))
     try:
@@ -692,7 +697,7 @@ def test_one_writer_and_two_reader_processes_share_a_bucket_and_load_only_whole_
             "the readers loaded blocks while the writer was still storing")
     objects = s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]
     assert {o["Key"]: o["Size"] for o in objects} == {
-        f"shared/{key(index)}": BLOCK_BYTES for index in range(BLOCKS)}
+        f"{NAME_PREFIX}{key(index)}": BLOCK_BYTES for index in range(BLOCKS)}
 
 
 def test_one_writer_and_two_reader_processes_share_a_directory_and_cleanup_spares_the_writer(

@@ -920,7 +920,8 @@ def test_cascade_and_promotion_on_real_nixl(s3_server: S3Server, tmp_path: Path)
         s3 = s3_server.client()
         for key in keys:
             expected = content(key, REAL_BLOCK_BYTES).numpy().tobytes()
-            assert s3.get_object(Bucket=bucket, Key=f"kv/{key}")["Body"].read() == expected
+            stored = s3.get_object(Bucket=bucket, Key=objects.object_key(key))["Body"].read()
+            assert stored == expected
             assert files.path_of(key).read_bytes() == expected
 
         primary.free(blocks)

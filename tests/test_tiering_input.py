@@ -120,10 +120,11 @@ def block(stack: Stack, key: str | bytes) -> int:
 @pytest.mark.parametrize(("keys", "tier", "message"), [
     # the fuzzer's find: the tier saw one block twice, after two ready blocks were evicted
     (list(ALIKE), "objects",
-     r"keys\[0\] = '6b' and keys\[1\] = b'k' name the same block '6b' in tier 'objects'"),
+     r"keys\[0\] = '6b' and keys\[1\] = b'k' name the same block '256-bytes/6b' in tier "
+     "'objects'"),
     (["x", *ALIKE], "files",
      r"keys\[1\] = '6b' and keys\[2\] = b'k' name the same block '6b' in tier 'files'"),
-    (list(ALIKE), None, "name the same block '6b' in tier 'objects'"),
+    (list(ALIKE), None, "name the same block '256-bytes/6b' in tier 'objects'"),
     ([UNNAMEABLE], "files",
      r"tier 'files' cannot name keys\[0\] = '\\ud800': 'utf-8' codec can't encode"),
     (["x", UNNAMEABLE], None, r"tier 'files' cannot name keys\[1\] = '\\ud800'"),
@@ -142,8 +143,8 @@ def test_a_load_a_tier_would_refuse_evicts_nothing_and_names_tier_and_keys(
 
 
 @pytest.mark.parametrize(("keys", "message"), [
-    (list(ALIKE), r"keys\[0\] = '6b' and keys\[1\] = b'k' name the same block '6b' in tier "
-                  "'objects'"),
+    (list(ALIKE), r"keys\[0\] = '6b' and keys\[1\] = b'k' name the same block '256-bytes/6b' "
+                  "in tier 'objects'"),
     # the object store takes this key, the file tier does not: nothing may reach either
     ([UNNAMEABLE], r"tier 'files' cannot name keys\[0\] = '\\ud800'"),
 ], ids=["alike", "unnameable by files"])

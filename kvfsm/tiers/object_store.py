@@ -426,7 +426,8 @@ def check_key_prefix(prefix: object) -> None:
 
 
 class ObjectStoreTier(SecondaryTier):
-    """Stores each block as one object, named ``key_prefix`` + the block key.
+    """Stores each block as one object, named ``key_prefix``, the block size's folder, then the
+    block key: ``<key_prefix><block bytes>-bytes/<key>``.
 
     Built with ``agent=`` it drives that agent (a ``nixl_agent`` with the OBJ backend, or a
     :class:`kvfsm.testing.FakeNixlAgent`). Built with ``store=`` it creates its own real agents
@@ -444,6 +445,11 @@ class ObjectStoreTier(SecondaryTier):
         agent: the NIXL agent to drive; or None with ``store``.
         store: where to create real agents, when ``agent`` is None.
         key_prefix: prepended to every object name (``store.key_prefix`` when built from it).
+        size_folder: keep the objects in a folder named by the block size in bytes, after
+            ``key_prefix`` (default): a tier of another block size sharing the prefix then
+            finds none of them, where it would load a part of one, or fill a part of its block,
+            as a success. False only where ``key_prefix`` already tells block sizes apart
+            (:mod:`kvfsm.vllm`'s folders do).
         probe_agent: the agent lookups query from a background thread; by default a second
             real agent when built from ``store``, else ``agent`` itself, whose queries then
             hold the tier's lock (give real OBJ agents a probe agent of their own: a query of
@@ -477,6 +483,7 @@ class ObjectStoreTier(SecondaryTier):
         agent: NixlAgent | None = None,
         store: Any = None,
         key_prefix: str | None = None,
+        size_folder: bool = True,
         probe_agent: Any = None,
         probe_batch: int = 16,
         poll_interval: float = 0.0005,
@@ -501,7 +508,13 @@ class ObjectStoreTier(SecondaryTier):
         if key_prefix is None:
             key_prefix = store.key_prefix if store is not None else ""
         check_key_prefix(key_prefix)
+        if type(size_folder) is not bool:
+            raise ValueError(f"size_folder must be True or False, got {size_folder!r}")
         self.key_prefix = key_prefix
+        #: what every object name of the tier starts with: ``key_prefix``, then the folder of
+        #: the block size (``"65536-bytes/"``) unless ``size_folder`` is False
+        self.name_prefix = key_prefix + (f"{int(primary[0].nbytes)}-bytes/" if size_folder
+                                         else "")
         if type(probe_batch) is not int or probe_batch < 1:  # (before anything is registered)
             raise ValueError(f"probe_batch must be an int of at least 1, got {probe_batch!r}")
         check_interval("poll_interval", poll_interval)
@@ -534,8 +547,10 @@ class ObjectStoreTier(SecondaryTier):
     probed_miss_seconds: float = 2.0
 
     def object_key(self, key: bytes | str) -> str:
-        """The object name block ``key`` is stored under: the prefix, then the key as text
-        (a str as it is, bytes in hex; see :func:`~kvfsm.tiers.base.key_text`).
+        """The object name block ``key`` is stored under: :attr:`name_prefix` (the key prefix
+        and the block size's folder), then the key as text (a str as it is, bytes in hex; see
+        :func:`~kvfsm.tiers.base.key_text`). A subclass naming its blocks otherwise keeps
+        :attr:`name_prefix` in its names, or tells block sizes apart itself.
 
         NIXL's S3 client tidies an object's path before it sends it (a leading ``/``, ``//``,
         ``/./`` and ``x/../`` collapse), so ``"/k"`` and ``"k"`` would be one object. A key
@@ -545,7 +560,7 @@ class ObjectStoreTier(SecondaryTier):
         keeps distinct keys apart. (A key starting with ``%`` was stored under its text before
         this naming: such blocks are not found again.)
         """
-        return self.key_prefix + object_text(key_text(key))
+        return self.name_prefix + object_text(key_text(key))
 
     def remote_name(self, key: bytes | str) -> str:
         """The object name of block ``key``: :meth:`object_key`, which a subclass may name
@@ -557,7 +572,7 @@ class ObjectStoreTier(SecondaryTier):
         if (cls.object_key is not _OBJECT_KEY or cls.remote_name is not _REMOTE_NAME
                 or "object_key" in self.__dict__):  # other names: a subclass's, an instance's
             return super()._remote_names(keys)
-        prefix = self.key_prefix  # a plain str key is its own text: no call for it
+        prefix = self.name_prefix  # a plain str key is its own text: no call for it
         return tuple([prefix + key if type(key) is str and _plain(key) is not None
                       else prefix + object_text(key_text(key)) for key in keys])
 
