@@ -9,7 +9,9 @@ without running ``dot``.
 
 What the drawing says, beyond what ``transitions``' own drawing shows:
 
-* every edge is labelled ``event #n call() [guards] / actions``. ``#n`` appears where one
+* every edge is labelled ``event #n call() [guards] answers / actions``. ``answers`` are the
+  answers of the event that take the edge (``DONE``, ``ERR | RAISED``): what its guards
+  accept, so a guard whose meaning changes changes the drawing too. ``#n`` appears where one
   (state, event) has several edges: it is the order their guards are tried in
   (:attr:`Edge.order`, from 1). ``call()``, in italics, is what the event calls, in order, as
   the declaration's optional ``calls`` mapping names it (``{"poll": "check_xfer_state"}``;
@@ -236,7 +238,8 @@ def declared_calls(declaration: Declaration[Any, Any]) -> dict[str, tuple[str, .
 
 def edge_label(declaration: Declaration[Any, Any], edge: Edge, kind: EdgeKind) -> list[str]:
     """The lines an edge is labelled with: ``[retry: ]event[ #n]``, the calls its event makes
-    (``call(), ...``, wrapped), ``[guards]``, ``/ actions``."""
+    (``call(), ...``, wrapped), ``[guards] answers`` (the answers that take the edge, in the
+    order their Enum declares them), ``/ actions``."""
     head = edge.event
     if len(declaration.edges_from(declaration.states[edge.source], edge.event)) > 1:
         head += f" #{edge.order + 1}"
@@ -244,7 +247,8 @@ def edge_label(declaration: Declaration[Any, Any], edge: Edge, kind: EdgeKind) -
         head = f"retry: {head}"
     lines = [head, *_call_lines(declared_calls(declaration).get(edge.event, ()))]
     if edge.guard_label:
-        lines.append(f"[{edge.guard_label}]")
+        taken = sorted(_accepted(declaration, edge), key=_answer_order)
+        lines.append(f"[{edge.guard_label}] " + " | ".join(_answer_name(a) for a in taken))
     if edge.actions:
         lines.append("/ " + ", ".join(edge.actions))
     return lines
@@ -261,7 +265,9 @@ def to_dot(declaration: Declaration[Any, Any]) -> str:
     legend = [f"machine {declaration.name}, drawn from its declaration by kvfsm diagrams",
               "black dot: where a record starts; double circle: a final state"
               + ("; red: a failure state" if failure else ""),
-              "edge label: event #n " + ("call() " if calls else "") + "[guards] / actions",
+              "edge label: event #n " + ("call() " if calls else "")
+              + "[guards] answers / actions",
+              "answers: what the event answers to take the edge (what its guards accept)",
               "#n: the order guards are tried in, where one state has several edges on one event",
               *(["call(): what the event calls, in order"] if calls else []),
               *(_LEGEND[kind] for kind in used)]
@@ -466,6 +472,18 @@ def _accepted(declaration: Declaration[Any, Any], edge: Edge) -> set[Any]:
     return {answer for answer in declaration.answers[edge.event]
             if all(answer in declaration.guards[g] for g in edge.conditions)
             and not any(answer in declaration.guards[g] for g in edge.unless)}
+
+
+def _answer_order(answer: Any) -> tuple[int, str]:
+    """An answer's place: an Enum member's in its Enum (answers are members of one Enum),
+    else its text's."""
+    if isinstance(answer, enum.Enum):
+        return list(type(answer)).index(answer), ""
+    return 0, str(answer)
+
+
+def _answer_name(answer: Any) -> str:
+    return answer.name if isinstance(answer, enum.Enum) else str(answer)
 
 
 def _call_lines(calls: Sequence[str]) -> list[str]:

@@ -28,7 +28,7 @@ import pytest
 
 from kvfsm import Declaration, Transfer, TransferJob, TransferState
 from kvfsm.cli import main
-from kvfsm.diagrams import MACHINES, DiagramError, failure_answers, load_declaration, to_dot
+from kvfsm.diagrams import MACHINES, DiagramError, check, failure_answers, load_declaration, to_dot
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer
 from kvfsm.peer import PeerAnswer
 from kvfsm.peer_link import LinkAnswer
@@ -155,6 +155,8 @@ class DrawnEdge:
     actions: tuple[str, ...]
     #: what the event calls, in order (``call(), ...`` lines, in italics)
     calls: tuple[str, ...] = ()
+    #: the answers that take the edge, by name, as its guards' line lists them after them
+    answers: tuple[str, ...] = ()
 
 
 _CALLS = re.compile(r"\w+\(\)(?:, \w+\(\))*,?")
@@ -164,7 +166,7 @@ def read_edge(tail: str, head: str, attrs: dict[str, str]) -> tuple[DrawnEdge, b
     """The edge's table entry, and whether its label calls it a retry.
 
     The label reads, line by line: ``[retry: ]event[ #n]``, any lines of ``call(), ...``,
-    ``[guards]``, ``/ actions``, each part in that order.
+    ``[guards] answers``, ``/ actions``, each part in that order.
     """
     first, *rest = label_lines(attrs["label"])
     match = re.fullmatch(r"(retry: )?(\S+?)(?: #(\d+))?", first)
@@ -173,11 +175,14 @@ def read_edge(tail: str, head: str, attrs: dict[str, str]) -> tuple[DrawnEdge, b
     conditions: list[str] = []
     unless: list[str] = []
     actions: tuple[str, ...] = ()
+    answers: tuple[str, ...] = ()
     part, calls_continue = 0, False  # part 1: calls, 2: guards, 3: actions; never back
     for line in rest:
-        if line.startswith("[") and line.endswith("]"):
+        guarded = re.fullmatch(r"\[(.+)\] (\w+(?: \| \w+)*)", line)
+        if guarded is not None:
             part, was = 2, part
-            for guard in line[1:-1].split(" && "):
+            answers = tuple(guarded[2].split(" | "))
+            for guard in guarded[1].split(" && "):
                 (unless if guard.startswith("!") else conditions).append(guard.lstrip("!"))
         elif line.startswith("/ "):
             part, was = 3, part
@@ -191,7 +196,7 @@ def read_edge(tail: str, head: str, attrs: dict[str, str]) -> tuple[DrawnEdge, b
         assert was <= part and (part == 1 or was < part), (first, rest)
     order = int(match[3]) if match[3] else None
     return DrawnEdge(tail, head, match[2], order, tuple(conditions), tuple(unless),
-                     actions, tuple(calls)), bool(match[1])
+                     actions, tuple(calls), answers), bool(match[1])
 
 
 def drawn_edges(graph: DotGraph) -> list[tuple[DrawnEdge, bool, dict[str, str]]]:
@@ -251,8 +256,13 @@ def declared_table(declaration: Declaration[Any, Any]) -> list[DrawnEdge]:
     for source, dest, event, conditions, unless, actions in rows:
         seen[source, event] += 1
         order = seen[source, event] if tried[source, event] > 1 else None
+        answers = tuple(a.name for a in sorted(  # an Enum's members, in its order
+            (a for a in declaration.answers[event]
+             if all(a in declaration.guards[g] for g in conditions)
+             and not any(a in declaration.guards[g] for g in unless)),
+            key=lambda a: list(type(a)).index(a))) if conditions or unless else ()
         table.append(DrawnEdge(source, dest, event, order, conditions, unless, actions,
-                               calls.get(event, ())))
+                               calls.get(event, ()), answers))
     return table
 
 
@@ -507,16 +517,16 @@ def test_guards_with_unless_and_several_actions_are_spelled_out() -> None:
     graph = parse_dot(to_dot(door()))
     labels = {(tail, head): label_lines(attrs["label"]) for tail, head, attrs in graph.edges
               if attrs.get("label")}
-    assert labels["CLOSED", "OPEN"] == ["push #1", "[gentle && !hard]"]
-    assert labels["JAMMED", "FORCED"] == ["push #1", "[hard]", "/ note_jam, call_smith"]
-    assert labels["LOCKED", "CLOSED"] == ["push #1", "[!nothing]"]
+    assert labels["CLOSED", "OPEN"] == ["push #1", "[gentle && !hard] GENTLE"]
+    assert labels["JAMMED", "FORCED"] == ["push #1", "[hard] HARD", "/ note_jam, call_smith"]
+    assert labels["LOCKED", "CLOSED"] == ["push #1", "[!nothing] GENTLE | HARD"]
 
 
 def test_the_legend_explains_every_kind_of_edge_drawn() -> None:
     legend = " ".join(label_lines(parse_dot(to_dot(TRANSFER_MACHINE)).graph["label"]))
     for words in ("where a record starts", "final state", "failure state", "success path",
                   "failure paths", "retry", "order guards are tried", "event #n",
-                  "[guards] / actions"):
+                  "[guards] answers / actions", "what its guards accept"):
         assert words in legend
 
 
@@ -548,9 +558,9 @@ def test_calls_are_wrapped_after_a_comma_and_a_lone_name_is_one_call() -> None:
               for tail, head, attrs in graph.edges if attrs.get("label")}
     assert labels["SUBMITTED", "PROCESSING", "post #1"] == [
         "post #1", "register_memory(), prep_xfer_dlist(),", "make_prepped_xfer(), transfer()",
-        "[running]"]
+        "[running] PROC"]
     assert labels["PROCESSING", "DONE", "poll #2"] == [
-        "poll #2", "check_xfer_state()", "[finished]", "/ latch_success"]
+        "poll #2", "check_xfer_state()", "[finished] DONE", "/ latch_success"]
 
 
 @pytest.mark.parametrize(("calls", "message"), [
@@ -809,6 +819,22 @@ def test_the_check_fails_naming_the_machine_whose_dot_is_stale(
     assert f"machine 'transfer': {stale} differs from the declaration" in err
     assert "-" in err and "latch_nothing" in err  # the diff shows what drifted
     assert f"run `kvfsm diagrams --out {tmp_path}`" in err
+
+
+def test_the_check_fails_when_a_guard_takes_other_answers_under_its_old_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Swapping what two guards accept sends a running transfer to DONE (and a finished one
+    round again) with every guard and edge named as before: the drawing says the answers."""
+    swapped = TRANSFER_MACHINE.extend(
+        "transfer", guards={"running": [Answer.DONE], "finished": [Answer.PROC]})
+    problems = check([swapped], COMMITTED)
+    assert [str(p).splitlines()[0] for p in problems] == [
+        f"machine 'transfer': {COMMITTED / 'transfer.dot'} differs from the declaration",
+        f"machine 'transfer': {COMMITTED / 'transfer.svg'} was not rendered from the "
+        "declaration's current DOT"]
+    assert "[running] DONE" in str(problems[0]) and "[running] PROC" in str(problems[0])
+    assert check([TRANSFER_MACHINE], COMMITTED) == []
 
 
 def test_the_check_fails_naming_the_machine_whose_files_are_missing(
