@@ -68,7 +68,8 @@ def test_the_modules_the_reference_covers_are_all_of_kvfsm_but_its_private_ones(
     assert "kvfsm.__main__" not in MODULES, "running it would run the command"
 
 
-def test_make_docs_builds_the_reference_of_every_module_without_a_warning(
+@pytest.mark.timeout(150)  # pdoc imports every module, vLLM's too: ~20 s alone, over 60 s
+def test_make_docs_builds_the_reference_of_every_module_without_a_warning(  # on a busy machine
         tmp_path: Path) -> None:
     """The Makefile's own command (``make -n docs`` prints it), run into a directory of the
     test's: pdoc's warnings are errors, and stderr stays empty."""
