@@ -81,6 +81,11 @@ BROKEN = {
         variant("fail_without_a_reason", {
             (S.PROCESSING, "poll", "errored"): {"after": []}}),
         Invariant.REASON),
+    "release_what_it_gave_up_on": (  # past the running bound, a transfer NIXL still runs
+        # is failed instead of quarantined: its handle is then released under NIXL
+        variant("release_what_it_gave_up_on", {
+            (S.PROCESSING, "poll", "exhausted"): {"dest": S.FAILED, "after": "latch_failure"}}),
+        Invariant.RELEASE_WHEN_OVER),
     "skip_the_cleanup": (  # every released transfer leaves its descriptors registered
         variant("skip_the_cleanup", {
             (S.DONE, "release", "released"): {"dest": S.CLEANED},
@@ -128,6 +133,24 @@ def test_a_bad_path_is_refused_by_name() -> None:
         parse_path("release_xfer_handle:raise@1")
     with pytest.raises(ValueError, match="names its call number"):
         parse_path("mode=1;release_xfer_handle:raise")
+    for late in ("release_xfer_handle:late@1", "check_xfer_state:late@0"):
+        with pytest.raises(ValueError, match="late applies to check_xfer_state@N, N from 1"):
+            parse_path(f"mode=1;{late}")
+
+
+def test_a_transfer_still_running_past_the_bound_is_given_up_and_its_handle_kept() -> None:
+    """``late``: after the first state check the clock has passed ``max_running_seconds``, so
+    the next poll gives up the transfer NIXL still runs. It is published as a failure that
+    says so, its handle never released while NIXL runs it, and every path holds the
+    invariants with it."""
+    path = parse_path("mode=1;check_xfer_state:raise@2,check_xfer_state:late@1")
+    assert str(path) == "mode=1;check_xfer_state:raise@2,check_xfer_state:late@1"
+    for parent in (False, True):
+        _, violations, taken = replay(path, parent=parent)
+        assert violations == [], violations
+        assert taken["PROCESSING -poll[exhausted]-> QUARANTINED"] >= 1
+    found = explore(max_faults=1, stop_at_first=False)
+    assert found.ok, found.report()
 
 def test_through_the_parent_every_pin_returns_to_zero_on_every_path() -> None:
     found = explore(parent=True, max_faults=2, stop_at_first=False)

@@ -2,7 +2,9 @@
 
 A *path* is one run of a scenario (a few stores and a load in flight together, polled to the
 end) on :class:`~kvfsm.testing.FakeNixlAgent`, with a set of faults injected into numbered calls:
-a call that raises, a status call that answers "ERR", or one that answers "PROC" k more times.
+a call that raises, a status call that answers "ERR", or one that answers "PROC" k more times;
+and a state check after which the tier's clock has passed its running bound
+(``max_running_seconds``), so that every transfer NIXL still runs is given up (``late``).
 The explorer runs the scenario with no fault, then with every single fault at every call that
 run made, then every pair, and so on up to a bound, in order of the number of faults (so the
 first violation found is a shortest one). The real tier and driver run every path, with the
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
+import re
 import shlex
 import sys
 import time
@@ -63,6 +66,7 @@ __all__ = [
     "Choice",
     "Exploration",
     "Invariant",
+    "Late",
     "Path",
     "Violation",
     "explore",
@@ -95,15 +99,24 @@ class Invariant(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Late:
+    """A state check answers "PROC", and by the next poll the tier's clock has passed its
+    running bound (``max_running_seconds``): every transfer NIXL still runs is then given up
+    (EXHAUSTED on its state check), as a tier gives up a transfer stuck for that long. Written
+    ``check_xfer_state:late@N`` in a path."""
+
+
+@dataclass(frozen=True, slots=True)
 class Choice:
     """One injected fault: the ``occurrence``-th call of ``call`` answers ``fault``."""
 
     call: str
     occurrence: int
-    fault: Fault
+    fault: Fault | Late
 
     def __str__(self) -> str:
-        return f"{self.call}:{fault_kind(self.fault)}@{self.occurrence}"
+        kind = "late" if isinstance(self.fault, Late) else fault_kind(self.fault)
+        return f"{self.call}:{kind}@{self.occurrence}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +199,12 @@ class _WatchedAgent(FakeNixlAgent):
         self.current: int | None = None  # the job being submitted
         self.violations: list[Violation] = []
         self._by_handle: dict[int, int] = {}
+        #: the state checks (by number) after which the clock passes the running bound
+        self.late: set[int] = set()
+        #: the clock passed the running bound: a job NIXL still runs may be given up
+        self.bound_passed = False
+        self.tier: SecondaryTier | None = None
+        self._checks = 0
 
     def job_of(self, handle: Any) -> _Job | None:
         job_id = self._by_handle.get(id(handle))
@@ -252,6 +271,10 @@ class _WatchedAgent(FakeNixlAgent):
         return self._status(handle, lambda: super(_WatchedAgent, self).transfer(handle, notif_msg))
 
     def check_xfer_state(self, handle: Any) -> str:
+        self._checks += 1
+        if self._checks in self.late and self.tier is not None:
+            _pass_running_bound(self.tier)
+            self.bound_passed = True
         return self._status(handle, lambda: super(_WatchedAgent, self).check_xfer_state(handle))
 
     def _status(self, handle: Any, call: Callable[[], str]) -> str:
@@ -319,6 +342,7 @@ def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
     cache = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
     tier = ObjectStoreTier(cache, agent=agent, machine=machine, probe_agent=_NoProbes(),
                            policy=_POLICY, steps=watched)
+    agent.tier = tier
     tier.on_published.append(lambda transfer: _final(agent, transfer, machine))
     violations = agent.violations
 
@@ -355,8 +379,19 @@ def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
     return list(agent.calls), violations, tier
 
 
-#: a finite retry bound, so that paths reach QUARANTINED too
-_POLICY = RetryPolicy(max_attempts=2, max_seconds=None)
+#: a running bound no path reaches but through a ``late`` check
+_RUNNING_BOUND = 3600.0
+#: a finite retry bound, so that paths reach QUARANTINED too; and a running bound
+_POLICY = RetryPolicy(max_attempts=2, max_seconds=None, max_running_seconds=_RUNNING_BOUND)
+
+
+def _pass_running_bound(tier: SecondaryTier) -> None:
+    """The tier's clock passes its running bound for every transfer submitted so far: each
+    started as long before as the bound (the order it keeps them in stays as it was)."""
+    runner = tier._runner
+    started = {id(t): t for t in (*runner.records.values(), *(runner._by_start or ()))}
+    for transfer in started.values():
+        transfer.started_at -= _RUNNING_BOUND
 
 
 def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
@@ -368,7 +403,10 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
     failing = failure_answers(machine)
     armed = {(c.call, c.occurrence) for c in path.choices if c.call in steps}
     for choice in path.choices:
-        if choice.call not in steps:
+        if isinstance(choice.fault, Late):  # a check that answers PROC, then the bound
+            agent.late.add(choice.occurrence)
+            agent.inject(choice.call, StayProc(1), at=choice.occurrence)
+        elif choice.call not in steps:
             agent.inject(choice.call, choice.fault, at=choice.occurrence)
     counts = dict.fromkeys(steps, 0)
 
@@ -428,8 +466,10 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
     if len(job.results) > 1:
         violations.append(Violation(Invariant.ONE_RESULT, result.job_id,
                                     f"{len(job.results)} results"))
-    quarantined_over = job.held and job.status not in {None, "PROC"}
-    if job.xfers and not job.released and not quarantined_over:
+    # quarantined, its handle is held for good: once NIXL said the transfer is over, or, past
+    # the running bound, while NIXL may still run it (the bound's give-up)
+    quarantined = job.held and (job.status not in {None, "PROC"} or agent.bound_passed)
+    if job.xfers and not job.released and not quarantined:
         violations.append(Violation(Invariant.RELEASE_BEFORE_PUBLISH, result.job_id,
                                     "its transfer handle was still held"))
     expected = (bool(job.outcome) and not job.cancelled_running and not job.held
@@ -480,6 +520,7 @@ def _run_with_parent(path: Path, machine: Declaration[Any, Any], max_polls: int,
     primary = CPUPrimaryTier(4, 8, torch.float32)
     tier = _WatchedTier(primary.cache, agent=agent, machine=machine, probe_agent=_NoProbes(),
                         policy=_POLICY, steps=watched)
+    agent.tier = tier
     tier.on_published.append(lambda transfer: _final(agent, transfer, machine))
     violations = agent.violations
     manager = TieringManager(primary, [tier])
@@ -582,9 +623,10 @@ def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
 _CONSTRUCTION_CALLS = 2
 
 
-def _alternatives(call: str, max_stall: int) -> list[Fault]:
+def _alternatives(call: str, max_stall: int) -> list[Fault | Late]:
     if call in STATUS_CALLS:
-        return [Raise(), ReturnErr(), *(StayProc(k) for k in range(1, max_stall + 1))]
+        late: list[Fault | Late] = [Late()] if call == "check_xfer_state" else []
+        return [Raise(), ReturnErr(), *(StayProc(k) for k in range(1, max_stall + 1)), *late]
     return [Raise()]
 
 
@@ -728,10 +770,18 @@ def parse_path(text: str) -> Path:
     if not mode.startswith("mode=") or not mode[5:].isdigit():
         raise ValueError(f"a path starts with mode=N; got {text!r}")
     choices = []
-    for fault in parse_fault_spec(spec):
-        if fault.at is None or fault.times != 1:
-            raise ValueError(f"each fault of a path names its call number: {fault.call}@N")
-        choices.append(Choice(fault.call, fault.at, fault.fault))
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        late = re.fullmatch(r"(\w+):late@(\d+)", item)
+        if late is not None:
+            if late[1] != "check_xfer_state" or int(late[2]) == 0:
+                raise ValueError(f"bad fault {item!r}: late applies to check_xfer_state@N, "
+                                 "N from 1")
+            choices.append(Choice(late[1], int(late[2]), Late()))
+            continue
+        for fault in parse_fault_spec(item):
+            if fault.at is None or fault.times != 1:
+                raise ValueError(f"each fault of a path names its call number: {fault.call}@N")
+            choices.append(Choice(fault.call, fault.at, fault.fault))
     return Path(int(mode[5:]), tuple(choices))
 
 
