@@ -474,16 +474,18 @@ def _accepted(declaration: Declaration[Any, Any], edge: Edge) -> set[Any]:
             and not any(answer in declaration.guards[g] for g in edge.unless)}
 
 
-def _answer_order(answer: Any) -> tuple[int, str]:
-    """An answer's place: an Enum member's in its Enum (answers are members of one Enum),
-    else its text's."""
-    if isinstance(answer, enum.Enum):
-        return list(type(answer)).index(answer), ""
-    return 0, str(answer)
+def _answer_order(answer: Any) -> tuple[str, str, int, str]:
+    """An answer's place, the same in every run: by its type, then an Enum member's place in
+    its Enum (a Flag's combined member after its own), then its name."""
+    kind = type(answer)
+    members = list(kind.__members__.values()) if isinstance(answer, enum.Enum) else []
+    place = members.index(answer) if answer in members else len(members)
+    return kind.__module__, kind.__qualname__, place, _answer_name(answer)
 
 
 def _answer_name(answer: Any) -> str:
-    return answer.name if isinstance(answer, enum.Enum) else str(answer)
+    name = answer.name if isinstance(answer, enum.Enum) else None
+    return str(answer) if name is None else name
 
 
 def _call_lines(calls: Sequence[str]) -> list[str]:

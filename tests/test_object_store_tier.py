@@ -545,6 +545,16 @@ def test_a_subclass_that_names_its_objects_is_obeyed_by_transfers_and_lookups(
     assert sorted(agent.objects) == [f"a/{first.name_prefix}k", "c/k"]
     third.shutdown()
 
+    fourth = ObjectStoreTier(primary, agent=agent)  # remote_name, on the instance
+    fourth.remote_name = lambda key: f"d/{key}"  # type: ignore[method-assign]
+    fourth.submit_store(TransferJob(4, ["k"], [1]))
+    assert [r.success for r in results_until_idle(fourth)] == [True]
+    assert "d/k" in agent.objects, sorted(agent.objects)
+    fourth.shutdown()
+    for size_folder in (None, 0, "no"):
+        with pytest.raises(ValueError, match="size_folder must be True or False"):
+            ObjectStoreTier(primary, agent=agent, size_folder=size_folder)  # type: ignore[arg-type]
+
 
 def verdict_once_probed(tier: ObjectStoreTier, key: str) -> Lookup:
     """The lookup's answer once its probe is over (RETRY until then), within 10 s."""

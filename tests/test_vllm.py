@@ -669,6 +669,16 @@ def test_a_bad_setting_is_refused_with_an_error_naming_it(
     assert list(tmp_path.iterdir()) == []  # no tier was made: nothing in its directory
 
 
+def test_the_object_tiers_names_are_the_adapters_own_to_choose(
+    s3_server: S3Server, engines: Callable[..., Engine]  # noqa: F811
+) -> None:
+    """The adapter's folder covers the chunk's size, so it keeps no size folder under it, and
+    neither that nor the key prefix is a setting (the folder is what keeps models apart)."""
+    for setting in ("size_folder", "key_prefix"):
+        with pytest.raises(ValueError, match=f"ObjectStoreTier: unknown setting\\(s\\) {setting};"):
+            engines(object_entry(s3_server, **{setting: "x"}))
+
+
 def test_an_interrupt_once_the_tier_took_a_job_loses_no_result() -> None:
     """A KeyboardInterrupt landing right after NIXL's transfer() returned propagates out of
     submit_store, with the job in flight in the tier (as the tier documents). The adapter used

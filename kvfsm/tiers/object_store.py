@@ -570,7 +570,8 @@ class ObjectStoreTier(SecondaryTier):
     def _remote_names(self, keys: Sequence[Any]) -> tuple[str, ...]:
         cls = type(self)
         if (cls.object_key is not _OBJECT_KEY or cls.remote_name is not _REMOTE_NAME
-                or "object_key" in self.__dict__):  # other names: a subclass's, an instance's
+                or "object_key" in self.__dict__ or "remote_name" in self.__dict__):
+            # other names: a subclass's, an instance's
             return super()._remote_names(keys)
         prefix = self.name_prefix  # a plain str key is its own text: no call for it
         return tuple([prefix + key if type(key) is str and _plain(key) is not None
