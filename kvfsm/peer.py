@@ -162,6 +162,18 @@ def notification_for(nonce: str, job_id: int, blocks: Sequence[int]) -> bytes:
     return f"kvfsm-job:{nonce}:{job_id}:{','.join(map(str, blocks))}".encode()
 
 
+def _says_link_is_there(link: PeerLink, messages: Sequence[Any]) -> bool:
+    """Whether ``messages``, delivered under the link's sender name, say its sender is there:
+    one of them is a job notification of the link's nonce, or no kvfsm job notification at
+    all. Job notifications of another nonce only are a new process's of the same name (NIXL
+    names a sender by agent name only), which says nothing of the link's own."""
+    for message in messages:
+        found = _JOB_NOTIFICATION.match(bytes(message))
+        if found is None or found.group(1).decode() == link.nonce:
+            return True
+    return False
+
+
 def _parse_sender_metadata(metadata: object) -> tuple[str, bytes]:
     """The nonce and the agent metadata in what :meth:`PeerSender.metadata` made."""
     if not isinstance(metadata, bytes | bytearray | memoryview):
@@ -423,7 +435,7 @@ class PeerReceiver(JobSide):
         for sender, messages in arrived.items():
             name = _peer_name(sender)
             link = self.links.get(name)
-            if link is not None:
+            if link is not None and _says_link_is_there(link, messages):
                 link.quiet_since = now  # heard from: it is there
             for message in messages:
                 self._take(name, bytes(message))

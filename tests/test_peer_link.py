@@ -13,7 +13,7 @@ from kvfsm import JobResult, TransferJob
 from kvfsm.cli import main
 from kvfsm.machines.peer_link import LINK_LOST_BY
 from kvfsm.nixl_agents import make_agent
-from kvfsm.peer import PeerReceiver, PeerSender, ReceiveState
+from kvfsm.peer import PeerReceiver, PeerSender, ReceiveState, notification_for
 from kvfsm.peer_link import (
     DISCONNECTED,
     PEER_LINK,
@@ -188,6 +188,28 @@ def test_a_sender_heard_from_or_owing_nothing_is_not_probed() -> None:
         agent.inbox = {"engine-a": [b"another job's notification"]}
         receiver.get_finished_jobs()
     assert agent.sent == [], "heard from within every peer_timeout"
+
+
+def test_a_new_process_of_the_same_name_does_not_keep_the_dead_senders_link_alive() -> None:
+    """NIXL names a notification's sender by agent name only. A new process under a dead
+    sender's name writes before the receiver links it: its notifications carry its own nonce,
+    and used to restart the dead link's clock on every one, so the jobs the dead sender owed
+    were never probed for while the new process was busy."""
+    agent = NotifyingAgent()
+    receiver = receiver_on(agent, peer_timeout=0.05)
+    receiver.connect(sender_metadata())
+    expect(receiver, 1)
+    agent.gone.add("engine-a")  # the process that owes job 1 ends...
+    new_nonce = "f" * 32  # ...and a new one of its name writes, under a link of its own
+    for _ in range(6):
+        time.sleep(0.03)
+        agent.inbox = {"engine-a": [notification_for(new_nonce, 7, [3])]}
+        receiver.get_finished_jobs()
+        if receiver.state_of(1) is None:
+            break
+    assert receiver.link_state("engine-a") is LinkState.CLOSED, "the dead link was probed"
+    assert link_of(receiver).error == f"nixlRemoteDisconnectError: {DISCONNECTED}"
+    assert receiver.stats()["unknown"] >= 1, "the new process's notifications are kept"
 
 
 def test_a_probe_that_fails_another_way_keeps_the_sender_and_its_jobs() -> None:

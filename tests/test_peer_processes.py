@@ -190,3 +190,35 @@ def test_a_new_sender_process_of_the_same_name_never_completes_a_job_with_the_ol
     assert new.ask(do="results", count=1, within=5)["results"] == [[1, True]]
     assert receiver.ask(do="results", count=1, within=5, link=[sender_name])["results"] == [
         [1, True]]
+
+
+def test_a_dead_senders_jobs_fail_while_a_new_process_of_its_name_keeps_writing(
+    engines: list[Engine],
+) -> None:
+    """A new process of the sender's name writes to the receiver, which has not linked it, a
+    notification every ~0.1 s, each carrying the new process's own nonce. The old sender is
+    killed meanwhile: the new process's notifications no longer keep the dead sender's link
+    from being probed (peer_timeout 0.2 s), so the job the dead one owed fails while the new
+    one goes on writing."""
+    receiver, old, new = Engine("receiver", "0.2"), Engine("sender"), Engine("sender")
+    engines += [receiver, old, new]  # both senders are agents called "engine-sender"
+    _, sender_name = connect(old, receiver)
+    receiver.ask(do="expect", job=2, keys=["6"], blocks=[6], sender=sender_name)
+    assert new.hello["metadata"]  # (up)
+    assert new.ask(do="connect", metadata=receiver.hello["metadata"],
+                   blocks=receiver.hello["blocks"])["connected"]  # (the new one links itself)
+    lost: dict[str, Any] = {}
+    deadline = time.monotonic() + 10
+    writes = 0
+    while not lost.get("results") and time.monotonic() < deadline:
+        writes += 1
+        if writes == 3:
+            old.kill()  # with the new process's writes under way
+        job = 100 + writes
+        assert new.ask(do="submit", job=job, keys=["7"], blocks=[0]) == {"submitted": job}
+        assert new.ask(do="results", count=1, within=5)["results"] == [[job, True]]
+        lost = receiver.ask(do="results", count=1, within=0.05, link=[sender_name])
+        assert writes >= 3 or lost == {"results": [], "link": "CONNECTED"}, "alive: kept"
+    assert lost == {"results": [[2, False]], "link": "CLOSED"}, f"after {writes} writes"
+    assert receiver.ask(do="exit")["pending"] is False
+    assert receiver.process.wait(10) == 0, receiver.stderr()
