@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import InvalidJobError, Lookup, ObjectStoreTier, TierClosedError
 
 from .conftest import NUM_BLOCKS, assert_nothing_held_but_recorded_leaks
+from .test_capacity import wait_for_verdict
 
 
 def store(job_id: int, *blocks: int) -> TransferJob:
@@ -556,16 +556,6 @@ def test_a_subclass_that_names_its_objects_is_obeyed_by_transfers_and_lookups(
             ObjectStoreTier(primary, agent=agent, size_folder=size_folder)  # type: ignore[arg-type]
 
 
-def verdict_once_probed(tier: ObjectStoreTier, key: str) -> Lookup:
-    """The lookup's answer once its probe is over (RETRY until then), within 10 s."""
-    verdict = tier.lookup(key)
-    deadline = time.monotonic() + 10
-    while verdict is Lookup.RETRY and time.monotonic() < deadline:
-        time.sleep(0.01)
-        verdict = tier.lookup(key)
-    return verdict
-
-
 @pytest.mark.timeout(30)
 def test_a_tier_of_another_block_size_on_the_same_prefix_neither_finds_nor_loads_its_blocks(
     primary: torch.Tensor, agent: FakeNixlAgent
@@ -593,7 +583,7 @@ def test_a_tier_of_another_block_size_on_the_same_prefix_neither_finds_nor_loads
         assert [r.success for r in results_until_idle(small)] == [True]
         assert agent.objects == {"kv/256-bytes/k": primary[1].numpy().tobytes()}
 
-        assert verdict_once_probed(large, "k") is Lookup.MISS
+        assert wait_for_verdict(large, "k") is Lookup.MISS
         before = wide.clone()
         large.submit_load(TransferJob(2, ["k"], [2], is_promotion=True))
         assert [r.success for r in results_until_idle(large)] == [False]
@@ -616,7 +606,7 @@ def test_a_tier_of_another_block_size_on_the_same_prefix_neither_finds_nor_loads
         assert [r.success for r in results_until_idle(small)] == [True]
         assert agent.objects == {"kv/k": primary[1].numpy().tobytes()}
 
-        assert verdict_once_probed(large, "k") is Lookup.HIT, "the other size's object"
+        assert wait_for_verdict(large, "k") is Lookup.HIT, "the other size's object"
         before = wide.clone()
         large.submit_load(TransferJob(6, ["k"], [2], is_promotion=True))
         assert [r.success for r in results_until_idle(large)] == [True]
