@@ -241,7 +241,8 @@ class PeerReceiver(JobSide):
     Args:
         primary: the receiver's KV cache (contiguous CPU tensor, blocks on the first dimension).
         agent: a NIXL agent with the UCX backend.
-        peer_timeout: seconds a sender that owes jobs may stay silent (no notification) before
+        peer_timeout: seconds a sender that owes jobs may stay silent (no notification under
+            its name but job notifications of another link's nonce, a new process's) before
             it is probed, and between probes while it stays silent; None: never probe (a
             sender is then only found gone by :meth:`forget_peer`). A probe never fails a job
             by itself: only NIXL answering that the sender is gone does (module docstring).

@@ -133,7 +133,8 @@ def test_a_bad_path_is_refused_by_name() -> None:
         parse_path("release_xfer_handle:raise@1")
     with pytest.raises(ValueError, match="names its call number"):
         parse_path("mode=1;release_xfer_handle:raise")
-    for late in ("release_xfer_handle:late@1", "check_xfer_state:late@0"):
+    for late in ("release_xfer_handle:late@1", "check_xfer_state:late@0",
+                 "check_xfer_state:late", "check_xfer_state:late@1*2"):
         with pytest.raises(ValueError, match="late applies to check_xfer_state@N, N from 1"):
             parse_path(f"mode=1;{late}")
 
@@ -151,6 +152,31 @@ def test_a_transfer_still_running_past_the_bound_is_given_up_and_its_handle_kept
         assert taken["PROCESSING -poll[exhausted]-> QUARANTINED"] >= 1
     found = explore(max_faults=1, stop_at_first=False)
     assert found.ok, found.report()
+
+
+def test_a_transfer_given_up_before_its_own_bound_passed_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier that, once it gave one transfer up, gives up every transfer NIXL still runs,
+    those submitted after the clock passed the bound too: a job published while NIXL may still
+    write its blocks, before its bound. Only jobs submitted before a ``late`` check are past it."""
+    from kvfsm.runner import Runner  # noqa: PLC0415
+
+    overdue = Runner.overdue
+
+    def gives_up_too_many(self: Runner) -> list[Any]:
+        moved = overdue(self)
+        if self.may_run:
+            for transfer in list(self.records.values()):
+                if transfer.state in self.running_states and transfer.job_id not in self.may_run:
+                    self.give_up(transfer, "not past its bound")
+        return moved
+
+    monkeypatch.setattr(Runner, "overdue", gives_up_too_many)
+    _, violations, _ = replay(parse_path("mode=1;check_xfer_state:late@2,"
+                                         "check_xfer_state:proc=1@4"))
+    assert [(v.invariant, v.job_id) for v in violations] == [(Invariant.RELEASE_BEFORE_PUBLISH, 2)]
+    found = explore(max_faults=2)
+    assert Invariant.RELEASE_BEFORE_PUBLISH in {v.invariant for v in found.violations}
 
 def test_through_the_parent_every_pin_returns_to_zero_on_every_path() -> None:
     found = explore(parent=True, max_faults=2, stop_at_first=False)

@@ -172,6 +172,9 @@ class _Job:
     held: bool = False
     #: a step of the machine's own raised or gave a failure answer: the job must fail
     step_failed: bool = False
+    #: submitted before a ``late`` check: past the running bound, NIXL may still run it when
+    #: it is given up
+    past_bound: bool = False
 
     @property
     def status(self) -> str | None:
@@ -201,8 +204,6 @@ class _WatchedAgent(FakeNixlAgent):
         self._by_handle: dict[int, int] = {}
         #: the state checks (by number) after which the clock passes the running bound
         self.late: set[int] = set()
-        #: the clock passed the running bound: a job NIXL still runs may be given up
-        self.bound_passed = False
         self.tier: SecondaryTier | None = None
         self._checks = 0
 
@@ -274,7 +275,8 @@ class _WatchedAgent(FakeNixlAgent):
         self._checks += 1
         if self._checks in self.late and self.tier is not None:
             _pass_running_bound(self.tier)
-            self.bound_passed = True
+            for job in self.jobs.values():  # those submitted so far, not those to come
+                job.past_bound = True
         return self._status(handle, lambda: super(_WatchedAgent, self).check_xfer_state(handle))
 
     def _status(self, handle: Any, call: Callable[[], str]) -> str:
@@ -468,7 +470,7 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
                                     f"{len(job.results)} results"))
     # quarantined, its handle is held for good: once NIXL said the transfer is over, or, past
     # the running bound, while NIXL may still run it (the bound's give-up)
-    quarantined = job.held and (job.status not in {None, "PROC"} or agent.bound_passed)
+    quarantined = job.held and (job.status not in {None, "PROC"} or job.past_bound)
     if job.xfers and not job.released and not quarantined:
         violations.append(Violation(Invariant.RELEASE_BEFORE_PUBLISH, result.job_id,
                                     "its transfer handle was still held"))
@@ -771,9 +773,9 @@ def parse_path(text: str) -> Path:
         raise ValueError(f"a path starts with mode=N; got {text!r}")
     choices = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
-        late = re.fullmatch(r"(\w+):late@(\d+)", item)
-        if late is not None:
-            if late[1] != "check_xfer_state" or int(late[2]) == 0:
+        if re.match(r"\w+:late\b", item):
+            late = re.fullmatch(r"(\w+):late@(\d+)", item)
+            if late is None or late[1] != "check_xfer_state" or int(late[2]) == 0:
                 raise ValueError(f"bad fault {item!r}: late applies to check_xfer_state@N, "
                                  "N from 1")
             choices.append(Choice(late[1], int(late[2]), Late()))
