@@ -989,6 +989,22 @@ def check_agent(agent: object) -> None:
                          f"{agent!r}, which has no {', '.join(missing)}")
 
 
+def check_tier_options(primary: object, *, agent: object,
+                       machine: Declaration[Any, Any] | None,
+                       steps: Mapping[str, StepFunction] | None, policy: RetryPolicy | None,
+                       in_flight: object, capacity_bytes: object, record_events: object,
+                       ) -> None:
+    """What a tier's constructor refuses before it makes anything (an agent, a root, a
+    thread): a machine the tier cannot run, then its other arguments, each by name."""
+    check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
+    check_in_flight(in_flight)
+    _check_primary(primary)
+    check_capacity_options(capacity_bytes, int(primary[0].nbytes),  # type: ignore[index]
+                           record_events)
+    if agent is not None:
+        check_agent(agent)
+
+
 def check_in_flight(in_flight: object) -> None:
     """Refuse an ``in_flight=`` that is not an :class:`~kvfsm.policy.InFlightLimit` or None
     (a subclass calls it before it makes any agent)."""

@@ -82,18 +82,14 @@ import torch
 
 from kvfsm.agent import NixlAgent
 from kvfsm.contract import check_interval
-from kvfsm.driver import StepFunction, StorageSide, check_runnable
+from kvfsm.driver import StepFunction, StorageSide
 from kvfsm.engine import Declaration
-from kvfsm.machines.transfer import TRANSFER_MACHINE
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.tiers.base import (
     InvalidJobError,
     Lookup,
     SecondaryTier,
-    _check_primary,
-    check_agent,
-    check_capacity_options,
-    check_in_flight,
+    check_tier_options,
     key_text,
 )
 from kvfsm.transfer import Leak, Transfer, TransferJob
@@ -573,17 +569,13 @@ class FileTier(SecondaryTier):
         record_events: bool = False,
         in_flight: InFlightLimit | None = None,
     ) -> None:
-        # a machine the tier cannot run is refused before any agent is made
-        check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
-        check_in_flight(in_flight)
-        # the rest of what can be refused, before the root is made
-        _check_primary(primary)
+        # everything that can be refused, before the root is made
+        check_tier_options(primary, agent=agent, machine=machine, steps=steps, policy=policy,
+                           in_flight=in_flight, capacity_bytes=capacity_bytes,
+                           record_events=record_events)
         check_interval("poll_interval", poll_interval)
-        check_capacity_options(capacity_bytes, int(primary[0].nbytes), record_events)
         if type(durable) is not bool:  # ("false" from a configuration file is no False)
             raise ValueError(f"durable must be True or False, got {durable!r}")
-        if agent is not None:
-            check_agent(agent)
         if not isinstance(root, str | os.PathLike) or not os.fspath(root):
             raise ValueError(f"root must be a directory's path, got {root!r}")
         self.root = Path(root)
@@ -601,7 +593,6 @@ class FileTier(SecondaryTier):
                 from kvfsm.nixl_agents import make_agent  # noqa: PLC0415 - NIXL is optional
 
                 agent = make_agent(f"kvfsm-file-{id(self):x}", "POSIX")
-            _check_primary(primary)
             files = _Files(self.directory, int(primary[0].nbytes), self._writer, durable,
                            self._flusher)
             super().__init__(primary, agent=agent, remote=files,

@@ -15,19 +15,15 @@ import torch
 
 from kvfsm.agent import NixlAgent
 from kvfsm.contract import check_interval, check_timeout
-from kvfsm.driver import StepFunction, StorageSide, check_runnable
+from kvfsm.driver import StepFunction, StorageSide
 from kvfsm.engine import Declaration
-from kvfsm.machines.transfer import TRANSFER_MACHINE
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.tiers.base import (
     KnownNames,
     Lookup,
     RemovalInFlightError,
     SecondaryTier,
-    _check_primary,
-    check_agent,
-    check_capacity_options,
-    check_in_flight,
+    check_tier_options,
     key_text,
     logger,
 )
@@ -495,13 +491,9 @@ class ObjectStoreTier(SecondaryTier):
         remove: Callable[[list[str]], int | None] | None = None,
         in_flight: InFlightLimit | None = None,
     ) -> None:
-        # a machine the tier cannot run is refused before any agent is made
-        check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
-        check_in_flight(in_flight)
-        _check_primary(primary)
-        check_capacity_options(capacity_bytes, int(primary[0].nbytes), record_events)
-        if agent is not None:
-            check_agent(agent)
+        check_tier_options(primary, agent=agent, machine=machine, steps=steps, policy=policy,
+                           in_flight=in_flight, capacity_bytes=capacity_bytes,
+                           record_events=record_events)
         if probe_agent is not None and not callable(getattr(probe_agent, "query_memory", None)):
             raise ValueError(f"probe_agent must be a NIXL agent with the OBJ backend (it asks "
                              f"query_memory), got {type(probe_agent).__name__} {probe_agent!r}")
