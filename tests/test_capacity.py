@@ -189,6 +189,42 @@ def test_a_removal_that_fails_is_counted_and_the_block_forgotten(
         tier.shutdown(timeout=5)
 
 
+@pytest.mark.timeout(30)
+def test_a_removal_that_ends_its_thread_neither_hangs_a_wait_nor_stops_later_removals(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """A ``remove=`` that raises SystemExit (a client library calling ``sys.exit``) ends the
+    thread that sends the deletes. What it carried is counted as not deleted, a wait for the
+    removals returns within its timeout, and the next eviction's delete is sent on a new
+    thread."""
+    calls: list[list[str]] = []
+
+    def remove(names: list[str]) -> int:
+        calls.append(list(names))
+        if len(calls) == 1:
+            raise SystemExit("the client gave up")
+        agent.remove_objects(names)
+        return 0
+
+    quiet, threading.excepthook = threading.excepthook, lambda args: None
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=remove)
+    try:
+        tier.submit_store(store(1, ("a", 0)))
+        settle(tier)
+        tier.submit_store(store(2, ("b", 1)))  # evicts a: its delete ends the thread
+        assert [r.success for r in settle(tier)] == [True]
+        assert calls == [object_names(tier, "a")]
+        tier.submit_store(store(3, ("c", 2)))  # evicts b: sent on a new thread
+        assert [r.success for r in settle(tier)] == [True]
+        assert calls == [object_names(tier, "a"), object_names(tier, "b")]
+        assert sorted(agent.objects) == object_names(tier, "a", "c")  # a's delete never ran
+        holdings = tier.stats()["holdings"]
+        assert (holdings["removed"], holdings["remove_errors"]) == (1, 1)
+    finally:
+        threading.excepthook = quiet
+        tier.shutdown(timeout=5)
+
+
 def test_a_file_tier_deletes_its_least_recently_used_files(
     tmp_path: object, primary: torch.Tensor
 ) -> None:

@@ -556,6 +556,26 @@ def test_a_subclass_that_names_its_objects_is_obeyed_by_transfers_and_lookups(
             ObjectStoreTier(primary, agent=agent, size_folder=size_folder)  # type: ignore[arg-type]
 
 
+@pytest.mark.timeout(10)
+def test_a_key_prefix_ending_in_a_digit_is_refused_where_it_runs_into_the_size_folder(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """Prefix "1" with 2,048-byte blocks would name key k "12048-bytes/k", as prefix "" with
+    12,048-byte blocks does: each tier would load a part of the other's blocks as a success.
+    With the size's folder a prefix may not end in a digit; without it (the old layout, or
+    vLLM's folders) it may, and one that ends otherwise is taken as it is."""
+    for prefix in ("1", "kv/run2", "model-7"):
+        with pytest.raises(ValueError, match=rf"key_prefix {prefix!r} ends in a digit, which "
+                           rf"runs into the block size's folder \({prefix}256-bytes/"):
+            ObjectStoreTier(primary, agent=agent, key_prefix=prefix)
+    assert agent.live_registrations() == 0, "a refused tier registers nothing"
+    for prefix, size_folder, name_prefix in (("1", False, "1"), ("run2-", True, "run2-256-bytes/"),
+                                             ("kv/2/", True, "kv/2/256-bytes/")):
+        tier = ObjectStoreTier(primary, agent=agent, key_prefix=prefix, size_folder=size_folder)
+        assert tier.name_prefix == name_prefix
+        tier.shutdown()
+
+
 @pytest.mark.timeout(30)
 def test_a_tier_of_another_block_size_on_the_same_prefix_neither_finds_nor_loads_its_blocks(
     primary: torch.Tensor, agent: FakeNixlAgent

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvfsm import TransferJob, TransferState
+from kvfsm import FailureKind, TransferJob, TransferState
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import (
@@ -148,6 +148,33 @@ def test_f10_a_cancelled_transfer_that_then_fails_keeps_nixls_error(
     (result,) = tier.get_finished_jobs()
     assert not result.success
     assert agent.running_transfers() == 0
+    tier.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_f10_a_cancelled_transfer_retries_its_release_from_when_nixl_ended_it(
+    primary: torch.Tensor,
+) -> None:
+    """The release of a transfer is retried for ``max_seconds`` after the transfer ended. One
+    cancelled while it ran ends when NIXL says so, not at the cancel: NIXL runs it on for
+    longer than ``max_seconds``, then its release raises once, and is tried again rather than
+    quarantined; the result's ``transfer_time`` runs until NIXL ended it."""
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(max_seconds=0.1))
+    agent.inject("check_xfer_state", StayProc(3))
+    agent.inject("release_xfer_handle", Raise())
+    tier.submit_store(store(1, 0))
+    cancelled = time.monotonic()
+    tier.cancel(1)
+    results = []
+    while not results and time.monotonic() - cancelled < 10:
+        time.sleep(0.06)  # three polls answered PROC: NIXL ends it 0.18 s after the cancel
+        results = tier.get_finished_jobs()
+    (result,) = results
+    assert (result.success, result.reason.kind) == (False, FailureKind.CANCELLED)
+    assert tier.stats()["quarantined"] == 0, "retried, not given up at once"
+    assert tier.stats()["retries"] == 1 and agent.live_xfer_handles() == 0
+    assert result.transfer_time >= 0.15, "the transfer ran until NIXL ended it"
     tier.shutdown()
 
 

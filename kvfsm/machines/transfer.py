@@ -88,6 +88,7 @@ __all__ = [
     "latch_cancelled",
     "latch_failure",
     "latch_success",
+    "note_ended",
     "note_error",
     "quarantine",
     "record_leaks",
@@ -327,6 +328,13 @@ def latch_cancelled(transfer: Any, answer: Answer, detail: Any) -> None:
     _set_reason(transfer, _CANCELLED)
 
 
+def note_ended(transfer: Any, answer: Answer, detail: Any) -> None:
+    """Stamp when NIXL ended a transfer cancelled while it ran (its outcome was latched at the
+    cancel): a failing release is retried for the policy's ``max_seconds`` from here, and the
+    result's ``transfer_time`` ends here."""
+    transfer.finished_at = time.monotonic()
+
+
 def note_error(transfer: Any, answer: Answer, detail: Any) -> None:
     """Keep NIXL's error of a transfer whose outcome is already latched (its reason stays)."""
     if detail is not None:
@@ -370,6 +378,7 @@ ACTIONS = {
     "latch_cancelled": latch_cancelled,
     "count_retry": count_retry,
     "record_leaks": record_leaks,
+    "note_ended": note_ended,
     "note_error": note_error,
     "quarantine": quarantine,
 }
@@ -394,9 +403,10 @@ TRANSITIONS: list[dict[str, Any]] = [
      "after": "latch_cancelled"},
     # CANCELLING: cancelled while running; NIXL must still say the transfer is over
     {"trigger": E.POLL, "source": S.CANCELLING, "dest": S.CANCELLING, "conditions": "running"},
-    {"trigger": E.POLL, "source": S.CANCELLING, "dest": S.FAILED, "conditions": "finished"},
+    {"trigger": E.POLL, "source": S.CANCELLING, "dest": S.FAILED, "conditions": "finished",
+     "after": "note_ended"},
     {"trigger": E.POLL, "source": S.CANCELLING, "dest": S.FAILED, "conditions": "errored",
-     "after": "note_error"},
+     "after": ["note_ended", "note_error"]},
     {"trigger": E.POLL, "source": S.CANCELLING, "dest": S.QUARANTINED,
      "conditions": "exhausted", "after": "quarantine"},
     {"trigger": E.CANCEL, "source": S.CANCELLING, "dest": S.CANCELLING},

@@ -317,8 +317,11 @@ class _Remover:
             thread = self._thread
             if thread is None:
                 return True
+            if thread is threading.current_thread():
+                return False  # asked from inside a delete: it cannot wait for itself
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
+            if thread.is_alive() or (deadline is not None and time.monotonic() >= deadline
+                                     and self._thread is not None):
                 return False
 
     def stop(self, timeout: float | None) -> bool:
@@ -338,24 +341,35 @@ class _Remover:
         return True
 
     def _run(self) -> None:
-        while True:
-            with self._lock:
-                if not self._waiting:
+        try:
+            while True:
+                with self._lock:
+                    if not self._waiting:
+                        self._thread = None
+                        return
+                    names = list(itertools.islice(self._waiting, self._batch))
+                    for name in names:
+                        del self._waiting[name]
+                    self._sending = frozenset(names)
+                failed = len(names)  # unless the delete answers
+                try:
+                    failed = self._delete(names) or 0
+                except Exception:
+                    pass
+                finally:
+                    with self._lock:  # answered (or given up): the names may be stored again
+                        self._sending = frozenset()
+                        self.errors += failed
+                        self.deleted += len(names) - failed
+        finally:  # a remove= that ended the thread (SystemExit, say): what waits is not
+            with self._lock:  # sent (left in the store), the next names start another thread
+                if self._thread is threading.current_thread():
                     self._thread = None
-                    return
-                names = list(itertools.islice(self._waiting, self._batch))
-                for name in names:
-                    del self._waiting[name]
-                self._sending = frozenset(names)
-            try:
-                failed = self._delete(names) or 0
-            except Exception:
-                failed = len(names)
-            finally:
-                with self._lock:  # answered (or given up): the names may be stored again
-                    self._sending = frozenset()
-            self.errors += failed
-            self.deleted += len(names) - failed
+                    if self._waiting:
+                        logger.warning("%d evicted object(s) not deleted: the delete ended its "
+                                       "thread", len(self._waiting))
+                        self.errors += len(self._waiting)
+                        self._waiting.clear()
 
 
 def s3_deleter(store: Any) -> Callable[[list[str]], int]:
@@ -445,7 +459,9 @@ class ObjectStoreTier(SecondaryTier):
             ``key_prefix`` (default): a tier of another block size sharing the prefix then
             finds none of them, where it would load a part of one, or fill a part of its block,
             as a success. False only where ``key_prefix`` already tells block sizes apart
-            (:mod:`kvfsm.vllm`'s folders do).
+            (:mod:`kvfsm.vllm`'s folders do). With it, ``key_prefix`` may not end in a digit
+            (``"1"`` and 2,048-byte blocks would name ``"12048-bytes/k"``, as ``""`` and
+            12,048-byte blocks do).
         probe_agent: the agent lookups query from a background thread; by default a second
             real agent when built from ``store``, else ``agent`` itself, whose queries then
             hold the tier's lock (give real OBJ agents a probe agent of their own: a query of
@@ -502,6 +518,13 @@ class ObjectStoreTier(SecondaryTier):
         check_key_prefix(key_prefix)
         if type(size_folder) is not bool:
             raise ValueError(f"size_folder must be True or False, got {size_folder!r}")
+        if size_folder and key_prefix[-1:] in tuple("0123456789"):
+            # "1" + "2048-bytes/" is "" + "12048-bytes/": tiers of two block sizes would
+            # share objects, each loading a part of the other's blocks as a success
+            raise ValueError(
+                f"key_prefix {key_prefix!r} ends in a digit, which runs into the block size's "
+                f"folder ({key_prefix + str(int(primary[0].nbytes))}-bytes/...): another "
+                "prefix and block size could name the same objects; end it with '/' or '-'")
         self.key_prefix = key_prefix
         #: what every object name of the tier starts with: ``key_prefix``, then the folder of
         #: the block size (``"65536-bytes/"``) unless ``size_folder`` is False
