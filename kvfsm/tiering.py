@@ -610,6 +610,12 @@ class TieringManager:
     wrong before anything changed: no block is evicted, allocated or pinned, no job id is used
     and no tier sees a job. Only then are blocks allocated (evicting if need be) or pinned.
 
+    Keys are str or bytes, of one kind for the manager's life when a tier names a bytes key as
+    the str key of its hex, as kvfsm's file and object tiers do (``b"k"`` as ``"6b"``): the
+    primary holds the two apart, the tier in one place, so a load of one would publish the
+    other's bytes. The first key the manager is given sets the kind; a key of the other kind
+    is refused in any later call (a :class:`TieringInputError` naming it).
+
     When a tier's submit raises all the same (the tier refused the job: it is shut down, or it
     found the job malformed in a way the manager could not check), the manager takes back what
     it did for that job (drops its pins, frees a load's blocks), forgets its id, and raises
@@ -674,6 +680,11 @@ class TieringManager:
         #: stores not cascaded to a saturated or busy tier, per tier
         self._skipped = dict.fromkeys(named, 0)
         self._block_bytes = int(primary.cache[0].nbytes)
+        #: the tiers that name a bytes key as the str key of its hex (kvfsm's file and object
+        #: tiers: ``b"k"`` as ``"6b"``); with any, the manager takes keys of one kind only
+        self._hex_named = [name for name, tier in named.items() if _names_bytes_as_hex(tier)]
+        #: the kind of key (str or bytes) the manager was given first, once it matters
+        self._kind: type | None = None
 
     @property
     def tiers(self) -> Mapping[str, OffloadTier]:
@@ -988,6 +999,27 @@ class TieringManager:
                     raise TieringInputError(
                         f"keys[{first}] = {keys[first]!r} and keys[{index}] = {key!r} name "
                         f"the same block {name!r} in tier {tier_name!r}")
+        if self._hex_named:
+            self._check_kind(keys)
+
+    def _check_kind(self, keys: Sequence[Key]) -> None:
+        """One kind of key, str or bytes, for the manager's life, while a tier names a bytes
+        key as its hex: the primary holds ``"6b"`` and ``b"k"`` apart, the tier in one file,
+        so a load of one, in this call or any later, would publish the other's bytes."""
+        kind = self._kind
+        for index, key in enumerate(keys):
+            of = bytes if isinstance(key, bytes) else str
+            if kind is None:
+                kind = of
+            elif of is not kind:
+                given = ("bytes" if kind is bytes else "str") + (
+                    " keys before" if self._kind is not None else f" keys[0] = {keys[0]!r}")
+                raise TieringInputError(
+                    f"keys[{index}] = {key!r} is {of.__name__}, but this manager was given "
+                    f"{given}: tier {self._hex_named[0]!r} names a bytes key as the str key of "
+                    f"its hex (b'k' as '6b'), so the two kinds would share blocks; give the "
+                    "manager keys of one kind")
+        self._kind = kind
 
     def _finalize(self, name: str, result: JobResult,
                   finalized: list[Finalized]) -> BookkeepingIssue | None:
@@ -1070,6 +1102,17 @@ def _refused(refusals: Sequence[tuple[str, int, BaseException]],
     if not submitted and all(isinstance(error, ValueError) for _, _, error in refusals):
         return TierInputRefusedError(refusals, submitted)
     return TierSubmitError(refusals, submitted)
+
+
+def _names_bytes_as_hex(tier: Any) -> bool:
+    """Whether ``tier`` names a bytes key as the str key of its hex (``b"k"`` as ``"6b"``)."""
+    remote_name = getattr(tier, "remote_name", None)
+    if not callable(remote_name):
+        return False
+    try:
+        return bool(remote_name(b"k") == remote_name("6b"))
+    except Exception:  # a tier of the user's that names neither: it cannot mix them up
+        return False
 
 
 def _check_same_cache(name: str, tier: object, cache: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ from kvfsm.tiering import (
     TierInputRefusedError,
     TierSubmitError,
 )
-from kvfsm.tiers import FileTier, InvalidJobError, ObjectStoreTier
+from kvfsm.tiers import FileTier, InvalidJobError, Lookup, ObjectStoreTier
 
 from .test_tiering import DictTier  # a user's own tier, with no remote_name
 
@@ -140,6 +140,67 @@ def test_a_load_a_tier_would_refuse_evicts_nothing_and_names_tier_and_keys(
         stack.manager.load(keys, tier=tier)
     assert stack.snapshot() == before
     assert stack.primary.stats()["evictions"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_key_of_the_other_kind_is_refused_in_any_later_call_where_tiers_name_bytes_in_hex(
+    stack: Stack,
+) -> None:
+    """The engine stores "6b", a str key: the object tier writes it under the name 6b. Later it
+    offers b"k", a bytes key the primary holds apart from "6b", which the tiers name as "6b"
+    too: stored, it would overwrite "6b"'s copy, and a load of "6b" would then publish b"k"'s
+    bytes as a success. So the manager keeps to the kind of key it was given first: b"k" is
+    refused in a store, a lookup and a load, and nothing changes."""
+    primary = stack.primary
+    objects_job, _ = stack.manager.store([block(stack, "6b")])
+    assert [r.success for r in stack.manager.drain(5) if r.job_id == objects_job] == [True]
+    before = stack.snapshot()
+    refusal = (r"keys\[0\] = b'k' is bytes, but this manager was given str keys before: tier "
+               r"'objects' names a bytes key as the str key of its hex \(b'k' as '6b'\)")
+    with pytest.raises(TieringInputError, match=refusal):
+        stack.manager.store([block(stack, b"k")])
+    with pytest.raises(TieringInputError, match=refusal):
+        stack.manager.lookup(b"k")
+    primary.free([block(stack, b"k")])
+    after_free = stack.snapshot()
+    with pytest.raises(TieringInputError, match=refusal):
+        stack.manager.load([b"k"])
+    assert stack.snapshot() == after_free != before
+    with pytest.raises(TieringInputError, match=r"keys\[1\] = b'y' is bytes, but this manager "
+                                                r"was given str keys before"):
+        stack.manager.find(["x", b"y"])
+    assert stack.manager.lookup("6b") is Lookup.HIT  # str keys go on as before
+
+
+@pytest.mark.timeout(30)
+def test_keys_of_both_kinds_are_taken_where_no_tier_names_bytes_in_hex() -> None:
+    """A tier of the user's own that keeps keys apart by value (no remote_name) may take str
+    and bytes keys alike; so may a manager over it. The first call of a manager whose tiers
+    name bytes in hex sets the kind: bytes first refuses a str key of hex text later."""
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    mine = DictTier(primary.cache)
+    manager = TieringManager(primary, {"mine": mine})
+    blocks = ready(primary, "6b", b"k")
+    primary.cache[blocks[0]], primary.cache[blocks[1]] = 1, 2
+    assert len(manager.store([blocks[0]])) == len(manager.store([blocks[1]])) == 1
+    assert all(result.success for result in manager.drain(5))
+    assert mine.blocks["6b"][0] == 1 and mine.blocks[b"k"][0] == 2
+    manager.shutdown(timeout=5)
+
+    agent = FakeNixlAgent("bytes-first")
+    objects = ObjectStoreTier(primary.cache, agent=agent)
+    manager = TieringManager(primary, {"objects": objects})
+    try:
+        assert manager.lookup(b"k") in (Lookup.MISS, Lookup.RETRY)  # the first kind: bytes
+        with pytest.raises(TieringInputError, match=r"keys\[0\] = '6b' is str, but this "
+                                                    r"manager was given bytes keys before"):
+            manager.store([blocks[0]])
+        with pytest.raises(TieringInputError, match=r"keys\[1\] = 'z' is str, but this "
+                                                    r"manager was given bytes keys before"):
+            manager.find([b"z", "z"])
+    finally:
+        manager.shutdown(timeout=5)
+        agent.close()
 
 
 @pytest.mark.parametrize(("keys", "message"), [

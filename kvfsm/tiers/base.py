@@ -943,7 +943,8 @@ def key_text(key: object) -> str:
     """A block key as text: a str as it is, bytes in hex.
 
     Both kinds share one namespace (``"6b"`` and ``b"k"`` name the same block), so a tier's
-    users should stick to one kind.
+    users should stick to one kind (a :class:`~kvfsm.tiering.TieringManager` over such tiers
+    refuses a key of the other kind than the first it was given).
 
     Raises:
         ValueError: the key is not a non-empty str or bytes.
