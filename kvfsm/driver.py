@@ -533,10 +533,13 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
         raise MachineRefused(f"machine {name!r}: the initial state {initial.name} waits on "
                              f"{effects.get(initial)!r}; a tier posts a transfer from its initial "
                              "state, which waits on 'post'")
-    for step in steps:
+    for step, function in steps.items():
         if step not in effects.values():
             raise MachineRefused(f"machine {name!r}: a step {step!r} was given, but no state "
                                  "waits on it")
+        if not callable(function):
+            raise ValueError(f"steps[{step!r}] must be a function (step(transfer) -> its "
+                             f"answer), got {type(function).__name__} {function!r}")
     table = declaration.compile(listen=False).table
     for state, effect in effects.items():
         _check_state(declaration, table.get(state, {}), state, effect, steps, policy)

@@ -233,6 +233,11 @@ class Declaration(Generic[S, A]):
         effects: Mapping[S, str] | None = None,
         running: Iterable[S] = (),
     ) -> None:
+        if not (isinstance(states, type) and issubclass(states, enum.Enum)):
+            raise DeclarationError(
+                f"{name}: states must be an Enum class (class MyState(enum.Enum): ...), got "
+                f"{type(states).__name__} {states!r}; to add states to a machine by name, use "
+                "its extend(states=[...])")
         self.name = name
         self.states = states
         self.initial = initial
@@ -312,7 +317,18 @@ class Declaration(Generic[S, A]):
             listen: tell :data:`COMPILE_LISTENERS` (transition coverage); tools that fire
                 every edge on purpose (the table explorer, trace replay) pass False, so what
                 they fire is not counted as tested.
+
+        Raises:
+            DeclarationError: a replacement names no declared action, or is not a function.
         """
+        for action, function in (actions or {}).items():
+            if action not in self.actions:
+                raise DeclarationError(f"{self.name}: compile replaces action {action!r}, which "
+                                       f"is not declared (actions: {', '.join(self.actions)})")
+            if not callable(function):
+                raise DeclarationError(f"{self.name}: the replacement of action {action!r} must "
+                                       f"be a function, got {type(function).__name__} "
+                                       f"{function!r}")
         compiled = CompiledMachine(self, self._resolve({**self.actions, **(actions or {})}),
                                    trace=trace)
         for listener in list(COMPILE_LISTENERS) if listen else ():
@@ -520,6 +536,12 @@ class Declaration(Generic[S, A]):
         for guard, accepted in self.guards.items():
             if not accepted:
                 raise DeclarationError(f"{self.name}: guard {guard!r} accepts no answer")
+        for action, function in self.actions.items():
+            if not callable(function):
+                raise DeclarationError(
+                    f"{self.name}: action {action!r} must be a function "
+                    f"(action(record, answer, detail)), got {type(function).__name__} "
+                    f"{function!r}")
         for event, named in self.calls.items():
             if event not in self.answers:
                 raise DeclarationError(f"{self.name}: calls names {event!r}, which is not one "

@@ -245,6 +245,26 @@ def test_unknown_guard_action_or_trigger_is_refused() -> None:
                                              "dest": Door.GONE, "before": "note_jam"}])
 
 
+def test_states_that_are_no_enum_and_actions_that_are_no_function_are_refused_by_name() -> None:
+    """A list of state names (as extend() takes) for a machine made from scratch, or an action
+    or a compile-time replacement that cannot be called, is refused when declared, naming it,
+    rather than failing in the engine, or when the edge first fires."""
+    with pytest.raises(DeclarationError, match=r"door: states must be an Enum class .*got list "
+                                               r"\['CLOSED', 'OPEN'\]; to add states to a machine "
+                                               r"by name, use its extend\(states=\[...\]\)"):
+        door_declaration(states=["CLOSED", "OPEN"])
+    with pytest.raises(DeclarationError, match=r"door: action 'note_jam' must be a function "
+                                               r"\(action\(record, answer, detail\)\), got int 3"):
+        door_declaration(actions={"note_jam": 3})
+    declaration = door_declaration()
+    with pytest.raises(DeclarationError, match=r"the replacement of action 'note_jam' must be a "
+                                               r"function, got str 'jam'"):
+        declaration.compile({"note_jam": "jam"})  # type: ignore[dict-item]
+    with pytest.raises(DeclarationError, match=r"compile replaces action 'note_jams', which is "
+                                               r"not declared \(actions: note_jam\)"):
+        declaration.compile({"note_jams": lambda record, answer, detail: None})
+
+
 def test_an_edge_that_can_never_be_taken_is_refused() -> None:
     # "remove" only ever carries NONE, so a "remove" edge taken unless NONE is dead code
     transitions = [*door_declaration().transitions,

@@ -244,8 +244,8 @@ def test_a_load_whose_job_says_is_promotion_with_a_numpy_bool_is_taken(
         tier.submit_load(TransferJob(job_id, ["a"], [4], is_promotion=flag))  # type: ignore[arg-type]
         [result] = settle(tier)
         assert result.success and result.job_id == job_id
-    with pytest.raises(InvalidJobError, match="job 4 has is_promotion=0; submit it with "
-                                              "submit_store"):
+    with pytest.raises(InvalidJobError, match="job 4 has is_promotion=0: a load is a "
+                                              "TransferJob with is_promotion=True"):
         tier.submit_load(TransferJob(4, ["a"], [4], is_promotion=0))  # type: ignore[arg-type]
 
 
@@ -384,7 +384,8 @@ def test_a_refused_job_is_named_whole(tier: ObjectStoreTier) -> None:
         ("job", "expected a TransferJob, got str"),
         (TransferJob(True, ["a"], [0]), "job_id must be an int, got True"),
         (TransferJob(1, ["a"], [0], is_promotion=True),
-         "job 1 has is_promotion=True; submit it with submit_load"),
+         "job 1 has is_promotion=True: a load, submit it with submit_load (a store has "
+         "is_promotion=False)"),
         (TransferJob(1, ["a", ""], [0, 1]), "job 1: keys[1]: a key must not be empty"),
     ]
     for job, message in cases:
@@ -393,7 +394,8 @@ def test_a_refused_job_is_named_whole(tier: ObjectStoreTier) -> None:
         assert str(refused.value) == message
     with pytest.raises(InvalidJobError) as refused:
         tier.submit_load(TransferJob(1, ["a"], [0]))
-    assert str(refused.value) == "job 1 has is_promotion=False; submit it with submit_store"
+    assert str(refused.value) == ("job 1 has is_promotion=False: a load is a TransferJob "
+                                  "with is_promotion=True"), "never told to store it instead"
     tier.submit_store(StoreJob(JobNumber(7), ["a"], [0]))
     assert [(r.job_id, r.success) for r in settle(tier)] == [(7, True)]
 

@@ -807,9 +807,12 @@ class SecondaryTier(JobSide):
         """
         job_id = self._check_job_id(job)
         if job.is_promotion is not load and job.is_promotion != load:
-            wanted = "submit_load" if job.is_promotion else "submit_store"
-            raise InvalidJobError(f"job {job_id} has is_promotion={job.is_promotion}; "
-                                  f"submit it with {wanted}")
+            if load:  # (submit_store would overwrite the stored blocks with these)
+                raise InvalidJobError(f"job {job_id} has is_promotion={job.is_promotion}: a "
+                                      "load is a TransferJob with is_promotion=True")
+            raise InvalidJobError(f"job {job_id} has is_promotion={job.is_promotion}: a load, "
+                                  "submit it with submit_load (a store has "
+                                  "is_promotion=False)")
         keys, raw_ids = job.keys, job.block_ids
         for field, value in (("keys", keys), ("block_ids", raw_ids)):
             if type(value) is not tuple and type(value) is not list and (
