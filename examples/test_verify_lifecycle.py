@@ -169,6 +169,10 @@ def test_the_explorer_catches_a_verify_lifecycle_that_ignores_a_mismatch() -> No
         effects=VERIFY_MACHINE.effects, running=VERIFY_MACHINE.running)
     found = explore(lenient, steps={"verify": Checksums()})
     assert Invariant.OUTCOME in {v.invariant for v in found.violations}, found.report()
+    shortest = found.violations[0]  # NIXL finished it, the check failed: what it says
+    assert shortest.detail == ("NIXL said the transfer finished (DONE), then a step failed it, "
+                               "so the job must publish success=False; it published "
+                               "success=True"), found.report()
 
 
 def test_without_its_step_the_machine_is_refused_before_any_nixl_call(

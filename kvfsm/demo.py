@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ from kvfsm.transfer import JobResult, TransferJob
 __all__ = ["FaultSpec", "add_arguments", "parse_fault_spec", "progress_bar", "run"]
 
 _SPEC_ITEM = re.compile(
-    r"^(?P<call>[a-z_]+):(?P<kind>raise|err|proc=(?P<polls>\d+))"
+    r"^(?P<call>[A-Za-z_]+):(?P<kind>raise|err|proc=(?P<polls>\d+))"
     r"(?:@(?P<at>\d+))?(?:\*(?P<times>\d+))?$")
 
 
@@ -97,7 +98,9 @@ def _check_faults(faults: list[FaultSpec]) -> None:
     inject: a call it cannot fail, or err or proc=N for a call that only takes raise."""
     for fault in faults:
         if fault.call not in FAULTABLE_CALLS:
-            raise ValueError(f"bad fault for {fault.call!r}: not a NIXL call kvfsm can fail; "
+            hint = (f" (NIXL's calls are lowercase: {fault.call.lower()!r})"
+                    if fault.call.lower() in FAULTABLE_CALLS else "")
+            raise ValueError(f"bad fault for {fault.call!r}: not a NIXL call kvfsm can fail{hint}; "
                              f"one of {', '.join(sorted(FAULTABLE_CALLS))}")
         if not isinstance(fault.fault, Raise) and fault.call not in STATUS_CALLS:
             kind = "err" if isinstance(fault.fault, ReturnErr) else "proc"
@@ -358,6 +361,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     faults = parse_fault_spec(args.inject_faults)
     _check_faults(faults)
+    if args.trace:  # refused now, not once the demo has filled its cache
+        trace = Path(args.trace)
+        if trace.is_dir():
+            raise ValueError(f"--trace {args.trace}: is a directory; name a file to write")
+        if not trace.parent.is_dir():
+            raise ValueError(f"--trace {args.trace}: there is no directory "
+                             f"{str(trace.parent)!r} to write it in")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     block_bytes = args.block_kib * 1024
     groups = [list(range(start, min(start + args.blocks_per_job, args.blocks)))

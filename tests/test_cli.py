@@ -401,6 +401,11 @@ def test_the_fault_spec_grammar() -> None:
     (["--inject-faults", "release_xfer_handle:err"], "bad fault for 'release_xfer_handle': err "
      "only applies to check_xfer_state and transfer; other calls take raise"),
     (["--inject-faults", "deregister_memory:proc=2"], "proc only applies to check_xfer_state"),
+    (["--inject-faults", "RELEASE_XFER_HANDLE:raise"], "bad fault for 'RELEASE_XFER_HANDLE': not "
+     "a NIXL call kvfsm can fail (NIXL's calls are lowercase: 'release_xfer_handle')"),
+    (["--trace", "/no-such-directory/t.jsonl"], "--trace /no-such-directory/t.jsonl: there is no "
+     "directory '/no-such-directory' to write it in"),
+    (["--trace", "/"], "--trace /: is a directory; name a file to write"),
 ])
 def test_bad_options_are_named(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]

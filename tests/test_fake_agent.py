@@ -681,6 +681,9 @@ def test_pending_faults_lists_what_is_armed_until_it_fires(tier: Tier) -> None:
         ("transfer", Raise(), {"at": 0}, "at must be"),
         ("register_memory", Raise(), {"at": 1}, "already happened"),
         ("transfer", Raise(), {"at": 3}, "already have"),
+        ("transfer", Raise, {}, r"inject: Raise is the class of a Fault; pass one: Raise\(\)"),
+        ("transfer", "raise", {}, r"inject: 'raise' is not a Fault \(Raise\(\), ReturnErr\(\) "
+                                  r"or StayProc\(polls\)\)"),
     ],
 )
 def test_inject_refuses_what_cannot_fire(

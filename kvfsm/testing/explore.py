@@ -477,16 +477,18 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
     expected = (bool(job.outcome) and not job.cancelled_running and not job.held
                 and not job.step_failed)
     if result.success != expected:
-        what = "finished (DONE)" if expected else "failed"
+        what = {True: "NIXL said the transfer finished (DONE)", False: "NIXL said the "
+                "transfer failed", None: "NIXL had not said the transfer ended"}[job.outcome]
         if job.cancelled_running:
             what += ", after it was cancelled while running"
-        elif job.held:
+        if job.held:
             what += ", then it was quarantined"
-        elif job.step_failed:
+        if job.step_failed:
             what += ", then a step failed it"
         violations.append(Violation(
             Invariant.OUTCOME, result.job_id,
-            f"NIXL said the transfer {what}, the job published success={result.success}"))
+            f"{what}, so the job must publish success={expected}; it published "
+            f"success={result.success}"))
     if not result.success and (result.reason is None or (
             result.reason.kind is FailureKind.UNKNOWN and result.reason.error == NO_REASON)):
         violations.append(Violation(Invariant.REASON, result.job_id,

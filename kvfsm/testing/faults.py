@@ -192,7 +192,11 @@ class FaultPlan:
             raise ValueError(f"inject: {call!r} is not a NIXL call of {self.owner}; one of "
                              + ", ".join(sorted(self.faultable)))
         if not isinstance(fault, Raise | ReturnErr | StayProc):
-            raise ValueError(f"inject: {fault!r} is not a Fault")
+            if isinstance(fault, type) and issubclass(fault, Raise | ReturnErr | StayProc):
+                raise ValueError(f"inject: {fault.__name__} is the class of a Fault; pass one: "
+                                 f"{fault.__name__}()")
+            raise ValueError(f"inject: {fault!r} is not a Fault (Raise(), ReturnErr() or "
+                             "StayProc(polls))")
         if not isinstance(fault, Raise) and call not in STATUS_CALLS:
             raise ValueError(
                 f"inject: {type(fault).__name__} only applies to transfer and check_xfer_state, "
