@@ -23,7 +23,7 @@ import torch
 from kvfsm import JobResult, TransferJob
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, FaultyAgent
-from kvfsm.tiers import InvalidJobError, ObjectStoreTier
+from kvfsm.tiers import InvalidJobError, ObjectStoreTier, TierClosedError
 from kvfsm.tiers.base import PROGRESS_SLICE
 from kvfsm.transfer import Transfer
 
@@ -509,4 +509,46 @@ def test_a_listener_on_the_progress_thread_may_shut_the_tier_down() -> None:
     assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
     assert raised == []
     assert tier.closed
+    assert (agent.live_registrations(), agent.misuses) == (0, [])
+
+
+@pytest.mark.timeout(30)
+def test_a_listeners_shutdown_on_the_progress_thread_lets_other_threads_in_while_it_waits() -> None:
+    """A listener on the progress thread shuts the tier down while NIXL still runs job 2: the
+    shutdown waits for it inside the thread's poll, which holds the tier's lock. Meanwhile the
+    scheduler's thread is answered, not held up until the shutdown is over: a submit is refused
+    at once, and a cancel (which takes the lock) is taken while the shutdown still waits. Once
+    NIXL ends job 2 the shutdown publishes it and closes the tier."""
+    agent = Held()
+    tier = ObjectStoreTier(torch.zeros(4, 16), agent=agent,
+                           policy=RetryPolicy(progress_interval=0.001))
+    waiting, over = threading.Event(), threading.Event()
+    raised: list[BaseException] = []
+
+    def listener(transfer: Transfer) -> None:
+        if transfer.job_id != 1:
+            return
+        waiting.set()
+        try:
+            tier.shutdown(timeout=5)
+        except BaseException as error:  # (kept, for the assertion below)
+            raised.append(error)
+        finally:
+            over.set()
+
+    tier.on_published.append(listener)
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    tier.submit_store(TransferJob(2, ["b"], [1]))
+    agent.end(0)  # job 1 ends; job 2 runs on
+    assert waiting.wait(10)
+    with pytest.raises(TierClosedError, match="job 3 refused"):
+        tier.submit_store(TransferJob(3, ["c"], [2]))
+    tier.cancel(2)  # takes the tier's lock: cancelled already, nothing changes
+    assert not over.is_set(), "taken while the listener's shutdown waits for job 2"
+    assert tier.stats()["in_flight"] == {"CANCELLING": 1}, "cancelled, NIXL still runs it"
+    agent.end(1)
+    assert over.wait(10) and raised == []
+    assert tier.closed
+    assert sorted((r.job_id, r.success) for r in tier.get_finished_jobs()) == [
+        (1, True), (2, False)]
     assert (agent.live_registrations(), agent.misuses) == (0, [])

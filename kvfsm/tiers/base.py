@@ -640,6 +640,9 @@ class SecondaryTier(JobSide):
     def _submit_locked(self, job: TransferJob, *, load: bool) -> None:
         """A submit under the tier's lock; then the progress thread, if the policy asks for
         one (whatever the submit did: an interrupt may leave its job in flight)."""
+        if self._closed or self._closing:  # refused at once, not behind a shutdown's lock
+            raise TierClosedError(f"{type(self).__name__} is shut down; job "
+                                  f"{getattr(job, 'job_id', job)!r} refused")
         with self._lock:
             try:
                 self._submit(job, load=load)
