@@ -16,6 +16,7 @@ from typing import Any
 __all__ = [
     "BucketUnreachable",
     "NixlUnavailable",
+    "NoCredentialsWarning",
     "StoreConfig",
     "check_bucket",
     "make_agent",
@@ -35,6 +36,11 @@ class NixlUnavailable(RuntimeError):
 
 class BucketUnreachable(RuntimeError):
     """The object store's endpoint or bucket cannot be reached."""
+
+
+class NoCredentialsWarning(UserWarning):
+    """An object store tier was made where no S3 credentials are found: unless an instance
+    role answers, every transfer fails with ``NIXL_ERR_BACKEND``."""
 
 
 def _api() -> Any:

@@ -319,6 +319,33 @@ def test_the_bucket_is_checked_at_start_up(s3_server: S3Server, cache: torch.Ten
         ObjectStoreTier(cache, store=dead)
 
 
+def test_a_tier_made_where_no_credentials_are_found_says_so_as_a_python_warning(
+    s3_server: S3Server, cache: torch.Tensor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvfsm's logger has no handler unless the engine sets one up, so a log line alone went
+    unseen, and every transfer then failed with NIXL_ERR_BACKEND, naming no cause. Making the
+    tier now warns, pointing at the line that made it; with credentials it does not."""
+    import warnings  # noqa: PLC0415
+
+    from kvfsm.nixl_agents import NoCredentialsWarning, StoreConfig  # noqa: PLC0415
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
+                 "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    bucket = s3_server.new_bucket()
+    with pytest.warns(NoCredentialsWarning, match=r"no S3 credentials found .* every transfer "
+                                                  "will fail with NIXL_ERR_BACKEND") as caught:
+        tier = ObjectStoreTier(cache, store=StoreConfig(bucket, endpoint=s3_server.endpoint))
+    tier.shutdown()
+    assert [Path(w.filename).name for w in caught] == [Path(__file__).name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoCredentialsWarning)
+        ObjectStoreTier(cache, store=s3_server.config(bucket)).shutdown()
+
+
 def test_the_s3_server_killed_mid_run_gives_failed_results_and_no_crash(
     own_s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
 ) -> None:

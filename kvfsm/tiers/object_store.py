@@ -7,6 +7,7 @@ import re
 import threading
 import time
 import urllib.parse
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -663,6 +664,7 @@ _OBJECT_KEY, _REMOTE_NAME = ObjectStoreTier.object_key, ObjectStoreTier.remote_n
 def _agents_for(store: Any, probe_agent: Any) -> tuple[Any, Any]:
     from kvfsm.nixl_agents import (  # noqa: PLC0415
         NO_CREDENTIALS,
+        NoCredentialsWarning,
         StoreConfig,
         check_bucket,
         credentials_found,
@@ -674,8 +676,10 @@ def _agents_for(store: Any, probe_agent: Any) -> tuple[Any, Any]:
                          f"{type(store).__name__}")
     check_bucket(store)
     if not credentials_found(store):  # (an instance role may still answer, on AWS itself)
-        logger.warning("ObjectStoreTier: %s; unless this machine's instance role answers, "
-                       "every transfer will fail with NIXL_ERR_BACKEND", NO_CREDENTIALS)
+        # a Python warning, shown once where no logging is set up (kvfsm's logger has none)
+        warnings.warn(f"ObjectStoreTier: {NO_CREDENTIALS}; unless this machine's instance "
+                      "role answers, every transfer will fail with NIXL_ERR_BACKEND",
+                      NoCredentialsWarning, stacklevel=3)
     threads = store.io_threads or 0
     agent = make_agent(f"kvfsm-obj-{id(store):x}", "OBJ", store.backend_params(), threads)
     if probe_agent is None:
