@@ -938,12 +938,13 @@ class TieringManager:
         done = self.drain(timeout)
         errors: list[Exception] = []
         for name, tier in self._tiers.items():
-            try:  # within what is left of the deadline (a tier's own default without one)
-                if deadline is None or not _takes_timeout(tier.shutdown):
+            try:  # within what is left of the deadline (None: no bound for the tier either)
+                if not _takes_timeout(tier.shutdown):
                     tier.shutdown()
                 else:
                     shutdown: Callable[..., None] = tier.shutdown
-                    shutdown(timeout=max(0.0, deadline - time.monotonic()))
+                    shutdown(timeout=None if deadline is None
+                             else max(0.0, deadline - time.monotonic()))
             except Exception as error:
                 error.add_note(f"raised by the shutdown of tier {name!r}")
                 errors.append(error)

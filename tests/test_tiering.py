@@ -737,6 +737,32 @@ def test_a_manager_is_built_only_on_tiers_of_its_own_cache() -> None:
 
 # -- drain and shutdown ---------------------------------------------------------------------------
 
+class TimedTier(DictTier):
+    """A user's tier whose shutdown takes a timeout, as kvfsm's do: it keeps what it was given."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        super().__init__(cache)
+        self.given: list[float | None] = []
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:  # type: ignore[override]
+        self.given.append(timeout)
+        super().shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_each_tier_is_shut_down_within_what_is_left_of_the_managers_timeout_or_with_none() -> None:
+    """shutdown(timeout=None) means no bound, for the tiers too: a tier given its own default
+    (30 s) instead would cut its background waits short where the caller asked for none."""
+    primary = CPUPrimaryTier(2, 16, dtype=torch.uint8, pin_memory=False)
+    for timeout in (None, 5.0):
+        tier = TimedTier(primary.cache)
+        TieringManager(primary, {"timed": tier}).shutdown(timeout=timeout)
+        (given,) = tier.given
+        if timeout is None:
+            assert given is None, "no bound asked for, none given"
+        else:
+            assert given is not None and 0 < given <= timeout
+
 def test_drain_with_a_deadline_names_what_is_outstanding_and_keeps_it(stack: Stack) -> None:
     primary, manager = stack.primary, stack.manager
     (block,) = write(primary, "k0")
