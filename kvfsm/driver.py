@@ -533,13 +533,10 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
         raise MachineRefused(f"machine {name!r}: the initial state {initial.name} waits on "
                              f"{effects.get(initial)!r}; a tier posts a transfer from its initial "
                              "state, which waits on 'post'")
-    for step, function in steps.items():
+    for step in steps:
         if step not in effects.values():
             raise MachineRefused(f"machine {name!r}: a step {step!r} was given, but no state "
                                  "waits on it")
-        if not callable(function):
-            raise ValueError(f"steps[{step!r}] must be a function (step(transfer) -> its "
-                             f"answer), got {type(function).__name__} {function!r}")
     table = declaration.compile(listen=False).table
     for state, effect in effects.items():
         _check_state(declaration, table.get(state, {}), state, effect, steps, policy)
@@ -548,6 +545,10 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     if posted not in declaration.running:
         raise MachineRefused(f"machine {name!r}: 'post' answering PROC leads {initial.name} to "
                              f"{posted.name}, which is not running= (NIXL runs the transfer)")
+    for step, function in steps.items():  # (after the machine: what it needs comes first)
+        if not callable(function):
+            raise ValueError(f"steps[{step!r}] must be a function (step(transfer) -> its "
+                             f"answer), got {type(function).__name__} {function!r}")
 
 
 def _check_state(declaration: Declaration[Any, Any], moves: Mapping[str, Any], state: Any,
