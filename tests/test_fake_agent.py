@@ -5,10 +5,12 @@ from __future__ import annotations
 import dis
 import functools
 import gc
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from types import FrameType, FunctionType, ModuleType
 from typing import Any
 
@@ -825,6 +827,38 @@ def test_a_poll_round_over_100000_transfers_in_flight_costs_the_same_per_transfe
     assert agent.live_xfer_handles() == 0
 
 
+@pytest.mark.timeout(30)
+def test_a_file_tier_runs_on_the_fake_agent_as_on_nixls_posix_backend(tmp_path: Path) -> None:
+    """The fake is a stand-in for a FileTier's agent too: blocks are stored as files, loaded
+    back in another order, a release that raises is retried, and a file cut short is a failed
+    load that leaves its block as it was (every job once failed: the fake had no file
+    backend, and refused every registration of files with NIXL_ERR_NOT_FOUND)."""
+    from kvfsm.tiers import FileTier  # noqa: PLC0415
+
+    kv = torch.arange(8 * 64, dtype=torch.float32).view(8, 64)
+    stored = kv.clone()
+    agent = FakeNixlAgent("files")
+    tier = FileTier(kv, tmp_path, agent=agent, durable=False)
+    agent.inject("release_xfer_handle", Raise(), times=2)
+    tier.submit_store(TransferJob(1, ["a", "b"], [0, 1]))
+    tier.submit_store(TransferJob(2, ["c"], [2]))
+    tier.drain_jobs(timeout=10)
+    assert sorted((r.job_id, r.success) for r in tier.get_finished_jobs()) == [(1, True), (2, True)]
+    assert (tmp_path / "b").read_bytes() == stored[1].numpy().tobytes()
+    assert tier.stats()["retries"] == 2
+    tier.submit_load(TransferJob(3, ["c", "a"], [5, 6], is_promotion=True))
+    with (tmp_path / "b").open("r+b") as cut:
+        cut.truncate(10)  # a file another process cut short: no whole block
+    tier.submit_load(TransferJob(4, ["b"], [7], is_promotion=True))
+    tier.drain_jobs(timeout=10)
+    results = {r.job_id: r for r in tier.get_finished_jobs()}
+    assert results[3].success and not results[4].success
+    assert torch.equal(kv[5], stored[2]) and torch.equal(kv[6], stored[0])
+    assert torch.equal(kv[7], stored[7]), "the failed load left its block as it was"
+    tier.shutdown()
+    assert (agent.live_registrations(), agent.live_xfer_handles(), agent.misuses) == (0, 0, [])
+
+
 # -- interrupts: a fake call happens whole or not at all, as a NIXL C call does ---------------
 
 
@@ -887,17 +921,22 @@ class Interrupt:
         return step
 
 
-def snapshot(agent: FakeNixlAgent) -> tuple[object, ...]:
-    """What a NIXL call may change: handles, registrations, running transfers, objects."""
+def snapshot(agent: FakeNixlAgent, fds: Sequence[int] = ()) -> tuple[object, ...]:
+    """What a NIXL call may change: handles, registrations, running transfers, objects, and
+    what the files of ``fds`` hold."""
     return (agent.live_xfer_handles(), agent.live_dlist_handles(),
             agent.live_registrations("DRAM"), agent.live_registrations("OBJ"),
-            agent.running_transfers(), dict(agent.objects), held(agent))
+            agent.running_transfers(), dict(agent.objects), held(agent),
+            agent.live_registrations("FILE"),
+            [os.pread(fd, os.fstat(fd).st_size, 0) for fd in fds])
 
 
-def store_and_load(complete_after_polls: int, target: int, at: int) -> tuple[list[str], bool]:
+def store_and_load(complete_after_polls: int, target: int, at: int,
+                   where: str = "OBJ", root: Path | None = None) -> tuple[list[str], bool]:
     """Every kind of call, from registering a KV buffer to closing the agent: a store of two
-    blocks, their load into two others, a load that fails. Call number ``target`` is
-    interrupted at its ``at``-th point; it must then have changed nothing, and is made again.
+    blocks, their load into two others, a load that fails, to objects or (``where`` "FILE")
+    to files in ``root``. Call number ``target`` is interrupted at its ``at``-th point; it
+    must then have changed nothing, and is made again.
 
     Returns what each call answered (handles by type), and whether the interrupt fired."""
     agent = FakeNixlAgent("interrupted", complete_after_polls=complete_after_polls)
@@ -905,6 +944,8 @@ def store_and_load(complete_after_polls: int, target: int, at: int) -> tuple[lis
     base, size = kv.data_ptr(), kv[0].nbytes
     answers: list[str] = []
     interrupt = Interrupt(at)
+    fds = [os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+           for name in ("a", "b", "gone")] if where == "FILE" and root is not None else []
 
     def answer(call: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -918,11 +959,11 @@ def store_and_load(complete_after_polls: int, target: int, at: int) -> tuple[lis
     def call(name: str, *args: Any) -> Any:
         method = getattr(agent, name)
         if len(answers) + 1 == target:
-            before = snapshot(agent)
+            before = snapshot(agent, fds)
             try:
                 return answer(interrupt.run, method, *args)
             except KeyboardInterrupt:
-                assert snapshot(agent) == before, f"an interrupted {name} changed the agent"
+                assert snapshot(agent, fds) == before, f"an interrupted {name} changed the agent"
         return answer(method, *args)  # (after an interrupt: made again)
 
     def until_over(xfer: FakeXferHandle) -> None:
@@ -932,8 +973,8 @@ def store_and_load(complete_after_polls: int, target: int, at: int) -> tuple[lis
     dram = call("register_memory", [(base, kv.nbytes, 0, "")], "DRAM")
     local = call("prep_xfer_dlist", LOCAL, [(base + i * size, size, 0) for i in range(BLOCKS)],
                  "DRAM")
-    files = call("register_memory", [(0, size, 1, "a"), (0, size, 2, "b"), (0, size, 3, "gone")],
-                 "OBJ")
+    files = call("register_memory", [(0, size, fd, "") for fd in fds], "FILE") if fds else call(
+        "register_memory", [(0, size, 1, "a"), (0, size, 2, "b"), (0, size, 3, "gone")], "OBJ")
     remote = call("prep_xfer_dlist", agent.name, files.trim())
     for operation, blocks, objects in (("WRITE", [1, 2], [0, 1]), ("READ", [5, 6], [0, 1]),
                                        ("READ", [7], [2])):
@@ -942,14 +983,20 @@ def store_and_load(complete_after_polls: int, target: int, at: int) -> tuple[lis
             until_over(xfer)
         call("check_xfer_state", xfer)  # over: answers the same again
         call("release_xfer_handle", xfer)
-    call("query_memory", files, "OBJ")
+    call("query_memory", files, "OBJ")  # (NIXL_ERR_NOT_SUPPORTED for files)
     call("release_dlist_handle", remote)
     call("deregister_memory", files)
     call("release_dlist_handle", local)
     call("deregister_memory", dram)
     call("close")
     assert torch.equal(kv[5:7], kv[1:3]), "the load brought the stored blocks back"
-    assert sorted(agent.objects) == ["a", "b"]
+    if fds:
+        assert [os.pread(fd, 2 * size, 0) for fd in fds] == [
+            kv[1].numpy().tobytes(), kv[2].numpy().tobytes(), b""]
+        for fd in fds:
+            os.close(fd)
+    else:
+        assert sorted(agent.objects) == ["a", "b"]
     assert snapshot(agent)[:5] == (0, 0, 0, 0, 0)
     assert agent.misuses == []
     return answers, interrupt.fired
@@ -958,13 +1005,20 @@ def store_and_load(complete_after_polls: int, target: int, at: int) -> tuple[lis
 FAKE_TYPES = (FakeRegDList, FakeDlistHandle, FakeXferHandle)
 
 
+@pytest.mark.parametrize("where", ["OBJ", "FILE"])
 @pytest.mark.parametrize("complete_after_polls", [0, 2])
-def test_an_interrupt_anywhere_inside_any_call_leaves_no_effect(complete_after_polls: int) -> None:
-    expected, _ = store_and_load(complete_after_polls, target=0, at=0)
+def test_an_interrupt_anywhere_inside_any_call_leaves_no_effect(
+    complete_after_polls: int, where: str, tmp_path: Path
+) -> None:
+    """(Files: the bytes a WRITE wrote are put back, and the file's size.)"""
+    expected, _ = store_and_load(complete_after_polls, target=0, at=0, where=where,
+                                 root=tmp_path)
+    if where == "FILE":  # the load of the empty file failed, as NIXL's POSIX backend fails it
+        assert "NIXL_ERR_BACKEND" in expected and "NIXL_ERR_NOT_SUPPORTED" in expected
     for target in range(1, len(expected) + 1):
         at = 1
         while True:  # every point of the call, until it runs out of points
-            answers, fired = store_and_load(complete_after_polls, target, at)
+            answers, fired = store_and_load(complete_after_polls, target, at, where, tmp_path)
             if not fired:
                 break
             assert answers == expected, (target, at)

@@ -3,7 +3,11 @@
 :class:`FakeNixlAgent` serves the prepped-dlist call sequence of an object-store tier with the
 call shapes of the real wrapper (``nixl._api.nixl_agent``) and moves real bytes between registered
 host memory, addressed by raw pointers such as ``tensor.data_ptr()``, and
-:attr:`FakeNixlAgent.objects`, an in-memory object store (``dict[str, bytes]``).
+:attr:`FakeNixlAgent.objects`, an in-memory object store (``dict[str, bytes]``), or files, as
+NIXL's POSIX backend does: a FILE descriptor ``(offset, length, fd, meta)`` addresses ``length``
+bytes at ``offset`` of the open file ``fd`` (a :class:`~kvfsm.tiers.FileTier` runs on it). A
+READ of a file shorter than it asks for, or of a descriptor the caller closed, fails with
+NIXL_ERR_BACKEND, as NIXL 1.5.1's POSIX backend does, and moves nothing.
 
 Timing: ``complete_after_polls`` is the number of ``check_xfer_state`` calls a posted transfer
 needs. With 0, ``transfer`` completes it at once and answers "DONE". With ``n >= 1``, ``transfer``
@@ -43,16 +47,19 @@ its own answer (a FakeNixlError) escapes it: interrupted anywhere, it has had no
 handles, registrations, transfer states or the object store, and a caller that never got its
 handle owes nothing. It is still numbered (it started) and may have consumed its fault. The one
 exception is the bytes of a READ: an interrupted completion may have written part of its
-destination, as a running transfer does, while the transfer stays where it was.
+destination, as a running transfer does, while the transfer stays where it was; an interrupted
+WRITE to files puts back what the files held.
 
 Not thread safe: drive one agent from one thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import operator
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -90,7 +97,9 @@ _MEM_TYPES = {
     "cpu": "DRAM",
     "cuda": "VRAM",
 }
-_SUPPORTED_MEM_TYPES = frozenset({"DRAM", "OBJ"})
+_SUPPORTED_MEM_TYPES = frozenset({"DRAM", "OBJ", "FILE"})
+#: the memory types the remote side of a transfer may be
+_REMOTE_TYPES = frozenset({"OBJ", "FILE"})
 _OPERATIONS = frozenset({"WRITE", "READ"})
 _handle_ids = itertools.count(0x1000)
 #: each agent's serial number, kept on the handles it makes (an int, not the agent: a handle
@@ -270,16 +279,18 @@ class _Xfer:
     operation: str
     local: _Prepped
     remote: _Prepped
-    #: (local DRAM address, length, object key) per descriptor pair
-    moves: tuple[tuple[int, int, str], ...]
+    #: (local DRAM address, length, where) per descriptor pair: an object key, or for a FILE
+    #: descriptor (fd, offset)
+    moves: tuple[tuple[int, int, Any], ...]
     state: _State = _State.MADE
     polls_left: int = 0
     hold: int = 0
     #: a NIXL code to raise again, or "ERR" to answer again, once failed
     failure: str | None = None
     #: while a call completes a WRITE: what the objects it writes held before (None: absent),
-    #: to put back if that call is interrupted; None again once the call returns
-    overwritten: dict[str, bytes | None] | None = None
+    #: or the bytes and the size of the files it writes, to put back if that call is
+    #: interrupted; None again once the call returns
+    overwritten: dict[Any, Any] | None = None
 
 
 #: what a call may change on a transfer, saved to put back if the call is interrupted
@@ -384,8 +395,22 @@ def _resort(index: dict[_Key, dict[_Entry, None]], key: _Key) -> None:
     index[key] = dict.fromkeys(sorted(index[key], key=_seq))
 
 
+def _put_back(saved: dict[Any, Any]) -> None:
+    """Write back what a WRITE to files overwrote, then give each file its size before it
+    (best effort: a descriptor closed meanwhile has nothing to put back into)."""
+    for (fd, offset), old in saved.items():
+        if fd != "size" and old:
+            with contextlib.suppress(OSError):
+                os.pwrite(fd, old, offset)
+    for (what, fd), size in saved.items():
+        if what == "size":
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+
+
 class FakeNixlAgent:
-    """An in-memory NIXL agent with one loopback object-store backend ("OBJ").
+    """An in-memory NIXL agent with a loopback object-store backend ("OBJ") and a file one
+    ("POSIX", memory type FILE).
 
     Args:
         name: the agent's name; ``prep_xfer_dlist(name, ...)`` preps the loopback (remote) side.
@@ -414,7 +439,7 @@ class FakeNixlAgent:
         #: the object store: object key -> bytes
         self.objects: dict[str, bytes] = {} if objects is None else objects
         #: backend name -> handle, like the real agent's ``backends``
-        self.backends: dict[str, int] = {"OBJ": 1}
+        self.backends: dict[str, int] = {"OBJ": 1, "POSIX": 2}
         #: the fault schedule, and the record of every call made
         self.faults = FaultPlan("FakeNixlAgent")
         #: the name of every NIXL call made, in order, failed ones included
@@ -527,7 +552,7 @@ class FakeNixlAgent:
             TypeError: not 4-tuples, or no mem_type with a list of tuples.
             KeyError: an unknown memory type or backend name.
             IndexError: an empty list.
-            FakeNixlError: NIXL_ERR_NOT_FOUND for a memory type other than DRAM and OBJ.
+            FakeNixlError: NIXL_ERR_NOT_FOUND for a memory type other than DRAM, OBJ and FILE.
         """
         fault = self._enter("register_memory")
         canonical, descs = _reg_descs("register_memory", reg_list, mem_type)
@@ -630,7 +655,7 @@ class FakeNixlAgent:
             NixlMisuseError: a DRAM descriptor outside every registered DRAM region (real NIXL
                 refuses it with NIXL_ERR_NOT_FOUND; the fake treats it as a bug).
             FakeNixlError: NIXL_ERR_NOT_FOUND for another agent's name, an OBJ descriptor with no
-                registration, or a memory type other than DRAM and OBJ.
+                registration, or a memory type other than DRAM, OBJ and FILE.
         """
         fault = self._enter("prep_xfer_dlist")
         canonical, descs = _xfer_descs("prep_xfer_dlist", xfer_list, mem_type)
@@ -651,14 +676,15 @@ class FakeNixlAgent:
             raise FakeNixlError("NIXL_ERR_NOT_FOUND")
         if canonical not in _SUPPORTED_MEM_TYPES:
             raise FakeNixlError("NIXL_ERR_NOT_FOUND")
-        keys: tuple[str, ...] = ("",) * len(descs)
-        if canonical == "OBJ":
+        keys: tuple[Any, ...] = ("",) * len(descs)
+        if canonical in _REMOTE_TYPES:
             for desc in descs:
                 entry = self._covering(canonical, desc)
                 if entry is None:
                     raise FakeNixlError("NIXL_ERR_NOT_FOUND")
                 entries.append(entry)
-            keys = tuple(entry.meta for entry in entries)
+            keys = (tuple(entry.meta for entry in entries) if canonical == "OBJ"
+                    else tuple((desc[2], desc[0]) for desc in descs))  # FILE: (fd, offset)
         handle = FakeDlistHandle(next(_handle_ids), self._serial)
         unique = tuple(dict.fromkeys(entries))
         prepped = _Prepped(handle, local, canonical, descs, tuple(entries), keys, unique)
@@ -685,7 +711,7 @@ class FakeNixlAgent:
         backends: Sequence[str] = (),
         skip_desc_merge: bool = False,
     ) -> FakeXferHandle:
-        """Make a WRITE (local DRAM to objects) or READ (objects to local DRAM) transfer.
+        """Make a WRITE (local DRAM to objects or files) or READ (back to local DRAM) transfer.
 
         Raises:
             KeyError: an operation other than "WRITE" and "READ", or an unknown backend.
@@ -693,8 +719,8 @@ class FakeNixlAgent:
                 registered memory was deregistered.
             FakeNixlError: NIXL_ERR_INVALID_PARAM for index lists of different or zero length,
                 an index out of range, sides prepped the wrong way round, or descriptor pairs of
-                different lengths; NIXL_ERR_NOT_SUPPORTED unless local is DRAM and remote is OBJ;
-                NIXL_ERR_BACKEND for a notification (the OBJ backend supports none).
+                different lengths; NIXL_ERR_NOT_SUPPORTED unless local is DRAM and remote OBJ
+                or FILE; NIXL_ERR_BACKEND for a notification (the fake supports none).
         """
         call = "make_prepped_xfer"
         fault = self._enter(call)
@@ -724,7 +750,7 @@ class FakeNixlAgent:
         ]
         if any(ldesc[1] != rdesc[1] for ldesc, rdesc, _ in pairs):
             raise FakeNixlError("NIXL_ERR_INVALID_PARAM")
-        if local.mem_type != "DRAM" or remote.mem_type != "OBJ":
+        if local.mem_type != "DRAM" or remote.mem_type not in _REMOTE_TYPES:
             raise FakeNixlError("NIXL_ERR_NOT_SUPPORTED")
         if notif_msg:
             raise FakeNixlError("NIXL_ERR_BACKEND")
@@ -1004,11 +1030,14 @@ class FakeNixlAgent:
         """
         overwritten, objects = xfer.overwritten, self.objects
         if overwritten is not None:
-            for key, old in overwritten.items():
-                if old is None:
-                    objects.pop(key, None)
-                else:
-                    objects[key] = old
+            if xfer.remote.mem_type == "FILE":
+                _put_back(overwritten)
+            else:
+                for key, old in overwritten.items():
+                    if old is None:
+                        objects.pop(key, None)
+                    else:
+                        objects[key] = old
             xfer.overwritten = None
         state, xfer.polls_left, xfer.hold, xfer.failure = saved
         self._set_state(xfer, state)
@@ -1022,6 +1051,8 @@ class FakeNixlAgent:
         (measured with NIXL 1.5.1 against an S3 server): its first bytes, up to the block's
         length, leaving the rest of a larger block as it was, and answers DONE.
         """
+        if xfer.remote.mem_type == "FILE":
+            return self._complete_files(xfer)
         objects = self.objects
         if xfer.operation == "WRITE":
             written = {key: ctypes.string_at(addr, length) for addr, length, key in xfer.moves}
@@ -1036,6 +1067,48 @@ class FakeNixlAgent:
         for addr, length, key in xfer.moves:
             data = objects[key]
             ctypes.memmove(addr, data, min(length, len(data)))
+        self._set_state(xfer, _State.DONE)
+        return "DONE"
+
+    def _complete_files(self, xfer: _Xfer) -> str:
+        """Move the bytes of a transfer to or from files, as NIXL's POSIX backend does: a
+        WRITE notes what it overwrites (for :meth:`_restore`), then writes each block at its
+        offset; a READ reads every block first and fails, moving nothing, when one is short
+        or its descriptor is closed (NIXL_ERR_BACKEND)."""
+        if xfer.operation == "WRITE":
+            written = [(fd, offset, ctypes.string_at(addr, length))
+                       for addr, length, (fd, offset) in xfer.moves]
+            saved: dict[Any, Any] = {}
+            xfer.overwritten = saved
+            try:
+                for fd, offset, data in written:
+                    if ("size", fd) not in saved:
+                        saved["size", fd] = os.fstat(fd).st_size
+                    if (fd, offset) not in saved:  # (nothing to keep past the end, nor from
+                        saved[fd, offset] = b""  # a file opened write-only: its size is kept)
+                        if offset < saved["size", fd]:
+                            with contextlib.suppress(OSError):
+                                saved[fd, offset] = os.pread(fd, len(data), offset)
+                    os.pwrite(fd, data, offset)
+            except OSError:  # (a closed descriptor, a full disk): what was written is undone
+                _put_back(saved)
+                xfer.overwritten = None
+                self._fail(xfer, "NIXL_ERR_BACKEND")
+                raise FakeNixlError("NIXL_ERR_BACKEND") from None
+            self._set_state(xfer, _State.DONE)
+            return "DONE"
+        read = []
+        for _, length, (fd, offset) in xfer.moves:  # (a loop, no generator: one interrupted
+            try:  # inside an any() would be left unfinished, and complain when collected)
+                data = os.pread(fd, length, offset)
+            except OSError:
+                data = b""
+            if len(data) != length:
+                self._fail(xfer, "NIXL_ERR_BACKEND")
+                raise FakeNixlError("NIXL_ERR_BACKEND")
+            read.append(data)
+        for (addr, length, _), data in zip(xfer.moves, read, strict=True):
+            ctypes.memmove(addr, data, length)
         self._set_state(xfer, _State.DONE)
         return "DONE"
 
