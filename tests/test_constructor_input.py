@@ -5,6 +5,7 @@ object (each of these once surfaced as an AttributeError or TypeError from deep 
 from __future__ import annotations
 
 import collections
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,20 @@ def test_a_tier_given_something_else_than_an_agent_says_what_it_lacks(
         ObjectStoreTier(cache(), agent=agent)
     with pytest.raises(ValueError, match=message):
         FileTier(cache(), tmp_path / "blocks", agent=agent)
+    assert not (tmp_path / "blocks").exists(), "no directory was made"
+
+
+def test_a_file_tier_without_nixl_installed_says_so_and_makes_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without NIXL (its module cannot be imported), a FileTier that would make its own agent
+    is refused saying how to install it, before its root is made."""
+    from kvfsm.nixl_agents import NixlUnavailable  # noqa: PLC0415
+
+    monkeypatch.setitem(sys.modules, "nixl_cu12", None)  # what an import finds without NIXL
+    with pytest.raises(NixlUnavailable, match=r"NIXL is not installed: pip install --no-deps "
+                                              r"nixl-cu12==1.5.1"):
+        FileTier(cache(), tmp_path / "blocks")
     assert not (tmp_path / "blocks").exists(), "no directory was made"
 
 

@@ -578,6 +578,10 @@ class FileTier(SecondaryTier):
             raise ValueError(f"durable must be True or False, got {durable!r}")
         if not isinstance(root, str | os.PathLike) or not os.fspath(root):
             raise ValueError(f"root must be a directory's path, got {root!r}")
+        if agent is None:  # NIXL is optional: without it, refused before the root is made
+            from kvfsm.nixl_agents import _api  # noqa: PLC0415
+
+            _api()  # raises NixlUnavailable, saying how to install it
         self.root = Path(root)
         self.read_only = _check_root(self.root, read_only)
         #: the root as text, ending in a separator: a block's path is this and its name
