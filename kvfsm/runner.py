@@ -118,6 +118,9 @@ class Runner(Books):
         self.policy = policy
         self.effects = declaration.effects
         self.running_states = declaration.running
+        #: the most effects a round makes for one transfer: a path through every state once
+        #: (a lifecycle whose own steps go round in a circle goes on in the next round)
+        self._max_moves = len(declaration.states.__members__)
         self.final = declaration.final
         #: final failure states: a transfer ending there is held (its handles kept for good)
         self.held = declaration.final & declaration.failure_states
@@ -522,6 +525,9 @@ class Runner(Books):
         moved back into a running state gets one state check first), is published, stays where
         it was (a retry: the next round tries again) or backs off.
 
+        At most as many calls for one transfer as the lifecycle has states: one whose own
+        steps send it round in a circle goes on in the next round, and a round stays bounded.
+
         ``transfers`` (by default the waiting list as it is now) are gone through in order;
         the effect ``END`` stands for the release and cleanup calls of a transfer that is over.
         With ``moved``, each of ``transfers`` was moved on by an effect made this round (the
@@ -529,11 +535,12 @@ class Runner(Books):
         state gets its check.
         """
         records, final, running = self.records, self.final, self.running_states
-        effects, ending = self.effects, self._ending
+        effects, ending, most = self.effects, self._ending, self._max_moves
         batch = list(self.waiting.values()) if transfers is None else transfers
         for transfer in batch:
-            made, checked = moved, False
-            while records.get(transfer.job_id) is transfer:
+            made, checked, moves = moved, False, 0
+            while records.get(transfer.job_id) is transfer and moves < most:
+                moves += 1
                 state = transfer.state
                 if state in final:
                     break

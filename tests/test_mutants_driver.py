@@ -325,6 +325,64 @@ def test_a_step_sending_its_transfer_back_to_running_gets_a_state_check_in_the_s
     assert agent.misuses == [] and agent.live_xfer_handles() == 0
 
 
+def check_and_fix() -> Declaration[Any, Any]:
+    """The lifecycle with two steps of its own after NIXL's DONE that may go round in a
+    circle: ``check`` answers AGAIN to send the transfer to ``fix``, which sends it back."""
+    base: Declaration[Any, Any] = TRANSFER_MACHINE
+    return base.extend(
+        "check_and_fix", states=["CHECKING", "FIXING"],
+        replace={("SUBMITTED", "post", "finished"): {"dest": "CHECKING", "after": []},
+                 ("PROCESSING", "poll", "finished"): {"dest": "CHECKING", "after": []}},
+        answers={"check": (Again.SETTLED, Again.AGAIN, A.RAISED), "fix": (A.OK, A.RAISED)},
+        guards={"settled": (Again.SETTLED,), "again": (Again.AGAIN,),
+                "step_raised": (A.RAISED,), "fixed": (A.OK,)},
+        transitions=[
+            {"trigger": "check", "source": "CHECKING", "dest": "DONE",
+             "conditions": "settled", "after": "latch_success"},
+            {"trigger": "check", "source": "CHECKING", "dest": "FIXING", "conditions": "again"},
+            {"trigger": "check", "source": "CHECKING", "dest": "FAILED",
+             "conditions": "step_raised", "after": "latch_failure"},
+            {"trigger": "fix", "source": "FIXING", "dest": "CHECKING", "conditions": "fixed"},
+            {"trigger": "fix", "source": "FIXING", "dest": "FAILED",
+             "conditions": "step_raised", "after": "latch_failure"},
+            {"trigger": "cancel", "source": "CHECKING", "dest": "CHECKING"},
+            {"trigger": "cancel", "source": "FIXING", "dest": "FIXING"}],
+        effects={"CHECKING": "check", "FIXING": "fix"})
+
+
+@pytest.mark.timeout(30)
+def test_steps_that_go_round_in_a_circle_make_a_bounded_number_of_calls_a_round() -> None:
+    """A lifecycle's own steps may send a transfer round in a circle (check, fix, check...):
+    a round once went round for as long as they did, under the tier's lock, and a step that
+    never stopped hung get_finished_jobs. A round now makes at most as many calls for one
+    transfer as the lifecycle has states, and the next round goes on where it stopped."""
+    machine = check_and_fix()
+    settle = False
+    calls: list[str] = []
+
+    def check(transfer: Transfer, primary: torch.Tensor) -> Any:
+        calls.append("check")
+        return Again.SETTLED if settle else Again.AGAIN
+
+    def fix(transfer: Transfer, primary: torch.Tensor) -> Any:
+        calls.append("fix")
+        return A.OK
+
+    agent = FakeNixlAgent("circling")
+    primary = torch.arange(32, dtype=torch.float32).view(4, 8)
+    tier = _Tier(primary, agent=agent, remote=CountedSide(int(primary[0].nbytes)),
+                 machine=machine, steps={"check": check, "fix": fix})
+    tier.submit_store(TransferJob(1, ["a"], [2]))
+    for _ in range(3):
+        before = len(calls)
+        assert tier.get_finished_jobs() == []
+        assert 0 < len(calls) - before <= len(machine.states), "bounded, and going on"
+    settle = True
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    tier.shutdown(timeout=5)
+    assert agent.misuses == [] and agent.live_xfer_handles() == 0
+
+
 # -- StorageSide's defaults ---------------------------------------------------------------------
 
 def test_storage_side_defaults_commit_at_once_notify_nobody_and_close_nothing() -> None:
