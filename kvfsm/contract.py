@@ -177,15 +177,8 @@ class JobSide:
                     raise DrainTimeout("drain_jobs", self.unpublished(), self._noun)
             finally:
                 lock.release()
-            pause = (self.poll_interval if deadline is None else  # (never past the deadline)
-                     min(self.poll_interval, max(0.0, deadline - time.monotonic())))
-            if lock._is_owned():  # type: ignore[attr-defined]
-                # a drain inside a call that holds the lock (a listener of the progress
-                # thread's poll shutting the tier down): every hold is let go while it sleeps,
-                # so other threads' calls are not held up for the whole drain
-                threading.Condition(lock).wait(pause)
-            else:
-                time.sleep(pause)
+            time.sleep(self.poll_interval if deadline is None else  # (never past the deadline)
+                       min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 
     def _poll(self, everything: bool = False) -> None:
         """Advance the unpublished jobs once (the caller holds the lock); ``everything``: a

@@ -513,12 +513,53 @@ def test_a_listener_on_the_progress_thread_may_shut_the_tier_down() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_a_listeners_shutdown_on_the_progress_thread_lets_other_threads_in_while_it_waits() -> None:
+def test_a_listener_holding_its_own_lock_shuts_the_tier_down_while_another_thread_drains(
+) -> None:
+    """A listener keeps its books under a lock of its own and shuts the tier down on the
+    progress thread; meanwhile the scheduler's thread drains. The listener's shutdown waits
+    holding the tier's lock, so the scheduler's drain waits for it, and job 2 is published on
+    the progress thread, inside the shutdown. (A shutdown that let go of the poll's hold while
+    it slept let the scheduler's poll in: it ran the listener, which waited for the
+    listener's lock, while the progress thread waited for the tier's: a deadlock.)"""
+    agent = Held()
+    tier = ObjectStoreTier(torch.zeros(4, 16), agent=agent, poll_interval=0.01,
+                           policy=RetryPolicy(progress_interval=0.001))
+    books = threading.RLock()
+    inside = threading.Event()
+    published: list[tuple[int, str]] = []
+
+    def listener(transfer: Transfer) -> None:
+        with books:
+            published.append((transfer.job_id, threading.current_thread().name))
+            if transfer.job_id == 1:
+                inside.set()
+                tier.shutdown(timeout=10)
+
+    tier.on_published.append(listener)
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    tier.submit_store(TransferJob(2, ["b"], [1]))
+    agent.end(0)
+    assert inside.wait(10)
+    time.sleep(0.05)  # the listener's shutdown waits for job 2
+    agent.end(1)
+    scheduler = threading.Thread(target=tier.drain_jobs, args=(10,), name="scheduler",
+                                 daemon=True)
+    scheduler.start()
+    scheduler.join(15)
+    assert not scheduler.is_alive(), "the scheduler's drain returned"
+    assert tier.closed
+    assert [job for job, _ in published] == [1, 2]
+    assert {thread for _, thread in published} == {tier._progress_last.name}
+
+
+@pytest.mark.timeout(30)
+def test_a_submit_is_refused_at_once_while_a_listeners_shutdown_on_the_progress_thread_waits(
+) -> None:
     """A listener on the progress thread shuts the tier down while NIXL still runs job 2: the
-    shutdown waits for it inside the thread's poll, which holds the tier's lock. Meanwhile the
-    scheduler's thread is answered, not held up until the shutdown is over: a submit is refused
-    at once, and a cancel (which takes the lock) is taken while the shutdown still waits. Once
-    NIXL ends job 2 the shutdown publishes it and closes the tier."""
+    shutdown waits for it inside the thread's poll, which holds the tier's lock. Meanwhile a
+    submit on the scheduler's thread is refused at once, not once the shutdown is over (it
+    waited for the lock, 1.95 s in a review's run). Once NIXL ends job 2 the shutdown
+    publishes it and closes the tier."""
     agent = Held()
     tier = ObjectStoreTier(torch.zeros(4, 16), agent=agent,
                            policy=RetryPolicy(progress_interval=0.001))
@@ -543,8 +584,7 @@ def test_a_listeners_shutdown_on_the_progress_thread_lets_other_threads_in_while
     assert waiting.wait(10)
     with pytest.raises(TierClosedError, match="job 3 refused"):
         tier.submit_store(TransferJob(3, ["c"], [2]))
-    tier.cancel(2)  # takes the tier's lock: cancelled already, nothing changes
-    assert not over.is_set(), "taken while the listener's shutdown waits for job 2"
+    assert not over.is_set(), "refused while the listener's shutdown waits for job 2"
     assert tier.stats()["in_flight"] == {"CANCELLING": 1}, "cancelled, NIXL still runs it"
     agent.end(1)
     assert over.wait(10) and raised == []
