@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -223,6 +224,35 @@ def test_a_removal_that_ends_its_thread_neither_hangs_a_wait_nor_stops_later_rem
     finally:
         threading.excepthook = quiet
         tier.shutdown(timeout=5)
+
+
+@pytest.mark.timeout(30)
+def test_a_removal_that_shuts_its_tier_down_ends_the_shutdown_without_waiting_for_itself(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """A ``remove=`` that shuts the tier down (it found the store gone, say) runs on the thread
+    that sends the deletes; the shutdown once joined that very thread and raised
+    RuntimeError. It now closes the tier; the deletes' thread ends after its call."""
+    raised: list[BaseException] = []
+    tier: ObjectStoreTier
+
+    def remove(names: list[str]) -> int:
+        try:
+            tier.shutdown(timeout=5)
+        except BaseException as error:  # (kept, for the assertion below)
+            raised.append(error)
+        return agent.remove_objects(names)
+
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=remove)
+    tier.submit_store(store(1, ("a", 0)))
+    assert [r.success for r in settle(tier)] == [True]
+    tier.submit_store(store(2, ("b", 1)))  # evicts a: its delete shuts the tier down
+    give_up = time.monotonic() + 10
+    while not (tier.closed or raised) and time.monotonic() < give_up:
+        time.sleep(0.01)
+    assert raised == [] and tier.closed
+    assert tier.wait_for_removals(5)
+    assert object_names(tier, "a")[0] not in agent.objects, "a's delete was sent all the same"
 
 
 def test_a_file_tier_deletes_its_least_recently_used_files(

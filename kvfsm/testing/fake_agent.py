@@ -6,8 +6,9 @@ host memory, addressed by raw pointers such as ``tensor.data_ptr()``, and
 :attr:`FakeNixlAgent.objects`, an in-memory object store (``dict[str, bytes]``), or files, as
 NIXL's POSIX backend does: a FILE descriptor ``(offset, length, fd, meta)`` addresses ``length``
 bytes at ``offset`` of the open file ``fd`` (a :class:`~kvfsm.tiers.FileTier` runs on it). A
-READ of a file shorter than it asks for, or of a descriptor the caller closed, fails with
-NIXL_ERR_BACKEND, as NIXL 1.5.1's POSIX backend does, and moves nothing.
+READ of a file shorter than it asks for, or through a descriptor that cannot be read, fails
+with NIXL_ERR_BACKEND, as NIXL 1.5.1's POSIX backend does; and as there, what it could read
+is copied, and a failed WRITE keeps what it wrote (checked against real NIXL POSIX).
 
 Timing: ``complete_after_polls`` is the number of ``check_xfer_state`` calls a posted transfer
 needs. With 0, ``transfer`` completes it at once and answers "DONE". With ``n >= 1``, ``transfer``
@@ -48,7 +49,8 @@ handles, registrations, transfer states or the object store, and a caller that n
 handle owes nothing. It is still numbered (it started) and may have consumed its fault. The one
 exception is the bytes of a READ: an interrupted completion may have written part of its
 destination, as a running transfer does, while the transfer stays where it was; an interrupted
-WRITE to files puts back what the files held.
+WRITE to files puts back what the files held (their size, and what it could read of them: a
+file opened write-only gets its size back only).
 
 Not thread safe: drive one agent from one thread.
 """
@@ -395,17 +397,45 @@ def _resort(index: dict[_Key, dict[_Entry, None]], key: _Key) -> None:
     index[key] = dict.fromkeys(sorted(index[key], key=_seq))
 
 
-def _put_back(saved: dict[Any, Any]) -> None:
-    """Write back what a WRITE to files overwrote, then give each file its size before it
-    (best effort: a descriptor closed meanwhile has nothing to put back into)."""
-    for (fd, offset), old in saved.items():
-        if fd != "size" and old:
+def _file_status(path: str) -> dict[str, str] | None:
+    """What NIXL's POSIX backend answers a query of ``path`` with (None: no such file)."""
+    try:
+        status = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return {"mtime": str(int(status.st_mtime)), "mode": str(status.st_mode),
+            "size": str(status.st_size)}
+
+
+def _held_before(blocks: Sequence[tuple[int, int, bytes]]) -> dict[Any, Any]:
+    """What the files a WRITE of ``blocks`` (fd, offset, bytes) writes hold before it: each
+    file's size, and each range it writes, read before any is written (none from a file
+    opened write-only), for :func:`_put_back`."""
+    held: dict[Any, Any] = {}
+    for fd, offset, data in blocks:
+        if ("size", fd) not in held:
+            try:
+                held["size", fd] = os.fstat(fd).st_size
+            except OSError:  # (a closed descriptor: the write fails, nothing to put back)
+                continue
+        if offset < held["size", fd]:
             with contextlib.suppress(OSError):
-                os.pwrite(fd, old, offset)
-    for (what, fd), size in saved.items():
-        if what == "size":
+                held[fd, offset, len(data)] = os.pread(fd, len(data), offset)
+    return held
+
+
+def _put_back(held: dict[Any, Any]) -> None:
+    """Put back what :func:`_held_before` kept: the ranges in the reverse order they were
+    written (where two overlap, the first one's bytes, read before either, win), then each
+    file's size (best effort: a descriptor closed meanwhile has nothing to put back into)."""
+    for where, old in reversed(held.items()):
+        if where[0] != "size":
             with contextlib.suppress(OSError):
-                os.ftruncate(fd, size)
+                os.pwrite(where[0], old, where[1])
+    for where, size in held.items():
+        if where[0] == "size":
+            with contextlib.suppress(OSError):
+                os.ftruncate(where[1], size)
 
 
 class FakeNixlAgent:
@@ -617,12 +647,14 @@ class FakeNixlAgent:
         backend: str,
         mem_type: str | None = None,
     ) -> list[dict[str, str] | None]:
-        """Whether objects exist: ``{}`` for a present key (the meta), ``None`` for an absent one.
+        """Whether objects exist: ``{}`` for a present key (the meta), ``None`` for an absent one;
+        for FILE, the meta is a path, answered as NIXL's POSIX backend does: its ``mtime``,
+        ``mode`` and ``size`` as text, or ``None`` where there is no such file.
 
         Raises:
             TypeError: not 4-tuples, or no mem_type with a list of tuples.
             ValueError: an unknown backend.
-            FakeNixlError: NIXL_ERR_NOT_SUPPORTED for a memory type other than OBJ.
+            FakeNixlError: NIXL_ERR_NOT_SUPPORTED for a memory type other than OBJ and FILE.
         """
         fault = self._enter("query_memory")
         canonical, descs = _reg_descs("query_memory", reg_list, mem_type)
@@ -631,6 +663,8 @@ class FakeNixlAgent:
                 f"Backend '{backend}' not found. Available backends: {list(self.backends)}"
             )
         self._fire_raise(fault)
+        if canonical == "FILE":
+            return [_file_status(desc[3]) for desc in descs]
         if canonical != "OBJ":
             raise FakeNixlError("NIXL_ERR_NOT_SUPPORTED")
         return [{} if desc[3] in self.objects else None for desc in descs]
@@ -1071,44 +1105,33 @@ class FakeNixlAgent:
         return "DONE"
 
     def _complete_files(self, xfer: _Xfer) -> str:
-        """Move the bytes of a transfer to or from files, as NIXL's POSIX backend does: a
-        WRITE notes what it overwrites (for :meth:`_restore`), then writes each block at its
-        offset; a READ reads every block first and fails, moving nothing, when one is short
-        or its descriptor is closed (NIXL_ERR_BACKEND)."""
+        """Move the bytes of a transfer to or from files, as NIXL 1.5.1's POSIX backend does:
+        every block is read or written at its offset; a READ copies what each read returned,
+        a WRITE keeps what it wrote; one that was short, or whose descriptor could not be read
+        or written, fails the transfer (NIXL_ERR_BACKEND) once every block was tried. A WRITE
+        first notes what the files held (for :meth:`_restore`, if the call is interrupted)."""
+        moves, failed = xfer.moves, False
         if xfer.operation == "WRITE":
-            written = [(fd, offset, ctypes.string_at(addr, length))
-                       for addr, length, (fd, offset) in xfer.moves]
-            saved: dict[Any, Any] = {}
-            xfer.overwritten = saved
-            try:
-                for fd, offset, data in written:
-                    if ("size", fd) not in saved:
-                        saved["size", fd] = os.fstat(fd).st_size
-                    if (fd, offset) not in saved:  # (nothing to keep past the end, nor from
-                        saved[fd, offset] = b""  # a file opened write-only: its size is kept)
-                        if offset < saved["size", fd]:
-                            with contextlib.suppress(OSError):
-                                saved[fd, offset] = os.pread(fd, len(data), offset)
-                    os.pwrite(fd, data, offset)
-            except OSError:  # (a closed descriptor, a full disk): what was written is undone
-                _put_back(saved)
-                xfer.overwritten = None
-                self._fail(xfer, "NIXL_ERR_BACKEND")
-                raise FakeNixlError("NIXL_ERR_BACKEND") from None
-            self._set_state(xfer, _State.DONE)
-            return "DONE"
-        read = []
-        for _, length, (fd, offset) in xfer.moves:  # (a loop, no generator: one interrupted
-            try:  # inside an any() would be left unfinished, and complain when collected)
-                data = os.pread(fd, length, offset)
-            except OSError:
-                data = b""
-            if len(data) != length:
-                self._fail(xfer, "NIXL_ERR_BACKEND")
-                raise FakeNixlError("NIXL_ERR_BACKEND")
-            read.append(data)
-        for (addr, length, _), data in zip(xfer.moves, read, strict=True):
-            ctypes.memmove(addr, data, length)
+            blocks = [(fd, offset, ctypes.string_at(addr, length))
+                      for addr, length, (fd, offset) in moves]
+            xfer.overwritten = _held_before(blocks)
+            for fd, offset, data in blocks:
+                try:
+                    failed = os.pwrite(fd, data, offset) != len(data) or failed
+                except OSError:  # (a descriptor opened read-only, or closed; a full disk)
+                    failed = True
+        else:
+            for addr, length, (fd, offset) in moves:
+                try:
+                    data = os.pread(fd, length, offset)
+                except OSError:  # (a descriptor opened write-only, or closed)
+                    data = b""
+                ctypes.memmove(addr, data, len(data))
+                failed = failed or len(data) != length
+        if failed:
+            xfer.overwritten = None  # what a failed WRITE wrote stays written, as in NIXL
+            self._fail(xfer, "NIXL_ERR_BACKEND")
+            raise FakeNixlError("NIXL_ERR_BACKEND")
         self._set_state(xfer, _State.DONE)
         return "DONE"
 

@@ -333,6 +333,8 @@ class _Remover:
             thread = self._thread
         if thread is None:
             return True
+        if thread is threading.current_thread():
+            return False  # asked from inside a delete (its tier shut down there): it ends next
         thread.join(timeout)
         if thread.is_alive():
             with self._lock:  # not sent: left in the store
