@@ -43,6 +43,7 @@ import itertools
 import logging
 import math
 import operator
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -610,11 +611,12 @@ class TieringManager:
     wrong before anything changed: no block is evicted, allocated or pinned, no job id is used
     and no tier sees a job. Only then are blocks allocated (evicting if need be) or pinned.
 
-    Keys are str or bytes, of one kind for the manager's life when a tier names a bytes key as
-    the str key of its hex, as kvfsm's file and object tiers do (``b"k"`` as ``"6b"``): the
-    primary holds the two apart, the tier in one place, so a load of one would publish the
-    other's bytes. The first key the manager is given sets the kind; a key of the other kind
-    is refused in any later call (a :class:`TieringInputError` naming it).
+    Keys are str or bytes. Where a tier names a bytes key as the str key of its hex, as kvfsm's
+    file and object tiers do (``b"k"`` as ``"6b"``), the primary holds the two apart and the
+    tier in one place, so once both were stored a load of one would publish the other's bytes.
+    Such a manager therefore takes bytes keys or str keys that are the hex of bytes, not both:
+    once it stored or loaded one kind, a key of the other is refused in any call (a
+    :class:`TieringInputError` naming it). Other str keys go with either.
 
     When a tier's submit raises all the same (the tier refused the job: it is shut down, or it
     found the job malformed in a way the manager could not check), the manager takes back what
@@ -683,8 +685,9 @@ class TieringManager:
         #: the tiers that name a bytes key as the str key of its hex (kvfsm's file and object
         #: tiers: ``b"k"`` as ``"6b"``); with any, the manager takes keys of one kind only
         self._hex_named = [name for name, tier in named.items() if _names_bytes_as_hex(tier)]
-        #: the kind of key (str or bytes) the manager was given first, once it matters
-        self._kind: type | None = None
+        #: the kinds of key that could share a name the manager has stored or loaded: bytes,
+        #: and str keys that are the hex of some bytes (see _check_kind)
+        self._kinds: set[type] = set()
 
     @property
     def tiers(self) -> Mapping[str, OffloadTier]:
@@ -1001,26 +1004,36 @@ class TieringManager:
                         f"keys[{first}] = {keys[first]!r} and keys[{index}] = {key!r} name "
                         f"the same block {name!r} in tier {tier_name!r}")
         if self._hex_named:
-            self._check_kind(keys)
+            self._check_kind(keys, keep=distinct)
 
-    def _check_kind(self, keys: Sequence[Key]) -> None:
-        """One kind of key, str or bytes, for the manager's life, while a tier names a bytes
-        key as its hex: the primary holds ``"6b"`` and ``b"k"`` apart, the tier in one file,
-        so a load of one, in this call or any later, would publish the other's bytes."""
-        kind = self._kind
+    def _check_kind(self, keys: Sequence[Key], *, keep: bool) -> None:
+        """Bytes keys, or str keys that are the hex of bytes (``"6b"``), not both, while a
+        tier names a bytes key as its hex: the primary holds ``"6b"`` and ``b"k"`` apart, the
+        tier in one file, so once both were stored a load of one would publish the other's
+        bytes. Other str keys never share a name with a bytes key, and go with either.
+        ``keep``: the keys are stored or loaded (not only looked up): remember their kind."""
+        kinds = self._kinds
+        seen: dict[type, int] = {}
         for index, key in enumerate(keys):
-            of = bytes if isinstance(key, bytes) else str
-            if kind is None:
-                kind = of
-            elif of is not kind:
-                given = ("bytes" if kind is bytes else "str") + (
-                    " keys before" if self._kind is not None else f" keys[0] = {keys[0]!r}")
+            if isinstance(key, bytes):
+                kind: type = bytes
+            elif isinstance(key, str) and _HEX_TEXT(key) is not None:
+                kind = str
+            else:
+                continue
+            other = str if kind is bytes else bytes
+            if other in kinds or other in seen:
+                given = (f"keys[{seen[other]}] = {keys[seen[other]]!r}" if other in seen
+                         else "the " + ("bytes keys" if other is bytes else "hex str keys")
+                         + " it stored or loaded before")
                 raise TieringInputError(
-                    f"keys[{index}] = {key!r} is {of.__name__}, but this manager was given "
-                    f"{given}: tier {self._hex_named[0]!r} names a bytes key as the str key of "
-                    f"its hex (b'k' as '6b'), so the two kinds would share blocks; give the "
-                    "manager keys of one kind")
-        self._kind = kind
+                    f"keys[{index}] = {key!r} would share blocks with {given}: tier "
+                    f"{self._hex_named[0]!r} names a bytes key as the str key of its hex "
+                    "(b'k' as '6b'), where this manager holds them apart; give it bytes keys "
+                    "or str keys that are no hex, not both")
+            seen.setdefault(kind, index)
+        if keep:
+            kinds.update(seen)
 
     def _finalize(self, name: str, result: JobResult,
                   finalized: list[Finalized]) -> BookkeepingIssue | None:
@@ -1103,6 +1116,10 @@ def _refused(refusals: Sequence[tuple[str, int, BaseException]],
     if not submitted and all(isinstance(error, ValueError) for _, _, error in refusals):
         return TierInputRefusedError(refusals, submitted)
     return TierSubmitError(refusals, submitted)
+
+
+#: a str key that is the hex of some bytes key (``bytes.hex()`` writes lower case)
+_HEX_TEXT = re.compile(r"(?:[0-9a-f]{2})+").fullmatch
 
 
 def _names_bytes_as_hex(tier: Any) -> bool:

@@ -149,14 +149,15 @@ def test_a_key_of_the_other_kind_is_refused_in_any_later_call_where_tiers_name_b
     """The engine stores "6b", a str key: the object tier writes it under the name 6b. Later it
     offers b"k", a bytes key the primary holds apart from "6b", which the tiers name as "6b"
     too: stored, it would overwrite "6b"'s copy, and a load of "6b" would then publish b"k"'s
-    bytes as a success. So the manager keeps to the kind of key it was given first: b"k" is
-    refused in a store, a lookup and a load, and nothing changes."""
+    bytes as a success. So once the manager stored hex str keys it refuses bytes keys, in a
+    store, a lookup, a load and a find, and nothing changes; a str key that is no hex goes on."""
     primary = stack.primary
     objects_job, _ = stack.manager.store([block(stack, "6b")])
     assert [r.success for r in stack.manager.drain(5) if r.job_id == objects_job] == [True]
     before = stack.snapshot()
-    refusal = (r"keys\[0\] = b'k' is bytes, but this manager was given str keys before: tier "
-               r"'objects' names a bytes key as the str key of its hex \(b'k' as '6b'\)")
+    refusal = (r"keys\[0\] = b'k' would share blocks with the hex str keys it stored or loaded "
+               r"before: tier 'objects' names a bytes key as the str key of its hex "
+               r"\(b'k' as '6b'\)")
     with pytest.raises(TieringInputError, match=refusal):
         stack.manager.store([block(stack, b"k")])
     with pytest.raises(TieringInputError, match=refusal):
@@ -166,17 +167,22 @@ def test_a_key_of_the_other_kind_is_refused_in_any_later_call_where_tiers_name_b
     with pytest.raises(TieringInputError, match=refusal):
         stack.manager.load([b"k"])
     assert stack.snapshot() == after_free != before
-    with pytest.raises(TieringInputError, match=r"keys\[1\] = b'y' is bytes, but this manager "
-                                                r"was given str keys before"):
+    with pytest.raises(TieringInputError, match=r"keys\[1\] = b'y' would share blocks with "
+                                                r"the hex str keys it stored or loaded before"):
         stack.manager.find(["x", b"y"])
+    with pytest.raises(TieringInputError, match=r"keys\[1\] = b'y' would share blocks with "
+                                                r"keys\[0\] = '00'"):
+        stack.manager.find(["00", b"y"])
     assert stack.manager.lookup("6b") is Lookup.HIT  # str keys go on as before
+    assert stack.manager.find(["x"]) is None
 
 
 @pytest.mark.timeout(30)
-def test_keys_of_both_kinds_are_taken_where_no_tier_names_bytes_in_hex() -> None:
+def test_keys_of_both_kinds_are_taken_where_they_cannot_share_a_name() -> None:
     """A tier of the user's own that keeps keys apart by value (no remote_name) may take str
-    and bytes keys alike; so may a manager over it. The first call of a manager whose tiers
-    name bytes in hex sets the kind: bytes first refuses a str key of hex text later."""
+    and bytes keys alike; so may a manager over it. Over a tier that names bytes in hex, a
+    manager that stored bytes keys refuses a str key that is hex, and takes one that is not;
+    a lookup only asks, and sets no kind."""
     primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
     mine = DictTier(primary.cache)
     manager = TieringManager(primary, {"mine": mine})
@@ -191,13 +197,15 @@ def test_keys_of_both_kinds_are_taken_where_no_tier_names_bytes_in_hex() -> None
     objects = ObjectStoreTier(primary.cache, agent=agent)
     manager = TieringManager(primary, {"objects": objects})
     try:
-        assert manager.lookup(b"k") in (Lookup.MISS, Lookup.RETRY)  # the first kind: bytes
-        with pytest.raises(TieringInputError, match=r"keys\[0\] = '6b' is str, but this "
-                                                    r"manager was given bytes keys before"):
+        assert manager.lookup("6b") in (Lookup.MISS, Lookup.RETRY)  # asks only: no kind
+        assert len(manager.store([blocks[1]])) == 1  # b"k": bytes from now on
+        with pytest.raises(TieringInputError, match=r"keys\[0\] = '6b' would share blocks with "
+                                                    r"the bytes keys it stored or loaded before"):
             manager.store([blocks[0]])
-        with pytest.raises(TieringInputError, match=r"keys\[1\] = 'z' is str, but this "
-                                                    r"manager was given bytes keys before"):
-            manager.find([b"z", "z"])
+        with pytest.raises(TieringInputError, match=r"keys\[1\] = '0a' would share blocks"):
+            manager.find([b"z", "0a"])
+        assert manager.lookup("hello") in (Lookup.MISS, Lookup.RETRY)  # no hex: no clash
+        assert all(result.success for result in manager.drain(5))
     finally:
         manager.shutdown(timeout=5)
         agent.close()

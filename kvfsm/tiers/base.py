@@ -950,7 +950,7 @@ def key_text(key: object) -> str:
 
     Both kinds share one namespace (``"6b"`` and ``b"k"`` name the same block), so a tier's
     users should stick to one kind (a :class:`~kvfsm.tiering.TieringManager` over such tiers
-    refuses a key of the other kind than the first it was given).
+    refuses to mix bytes keys with str keys that are hex).
 
     Raises:
         ValueError: the key is not a non-empty str or bytes.
