@@ -24,7 +24,7 @@ from kvfsm.demo import parse_fault_spec
 from kvfsm.lifecycle import ACTIONS, ANSWERS, GUARDS, TRANSITIONS
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr, StayProc
 
-from .real_nixl import S3Server, free_port, require_nixl
+from .real_nixl import S3Server, free_port, no_aws_credentials, require_nixl
 
 SMALL = ["--blocks", "32", "--block-kib", "4", "--blocks-per-job", "4"]
 
@@ -211,17 +211,6 @@ def test_an_object_store_that_refuses_the_credentials_fails_the_demo_and_says_wh
     assert re.search(r"^ +2 stores: (transfer|check_xfer_state) raised nixl\w+: NIXL_ERR_\w+ "
                      r"\(NOT injected\)$", out, re.M), out
     assert "failed for a reason that was not injected" in out
-
-
-def no_aws_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No S3 credentials anywhere the default chain looks; its files are ``tmp_path``'s
-    ``credentials`` and ``config`` (not written)."""
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
-                 "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
 
 
 def test_an_object_store_demo_without_credentials_says_so_before_any_job(

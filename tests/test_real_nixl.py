@@ -19,7 +19,14 @@ from kvfsm.testing import FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, SecondaryTier
 from kvfsm.trace import read_traces, replay
 
-from .real_nixl import S3Server, free_port, own_s3_server, require_nixl, s3_server
+from .real_nixl import (
+    S3Server,
+    free_port,
+    no_aws_credentials,
+    own_s3_server,
+    require_nixl,
+    s3_server,
+)
 
 __all__ = ["own_s3_server", "s3_server"]  # fixtures, imported for pytest
 
@@ -329,12 +336,7 @@ def test_a_tier_made_where_no_credentials_are_found_says_so_as_a_python_warning(
 
     from kvfsm.nixl_agents import NoCredentialsWarning, StoreConfig  # noqa: PLC0415
 
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE",
-                 "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    no_aws_credentials(monkeypatch, tmp_path)
     bucket = s3_server.new_bucket()
     with pytest.warns(NoCredentialsWarning, match=r"no S3 credentials found .* every transfer "
                                                   "will fail with NIXL_ERR_BACKEND") as caught:
