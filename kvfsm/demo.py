@@ -368,6 +368,10 @@ def run(args: argparse.Namespace) -> int:
         if not trace.parent.is_dir():
             raise ValueError(f"--trace {args.trace}: there is no directory "
                              f"{str(trace.parent)!r} to write it in")
+        try:  # (opened as the recorder will open it, without emptying it yet)
+            trace.open("a", encoding="utf-8").close()
+        except OSError as error:
+            raise ValueError(f"--trace {args.trace}: cannot write it ({error.strerror})") from None
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     block_bytes = args.block_kib * 1024
     groups = [list(range(start, min(start + args.blocks_per_job, args.blocks)))

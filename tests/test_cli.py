@@ -395,6 +395,7 @@ def test_the_fault_spec_grammar() -> None:
     (["--trace", "/no-such-directory/t.jsonl"], "--trace /no-such-directory/t.jsonl: there is no "
      "directory '/no-such-directory' to write it in"),
     (["--trace", "/"], "--trace /: is a directory; name a file to write"),
+    (["--trace", "/proc/kvfsm-trace.jsonl"], "--trace /proc/kvfsm-trace.jsonl: cannot write it"),
 ])
 def test_bad_options_are_named(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
