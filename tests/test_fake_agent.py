@@ -1158,3 +1158,102 @@ def test_an_interrupted_write_through_descriptors_sharing_a_file_puts_it_back_wh
         os.close(fd)
         at += 1
     assert at > 3, "the check was interrupted at several points"
+
+
+def _files_transfer(agent: Any, tmp_path: Path, operation: str, modes: Sequence[int],
+                    memory: torch.Tensor) -> tuple[Any, Callable[[], None]]:
+    """A transfer of one 16-byte block a file, each file (holding b"f" * 16) opened with its
+    mode; the transfer, and what cleans up after it."""
+    base = memory.data_ptr()
+    dram = agent.register_memory([(base, memory.nbytes, 0, "")], "DRAM")
+    local = agent.prep_xfer_dlist(LOCAL, [(base + 16 * i, 16, 0) for i in range(len(modes))],
+                                  "DRAM")
+    fds = []
+    for index, mode in enumerate(modes):
+        (tmp_path / str(index)).write_bytes(b"f" * 16)
+        fds.append(os.open(tmp_path / str(index), mode))
+    files = agent.register_memory([(0, 16, fd, "") for fd in fds], "FILE")
+    remote = agent.prep_xfer_dlist(agent.name, files.trim())
+    xfer = agent.make_prepped_xfer(operation, local, list(range(len(modes))), remote,
+                                   list(range(len(modes))))
+
+    def clean() -> None:
+        agent.release_xfer_handle(xfer)
+        for release, handle in ((agent.release_dlist_handle, remote),
+                                (agent.deregister_memory, files),
+                                (agent.release_dlist_handle, local),
+                                (agent.deregister_memory, dram)):
+            release(handle)
+        for fd in fds:
+            os.close(fd)
+
+    return xfer, clean
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("real", [False, True], ids=["fake", "real NIXL POSIX"])
+def test_a_file_descriptor_that_cannot_do_the_operation_stops_the_transfer_there(
+    real: bool, tmp_path: Path
+) -> None:
+    """A file opened for the other operation (or closed): the first block's fails the post
+    itself; a later one's lets the blocks before it move, and the transfer fails when
+    checked, the blocks after it untouched. The fake and real NIXL's POSIX backend alike."""
+    if real:
+        from .real_nixl import require_nixl  # noqa: PLC0415
+
+        require_nixl()
+        from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+        agent: Any = make_agent(f"stop-{os.getpid()}", "POSIX")
+    else:
+        agent = FakeNixlAgent("stop")
+    ok, bad = os.O_RDWR, os.O_RDONLY
+    for modes, posted, written in (((bad, ok), "NIXL_ERR_BACKEND", b"ff"),
+                                   ((ok, bad, ok), "PROC", b"Mff")):
+        memory = torch.full((16 * len(modes),), ord("M"), dtype=torch.uint8)
+        xfer, clean = _files_transfer(agent, tmp_path, "WRITE", modes, memory)
+        try:
+            answer = agent.transfer(xfer)
+        except Exception as error:  # (the real agent's error type, or the fake's)
+            answer = str(error)
+        assert answer == posted, modes
+        if answer == "PROC":
+            with pytest.raises(Exception, match="NIXL_ERR_BACKEND"):
+                while agent.check_xfer_state(xfer) == "PROC":
+                    pass
+        assert b"".join((tmp_path / str(i)).read_bytes()[:1] for i in range(len(modes))) == (
+            written), modes
+        clean()
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupted_check_that_fails_a_write_to_files_puts_them_back(tmp_path: Path) -> None:
+    """The check that completes a WRITE stopped at its second file writes the first, then fails
+    the transfer. Interrupted anywhere in it, the call has had no effect: the first file holds
+    what it held, the transfer still runs, and the next check fails it, the first file
+    written."""
+    at = 1
+    while True:
+        agent = FakeNixlAgent("stopped", complete_after_polls=1)
+        memory = torch.full((48,), ord("M"), dtype=torch.uint8)
+        xfer, clean = _files_transfer(agent, tmp_path, "WRITE",
+                                      (os.O_RDWR, os.O_RDONLY, os.O_RDWR), memory)
+        assert agent.transfer(xfer) == "PROC"
+        interrupt = Interrupt(at)
+        try:
+            interrupt.run(agent.check_xfer_state, xfer)
+        except KeyboardInterrupt:
+            assert (tmp_path / "0").read_bytes() == b"f" * 16, f"put back (point {at})"
+            assert agent.running_transfers() == 1
+        except FakeNixlError:
+            assert not interrupt.fired
+            assert (tmp_path / "0").read_bytes() == b"M" * 16
+            clean()
+            break
+        with pytest.raises(FakeNixlError, match="NIXL_ERR_BACKEND"):
+            agent.check_xfer_state(xfer)
+        assert (tmp_path / "0").read_bytes() == b"M" * 16
+        clean()
+        at += 1
+    assert at > 3, "the check was interrupted at several points"
+

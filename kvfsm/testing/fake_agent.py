@@ -5,16 +5,18 @@ call shapes of the real wrapper (``nixl._api.nixl_agent``) and moves real bytes 
 host memory, addressed by raw pointers such as ``tensor.data_ptr()``, and
 :attr:`FakeNixlAgent.objects`, an in-memory object store (``dict[str, bytes]``), or files, as
 NIXL's POSIX backend does: a FILE descriptor ``(offset, length, fd, meta)`` addresses ``length``
-bytes at ``offset`` of the open file ``fd`` (a :class:`~kvfsm.tiers.FileTier` runs on it). A
-READ of a file shorter than it asks for, or through a descriptor that cannot be read, fails
-with NIXL_ERR_BACKEND, as NIXL 1.5.1's POSIX backend does; and as there, what it could read
-is copied, and a failed WRITE keeps what it wrote (checked against real NIXL POSIX).
+bytes at ``offset`` of the open file ``fd`` (a :class:`~kvfsm.tiers.FileTier` runs on it).
+Files fail as NIXL 1.5.1's POSIX backend fails them (checked against it): a descriptor whose fd
+is closed or open for the other operation fails the post when it is the first, else the blocks
+before it move and the transfer fails (NIXL_ERR_BACKEND); a READ of a file shorter than it asks
+for fails too, having copied what it read; what a failed transfer moved stays moved.
 
 Timing: ``complete_after_polls`` is the number of ``check_xfer_state`` calls a posted transfer
 needs. With 0, ``transfer`` completes it at once and answers "DONE". With ``n >= 1``, ``transfer``
 answers "PROC", the first ``n - 1`` checks answer "PROC" and the n-th check completes it. Bytes
-move at completion, all at once, and a failed transfer moves none. A completed transfer keeps
-answering "DONE"; a failed one keeps failing the same way; either may be posted again.
+move at completion, all at once, and a failed transfer of objects moves none. A completed
+transfer keeps answering "DONE"; a failed one keeps failing the same way; either may be posted
+again.
 
 Failures: what real NIXL reports becomes :class:`FakeNixlError` (or the ``TypeError``,
 ``KeyError`` or ``IndexError`` the real wrapper raises for malformed arguments). What would crash
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import itertools
 import operator
 import os
@@ -289,6 +292,9 @@ class _Xfer:
     hold: int = 0
     #: a NIXL code to raise again, or "ERR" to answer again, once failed
     failure: str | None = None
+    #: the first FILE descriptor whose fd cannot do the operation (None: none), found when
+    #: posted: the blocks before it move, and the transfer then fails, as in NIXL's POSIX
+    stop_at: int | None = None
     #: while a call completes a WRITE: what the objects it writes held before (None: absent),
     #: or the bytes and the size of the files it writes, to put back if that call is
     #: interrupted; None again once the call returns
@@ -395,6 +401,20 @@ def _drop(index: dict[_Key, dict[_Entry, None]], key: _Key, entry: _Entry) -> No
 def _resort(index: dict[_Key, dict[_Entry, None]], key: _Key) -> None:
     """Put the group under ``key`` back in registration order."""
     index[key] = dict.fromkeys(sorted(index[key], key=_seq))
+
+
+def _first_unusable(xfer: _Xfer) -> int | None:
+    """The index of the first FILE descriptor of ``xfer`` whose fd is closed or not open for
+    its operation (a WRITE through a read-only fd, say); None when every one can do it."""
+    wanted = (os.O_WRONLY, os.O_RDWR) if xfer.operation == "WRITE" else (os.O_RDONLY, os.O_RDWR)
+    for index, (_, _, (fd, _)) in enumerate(xfer.moves):
+        try:
+            mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        except OSError:
+            return index
+        if mode not in wanted:
+            return index
+    return None
 
 
 def _file_status(path: str) -> dict[str, str] | None:
@@ -809,7 +829,9 @@ class FakeNixlAgent:
         Raises:
             NixlMisuseError: a handle this agent did not make, or one already released.
             FakeNixlError: NIXL_ERR_REPOST_ACTIVE if it is still running; NIXL_ERR_BACKEND for a
-                notification, or (with ``complete_after_polls=0``) a READ that failed.
+                notification, a transfer of files whose first descriptor's fd cannot do the
+                operation (closed, or opened for the other one), or (with
+                ``complete_after_polls=0``) a READ that failed.
         """
         fault = self._enter("transfer")
         xfer = self._xfer("transfer", handle)
@@ -827,6 +849,12 @@ class FakeNixlAgent:
             xfer.failure = None
             xfer.hold = 0
             xfer.polls_left = max(self.complete_after_polls - 1, 0)
+            if xfer.remote.mem_type == "FILE":
+                xfer.stop_at = _first_unusable(xfer)
+                if xfer.stop_at == 0:  # NIXL's POSIX backend refuses the post itself
+                    error = FakeNixlError("NIXL_ERR_BACKEND")
+                    self._fail(xfer, "NIXL_ERR_BACKEND")
+                    raise error
             if isinstance(fault, StayProc):
                 xfer.hold = fault.polls - 1
             elif self.complete_after_polls == 0:
@@ -1106,11 +1134,13 @@ class FakeNixlAgent:
 
     def _complete_files(self, xfer: _Xfer) -> str:
         """Move the bytes of a transfer to or from files, as NIXL 1.5.1's POSIX backend does:
-        every block is read or written at its offset; a READ copies what each read returned,
-        a WRITE keeps what it wrote; one that was short, or whose descriptor could not be read
-        or written, fails the transfer (NIXL_ERR_BACKEND) once every block was tried. A WRITE
-        first notes what the files held (for :meth:`_restore`, if the call is interrupted)."""
-        moves, failed = xfer.moves, False
+        the blocks before the first whose fd cannot do the operation (found when posted) are
+        read or written at their offsets, the rest are not; a READ copies what each read
+        returned, a WRITE keeps what it wrote; a short block, or a stop, fails the transfer
+        (NIXL_ERR_BACKEND). A WRITE first notes what the files held (for :meth:`_restore`,
+        if the call is interrupted)."""
+        stop = len(xfer.moves) if xfer.stop_at is None else xfer.stop_at
+        moves, failed = xfer.moves[:stop], stop < len(xfer.moves)
         if xfer.operation == "WRITE":
             blocks = [(fd, offset, ctypes.string_at(addr, length))
                       for addr, length, (fd, offset) in moves]
@@ -1118,20 +1148,21 @@ class FakeNixlAgent:
             for fd, offset, data in blocks:
                 try:
                     failed = os.pwrite(fd, data, offset) != len(data) or failed
-                except OSError:  # (a descriptor opened read-only, or closed; a full disk)
+                except OSError:  # (closed since it was posted; a full disk)
                     failed = True
         else:
             for addr, length, (fd, offset) in moves:
                 try:
                     data = os.pread(fd, length, offset)
-                except OSError:  # (a descriptor opened write-only, or closed)
+                except OSError:  # (closed since it was posted)
                     data = b""
                 ctypes.memmove(addr, data, len(data))
                 failed = failed or len(data) != length
-        if failed:
-            xfer.overwritten = None  # what a failed WRITE wrote stays written, as in NIXL
+        if failed:  # what a failed transfer moved stays moved, as in NIXL (unless this call is
+            error = FakeNixlError("NIXL_ERR_BACKEND")  # interrupted: then it is put back)
             self._fail(xfer, "NIXL_ERR_BACKEND")
-            raise FakeNixlError("NIXL_ERR_BACKEND")
+            xfer.overwritten = None
+            raise error
         self._set_state(xfer, _State.DONE)
         return "DONE"
 

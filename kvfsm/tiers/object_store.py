@@ -333,8 +333,8 @@ class _Remover:
             thread = self._thread
         if thread is None:
             return True
-        if thread is threading.current_thread():
-            return False  # asked from inside a delete (its tier shut down there): it ends next
+        if thread is threading.current_thread():  # asked from inside a delete (its tier shut
+            return True  # down there): it sends what waits once that returns, then ends
         thread.join(timeout)
         if thread.is_alive():
             with self._lock:  # not sent: left in the store
