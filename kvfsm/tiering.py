@@ -614,9 +614,9 @@ class TieringManager:
     Keys are str or bytes. Where a tier names a bytes key as the str key of its hex, as kvfsm's
     file and object tiers do (``b"k"`` as ``"6b"``), the primary holds the two apart and the
     tier in one place, so once both were stored a load of one would publish the other's bytes.
-    Such a manager therefore takes bytes keys or str keys that are the hex of bytes, not both:
-    once it stored or loaded one kind, a key of the other is refused in any call (a
-    :class:`TieringInputError` naming it). Other str keys go with either.
+    Such a manager therefore refuses a bytes key beside a str key of its length that is hex
+    (in one call, or once it stored or loaded one of them, in any later call), naming it (a
+    :class:`TieringInputError`). Other str keys go with either.
 
     When a tier's submit raises all the same (the tier refused the job: it is shut down, or it
     found the job malformed in a way the manager could not check), the manager takes back what
@@ -685,9 +685,9 @@ class TieringManager:
         #: the tiers that name a bytes key as the str key of its hex (kvfsm's file and object
         #: tiers: ``b"k"`` as ``"6b"``); with any, the manager takes keys of one kind only
         self._hex_named = [name for name, tier in named.items() if _names_bytes_as_hex(tier)]
-        #: the kinds of key that could share a name the manager has stored or loaded: bytes,
-        #: and str keys that are the hex of some bytes (see _check_kind)
-        self._kinds: set[type] = set()
+        #: the kinds of key that could share a name the manager has stored or loaded, with
+        #: their length in bytes: bytes, and str keys that are the hex of some (_check_kind)
+        self._kinds: set[tuple[type, int]] = set()
 
     @property
     def tiers(self) -> Mapping[str, OffloadTier]:
@@ -1007,25 +1007,26 @@ class TieringManager:
             self._check_kind(keys, keep=distinct)
 
     def _check_kind(self, keys: Sequence[Key], *, keep: bool) -> None:
-        """Bytes keys, or str keys that are the hex of bytes (``"6b"``), not both, while a
-        tier names a bytes key as its hex: the primary holds ``"6b"`` and ``b"k"`` apart, the
-        tier in one file, so once both were stored a load of one would publish the other's
-        bytes. Other str keys never share a name with a bytes key, and go with either.
-        ``keep``: the keys are stored or loaded (not only looked up): remember their kind."""
+        """No bytes key beside a str key that is its hex (``b"k"`` and ``"6b"``), in this call
+        or beside the keys stored or loaded before, while a tier names a bytes key as its hex:
+        the primary holds the two apart, the tier in one file, so once both were stored a load
+        of one would publish the other's bytes. Kept by kind and length (``"6b"`` can only be
+        a 1-byte key's name): other str keys, and keys of other lengths, go with either.
+        ``keep``: the keys are stored or loaded (not only looked up): remember them."""
         kinds = self._kinds
-        seen: dict[type, int] = {}
+        seen: dict[tuple[type, int], int] = {}
         for index, key in enumerate(keys):
             if isinstance(key, bytes):
-                kind: type = bytes
+                kind: tuple[type, int] = (bytes, len(key))
             elif isinstance(key, str) and _HEX_TEXT(key) is not None:
-                kind = str
+                kind = (str, len(key) // 2)
             else:
                 continue
-            other = str if kind is bytes else bytes
+            other = (str if kind[0] is bytes else bytes, kind[1])
             if other in kinds or other in seen:
                 given = (f"keys[{seen[other]}] = {keys[seen[other]]!r}" if other in seen
-                         else "the " + ("bytes keys" if other is bytes else "hex str keys")
-                         + " it stored or loaded before")
+                         else "the " + ("bytes keys" if other[0] is bytes else "hex str keys")
+                         + " of its length it stored or loaded before")
                 raise TieringInputError(
                     f"keys[{index}] = {key!r} would share blocks with {given}: tier "
                     f"{self._hex_named[0]!r} names a bytes key as the str key of its hex "

@@ -155,9 +155,9 @@ def test_a_key_of_the_other_kind_is_refused_in_any_later_call_where_tiers_name_b
     objects_job, _ = stack.manager.store([block(stack, "6b")])
     assert [r.success for r in stack.manager.drain(5) if r.job_id == objects_job] == [True]
     before = stack.snapshot()
-    refusal = (r"keys\[0\] = b'k' would share blocks with the hex str keys it stored or loaded "
-               r"before: tier 'objects' names a bytes key as the str key of its hex "
-               r"\(b'k' as '6b'\)")
+    refusal = (r"keys\[0\] = b'k' would share blocks with the hex str keys of its length it "
+               r"stored or loaded before: tier 'objects' names a bytes key as the str key of its "
+               r"hex \(b'k' as '6b'\)")
     with pytest.raises(TieringInputError, match=refusal):
         stack.manager.store([block(stack, b"k")])
     with pytest.raises(TieringInputError, match=refusal):
@@ -168,8 +168,9 @@ def test_a_key_of_the_other_kind_is_refused_in_any_later_call_where_tiers_name_b
         stack.manager.load([b"k"])
     assert stack.snapshot() == after_free != before
     with pytest.raises(TieringInputError, match=r"keys\[1\] = b'y' would share blocks with "
-                                                r"the hex str keys it stored or loaded before"):
+                                                r"the hex str keys of its length it stored"):
         stack.manager.find(["x", b"y"])
+    assert stack.manager.find(["x", b"yz"]) is None, "2 bytes: no hex str key of 2 was stored"
     with pytest.raises(TieringInputError, match=r"keys\[1\] = b'y' would share blocks with "
                                                 r"keys\[0\] = '00'"):
         stack.manager.find(["00", b"y"])
@@ -200,7 +201,7 @@ def test_keys_of_both_kinds_are_taken_where_they_cannot_share_a_name() -> None:
         assert manager.lookup("6b") in (Lookup.MISS, Lookup.RETRY)  # asks only: no kind
         assert len(manager.store([blocks[1]])) == 1  # b"k": bytes from now on
         with pytest.raises(TieringInputError, match=r"keys\[0\] = '6b' would share blocks with "
-                                                    r"the bytes keys it stored or loaded before"):
+                                                    r"the bytes keys of its length it stored"):
             manager.store([blocks[0]])
         with pytest.raises(TieringInputError, match=r"keys\[1\] = '0a' would share blocks"):
             manager.find([b"z", "0a"])
