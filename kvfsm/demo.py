@@ -348,6 +348,26 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
             f"file tier on real NIXL (POSIX), files in {root}"
 
 
+def _check_trace(path: str) -> None:
+    """Refuse a ``--trace`` file the demo could not write, before it begins: a directory, one
+    in no directory, one it cannot open for writing. A file that exists and is no regular
+    file (a pipe a reader waits on) is only checked for permission: opening and closing it
+    here would end its reader."""
+    trace = Path(path)
+    if trace.is_dir():
+        raise ValueError(f"--trace {path}: is a directory; name a file to write")
+    if not trace.parent.is_dir():
+        raise ValueError(f"--trace {path}: there is no directory {str(trace.parent)!r} to write "
+                         "it in")
+    if not trace.exists() or trace.is_file():
+        try:  # (opened as the recorder will open it, without emptying it yet)
+            trace.open("a", encoding="utf-8").close()
+        except OSError as error:
+            raise ValueError(f"--trace {path}: cannot write it ({error.strerror})") from None
+    elif not os.access(trace, os.W_OK):
+        raise ValueError(f"--trace {path}: cannot write it (no permission)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Store every block, wipe the cache, load it back and verify every byte."""
     for name in ("blocks", "block_kib", "blocks_per_job"):
@@ -362,16 +382,7 @@ def run(args: argparse.Namespace) -> int:
     faults = parse_fault_spec(args.inject_faults)
     _check_faults(faults)
     if args.trace:  # refused now, not once the demo has filled its cache
-        trace = Path(args.trace)
-        if trace.is_dir():
-            raise ValueError(f"--trace {args.trace}: is a directory; name a file to write")
-        if not trace.parent.is_dir():
-            raise ValueError(f"--trace {args.trace}: there is no directory "
-                             f"{str(trace.parent)!r} to write it in")
-        try:  # (opened as the recorder will open it, without emptying it yet)
-            trace.open("a", encoding="utf-8").close()
-        except OSError as error:
-            raise ValueError(f"--trace {args.trace}: cannot write it ({error.strerror})") from None
+        _check_trace(args.trace)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     block_bytes = args.block_kib * 1024
     groups = [list(range(start, min(start + args.blocks_per_job, args.blocks)))

@@ -406,6 +406,30 @@ def test_bad_options_are_named(
     assert captured.out == "", "refused before the demo began"
 
 
+@pytest.mark.timeout(60)
+def test_a_trace_into_a_pipe_reaches_its_reader(tmp_path: Path) -> None:
+    """``--trace`` into a named pipe that a reader consumes: the check that the trace can be
+    written must not open and close the pipe (that ends the reader, and the demo's own open
+    then waits for a reader for ever)."""
+    import threading  # noqa: PLC0415
+
+    pipe = tmp_path / "trace.fifo"
+    os.mkfifo(pipe)
+    lines: list[bytes] = []
+
+    def read() -> None:
+        with pipe.open("rb") as trace:
+            lines.extend(trace)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    done = subprocess.run([sys.executable, "-m", "kvfsm", "demo", "--fake", *SMALL, "--trace",
+                           str(pipe)], capture_output=True, text=True, timeout=50, check=False)
+    assert done.returncode == 0, done.stderr
+    reader.join(10)
+    assert len(lines) == 16 and all(b'"success":true' in line for line in lines), lines[:2]
+
+
 def test_a_bucket_without_an_endpoint_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--blocks", "4", "--bucket", "b"]) == 2
     assert "--s3-endpoint and --bucket go together" in capsys.readouterr().err

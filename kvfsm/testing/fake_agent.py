@@ -9,7 +9,11 @@ bytes at ``offset`` of the open file ``fd`` (a :class:`~kvfsm.tiers.FileTier` ru
 Files fail as NIXL 1.5.1's POSIX backend fails them (checked against it): a descriptor whose fd
 is closed or open for the other operation fails the post when it is the first, else the blocks
 before it move and the transfer fails (NIXL_ERR_BACKEND); a READ of a file shorter than it asks
-for fails too, having copied what it read; what a failed transfer moved stays moved.
+for fails too, having copied what it read; what a failed transfer moved stays moved. Where they
+differ: NIXL hands a transfer's reads and writes to the kernel when it is posted, the fake makes
+them when the transfer completes, through the fd numbers; so a test that closes (or reopens) a
+file's descriptor while its transfer runs sees the fake fail (or write the reopened file) where
+NIXL finishes the transfer as posted.
 
 Timing: ``complete_after_polls`` is the number of ``check_xfer_state`` calls a posted transfer
 needs. With 0, ``transfer`` completes it at once and answers "DONE". With ``n >= 1``, ``transfer``
@@ -831,7 +835,7 @@ class FakeNixlAgent:
             FakeNixlError: NIXL_ERR_REPOST_ACTIVE if it is still running; NIXL_ERR_BACKEND for a
                 notification, a transfer of files whose first descriptor's fd cannot do the
                 operation (closed, or opened for the other one), or (with
-                ``complete_after_polls=0``) a READ that failed.
+                ``complete_after_polls=0``, which completes it here) a transfer that failed.
         """
         fault = self._enter("transfer")
         xfer = self._xfer("transfer", handle)
@@ -861,7 +865,7 @@ class FakeNixlAgent:
                 answer = self._complete(xfer)
                 xfer.overwritten = None
             return answer
-        except FakeNixlError:  # a READ that failed: posted, and over
+        except FakeNixlError:  # a transfer that failed: posted, and over
             raise
         except BaseException:  # interrupted: not posted (see the module docstring)
             self._restore(xfer, saved)
@@ -1148,13 +1152,13 @@ class FakeNixlAgent:
             for fd, offset, data in blocks:
                 try:
                     failed = os.pwrite(fd, data, offset) != len(data) or failed
-                except OSError:  # (closed since it was posted; a full disk)
-                    failed = True
+                except OSError:  # (a full disk; closed since the post: where the fake and
+                    failed = True  # NIXL differ, see the module docstring)
         else:
             for addr, length, (fd, offset) in moves:
                 try:
                     data = os.pread(fd, length, offset)
-                except OSError:  # (closed since it was posted)
+                except OSError:  # (closed since the post: see the module docstring)
                     data = b""
                 ctypes.memmove(addr, data, len(data))
                 failed = failed or len(data) != length

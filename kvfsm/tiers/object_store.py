@@ -327,7 +327,9 @@ class _Remover:
 
     def stop(self, timeout: float | None) -> bool:
         """Send what waits, then stop; wait up to ``timeout`` seconds (None: as long as it
-        takes). True when no delete runs any more."""
+        takes). True when no delete runs any more, or when asked from the deletes' own thread
+        (a ``remove=`` that shuts its tier down): that one goes on with what waits once the
+        call returns, then ends; nothing is left unsent."""
         with self._lock:
             self._stopping = True
             thread = self._thread
