@@ -683,7 +683,8 @@ class TieringManager:
         self._skipped = dict.fromkeys(named, 0)
         self._block_bytes = int(primary.cache[0].nbytes)
         #: the tiers that name a bytes key as the str key of its hex (kvfsm's file and object
-        #: tiers: ``b"k"`` as ``"6b"``); with any, the manager takes keys of one kind only
+        #: tiers: ``b"k"`` as ``"6b"``); with any, the manager keeps such keys apart
+        #: (:meth:`_check_kind`)
         self._hex_named = [name for name, tier in named.items() if _names_bytes_as_hex(tier)]
         #: the kinds of key that could share a name the manager has stored or loaded, with
         #: their length in bytes: bytes, and str keys that are the hex of some (_check_kind)

@@ -859,6 +859,19 @@ def test_a_file_tier_runs_on_the_fake_agent_as_on_nixls_posix_backend(tmp_path: 
     assert (agent.live_registrations(), agent.live_xfer_handles(), agent.misuses) == (0, 0, [])
 
 
+def files_agent(real: bool, name: str) -> Any:
+    """The fake agent, or (``real``) a real one with NIXL's POSIX backend, for the tests that
+    run the same file transfers on both."""
+    if not real:
+        return FakeNixlAgent(name)
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    from .real_nixl import require_nixl  # noqa: PLC0415
+
+    require_nixl()
+    return make_agent(f"{name}-{os.getpid()}", "POSIX")
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("real", [False, True], ids=["fake", "real NIXL POSIX"])
 def test_files_a_transfer_could_not_wholly_move_fail_it_and_keep_what_moved_as_nixl_does(
@@ -868,15 +881,7 @@ def test_files_a_transfer_could_not_wholly_move_fail_it_and_keep_what_moved_as_n
     WRITE): NIXL_ERR_BACKEND, the first block moved whole, the second as far as it went; and a
     query of files. The same calls on the fake and on real NIXL's POSIX backend, which this
     checks it against."""
-    if real:
-        from .real_nixl import require_nixl  # noqa: PLC0415
-
-        require_nixl()
-        from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
-
-        agent: Any = make_agent(f"files-{os.getpid()}", "POSIX")
-    else:
-        agent = FakeNixlAgent("files")
+    agent = files_agent(real, "files")
     memory = torch.full((32,), 7, dtype=torch.uint8)
     base = memory.data_ptr()
     dram = agent.register_memory([(base, 32, 0, "")], "DRAM")
@@ -1198,15 +1203,7 @@ def test_a_file_descriptor_that_cannot_do_the_operation_stops_the_transfer_there
     """A file opened for the other operation (or closed): the first block's fails the post
     itself; a later one's lets the blocks before it move, and the transfer fails when
     checked, the blocks after it untouched. The fake and real NIXL's POSIX backend alike."""
-    if real:
-        from .real_nixl import require_nixl  # noqa: PLC0415
-
-        require_nixl()
-        from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
-
-        agent: Any = make_agent(f"stop-{os.getpid()}", "POSIX")
-    else:
-        agent = FakeNixlAgent("stop")
+    agent = files_agent(real, "stop")
     ok, bad = os.O_RDWR, os.O_RDONLY
     for modes, posted, written in (((bad, ok), "NIXL_ERR_BACKEND", b"ff"),
                                    ((ok, bad, ok), "PROC", b"Mff")):

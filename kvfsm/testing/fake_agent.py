@@ -300,9 +300,9 @@ class _Xfer:
     #: posted: the blocks before it move, and the transfer then fails, as in NIXL's POSIX
     stop_at: int | None = None
     #: while a call completes a WRITE: what the objects it writes held before (None: absent),
-    #: or the bytes and the size of the files it writes, to put back if that call is
-    #: interrupted; None again once the call returns
-    overwritten: dict[Any, Any] | None = None
+    #: or what the files it writes held, to put back if that call is interrupted; None again
+    #: once the call returns
+    overwritten: dict[str, bytes | None] | _FilesHeld | None = None
 
 
 #: what a call may change on a transfer, saved to put back if the call is interrupted
@@ -431,35 +431,42 @@ def _file_status(path: str) -> dict[str, str] | None:
             "size": str(status.st_size)}
 
 
-def _held_before(blocks: Sequence[tuple[int, int, bytes]]) -> dict[Any, Any]:
-    """What the files a WRITE of ``blocks`` (fd, offset, bytes) writes hold before it: each
-    file's size, and each range it writes, read before any is written (none from a file
-    opened write-only), for :func:`_put_back`."""
-    held: dict[Any, Any] = {}
-    for fd, offset, data in blocks:
-        if ("size", fd) not in held:
-            try:
-                held["size", fd] = os.fstat(fd).st_size
-            except OSError:  # (a closed descriptor: the write fails, nothing to put back)
-                continue
-        if offset < held["size", fd]:
-            with contextlib.suppress(OSError):
-                held[fd, offset, len(data)] = os.pread(fd, len(data), offset)
-    return held
+@dataclass(eq=False, slots=True)
+class _FilesHeld:
+    """What the files a WRITE writes held before it, to put back if its call is interrupted:
+    each file's size, and each range it writes, read before any is written (none from a file
+    opened write-only)."""
 
+    #: fd -> size
+    sizes: dict[int, int] = field(default_factory=dict)
+    #: (fd, offset, bytes) of each range the WRITE writes
+    ranges: list[tuple[int, int, bytes]] = field(default_factory=list)
 
-def _put_back(held: dict[Any, Any]) -> None:
-    """Put back what :func:`_held_before` kept: the ranges in the reverse order they were
-    written (where two overlap, the first one's bytes, read before either, win), then each
-    file's size (best effort: a descriptor closed meanwhile has nothing to put back into)."""
-    for where, old in reversed(held.items()):
-        if where[0] != "size":
+    @classmethod
+    def before(cls, blocks: Sequence[tuple[int, int, bytes]]) -> _FilesHeld:
+        """What the files of ``blocks`` ((fd, offset, bytes) each) hold now."""
+        held = cls()
+        for fd, offset, data in blocks:
+            if fd not in held.sizes:
+                try:
+                    held.sizes[fd] = os.fstat(fd).st_size
+                except OSError:  # (a closed descriptor: the write fails, nothing to put back)
+                    continue
+            if offset < held.sizes[fd]:
+                with contextlib.suppress(OSError):
+                    held.ranges.append((fd, offset, os.pread(fd, len(data), offset)))
+        return held
+
+    def put_back(self) -> None:
+        """The ranges (each read before any was written, so where two overlap both hold what
+        was there), then each file's size (best effort: a descriptor closed meanwhile has
+        nothing to put back into)."""
+        for fd, offset, old in self.ranges:
             with contextlib.suppress(OSError):
-                os.pwrite(where[0], old, where[1])
-    for where, size in held.items():
-        if where[0] == "size":
+                os.pwrite(fd, old, offset)
+        for fd, size in self.sizes.items():
             with contextlib.suppress(OSError):
-                os.ftruncate(where[1], size)
+                os.ftruncate(fd, size)
 
 
 class FakeNixlAgent:
@@ -1096,8 +1103,8 @@ class FakeNixlAgent:
         """
         overwritten, objects = xfer.overwritten, self.objects
         if overwritten is not None:
-            if xfer.remote.mem_type == "FILE":
-                _put_back(overwritten)
+            if isinstance(overwritten, _FilesHeld):
+                overwritten.put_back()
             else:
                 for key, old in overwritten.items():
                     if old is None:
@@ -1148,7 +1155,7 @@ class FakeNixlAgent:
         if xfer.operation == "WRITE":
             blocks = [(fd, offset, ctypes.string_at(addr, length))
                       for addr, length, (fd, offset) in moves]
-            xfer.overwritten = _held_before(blocks)
+            xfer.overwritten = _FilesHeld.before(blocks)
             for fd, offset, data in blocks:
                 try:
                     failed = os.pwrite(fd, data, offset) != len(data) or failed

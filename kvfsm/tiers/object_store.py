@@ -321,8 +321,7 @@ class _Remover:
             if thread is threading.current_thread():
                 return False  # asked from inside a delete: it cannot wait for itself
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if thread.is_alive() or (deadline is not None and time.monotonic() >= deadline
-                                     and self._thread is not None):
+            if thread.is_alive():
                 return False
 
     def stop(self, timeout: float | None) -> bool:
