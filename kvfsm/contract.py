@@ -131,6 +131,17 @@ class JobSide:
             self._poll()
             return self._books.take_results()
 
+    def _finished_by(self, deadline: float | None) -> list[JobResult]:
+        """:meth:`get_finished_jobs` waiting for the lock until ``deadline`` at most (None: as
+        long as it takes): past it, with another thread's call holding the lock, no poll, and
+        only the results already published are handed out (a drain that keeps its bound)."""
+        if not self._lock.acquire(timeout=-1 if deadline is None else seconds_left(deadline)):
+            return self._books.take_results()  # (safe without the lock: Books)
+        try:  # (the lock is reentrant: a side's own get_finished_jobs takes it again)
+            return self.get_finished_jobs()
+        finally:
+            self._lock.release()
+
     def has_pending_work(self) -> bool:
         """True while a job is unpublished or a result is not yet handed out."""
         books = self._books

@@ -8,7 +8,9 @@ the cu13 build on a machine without a CUDA torch, and that build's OBJ backend c
 from __future__ import annotations
 
 import http.client
+import math
 import os
+import threading
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
@@ -176,12 +178,50 @@ NO_CREDENTIALS = ("no S3 credentials found (AWS_ACCESS_KEY_ID and AWS_SECRET_ACC
 
 
 def check_bucket(config: StoreConfig, timeout: float = 5.0) -> None:
-    """Raise :class:`BucketUnreachable` unless the endpoint answers for the bucket.
+    """Raise :class:`BucketUnreachable` unless the endpoint answers for the bucket within
+    ``timeout`` seconds in all: the name lookup, the connection and the answer together.
 
     An unsigned ``HEAD`` of the bucket: any answer but 404 shows the server is there and the
-    bucket exists (403 only says the request was unsigned).
+    bucket exists (403 only says the request was unsigned). It is made on a daemon thread of
+    its own, so a name lookup that hangs or a server that answers a byte at a time does not
+    hold the caller past ``timeout``; such a request is left to end there (each socket
+    operation is bounded by ``timeout`` too), and no NIXL call is made on that thread.
+
+    Raises:
+        ValueError: ``timeout`` is not a finite number of seconds > 0.
     """
+    if (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+            or not 0 < timeout < math.inf):
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     endpoint = config.endpoint or f"https://s3.{config.region}.amazonaws.com"
+    where = f"bucket {config.bucket!r} at {endpoint}"
+    answer: list[int | BaseException] = []
+
+    def ask() -> None:
+        try:
+            answer.append(_head_status(config, endpoint, timeout))
+        except BaseException as error:  # handed to the caller
+            answer.append(error)
+
+    asking = threading.Thread(target=ask, name="kvfsm-check-bucket", daemon=True)
+    asking.start()
+    asking.join(timeout)
+    if not answer:
+        raise BucketUnreachable(f"cannot reach {where}: no answer within {timeout} s")
+    status = answer[0]
+    if isinstance(status, OSError | http.client.HTTPException):
+        raise BucketUnreachable(f"cannot reach {where}: {status}") from status
+    if isinstance(status, BaseException):
+        raise status
+    if status == 404:
+        raise BucketUnreachable(f"{where} does not exist (HTTP 404)")
+    if status >= 500:
+        raise BucketUnreachable(f"{where} answered HTTP {status}")
+
+
+def _head_status(config: StoreConfig, endpoint: str, timeout: float) -> int:
+    """The HTTP status of an unsigned ``HEAD`` of the bucket (each socket operation bounded
+    by ``timeout``)."""
     parsed = urllib.parse.urlsplit(endpoint)
     host = parsed.hostname or ""
     path = f"/{config.bucket}"
@@ -190,18 +230,11 @@ def check_bucket(config: StoreConfig, timeout: float = 5.0) -> None:
     connection_class = (http.client.HTTPSConnection if parsed.scheme == "https"
                         else http.client.HTTPConnection)
     connection = connection_class(host, parsed.port, timeout=timeout)
-    where = f"bucket {config.bucket!r} at {endpoint}"
     try:
         connection.request("HEAD", path)
-        status = connection.getresponse().status
-    except OSError as error:
-        raise BucketUnreachable(f"cannot reach {where}: {error}") from error
+        return connection.getresponse().status
     finally:
         connection.close()
-    if status == 404:
-        raise BucketUnreachable(f"{where} does not exist (HTTP 404)")
-    if status >= 500:
-        raise BucketUnreachable(f"{where} answered HTTP {status}")
 
 
 def make_agent(name: str, backend: str, params: dict[str, str] | None = None,

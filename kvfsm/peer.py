@@ -102,7 +102,7 @@ from typing import Any
 
 import torch
 
-from kvfsm.contract import Books, JobSide, check_interval
+from kvfsm.contract import Books, DrainTimeout, JobSide, check_interval, check_timeout
 from kvfsm.machines.peer_link import PEER_LINK, LinkState, loses_link
 from kvfsm.machines.peer_receive import (
     PEER_RECEIVE,
@@ -800,14 +800,24 @@ class PeerSender(SecondaryTier):
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Fail every unfinished job, wait for NIXL, release everything, close the link (but
         not while a quarantined transfer holds a handle to the receiver, or may still run:
-        its metadata stays, and the link with it)."""
+        its metadata stays, and the link with it). Within ``timeout`` as the tier's; if
+        another thread's call holds the tier past it, DrainTimeout with the link left open:
+        call shutdown again."""
+        timeout = check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         super().shutdown(timeout)  # raises DrainTimeout while NIXL still runs a transfer
-        with self._lock:
+        if not self._lock_by(deadline):
+            raise DrainTimeout("shutdown (every job is published, but another thread held the "
+                               "tier's lock past the deadline before the link was closed; "
+                               "call shutdown again)", [])
+        try:
             link = self.link
             if link is not None and link.state not in PEER_LINK.final and not self._held():
                 self._close_link(link)
             else:
                 self._progress()
+        finally:
+            self._lock.release()
 
     def stats(self) -> dict[str, Any]:
         """The tier's stats, with the link's state and its leaks counted among the leaks."""

@@ -52,6 +52,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
+from kvfsm.contract import JobSide
 from kvfsm.machines.transfer import FailureReason
 from kvfsm.tiers.base import Lookup, TierBusyError
 from kvfsm.transfer import JobResult, TransferJob
@@ -864,11 +865,17 @@ class TieringManager:
                 ``get_finished_jobs`` raised; every other result was finalized first (they are
                 in the error's ``finalized``).
         """
+        return self._step(None)
+
+    def _step(self, deadline: float | None) -> list[Finalized]:
+        """:meth:`step`; with a ``deadline``, a kvfsm tier whose lock another thread's call
+        holds is waited for until then at most, and hands out only what it had published."""
         finalized: list[Finalized] = []
         issues: list[BookkeepingIssue] = []
         for name, tier in self._tiers.items():
             try:
-                results = list(tier.get_finished_jobs())
+                results = list(tier.get_finished_jobs() if deadline is None
+                               or not isinstance(tier, JobSide) else tier._finished_by(deadline))
             except Exception as error:
                 issues.append(BookkeepingIssue(
                     None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))
@@ -893,6 +900,11 @@ class TieringManager:
     def drain(self, timeout: float | None = None) -> list[Finalized]:
         """Step until nothing is pending; never aborts a transfer.
 
+        Returns or raises by the deadline, or after the polls under way at it: waiting for
+        another thread's call to let go of a kvfsm tier's lock counts against the deadline
+        (past it, that tier hands out only what it had published). A tier of the user's own
+        is stepped as it is: its ``get_finished_jobs`` keeps whatever bound it keeps.
+
         Returns:
             every job finalized meanwhile.
 
@@ -909,7 +921,7 @@ class TieringManager:
         done: list[Finalized] = []
         while True:
             try:
-                done += self.step()
+                done += self._step(deadline)
             except BookkeepingError as error:
                 error.finalized = (*done, *error.finalized)
                 raise

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import gc
 import random
+import socket
 import threading
 import time
 import weakref
@@ -711,3 +712,40 @@ def test_a_second_shutdown_waits_for_the_first_ones_wait_on_the_background(
     tier.shutdown(timeout=0)  # all done: at once
     assert time.monotonic() - began < 0.1
     stalled.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_bucket_check_keeps_its_timeout_against_a_server_that_answers_a_byte_at_a_time(
+) -> None:
+    """Its timeout bounded each socket operation, not the check: a server answering a byte
+    every 50 ms held it for as long as the server went on (a name lookup that hangs, likewise).
+    The check now raises BucketUnreachable at its timeout, naming it."""
+    from kvfsm.nixl_agents import BucketUnreachable, StoreConfig, check_bucket  # noqa: PLC0415
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port, stop = listener.getsockname()[1], threading.Event()
+
+    def trickle() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            answer = b"HTTP/1.1 200 OK\r\n" + b"X-Slow: y\r\n" * 1000
+            for byte in answer:
+                if stop.wait(0.05):
+                    return
+                connection.sendall(bytes([byte]))
+
+    server = threading.Thread(target=trickle)
+    server.start()
+    config = StoreConfig(bucket="slow", endpoint=f"http://127.0.0.1:{port}")
+    try:
+        with pytest.raises(BucketUnreachable, match=rf"cannot reach bucket 'slow' at "
+                                                    rf"http://127.0.0.1:{port}: no answer "
+                                                    r"within 0.5 s"):
+            check_bucket(config, timeout=0.5)
+    finally:
+        stop.set()
+        server.join()
+        listener.close()
+    with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds > 0, "
+                                         r"got nan"):
+        check_bucket(config, timeout=float("nan"))

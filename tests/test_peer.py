@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -549,6 +550,46 @@ def test_a_job_id_whose_result_waits_or_a_block_another_job_expects_is_refused()
     assert receiver.state_of(1) is receiver.state_of(2) is not None
     sender.shutdown(timeout=5)
     receiver.shutdown()
+
+
+class HeldAfterClosing(PeerSender):
+    """A sender whose background work, once the tier is closed, starts a call on another
+    thread that holds the tier's lock until told to let go (a stats() of a monitor stuck
+    in a slow log handler, say)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.let_go = threading.Event()
+        self.holding = threading.Event()
+
+    def _stop_probes(self) -> None:
+        def hold() -> None:
+            with self._lock:
+                self.holding.set()
+                self.let_go.wait(10)
+        if not self.let_go.is_set():
+            threading.Thread(target=hold).start()
+            self.holding.wait(10)
+
+
+@pytest.mark.timeout(30)
+def test_a_sender_shutdown_keeps_its_deadline_while_another_thread_holds_the_tier() -> None:
+    """Closing the link waits for the tier's lock: past the deadline it raises DrainTimeout,
+    leaving the link open, and a later shutdown closes it."""
+    sending, receiving = fake_ucx_pair()
+    receiver = PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=receiving)
+    sender = HeldAfterClosing(torch.zeros(4, 64, dtype=torch.uint8), agent=sending)
+    receiver.connect(sender.metadata())
+    sender.connect(receiver.metadata(), receiver.block_descs())
+
+    with pytest.raises(DrainTimeout, match="before the link was closed; call shutdown again"):
+        sender.shutdown(timeout=0.1)
+    assert sender.holding.is_set() and sender.link_state() is LinkState.CONNECTED
+    sender.let_go.set()
+    sender.shutdown(timeout=5)
+    assert sender.link_state() is LinkState.CLOSED
+    receiver.shutdown()
+    assert sending.misuses == []
 
 
 @pytest.mark.parametrize(("job", "message"), [

@@ -8,6 +8,7 @@ files on the POSIX backend.
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -788,6 +789,40 @@ def test_drain_with_a_deadline_names_what_is_outstanding_and_keeps_it(stack: Sta
         manager.store([block])
     with pytest.raises(ManagerClosedError):
         manager.load(["k9"])
+
+
+@pytest.mark.timeout(30)
+def test_drain_keeps_its_deadline_while_another_thread_holds_a_tiers_lock(stack: Stack) -> None:
+    """A call on another thread (a long submit, a probe sharing the tier's agent) holds the
+    second tier: the drain comes back at its deadline with what the other tier finished,
+    instead of waiting for that call."""
+    primary, manager = stack.primary, stack.manager
+    (block,) = write(primary, "k0")
+    first, second = manager.store([block])
+    outcome: list[BaseException | None] = []
+
+    def drain() -> None:
+        try:
+            manager.drain(timeout=0.1)
+            outcome.append(None)
+        except BaseException as error:
+            outcome.append(error)
+
+    drainer = threading.Thread(target=drain)
+    with stack.tiers["second"]._lock:  # held far past the drain's deadline
+        drainer.start()
+        drainer.join(10)
+        came_back = not drainer.is_alive()
+    drainer.join()
+
+    assert came_back, "the drain waited for the other thread's call past its deadline"
+    (error,) = outcome
+    assert isinstance(error, TieringDrainTimeout), error
+    assert ids(list(error.finalized)) == [(first, "first", True)]
+    assert [s.job_id for s in manager.outstanding()] == [second]
+    assert primary.pin_count(block) == 1, "the second tier's store may still read the block"
+    assert ids(manager.drain(timeout=5)) == [(second, "second", True)]
+    assert primary.pin_count(block) == 0
 
 
 # -- every single fault --------------------------------------------------------------------------

@@ -315,6 +315,11 @@ class SecondaryTier(JobSide):
             return self._books.take_results()
         return super().get_finished_jobs()
 
+    def _finished_by(self, deadline: float | None) -> list[JobResult]:
+        if self._progress_thread is not None:
+            return self._books.take_results()
+        return super()._finished_by(deadline)
+
     def cancel(self, job_id: int) -> None:
         """Cancel a job: it publishes a failure. A transfer NIXL still runs is waited for (to
         DONE or its error, in CANCELLING) before its handles are released; one that already
