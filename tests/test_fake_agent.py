@@ -235,13 +235,17 @@ def test_reading_an_object_of_another_length_reads_what_real_nixl_reads(tier: Ti
     tier.agent.release_xfer_handle(read)
 
 
-def test_a_failed_read_with_complete_after_polls_zero_raises_from_transfer() -> None:
+def test_a_failed_read_with_complete_after_polls_zero_fails_on_the_check_as_nixl_does() -> None:
+    """Real NIXL answers the post of a read of a missing object PROC and raises the failure
+    from the check; the fake raised it from transfer(), a path no real run takes."""
     tier = make_tier(complete_after_polls=0)
     _, remote = tier.stage(["missing"])
     read = tier.make("READ", [0], remote)
-    with pytest.raises(FakeNixlError, match="NIXL_ERR_BACKEND"):
-        tier.agent.transfer(read)
-    assert tier.agent.running_transfers() == 0
+    assert tier.agent.transfer(read) == "PROC"
+    assert tier.agent.running_transfers() == 0, "over already: its handle may be released"
+    for _ in range(2):  # the same failure on every check
+        with pytest.raises(FakeNixlError, match="NIXL_ERR_BACKEND"):
+            tier.agent.check_xfer_state(read)
     tier.agent.release_xfer_handle(read)
 
 

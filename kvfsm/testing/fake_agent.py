@@ -16,11 +16,12 @@ file's descriptor while its transfer runs sees the fake fail (or write the reope
 NIXL finishes the transfer as posted.
 
 Timing: ``complete_after_polls`` is the number of ``check_xfer_state`` calls a posted transfer
-needs. With 0, ``transfer`` completes it at once and answers "DONE". With ``n >= 1``, ``transfer``
-answers "PROC", the first ``n - 1`` checks answer "PROC" and the n-th check completes it. Bytes
-move at completion, all at once, and a failed transfer of objects moves none. A completed
-transfer keeps answering "DONE"; a failed one keeps failing the same way; either may be posted
-again.
+needs. With 0, ``transfer`` completes it at once and answers "DONE" (or, if it failed,
+"PROC", the next check raising its failure, as NIXL answers a failed read). With ``n >= 1``,
+``transfer`` answers "PROC", the first ``n - 1`` checks answer "PROC" and the n-th check
+completes it. Bytes move at completion, all at once, and a failed transfer of objects moves
+none. A completed transfer keeps answering "DONE"; a failed one keeps failing the same way;
+either may be posted again.
 
 Failures: what real NIXL reports becomes :class:`FakeNixlError` (or the ``TypeError``,
 ``KeyError`` or ``IndexError`` the real wrapper raises for malformed arguments). What would crash
@@ -841,8 +842,9 @@ class FakeNixlAgent:
             NixlMisuseError: a handle this agent did not make, or one already released.
             FakeNixlError: NIXL_ERR_REPOST_ACTIVE if it is still running; NIXL_ERR_BACKEND for a
                 notification, a transfer of files whose first descriptor's fd cannot do the
-                operation (closed, or opened for the other one), or (with
-                ``complete_after_polls=0``, which completes it here) a transfer that failed.
+                operation (closed, or opened for the other one). (With
+                ``complete_after_polls=0``, which completes it here, a transfer that fails
+                then answers "PROC", and the next check raises its failure, as NIXL's.)
         """
         fault = self._enter("transfer")
         xfer = self._xfer("transfer", handle)
@@ -869,10 +871,12 @@ class FakeNixlAgent:
             if isinstance(fault, StayProc):
                 xfer.hold = fault.polls - 1
             elif self.complete_after_polls == 0:
-                answer = self._complete(xfer)
+                # posted, and failed at once: as NIXL, which answers the post PROC and the
+                with contextlib.suppress(FakeNixlError):  # failure on the next check
+                    answer = self._complete(xfer)
                 xfer.overwritten = None
             return answer
-        except FakeNixlError:  # a transfer that failed: posted, and over
+        except FakeNixlError:  # refused at the post: posted, and over
             raise
         except BaseException:  # interrupted: not posted (see the module docstring)
             self._restore(xfer, saved)
