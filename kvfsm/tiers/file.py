@@ -7,7 +7,9 @@ than 200 characters is ``%h-`` and the SHA-256 of the quoted name. Plain names h
 quoting always puts two hex digits after one, and ``%h`` never comes out of quoting, so two keys
 never share a file (short of a SHA-256 collision), and no key's file starts with a dot: names
 starting with ``.`` belong to kvfsm (temporary files, writer files). Bytes keys share the str
-keys' names (``b"k"`` is ``"6b"``).
+keys' names (``b"k"`` is ``"6b"``). Names keep the keys' case: on a root that folds case (vfat,
+an SMB share, a casefold directory) keys differing only in case would share a file, so such a
+root takes keys of one case only (docs/operations.md, "Names").
 
 Stores. A store writes each block into a temporary file of its own,
 ``.kvfsm-partial-<writer>-<n>-<name>``, created with ``O_EXCL``: ``<writer>`` is a random id per
