@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import inspect
 import itertools
 import os
 import random
@@ -224,6 +225,65 @@ def test_a_block_of_another_tiers_size_in_a_shared_directory_is_never_loaded_as_
                                   f"{2 * BLOCK_BYTES} bytes, not a block of {BLOCK_BYTES}")
     assert block(cache, 5) == before
     assert small.lookup("k") is Lookup.MISS
+
+
+def interrupt_once_at(function: Callable[..., Any], line: str) -> Callable[[], None]:
+    """Trace ``function``: a KeyboardInterrupt is raised once at its line ``line`` (as a
+    signal handler raises one between two calls); returns what stops the tracing."""
+    lines, first = inspect.getsourcelines(function)
+    (at,) = [first + n for n, text in enumerate(lines) if text.strip() == line]
+    code, armed = function.__code__, [True]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == at and armed:
+            armed.clear()
+            raise KeyboardInterrupt
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code is code else None
+
+    sys.settrace(calls)
+    return lambda: sys.settrace(None)
+
+
+def test_a_cleanup_cut_short_by_an_interrupt_never_closes_another_transfers_files(
+        cache: torch.Tensor, tmp_path: Path) -> None:
+    """A cleanup an interrupt cut short once its files were closed is made again next poll:
+    it closed the same fd numbers again, which the kernel had given a later load's files, and
+    a load after that got them once more; NIXL moves a transfer's blocks through the fd numbers
+    it was given (past its first 64 I/Os, at a later state check), so the first load published
+    the second's bytes as a success."""
+    agent = FakeNixlAgent(name="fd-numbers")
+    tier = FileTier(cache, tmp_path, agent=agent, durable=False)
+    tier.submit_store(TransferJob(1, ["a0", "a1"], [0, 1]))
+    tier.submit_store(TransferJob(2, ["b0", "b1"], [2, 3]))
+    assert all(r.success for r in results_of(tier).values())
+
+    tier.submit_store(TransferJob(3, ["c0", "c1"], [4, 5]))
+    stop = interrupt_once_at(file_tier._Files.close, "flush = opened.flush")
+    try:
+        with pytest.raises(KeyboardInterrupt):  # its files closed, the cleanup cut short
+            tier.get_finished_jobs()
+    finally:
+        stop()
+    assert tier.state_of(3) is TransferState.XFER_RELEASED
+
+    agent.complete_after_polls = 3  # the loads run for a few polls
+    tier.submit_load(TransferJob(4, ["a0", "a1"], [6, 7], is_promotion=True))
+    first = list(tier._runner.records[4].opened.fds)
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(3, True)], \
+        "job 3's cleanup made again and published; the load still runs"
+    for fd in first:
+        os.fstat(fd)  # still the load's: raises if the cleanup closed it
+    tier.submit_load(TransferJob(5, ["b0", "b1"], [4, 5], is_promotion=True))
+    results = results_of(tier)
+
+    assert {job: r.success for job, r in results.items()} == {4: True, 5: True}
+    assert [block(cache, 6), block(cache, 7)] == [block(cache, 0), block(cache, 1)]
+    assert [block(cache, 4), block(cache, 5)] == [block(cache, 2), block(cache, 3)]
+    tier.shutdown()
+    assert agent.misuses == []
 
 
 @real_nixl

@@ -576,6 +576,31 @@ def test_a_key_prefix_ending_in_a_digit_is_refused_where_it_runs_into_the_size_f
         tier.shutdown()
 
 
+@pytest.mark.timeout(10)
+def test_a_key_prefix_holding_a_size_folder_is_refused_where_another_tier_names_under_it(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """A tier of 256-byte blocks on prefix "kv/" names key "512-bytes/k" as a tier of 512-byte
+    blocks on prefix "kv/256-bytes/" would name key "k": the larger tier would load the
+    smaller one's object into half of its block as a success. Such a prefix is refused."""
+    short = ObjectStoreTier(primary, agent=agent, key_prefix="kv/")
+    assert short.object_key("512-bytes/k") == "kv/256-bytes/512-bytes/k"
+    wide = torch.zeros(4, 128, dtype=torch.float32)  # 512-byte blocks
+    for prefix in ("kv/256-bytes/", "kv-256-bytes/", "a/1-bytes/b/"):
+        folder = re.search(r"\d+-bytes/", prefix)[0]  # type: ignore[index]
+        with pytest.raises(ValueError, match=rf"key_prefix {prefix!r} holds a block size's "
+                                             rf"folder \('{folder}'\)"):
+            ObjectStoreTier(wide, agent=agent, key_prefix=prefix)
+    assert agent.live_registrations() == 1, "only the first tier's cache is registered"
+    for prefix, name_prefix in (("kv/256-bytes/", "kv/256-bytes/"),
+                                ("kv/x-bytes/", "kv/x-bytes/512-bytes/")):
+        tier = ObjectStoreTier(wide, agent=agent, key_prefix=prefix,
+                               size_folder=name_prefix != prefix)
+        assert tier.name_prefix == name_prefix
+        tier.shutdown()
+    short.shutdown()
+
+
 @pytest.mark.timeout(30)
 def test_a_tier_of_another_block_size_on_the_same_prefix_neither_finds_nor_loads_its_blocks(
     primary: torch.Tensor, agent: FakeNixlAgent

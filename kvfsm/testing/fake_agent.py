@@ -10,10 +10,11 @@ Files fail as NIXL 1.5.1's POSIX backend fails them (checked against it): a desc
 is closed or open for the other operation fails the post when it is the first, else the blocks
 before it move and the transfer fails (NIXL_ERR_BACKEND); a READ of a file shorter than it asks
 for fails too, having copied what it read; what a failed transfer moved stays moved. Where they
-differ: NIXL hands a transfer's reads and writes to the kernel when it is posted, the fake makes
-them when the transfer completes, through the fd numbers; so a test that closes (or reopens) a
-file's descriptor while its transfer runs sees the fake fail (or write the reopened file) where
-NIXL finishes the transfer as posted.
+differ: NIXL hands a transfer's first 64 reads or writes to the kernel when it is posted and the
+rest at later state checks, through the fd numbers it was given; the fake makes them all when
+the transfer completes, through the fd numbers. So a test that closes (or reopens) a file's
+descriptor while a transfer of a few blocks runs sees the fake fail (or write the reopened file)
+where NIXL finishes the transfer as posted; past 64 blocks both use the fd numbers late.
 
 Timing: ``complete_after_polls`` is the number of ``check_xfer_state`` calls a posted transfer
 needs. With 0, ``transfer`` completes it at once and answers "DONE" (or, if it failed,

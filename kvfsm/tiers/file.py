@@ -208,8 +208,10 @@ class _Files(StorageSide):
         leaks: list[Leak] = []
         if opened is None:
             return leaks
-        for fd in opened.fds:
-            try:
+        fds = opened.fds
+        while fds:  # each taken off before it is closed: a cleanup an interrupt cut short is
+            fd = fds.pop()  # made again, and must not close a number the kernel gave a new
+            try:  # file meanwhile (NIXL would move another transfer's blocks through it)
                 os.close(fd)
             except OSError as error:
                 leaks.append(Leak("close", f"fd {fd}: {error}"))

@@ -465,7 +465,8 @@ class ObjectStoreTier(SecondaryTier):
             as a success. False only where ``key_prefix`` already tells block sizes apart
             (:mod:`kvfsm.vllm`'s folders do). With it, ``key_prefix`` may not end in a digit
             (``"1"`` and 2,048-byte blocks would name ``"12048-bytes/k"``, as ``""`` and
-            12,048-byte blocks do).
+            12,048-byte blocks do), nor hold a size's folder (``"kv/4096-bytes/"`` and 8 KiB
+            blocks name key ``"k"`` as ``"kv/"`` and 4 KiB blocks name ``"8192-bytes/k"``).
         probe_agent: the agent lookups query from a background thread; by default a second
             real agent when built from ``store``, else ``agent`` itself, whose queries then
             hold the tier's lock (give real OBJ agents a probe agent of their own: a query of
@@ -529,6 +530,15 @@ class ObjectStoreTier(SecondaryTier):
                 f"key_prefix {key_prefix!r} ends in a digit, which runs into the block size's "
                 f"folder ({key_prefix + str(int(primary[0].nbytes))}-bytes/...): another "
                 "prefix and block size could name the same objects; end it with '/' or '-'")
+        folder = _SIZE_FOLDER_IN(key_prefix) if size_folder else None
+        if folder is not None:
+            # "kv/" + "4096-bytes/" + key "8192-bytes/k" is "kv/4096-bytes/" + "8192-bytes/"
+            # + key "k": a tier of 8 KiB blocks would load half of a 4 KiB tier's object
+            raise ValueError(
+                f"key_prefix {key_prefix!r} holds a block size's folder "
+                f"({folder[0]!r}): a tier on a shorter prefix names its "
+                "objects under it too, so a key of that tier and one of this could name the "
+                "same object at two block sizes; name the folder otherwise")
         self.key_prefix = key_prefix
         #: what every object name of the tier starts with: ``key_prefix``, then the folder of
         #: the block size (``"65536-bytes/"``) unless ``size_folder`` is False
@@ -659,6 +669,9 @@ class ObjectStoreTier(SecondaryTier):
             logger.warning("shutdown: deleting evicted objects did not finish by the deadline; "
                            "%d were left in the store", remover.errors)
 
+
+#: a block size's folder inside a key prefix (as its tier's names have one after the prefix)
+_SIZE_FOLDER_IN = re.compile(r"[0-9]+-bytes/").search
 
 #: the class's own naming: a tier that names keys with these takes the fast path
 _OBJECT_KEY, _REMOTE_NAME = ObjectStoreTier.object_key, ObjectStoreTier.remote_name
