@@ -31,6 +31,9 @@ from kvfsm.engine import Chain, Declaration, InvalidTransition
 from kvfsm.machines.transfer import FailureReason
 from kvfsm.transfer import Transfer
 
+#: kvfsm's machines by their state enums, once a recorder needs them
+_KVFSM_STATES: dict[type, str] = {}
+
 __all__ = ["Divergence", "TraceRecorder", "read_traces", "replay", "trace_reason", "trace_steps"]
 
 
@@ -46,6 +49,13 @@ def trace_steps(transfer: Transfer) -> list[list[Any]]:
             for step in (entry.traced if isinstance(entry, Chain) else (entry,))]
 
 
+def _kvfsm_states() -> dict[type, str]:
+    """The state enum of each of kvfsm's machines, to its name."""
+    from kvfsm.machines import kvfsm_machines  # noqa: PLC0415 - it imports the machines
+
+    return {declaration.states: name for name, declaration in kvfsm_machines().items()}
+
+
 class TraceRecorder:
     """Writes the trace of every transfer a tier publishes, one JSON line each.
 
@@ -53,17 +63,30 @@ class TraceRecorder:
     file.
     """
 
-    def __init__(self, path: str | Path, machine: str = "transfer") -> None:
+    def __init__(self, path: str | Path, machine: str | None = None) -> None:
+        #: where the traces go
         self.path = Path(path)
+        #: the machine each line names, for ``kvfsm replay`` (``module:ATTRIBUTE``, or one of
+        #: kvfsm's machines); None: kvfsm's transfer machine for a transfer in its states, else
+        #: none (the line names the transfer's states instead, and a replay asks for
+        #: ``--machine``)
         self.machine = machine
+        if machine is None and not _KVFSM_STATES:
+            _KVFSM_STATES.update(_kvfsm_states())
         self.count = 0
         self._file: IO[str] = self.path.open("w", encoding="utf-8")
 
     def __call__(self, transfer: Transfer) -> None:
         result = transfer.result()
-        line = {"machine": self.machine, "job_id": transfer.job_id, "success": result.success,
-                "reason": None if result.reason is None else result.reason.as_dict(),
-                "steps": trace_steps(transfer)}
+        machine, states = self.machine, type(transfer.state)
+        if machine is None:
+            machine = _KVFSM_STATES.get(states)
+        line: dict[str, Any] = {"machine": machine}
+        if machine is None:  # a lifecycle of the user's own: say which, for the replay
+            line["states"] = f"{states.__module__}.{states.__qualname__}"
+        line.update({"job_id": transfer.job_id, "success": result.success,
+                     "reason": None if result.reason is None else result.reason.as_dict(),
+                     "steps": trace_steps(transfer)})
         self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
         self.count += 1
 
@@ -128,8 +151,13 @@ class Divergence:
 def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Divergence | None:
     """Run ``trace`` against ``declaration``; the first divergence, or None when it replays."""
     machine = declaration.compile(listen=False)
-    answer_types = {event: type(next(iter(answers)))
-                    for event, answers in declaration.answers.items()}
+    # an event's answers may come from several enums (a step's own answers and RAISED, say):
+    # every answer of that name is tried, in one order whatever the hash seed
+    answers_named: dict[str, dict[str, list[Any]]] = {}
+    for event, answers in declaration.answers.items():
+        named = answers_named[event] = {}
+        for answer in sorted(answers, key=lambda a: (type(a).__qualname__, a.name)):
+            named.setdefault(answer.name, []).append(answer)
     state = declaration.initial
     failed = False
 
@@ -141,13 +169,18 @@ def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Diverge
         recorded = f"{source} -{event}({answer_name})-> {dest}"
         if source != state.name:
             return diverged(index, recorded, f"the transfer is in {state.name}")
-        answer_type = answer_types.get(event)
-        if answer_type is None or answer_name not in answer_type.__members__:
+        candidates = answers_named.get(event, {}).get(answer_name)
+        if not candidates:
             return diverged(index, recorded, f"no event {event!r} with answer {answer_name}")
-        try:
-            step = machine.step(state, event, answer_type[answer_name])
-        except InvalidTransition as error:
-            return diverged(index, recorded, str(error))
+        steps, refusal = [], None
+        for answer in candidates:
+            try:
+                steps.append(machine.step(state, event, answer))
+            except InvalidTransition as error:
+                refusal = refusal or error
+        if not steps:
+            return diverged(index, recorded, str(refusal))
+        step = next((s for s in steps if s.dest.name == dest), steps[0])
         if step.dest.name != dest:
             return diverged(index, recorded, f"{source} -{event}({answer_name})-> "
                                              f"{step.dest.name}")
@@ -188,6 +221,10 @@ def run(args: Any) -> int:
     count = steps = 0
     for trace in read_traces(args.file):
         declaration = fixed or machines.get(trace.get("machine", ""))
+        if declaration is None and trace.get("machine") is None and "states" in trace:
+            raise ValueError(f"{args.file}:{trace.get('line', '?')}: the trace is of a "
+                             f"lifecycle of its own (states {trace['states']}), which it does "
+                             "not name: replay it with --machine module:ATTRIBUTE")
         if declaration is None:
             try:
                 declaration = load_machine(str(trace.get("machine", "")))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -220,3 +221,46 @@ def test_naming_a_machine_that_does_not_exist_alone_is_a_usage_error(
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         ["*--kvfsm-machine: 'lamp:LAMPS': lamp has no attribute 'LAMPS'"])
+
+
+@pytest.mark.timeout(120)
+def test_a_trace_of_a_users_lifecycle_replays_alike_whatever_the_hash_seed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tutorial's lifecycle answers ``verify`` with its own enum and with RAISED: the replay
+    took one of the two enums at random (the hash seed's pick), so one run replayed clean and
+    the next diverged. And its traces named kvfsm's transfer machine, which a replay without
+    --machine then blamed; they now name the lifecycle's states, and the replay asks for it."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from examples.verify_lifecycle import STEPS, VERIFY_MACHINE  # noqa: PLC0415
+    from kvfsm.cli import main  # noqa: PLC0415
+
+    tier = ObjectStoreTier(torch.zeros(4, 16), agent=FakeNixlAgent(), machine=VERIFY_MACHINE,
+                           steps=STEPS)
+    path = tmp_path / "verify.jsonl"
+    with TraceRecorder(path) as recorder:
+        tier.on_published.append(recorder)
+        tier.submit_store(TransferJob(1, ["a"], [0]))
+        tier.drain_jobs(timeout=5)
+    tier.shutdown()
+    (trace,) = read_traces(path)
+    assert trace["machine"] is None
+    assert trace["states"] == "examples.verify_lifecycle.VerifyState"
+    assert ["verify", "MATCH"] in [step[:2] for step in trace["steps"]]
+    assert replay(VERIFY_MACHINE, trace) is None
+
+    assert main(["replay", str(path)]) == 2
+    assert ("the trace is of a lifecycle of its own (states examples.verify_lifecycle."
+            "VerifyState), which it does not name: replay it with --machine module:ATTRIBUTE"
+            in capsys.readouterr().err)
+    root = Path(__file__).resolve().parent.parent
+    for seed in ("0", "1", "2", "3"):
+        replayed = subprocess.run(
+            [sys.executable, "-m", "kvfsm", "replay", "--machine",
+             "examples.verify_lifecycle:VERIFY_MACHINE", str(path)],
+            cwd=root, env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True,
+            text=True, timeout=60, check=False)
+        assert replayed.returncode == 0, (seed, replayed.stdout, replayed.stderr)
+        assert "1 traces (6 steps) replay clean" in replayed.stdout
