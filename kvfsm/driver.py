@@ -547,8 +547,8 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
                              f"{posted.name}, which is not running= (NIXL runs the transfer)")
     for step, function in steps.items():  # (after the machine: what it needs comes first)
         if not callable(function):
-            raise ValueError(f"steps[{step!r}] must be a function (step(transfer) -> its "
-                             f"answer), got {type(function).__name__} {function!r}")
+            raise ValueError(f"steps[{step!r}] must be a function (step(transfer, primary) -> "
+                             f"its answer), got {type(function).__name__} {function!r}")
 
 
 def _check_state(declaration: Declaration[Any, Any], moves: Mapping[str, Any], state: Any,

@@ -176,6 +176,36 @@ class Chain(Generic[S]):
             for step in self.steps) + ">"
 
 
+def _check_collection(name: str, what: str, given: object, of: str, example: str) -> None:
+    """Raise DeclarationError unless ``given`` is a collection (a lone state, answer or str is
+    not: iterating it would take it apart, or fail inside the engine)."""
+    if isinstance(given, str | bytes | enum.Enum) or not isinstance(given, Iterable):
+        raise DeclarationError(f"{name}: {what} must be a collection of {of} ({example}), "
+                               f"got {type(given).__name__} {given!r}")
+
+
+#: what a transition names, each of it required
+_TRANSITION_KEYS = ("trigger", "source", "dest")
+
+
+def _check_transitions(name: str, transitions: object) -> None:
+    """Raise DeclarationError naming the first transition that is not a mapping with a
+    trigger, a source and a dest."""
+    if isinstance(transitions, Mapping):  # (iterating it would give its keys)
+        raise DeclarationError(f"{name}: transitions must be a list of dicts, one a "
+                               f"transition, got one dict {transitions!r}")
+    _check_collection(name, "transitions", transitions, "transitions",
+                      "[{'trigger': ..., 'source': ..., 'dest': ...}]")
+    for index, transition in enumerate(transitions):  # type: ignore[arg-type, var-annotated]
+        if not isinstance(transition, Mapping):
+            raise DeclarationError(f"{name}: transitions[{index}] must be a dict with "
+                                   f"{', '.join(_TRANSITION_KEYS)}, got {transition!r}")
+        missing = [key for key in _TRANSITION_KEYS if key not in transition]
+        if missing:
+            raise DeclarationError(f"{name}: transitions[{index}] has no "
+                                   f"{' nor '.join(repr(k) for k in missing)}: {transition!r}")
+
+
 class Declaration(Generic[S, A]):
     """A machine declared once with ``transitions``: the source of truth for engine and diagram.
 
@@ -238,6 +268,22 @@ class Declaration(Generic[S, A]):
                 f"{name}: states must be an Enum class (class MyState(enum.Enum): ...), got "
                 f"{type(states).__name__} {states!r}; to add states to a machine by name, use "
                 "its extend(states=[...])")
+        for what, given in (("final", final), ("failure_states", failure_states),
+                            ("unreachable", unreachable), ("running", running)):
+            _check_collection(name, what, given, "states", f"[{states.__name__}.X]")
+        for what, given_answers in (("answers", answers), ("guards", guards)):
+            if not isinstance(given_answers, Mapping):
+                raise DeclarationError(f"{name}: {what} must map names to answers, got "
+                                       f"{type(given_answers).__name__} {given_answers!r}")
+            for key, accepted in given_answers.items():
+                _check_collection(name, f"{what}[{key!r}]", accepted, "answers",
+                                  "[Answer.OK, ...]")
+                for answer in accepted:
+                    if not isinstance(answer, enum.Enum):
+                        raise DeclarationError(
+                            f"{name}: {what}[{key!r}] holds {answer!r}, which is not a member "
+                            "of an Enum: answers are Enum members (class Answer(enum.Enum))")
+        _check_transitions(name, transitions)
         self.name = name
         self.states = states
         self.initial = initial
@@ -582,8 +628,7 @@ class Declaration(Generic[S, A]):
         carried = self.answers[trigger]
         stray = self.guards[guard] - carried
         if stray:
-            source = transition.get("source")
-            sources = ", ".join(_state_names(source)) if source is not None else "?"
+            sources = ", ".join(_state_names(transition["source"]))
             raise DeclarationError(
                 f"{self.name}: guard {guard!r} (in {key} of {sources} -{trigger}-> "
                 f"{', '.join(_state_names(transition.get('dest')))}) accepts "

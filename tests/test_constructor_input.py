@@ -33,7 +33,8 @@ def cache() -> torch.Tensor:
     ({"steps": ["checksums"]}, r"steps must be a dict of effect names to step functions, "
                                r"got list \['checksums'\]"),
     ({"machine": VERIFY_MACHINE, "steps": {"verify": 3}},
-     r"steps\['verify'\] must be a function \(step\(transfer\) -> its answer\), got int 3"),
+     r"steps\['verify'\] must be a function \(step\(transfer, primary\) -> its answer\), "
+     r"got int 3"),
     ({"capacity_bytes": -1}, "capacity_bytes"),  # its own value first, not the missing remove=
 ])
 def test_an_object_store_tier_names_the_argument_of_the_wrong_kind(

@@ -265,6 +265,38 @@ def test_states_that_are_no_enum_and_actions_that_are_no_function_are_refused_by
         declaration.compile({"note_jams": lambda record, answer, detail: None})
 
 
+_FIRST = {"trigger": "push", "source": Door.CLOSED, "dest": Door.OPEN, "conditions": "gentle"}
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"answers": {"push": ("GENTLE", "HARD", "NONE"), "remove": [Push.NONE]}},
+     r"door: answers\['push'\] holds 'GENTLE', which is not a member of an Enum: answers are "
+     r"Enum members \(class Answer\(enum.Enum\)\)"),
+    ({"answers": {"push": list(Push), "remove": "NONE"}},
+     r"door: answers\['remove'\] must be a collection of answers \(\[Answer.OK, ...\]\), got "
+     r"str 'NONE'"),
+    ({"guards": {"gentle": Push.GENTLE}},
+     r"door: guards\['gentle'\] must be a collection of answers .*got Push <Push.GENTLE"),
+    ({"final": Door.GONE},
+     r"door: final must be a collection of states \(\[Door.X\]\), got Door <Door.GONE"),
+    ({"transitions": [{k: v for k, v in _FIRST.items() if k != "dest"}]},
+     r"door: transitions\[0\] has no 'dest': \{'trigger': 'push'"),
+    ({"transitions": [{"trigger": "push"}]},
+     r"door: transitions\[0\] has no 'source' nor 'dest'"),
+    ({"transitions": _FIRST},
+     r"door: transitions must be a list of dicts, one a transition, got one dict"),
+    ({"transitions": [_FIRST, ("push", Door.OPEN, Door.GONE)]},
+     r"door: transitions\[1\] must be a dict with trigger, source, dest, got \('push'"),
+])
+def test_a_declaration_of_the_wrong_shape_is_refused_naming_the_part(
+        override: dict[str, Any], message: str) -> None:
+    """Answers given as names, a lone final state, a transition missing its dest: each failed
+    inside the engine or ``transitions`` (an AttributeError on a str, "'Door' object is not
+    iterable", a TypeError naming no transition), or took a str apart into its letters."""
+    with pytest.raises(DeclarationError, match=message):
+        door_declaration(**override)
+
+
 def test_an_edge_that_can_never_be_taken_is_refused() -> None:
     # "remove" only ever carries NONE, so a "remove" edge taken unless NONE is dead code
     transitions = [*door_declaration().transitions,

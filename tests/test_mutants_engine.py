@@ -96,6 +96,7 @@ def test_the_note_names_the_action_when_the_record_is_not_an_enum_state() -> Non
 
 class Other(enum.Enum):
     HARD = 2
+    LOUD = 3
 
 
 def test_a_guard_accepting_a_foreign_answer_is_named_with_both_answer_sets() -> None:
@@ -103,10 +104,10 @@ def test_a_guard_accepting_a_foreign_answer_is_named_with_both_answer_sets() -> 
         {"trigger": "push", "source": Door.CLOSED, "dest": Door.OPEN, "conditions": "wrong"},
         {"trigger": "remove", "source": Door.OPEN, "dest": Door.GONE}]
     with pytest.raises(DeclarationError) as refused:
-        door_declaration(guards={"wrong": [Other.HARD, "loud"]}, transitions=transitions)
+        door_declaration(guards={"wrong": [Other.LOUD, Other.HARD]}, transitions=transitions)
     assert str(refused.value) == (
-        "door: guard 'wrong' (in conditions of CLOSED -push-> OPEN) accepts 'loud', "
-        "Other.HARD, which event 'push' never carries; its answers are Push.GENTLE, "
+        "door: guard 'wrong' (in conditions of CLOSED -push-> OPEN) accepts Other.HARD, "
+        "Other.LOUD, which event 'push' never carries; its answers are Push.GENTLE, "
         "Push.HARD, Push.NONE")
 
 
@@ -252,15 +253,21 @@ def test_an_unsupported_key_is_refused_saying_where_guards_and_actions_go() -> N
         "in after)")
 
 
-def test_a_stray_guard_on_an_edge_without_source_or_with_two_destinations_says_so() -> None:
-    """_check_guard_answers: 13, 18 (``?`` for an edge that names no source: the names are
-    checked before ``transitions`` sees the edge), 21 (the separator between destinations)."""
+def test_a_stray_guard_on_an_edge_with_two_sources_or_two_destinations_says_so() -> None:
+    """_check_guard_answers: the separators between sources and between destinations (an
+    edge without a source is refused before, naming what it lacks)."""
     guards = {"gentle": [Push.GENTLE], "hard": [Push.HARD], "nothing": [Push.NONE],
               "wrong": [Stranger.CLOSED]}
     assert refusal(guards=guards, transitions=[
         {"trigger": "push", "dest": Door.OPEN, "conditions": "wrong"}]) == (
-        "door: guard 'wrong' (in conditions of ? -push-> OPEN) accepts Stranger.CLOSED, which "
-        "event 'push' never carries; its answers are Push.GENTLE, Push.HARD, Push.NONE")
+        "door: transitions[0] has no 'source': {'trigger': 'push', 'dest': <Door.OPEN: 2>, "
+        "'conditions': 'wrong'}")
+    assert refusal(guards=guards, transitions=[
+        {"trigger": "push", "source": [Door.CLOSED, Door.JAMMED], "dest": Door.OPEN,
+         "conditions": "wrong"}]) == (
+        "door: guard 'wrong' (in conditions of CLOSED, JAMMED -push-> OPEN) accepts "
+        "Stranger.CLOSED, which event 'push' never carries; its answers are Push.GENTLE, "
+        "Push.HARD, Push.NONE")
     assert refusal(guards=guards, transitions=[
         {"trigger": "push", "source": Door.CLOSED, "dest": [Door.OPEN, Door.JAMMED],
          "conditions": "wrong"}]) == (
