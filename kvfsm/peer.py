@@ -747,12 +747,19 @@ class PeerSender(SecondaryTier):
 
         Raises:
             ValueError: ``receiver_blocks`` is not a non-empty list of (address, length,
-                device) int triples; nothing changed.
+                device) int triples, or a block's length is not this sender's block size
+                (every write to it would fail in NIXL); nothing changed.
             kvfsm.peer_link.PeerLinkError: NIXL refused the metadata, or lost it at once; or
                 the link to the previous receiver is not over yet (forget it first).
             TierClosedError: the sender is shut down.
         """
         blocks = _block_descs(receiver_blocks)  # before anything changes
+        for index, (_, length, _) in enumerate(blocks):
+            if length != self.block_bytes:
+                raise ValueError(
+                    f"receiver_blocks[{index}] is {length} bytes long, this sender's blocks "
+                    f"{self.block_bytes}: the receiver's cache has another block size (shape "
+                    "or dtype); give both caches the same bytes a block")
         with self._lock:
             if self._closed or self._closing:
                 raise TierClosedError("PeerSender is shut down; no receiver is connected")

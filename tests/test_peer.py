@@ -625,6 +625,27 @@ def test_a_shut_down_receiver_or_sender_links_nothing_and_expects_nothing() -> N
         sender.connect(receiver.metadata(), receiver.block_descs())
 
 
+@pytest.mark.parametrize("receiving_cache", [
+    torch.zeros(4, 32, dtype=torch.uint8),     # another shape
+    torch.zeros(4, 64, dtype=torch.float32),   # another dtype
+], ids=["shape", "dtype"])
+def test_a_sender_refuses_a_receiver_whose_blocks_are_another_size(
+        receiving_cache: torch.Tensor) -> None:
+    """connect() took them, and every write then failed in NIXL with a bare
+    NIXL_ERR_INVALID_PARAM, the receiver's job left expecting."""
+    sending, receiving = fake_ucx_pair()
+    receiver = PeerReceiver(receiving_cache, agent=receiving)
+    sender = PeerSender(torch.zeros(4, 64, dtype=torch.uint8), agent=sending)
+    size = receiving_cache[0].nbytes
+    with pytest.raises(ValueError, match=rf"receiver_blocks\[0\] is {size} bytes long, this "
+                                         r"sender's blocks 64: the receiver's cache has another "
+                                         r"block size"):
+        sender.connect(receiver.metadata(), receiver.block_descs())
+    assert sender.link_state() is LinkState.UNKNOWN, "nothing linked"
+    sender.shutdown(timeout=5)
+    receiver.shutdown()
+
+
 @pytest.mark.parametrize(("blocks", "message"), [
     (None, "receiver_blocks must be a non-empty list"),
     ([], "receiver_blocks must be a non-empty list"),
