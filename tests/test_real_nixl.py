@@ -316,6 +316,32 @@ def test_a_failed_release_on_real_nixl_is_retried_and_publishes_once(
     assert tier.stats()["retries"] == 2
 
 
+def test_a_tier_given_an_agent_without_its_backend_is_refused_naming_what_it_needs(
+    s3_server: S3Server, cache: torch.Tensor, tmp_path: Path
+) -> None:
+    """An object store tier on a POSIX agent, or a file tier on a UCX one, was taken, and every
+    job then failed with a bare NIXL_ERR_NOT_FOUND from register_memory. Refused now, before
+    anything is registered or created."""
+    posix, ucx = make_agent("posix-for-obj", "POSIX"), make_agent("ucx-for-files", "UCX")
+    with pytest.raises(ValueError, match=r"ObjectStoreTier: agent 'posix-for-obj' has no backend "
+                                         r"for OBJ memory \(its backends and what they move: "
+                                         r"POSIX: .*FILE.*\); it needs OBJ with the store's"):
+        ObjectStoreTier(cache, agent=posix)
+    root = tmp_path / "blocks"
+    with pytest.raises(ValueError, match=r"FileTier: agent 'ucx-for-files' has no backend for "
+                                         r"FILE memory .*UCX: .*DRAM.*; it needs POSIX"):
+        FileTier(cache, root, agent=FaultyAgent(ucx))  # a wrapper says what its agent has
+    assert not root.exists(), "nothing created"
+    objects = make_agent("obj-right", "OBJ", s3_server.config(s3_server.new_bucket())
+                         .backend_params())
+    with pytest.raises(ValueError, match=r"ObjectStoreTier's probe_agent: agent 'posix-for-obj' "
+                                         r"has no backend for OBJ memory"):
+        ObjectStoreTier(cache, agent=objects, probe_agent=posix)
+    tier = ObjectStoreTier(cache, agent=objects, probe_agent=objects)  # the right ones
+    tier.shutdown()
+    FileTier(cache, root, agent=posix, durable=False).shutdown()
+
+
 def test_the_bucket_is_checked_at_start_up(s3_server: S3Server, cache: torch.Tensor) -> None:
     with pytest.raises(BucketUnreachable, match=r"bucket 'no-such-bucket' at .* does not exist"):
         ObjectStoreTier(cache, store=s3_server.config("no-such-bucket"))

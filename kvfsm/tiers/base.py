@@ -1001,13 +1001,38 @@ def check_agent(agent: object) -> None:
                          f"{agent!r}, which has no {', '.join(missing)}")
 
 
+#: what a storage tier's agent needs a backend for, by the memory type of its blocks there
+_BACKEND_FOR = {"FILE": "POSIX (kvfsm.nixl_agents.make_agent(name, 'POSIX'))",
+                "OBJ": "OBJ with the store's parameters (ObjectStoreTier(primary, "
+                       "store=StoreConfig(...)) makes one)"}
+
+
+def check_backend(agent: object, mem_type: str, tier: str) -> None:
+    """Refuse, naming its backends, a real NIXL agent none of whose backends moves blocks to
+    ``mem_type`` memory (a POSIX agent given to an object store tier): every job would fail
+    with a bare NIXL_ERR_NOT_FOUND. An agent that does not say (a wrapper, a fake without
+    ``get_backend_mem_types``) is taken as it is."""
+    backends, mem_types = getattr(agent, "backends", None), getattr(
+        agent, "get_backend_mem_types", None)
+    if not isinstance(backends, Mapping) or not callable(mem_types):
+        return
+    served = {name: [str(t).removesuffix("_SEG") for t in mem_types(name)] for name in backends}
+    if any(mem_type in types for types in served.values()):
+        return
+    has = "; ".join(f"{name}: {', '.join(types)}" for name, types in served.items()) or "none"
+    raise ValueError(f"{tier}: agent {getattr(agent, 'name', agent)!r} has no backend for "
+                     f"{mem_type} memory (its backends and what they move: {has}); it needs "
+                     f"{_BACKEND_FOR.get(mem_type, 'one')}")
+
+
 def check_tier_options(primary: object, *, agent: object,
                        machine: Declaration[Any, Any] | None,
                        steps: Mapping[str, StepFunction] | None, policy: RetryPolicy | None,
                        in_flight: object, capacity_bytes: object, record_events: object,
-                       ) -> None:
+                       mem_type: str | None = None, tier: str = "tier") -> None:
     """What a tier's constructor refuses before it makes anything (an agent, a root, a
-    thread): a machine the tier cannot run, then its other arguments, each by name."""
+    thread): a machine the tier cannot run, then its other arguments, each by name; with
+    ``mem_type`` (the memory its blocks go to), an agent without a backend for it."""
     check_runnable(machine or TRANSFER_MACHINE, steps or {}, policy or RetryPolicy())
     check_in_flight(in_flight)
     _check_primary(primary)
@@ -1015,6 +1040,8 @@ def check_tier_options(primary: object, *, agent: object,
                            record_events)
     if agent is not None:
         check_agent(agent)
+        if mem_type is not None:
+            check_backend(agent, mem_type, tier)
 
 
 def check_in_flight(in_flight: object) -> None:

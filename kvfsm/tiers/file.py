@@ -576,7 +576,8 @@ class FileTier(SecondaryTier):
         # everything that can be refused, before the root is made
         check_tier_options(primary, agent=agent, machine=machine, steps=steps, policy=policy,
                            in_flight=in_flight, capacity_bytes=capacity_bytes,
-                           record_events=record_events)
+                           record_events=record_events,
+                           mem_type="FILE", tier="FileTier")
         check_interval("poll_interval", poll_interval)
         if type(durable) is not bool:  # ("false" from a configuration file is no False)
             raise ValueError(f"durable must be True or False, got {durable!r}")

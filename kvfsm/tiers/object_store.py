@@ -24,6 +24,7 @@ from kvfsm.tiers.base import (
     Lookup,
     RemovalInFlightError,
     SecondaryTier,
+    check_backend,
     check_tier_options,
     key_text,
     logger,
@@ -514,10 +515,13 @@ class ObjectStoreTier(SecondaryTier):
     ) -> None:
         check_tier_options(primary, agent=agent, machine=machine, steps=steps, policy=policy,
                            in_flight=in_flight, capacity_bytes=capacity_bytes,
-                           record_events=record_events)
+                           record_events=record_events,
+                           mem_type="OBJ", tier="ObjectStoreTier")
         if probe_agent is not None and not callable(getattr(probe_agent, "query_memory", None)):
             raise ValueError(f"probe_agent must be a NIXL agent with the OBJ backend (it asks "
                              f"query_memory), got {type(probe_agent).__name__} {probe_agent!r}")
+        if probe_agent is not None:
+            check_backend(probe_agent, "OBJ", "ObjectStoreTier's probe_agent")
         if key_prefix is None:
             key_prefix = store.key_prefix if store is not None else ""
         check_key_prefix(key_prefix)
