@@ -749,3 +749,40 @@ def test_the_bucket_check_keeps_its_timeout_against_a_server_that_answers_a_byte
     with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds > 0, "
                                          r"got nan"):
         check_bucket(config, timeout=float("nan"))
+
+
+@pytest.mark.timeout(30)
+def test_a_lookup_against_a_store_that_stopped_answering_settles_on_miss_then_asks_again(
+    primary: torch.Tensor,
+) -> None:
+    """A probe whose query failed (a dead or frozen store: NIXL raises) left its names
+    unanswered, so every lookup of them answered RETRY for as long as the store was down, and
+    vLLM deferred the request for as long. The failed query now answers MISS (the engine goes
+    on without the block), asked again once the MISS is probed_miss_seconds old."""
+    agent = FakeNixlAgent("store")
+    probe = FakeNixlAgent("probe", objects=agent.objects)
+    writer = ObjectStoreTier(primary, agent=agent)
+    writer.submit_store(store(1, "k"))
+    assert run_to_idle(writer) == [True]
+    class Impatient(ObjectStoreTier):
+        probed_miss_seconds = 0.05
+
+    tier = Impatient(primary, agent=FakeNixlAgent("reader"), probe_agent=probe)
+    probe.inject("query_memory", Raise("NIXL_ERR_BACKEND"), times=2)  # the store is down
+
+    def verdict() -> Lookup:
+        answer, deadline = tier.lookup("k"), time.monotonic() + 10
+        while answer is Lookup.RETRY and time.monotonic() < deadline:
+            time.sleep(0.01)
+            answer = tier.lookup("k")
+        return answer
+
+    assert verdict() is Lookup.MISS, "the query failed: MISS, not RETRY for ever"
+    assert tier.probe_errors == 1
+    time.sleep(0.06)  # past probed_miss_seconds: asked again, and the store is still down
+    assert verdict() is Lookup.MISS
+    time.sleep(0.06)  # the store answers again
+    assert verdict() is Lookup.HIT
+    assert probe.call_count("query_memory") == 3
+    for each in (tier, writer):
+        each.shutdown(timeout=5)

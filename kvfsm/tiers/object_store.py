@@ -194,9 +194,13 @@ class _Prober:
         try:
             answers = self._agent.query_memory([(0, 1, 0, name) for name in names],
                                                "OBJ", "OBJ")
-        except Exception:  # the store did not answer: leave the names to be asked again
+        except Exception as error:  # the store did not answer: MISS for now (below)
             self.errors += 1
             answers = None
+            if self.errors & (self.errors - 1) == 0:  # the 1st, 2nd, 4th... not every batch
+                logger.warning("lookup probe failed (%d so far): %s: %s; its %d name(s) "
+                               "answer MISS for %s s, then are asked again", self.errors,
+                               type(error).__name__, error, len(names), self.miss_for)
         finally:
             if shared is not None:
                 shared.release()
@@ -208,11 +212,12 @@ class _Prober:
         with self._lock:
             for index, name in enumerate(names):
                 self._wanted.pop(name, None)
-                if answers is not None:
-                    # a result the tier recorded meanwhile is newer than this probe
-                    self._known.offer(
-                        name, Lookup.MISS if answers[index] is None or name in doomed
-                        else Lookup.HIT, self.miss_for)
+                # a result the tier recorded meanwhile is newer than this probe; a query that
+                # failed (a dead or frozen store) answers MISS until it is asked again, where
+                # RETRY for ever would hold the engine's request back for ever
+                self._known.offer(
+                    name, Lookup.MISS if answers is None or answers[index] is None
+                    or name in doomed else Lookup.HIT, self.miss_for)
         return True
 
 
@@ -449,11 +454,12 @@ class ObjectStoreTier(SecondaryTier):
     from the :class:`~kvfsm.nixl_agents.StoreConfig`, checks that the bucket is reachable, and
     releases them in :meth:`shutdown`.
 
-    A block a probe found absent is looked for again once the MISS is
-    :attr:`probed_miss_seconds` old, so a block another process (or tier) stores into the same
-    bucket is found; one whose load failed stays a MISS (F11) until newer names push it out of
-    the lookup cache. A process sees an object only once its upload completed: S3 makes a PUT
-    visible whole or not at all.
+    A block a probe found absent, or could not ask about (the store did not answer the query),
+    is looked for again once the MISS is :attr:`probed_miss_seconds` old, so a block another
+    process (or tier) stores into the same bucket is found, and an engine is never told RETRY
+    for as long as the store is down; one whose load failed stays a MISS (F11) until newer
+    names push it out of the lookup cache. A process sees an object only once its upload
+    completed: S3 makes a PUT visible whole or not at all.
 
     Args:
         primary: the primary KV cache (contiguous CPU tensor, blocks on the first dimension).
@@ -651,7 +657,8 @@ class ObjectStoreTier(SecondaryTier):
 
     @property
     def probe_errors(self) -> int:
-        """How many background ``query_memory`` calls raised (their keys are asked again)."""
+        """How many background ``query_memory`` calls raised (their keys answer MISS, asked
+        again once the MISS is :attr:`probed_miss_seconds` old)."""
         return self._prober.errors
 
     def _probe(self, name: str) -> Lookup:
