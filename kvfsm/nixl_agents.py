@@ -96,6 +96,23 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.bucket, str) or not self.bucket:
             raise ValueError(f"StoreConfig.bucket must be a non-empty str, got {self.bucket!r}")
+        for field in ("endpoint", "access_key", "secret_key"):  # (a configuration file's
+            value = getattr(self, field)  # values: each its type, or named)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"StoreConfig.{field} must be a str or None, got {value!r}")
+        for field in ("region", "key_prefix"):
+            if not isinstance(getattr(self, field), str):
+                raise ValueError(f"StoreConfig.{field} must be a str, got "
+                                 f"{getattr(self, field)!r}")
+        if not self.region:
+            raise ValueError("StoreConfig.region must be a region's name, got ''")
+        if type(self.use_virtual_addressing) is not bool:  # "false" is no False
+            raise ValueError(f"StoreConfig.use_virtual_addressing must be True or False, got "
+                             f"{self.use_virtual_addressing!r}")
+        if self.io_threads is not None and (type(self.io_threads) is not int
+                                            or self.io_threads < 1):
+            raise ValueError(f"StoreConfig.io_threads must be an int of at least 1 or None, "
+                             f"got {self.io_threads!r}")
         if self.endpoint is not None:
             parsed = urllib.parse.urlsplit(self.endpoint)
             if parsed.scheme not in {"http", "https"} or not parsed.hostname:
@@ -107,8 +124,6 @@ class StoreConfig:
         if self.req_checksum not in {"required", "when_supported"}:
             raise ValueError(f"StoreConfig.req_checksum must be 'required' or 'when_supported', "
                              f"got {self.req_checksum!r}")
-        if self.io_threads is not None and self.io_threads < 1:
-            raise ValueError(f"StoreConfig.io_threads must be at least 1, got {self.io_threads}")
 
     @property
     def scheme(self) -> str:

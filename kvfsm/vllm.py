@@ -196,8 +196,9 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
             raise ValueError(f"{tier_type}: shutdown_timeout must be a number of seconds or "
                              f"None, got {shutdown_timeout!r}") from None
         limit = _limit(in_flight)
-        if backpressure_detector is None and limit is not None:
-            backpressure_detector = _Saturation(self)
+        if backpressure_detector is None and (limit is not None
+                                              or settings.get("read_only") is True):
+            backpressure_detector = _Saturation(self)  # (a read-only tier: always declines)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         if label is not None and (not isinstance(label, str) or not label):
@@ -206,7 +207,10 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         #: tiers of one type need labels of their own, or vLLM counts them as one)
         self.label = label or tier_type
         self.shutdown_timeout = shutdown_timeout
-        events_on = bool(enable_kv_events) and bool(getattr(
+        if type(enable_kv_events) is not bool:  # ("false" from a configuration is no False)
+            raise ValueError(f"{tier_type}: enable_kv_events must be true or false, got "
+                             f"{enable_kv_events!r}")
+        events_on = enable_kv_events and bool(getattr(
             getattr(offloading_spec, "kv_events_config", None), "enable_kv_cache_events", False))
         self._events: deque[OffloadingEvent] | None = (
             deque(maxlen=EVENT_LIMIT) if events_on else None)
@@ -215,6 +219,9 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         policy = _policy(retry)
         chunks = len(primary_kv_view)
         chunk_bytes = self.block_size_bytes
+        if limit is not None and limit.bytes is not None and limit.bytes < chunk_bytes:
+            raise ValueError(f"{tier_type}: in_flight bytes {limit.bytes} is less than one "
+                             f"chunk ({chunk_bytes} bytes): every store would be refused")
         # zero copy: the tensor is vLLM's memory (dropped again in shutdown)
         primary = torch.frombuffer(primary_kv_view, dtype=torch.uint8).view(chunks, chunk_bytes)
         #: the folder this tier's blocks go in, under its ``prefix`` or ``directory``: one per
@@ -304,12 +311,17 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                 raise tiers.InvalidJobError(f"{len(keys)} keys but {len(chunks)} chunk ids")
             pairs: list[tuple[OffloadKey, int]] = []
             missing: list[OffloadKey] = []
+            held: list[OffloadKey] = []
             for k, c in zip(keys, chunks, strict=True):
                 verdict = tier.verdict(k)
                 if load and verdict is Lookup.MISS:  # removed (or failed) since the lookup
                     missing.append(k)
                 elif load or verdict is not Lookup.HIT:  # a store skips what the tier holds
                     pairs.append((k, c))
+                else:
+                    held.append(k)
+            if held:  # used now: the room the others make is not made by evicting these
+                tier.touch(held)
             if not pairs:
                 self._ready_result(job.job_id, kind, success=not load, outcome=(
                     "missing" if load else "skipped"))
@@ -563,7 +575,9 @@ class FileTier(_Adapter):
     succeeds; default True), ``read_only`` (only load; the folder may not exist yet: MISS until
     other engines' stores make it), ``capacity_bytes``, ``retry``, ``shutdown_timeout``,
     ``in_flight``, ``enable_kv_events``, ``locality``, ``label`` (as :class:`ObjectStoreTier`),
-    ``agent`` (a NIXL agent with the POSIX backend, instead of one made by the tier).
+    ``agent`` (a NIXL agent with the POSIX backend, instead of one made by the tier). A tier
+    that stores removes, as it starts, the temporary files of engines that are gone (a killed
+    one's stores in flight: :meth:`kvfsm.tiers.FileTier.remove_stale`).
     """
 
     _tier_class = tiers.FileTier
@@ -574,14 +588,25 @@ class FileTier(_Adapter):
             raise ValueError(f"{self.tier_type}: the tier's settings need a directory")
         if not isinstance(directory, str | os.PathLike):
             raise ValueError(f"{self.tier_type}: directory must be a path, got {directory!r}")
-        return tiers.FileTier(primary, os.path.join(directory, folder), durable=durable,
+        tier = tiers.FileTier(primary, os.path.join(directory, folder), durable=durable,
                               agent=agent, **options)
+        if not tier.read_only:  # a killed engine's temporary files: nobody else removes them
+            try:
+                removed = tier.remove_stale()
+            except BaseException:
+                tier.shutdown()
+                raise
+            if removed:
+                logger.info("%s: removed %d temporary file(s) of engines gone", self.label,
+                            removed)
+        return tier
 
 
 class _Saturation(BackpressureDetector):  # type: ignore[misc]
     """vLLM's back-pressure hook on a kvfsm tier's :class:`~kvfsm.policy.InFlightLimit`: under
-    pressure while a store of the blocks asked about would be refused. It holds the adapter
-    weakly (the adapter holds it), and nothing once the tier is shut down."""
+    pressure while a store of the blocks asked about would be refused (always, for a
+    read-only tier: vLLM then cascades no store to it, where each was a failed job). It holds
+    the adapter weakly (the adapter holds it), and nothing once the tier is shut down."""
 
     def __init__(self, adapter: _Adapter) -> None:
         super().__init__(DropStorePolicy())
@@ -598,7 +623,8 @@ class _Saturation(BackpressureDetector):  # type: ignore[misc]
     def is_under_pressure(self) -> bool:
         adapter = self._adapter()
         tier = None if adapter is None else adapter._tier
-        return tier is not None and tier.saturated(self._blocks * tier.block_bytes)
+        return tier is not None and (getattr(tier, "read_only", False) is True
+                                     or tier.saturated(self._blocks * tier.block_bytes))
 
     def on_store_completed(self, elapsed_s: float, num_bytes: int) -> None:
         """Pressure is what is in flight now, not how long stores took."""

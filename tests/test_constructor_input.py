@@ -122,3 +122,25 @@ def test_a_policy_of_the_right_kind_is_taken() -> None:
     assert tier.policy.max_seconds == 5
     tier.shutdown()
     agent.close()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("io_threads", "4", r"StoreConfig.io_threads must be an int of at least 1 or None, got '4'"),
+    ("io_threads", 2.5, r"StoreConfig.io_threads must be an int of at least 1 or None, got 2.5"),
+    ("io_threads", 0, r"StoreConfig.io_threads must be an int of at least 1 or None, got 0"),
+    ("region", None, r"StoreConfig.region must be a str, got None"),
+    ("region", "", r"StoreConfig.region must be a region's name, got ''"),
+    ("use_virtual_addressing", "false",
+     r"StoreConfig.use_virtual_addressing must be True or False, got 'false'"),
+    ("endpoint", 9000, r"StoreConfig.endpoint must be a str or None, got 9000"),
+    ("key_prefix", None, r"StoreConfig.key_prefix must be a str, got None"),
+])
+def test_a_store_config_from_a_configuration_file_names_the_field_of_the_wrong_type(
+        field: str, value: Any, message: str) -> None:
+    """Such values reached NIXL: a TypeError comparing str with int, a bare NIXL_ERR_BACKEND,
+    createBackend's incompatible arguments, or "false" taken as true (virtual addressing on,
+    and the bucket's host name not found)."""
+    from kvfsm.nixl_agents import StoreConfig  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=message):
+        StoreConfig("bucket", **{field: value})

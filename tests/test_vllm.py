@@ -191,6 +191,23 @@ def test_vllms_touch_counts_as_use_and_no_events_are_kept_unless_asked_for(
     assert tier.tier.take_events() == []  # and not piling up either
 
 
+def test_a_cascade_of_a_block_the_tier_holds_never_evicts_it_to_make_room_for_the_rest(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """A cascade of blocks 1 and 2 to a full tier that holds 1 (its least recently used):
+    the store skips 1, and the room for 2 was made by evicting 1 itself, the block vLLM had
+    just cascaded. Skipped, it now counts as used: the least recently used of the others goes."""
+    engine = engines(file_entry(tmp_path, capacity_bytes=3 * CHUNK_BYTES), primary_chunks=2)
+    tier = the_tier(engine)
+    for seed in (1, 3, 4):
+        engine.offload(f"R{seed}", blocks(seed))
+        engine.settle()
+    engine.offload("again", blocks(1, 2), lookup=False)
+    engine.settle()
+    assert stored(tier) == sorted(tier.tier.remote_name(key(s)) for s in (1, 2, 4))
+    assert tier.tier.lookup(key(1)) is Lookup.HIT
+
+
 def test_a_job_for_a_closed_or_confused_tier_is_a_failed_result(tmp_path: Path) -> None:
     import numpy as np  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -225,6 +242,47 @@ def test_blocks_an_earlier_engine_stored_are_found_and_loaded(
     assert second.fetch("B", [key(1), key(2)]) == blocks(1, 2)
     second.settle()
     jobs = the_tier(second).get_stats().data["data"]["vllm:kv_offload_kvfsm_jobs"]
+    assert jobs == {("FileTier", "load", "ok"): 1}
+
+
+def test_a_file_tier_starting_removes_the_temporary_files_of_engines_gone(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """A killed engine's stores in flight leave temporary files that nothing removed (vLLM
+    never calls remove_stale), growing with every restart. A tier that stores removes them as
+    it starts; another live engine's are left alone."""
+    first = engines(file_entry(tmp_path))
+    first.offload("A", blocks(1))
+    first.settle()
+    root = the_tier(first).tier.root
+    first.shutdown()
+    gone = root / ".kvfsm-partial-0123456789abcdef-0-block"  # its writer's lock file is gone
+    gone.write_bytes(b"x" * CHUNK_BYTES)
+    live = engines(file_entry(tmp_path))
+    live.offload("B", blocks(2), lookup=False)  # its store's temporary file: while it runs
+    assert not gone.exists(), "the dead engine's temporary file was removed at start-up"
+    live.settle()
+    assert stored(the_tier(live)) == sorted(the_tier(live).tier.remote_name(key(s))
+                                            for s in (1, 2))
+
+
+def test_a_read_only_tier_is_cascaded_no_store_and_loads_what_others_stored(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """vLLM cascaded every store to a read-only file tier, and each came back a failed job, a
+    warning and a cascade failure in vLLM's metrics. The tier now declines them as under
+    back-pressure: vLLM sends none, and the tier still loads what another engine stored."""
+    writer = engines(file_entry(tmp_path))
+    writer.offload("A", blocks(1))
+    writer.settle()
+    writer.shutdown()
+    reader = engines(file_entry(tmp_path, read_only=True))
+    reader.offload("B", blocks(2))
+    reader.settle()
+    assert the_tier(reader).tier.stats()["published"] == 0, "no store reached the tier"
+    assert reader.fetch("C", [key(1)]) == blocks(1)
+    reader.settle()
+    jobs = the_tier(reader).get_stats().data["data"]["vllm:kv_offload_kvfsm_jobs"]
     assert jobs == {("FileTier", "load", "ok"): 1}
 
 
@@ -660,6 +718,10 @@ def test_kvfsm_imports_without_vllm() -> None:
     ("capacity_byte", 100, "FileTier: unknown setting(s) capacity_byte; its settings: agent, "
      "capacity_bytes, directory, durable,"),
     ("policy", {}, "FileTier: unknown setting(s) policy; its settings:"),  # (retry makes it)
+    ("enable_kv_events", "false", "FileTier: enable_kv_events must be true or false, got "
+     "'false'"),  # (was taken as true)
+    ("in_flight", {"bytes": 100}, f"FileTier: in_flight bytes 100 is less than one chunk "
+     f"({CHUNK_BYTES} bytes): every store would be refused"),  # (was: every store dropped)
 ])
 def test_a_bad_setting_is_refused_with_an_error_naming_it(
     tmp_path: Path, engines: Callable[..., Engine], setting: str, value: Any, message: str
