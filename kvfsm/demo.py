@@ -84,6 +84,9 @@ def parse_fault_spec(spec: str) -> list[FaultSpec]:
         elif kind == "err":
             fault = ReturnErr()
         else:
+            if int(match["polls"]) < 1:
+                raise ValueError(f"bad fault {item!r}: proc=N keeps a transfer running for N "
+                                 "polls, N from 1")
             fault = StayProc(int(match["polls"]))
         at = int(match["at"]) if match["at"] else None
         times = int(match["times"]) if match["times"] else 1
@@ -91,6 +94,12 @@ def parse_fault_spec(spec: str) -> list[FaultSpec]:
             raise ValueError(f"bad fault {item!r}: @AT and *TIMES count from 1")
         faults.append(FaultSpec(match["call"], fault, at, times))
     return faults
+
+
+#: the NIXL calls the demo's tier makes (it looks nothing up: no query_memory)
+DEMO_CALLS = FAULTABLE_CALLS - {"query_memory"}
+#: the calls a tier makes once as it starts (registering the primary cache) before any job's
+_STARTING_CALLS = ("register_memory", "prep_xfer_dlist")
 
 
 def _check_faults(faults: list[FaultSpec]) -> None:
@@ -102,6 +111,10 @@ def _check_faults(faults: list[FaultSpec]) -> None:
                     if fault.call.lower() in FAULTABLE_CALLS else "")
             raise ValueError(f"bad fault for {fault.call!r}: not a NIXL call kvfsm can fail{hint}; "
                              f"one of {', '.join(sorted(FAULTABLE_CALLS))}")
+        if fault.call not in DEMO_CALLS:
+            raise ValueError(f"bad fault for {fault.call!r}: the demo never calls it (it makes "
+                             "no lookup), so the fault would never fire; one of "
+                             f"{', '.join(sorted(DEMO_CALLS))}")
         if not isinstance(fault.fault, Raise) and fault.call not in STATUS_CALLS:
             kind = "err" if isinstance(fault.fault, ReturnErr) else "proc"
             raise ValueError(f"bad fault for {fault.call!r}: {kind} only applies to "
@@ -306,7 +319,8 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
         agent = FakeNixlAgent(name="kvfsm-demo")
         for fault in faults:
             agent.inject(fault.call, fault.fault, at=fault.at, times=fault.times)
-        yield ObjectStoreTier(cache, agent=agent, key_prefix="demo/", policy=policy), \
+        yield _made(lambda: ObjectStoreTier(cache, agent=agent, key_prefix="demo/",
+                                            policy=policy), faults), \
             "object-store tier on kvfsm's fake NIXL agent (in memory)"
         return
 
@@ -331,8 +345,8 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
         if not credentials_found(store):  # every transfer would fail, naming no cause
             raise ValueError(f"{NO_CREDENTIALS}; the demo needs them for {args.s3_endpoint}")
         agent = faulty(make_agent("kvfsm-demo-obj", "OBJ", store.backend_params()))
-        yield ObjectStoreTier(cache, agent=agent, key_prefix=store.key_prefix,
-                              policy=policy), \
+        yield _made(lambda: ObjectStoreTier(cache, agent=agent, key_prefix=store.key_prefix,
+                                            policy=policy), faults), \
             f"object-store tier on real NIXL (OBJ), bucket {args.bucket} at {args.s3_endpoint}"
         return
 
@@ -340,12 +354,29 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfsm-demo-"))
         agent = faulty(make_agent("kvfsm-demo-posix", "POSIX"))
         try:
-            tier = FileTier(cache, root, agent=agent, durable=False, policy=policy)
+            tier = _made(lambda: FileTier(cache, root, agent=agent, durable=False,
+                                          policy=policy), faults)
         except RootNotWritableError:
             raise ValueError(f"--dir {root}: cannot be written to (a read-only file system or "
                              "no permission); the demo stores its blocks there") from None
         yield tier, \
             f"file tier on real NIXL (POSIX), files in {root}"
+
+
+def _made(make: Callable[[], SecondaryTier], faults: list[FaultSpec]) -> SecondaryTier:
+    """The tier ``make`` makes; a fault injected into the calls it makes as it starts (the
+    first ``register_memory`` or ``prep_xfer_dlist``: the primary cache's registration)
+    that stops it is refused, naming the fault, where the demo ended with the bare error."""
+    try:
+        return make()
+    except Exception as error:
+        hit = [f for f in faults if f.call in _STARTING_CALLS and (f.at or 1) == 1]
+        if not hit:
+            raise
+        raise ValueError(
+            f"the tier could not start: {type(error).__name__}: {error}, the injected fault "
+            f"{hit[0].call}@1: a tier's first {hit[0].call} is the primary cache's, made as it "
+            f"starts, before any job; inject it @2 or later to fail a job's") from None
 
 
 def _check_trace(path: str) -> None:
@@ -390,8 +421,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvfsm demo: {args.blocks} blocks x {args.block_kib} KiB "
           f"({args.blocks * block_bytes / 2**20:.1f} MiB) in {len(groups)} jobs per phase",
           flush=True)
-    pattern = _Pattern(args.seed, block_bytes)
-    cache = torch.empty((args.blocks, block_bytes), dtype=torch.uint8)
+    try:
+        pattern = _Pattern(args.seed, block_bytes)
+        cache = torch.empty((args.blocks, block_bytes), dtype=torch.uint8)
+    except RuntimeError as error:  # (torch's allocator says it in its own words)
+        raise ValueError(f"--blocks {args.blocks} x --block-kib {args.block_kib}: a cache of "
+                         f"{args.blocks * block_bytes / 2**20:,.0f} MiB cannot be allocated "
+                         f"here ({str(error).splitlines()[0]})") from None
     with progress_bar(cache.nbytes, "fill", enabled=progress) as bar:
         pattern.fill(cache, bar)
 

@@ -396,6 +396,10 @@ def test_the_fault_spec_grammar() -> None:
      "directory '/no-such-directory' to write it in"),
     (["--trace", "/"], "--trace /: is a directory; name a file to write"),
     (["--trace", "/proc/kvfsm-trace.jsonl"], "--trace /proc/kvfsm-trace.jsonl: cannot write it"),
+    (["--inject-faults", "check_xfer_state:proc=0"], "bad fault 'check_xfer_state:proc=0': "
+     "proc=N keeps a transfer running for N polls, N from 1"),  # (was: "StayProc: polls...")
+    (["--inject-faults", "query_memory:raise"], "bad fault for 'query_memory': the demo never "
+     "calls it (it makes no lookup), so the fault would never fire"),  # (was: taken, unfired)
 ])
 def test_bad_options_are_named(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
@@ -407,6 +411,28 @@ def test_bad_options_are_named(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["register_memory", "prep_xfer_dlist"])
+def test_a_fault_that_stops_the_tier_starting_is_named_as_the_injected_one(
+    call: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tier's first register_memory and prep_xfer_dlist are the primary cache's: a fault
+    there ended the demo with a bare "FakeNixlError: NIXL_ERR_BACKEND", naming neither the
+    call nor the fault; @2 fails a job's, as the rest of the demo's faults do."""
+    assert main(["demo", "--fake", "--blocks", "4", "--inject-faults", f"{call}:raise"]) == 2
+    assert (f"the tier could not start: FakeNixlError: NIXL_ERR_BACKEND, the injected fault "
+            f"{call}@1: a tier's first {call} is the primary cache's, made as it starts, before "
+            f"any job; inject it @2 or later to fail a job's") in capsys.readouterr().err
+    assert main(["demo", "--fake", "--blocks", "4", "--blocks-per-job", "1",
+                 "--inject-faults", f"{call}:raise@2"]) == 0
+
+
+def test_a_cache_too_large_for_the_machine_is_named_by_its_options(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--fake", "--block-kib", "100000000"]) == 2
+    assert ("--blocks 256 x --block-kib 100000000: a cache of 25,000,000 MiB cannot be "
+            "allocated here") in capsys.readouterr().err
+
+
 def test_a_trace_into_a_pipe_reaches_its_reader(tmp_path: Path) -> None:
     """``--trace`` into a named pipe that a reader consumes: the check that the trace can be
     written must not open and close the pipe (that ends the reader, and the demo's own open
