@@ -254,10 +254,29 @@ def _head_status(config: StoreConfig, endpoint: str, timeout: float) -> int:
 
 def make_agent(name: str, backend: str, params: dict[str, str] | None = None,
                io_threads: int = 0) -> Any:
-    """A real ``nixl_agent`` with one backend ("OBJ", "POSIX" or "UCX"), no progress thread."""
+    """A real ``nixl_agent`` with one backend ("OBJ", "POSIX" or "UCX"), no progress thread.
+
+    Raises:
+        ValueError: NIXL has no such backend (naming those it has), or the OBJ backend was
+            given no parameters (a :class:`StoreConfig`'s ``backend_params()``).
+        NixlUnavailable: NIXL is not installed.
+    """
     api = _api()
     config = api.nixl_agent_config(enable_prog_thread=False, backends=[],
                                    num_threads=io_threads)
     agent = api.nixl_agent(name, config)
-    agent.create_backend(backend, params or {})
+    plugins = agent.get_plugin_list()
+    if backend not in plugins:  # (NIXL answers a bare NIXL_ERR_NOT_FOUND)
+        near = [p for p in plugins if p.lower() == str(backend).lower()]
+        raise ValueError(f"make_agent: NIXL has no backend {backend!r}"
+                         + (f" (its names are in capitals: {near[0]!r})" if near else "")
+                         + f"; it has {', '.join(plugins)}")
+    try:
+        agent.create_backend(backend, params or {})
+    except Exception as error:
+        if backend == "OBJ" and not params:  # (a bare NIXL_ERR_BACKEND otherwise)
+            raise ValueError("make_agent: the OBJ backend needs the store's parameters: "
+                             "make_agent(name, 'OBJ', StoreConfig(bucket, ...)."
+                             f"backend_params()) ({type(error).__name__}: {error})") from None
+        raise
     return agent

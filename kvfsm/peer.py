@@ -554,9 +554,24 @@ class PeerReceiver(JobSide):
             if link.state is LinkState.LOST:
                 self._close(link)
 
-    def shutdown(self) -> None:
-        """Cut every sender off, fail what they owed, release the cache. Idempotent."""
-        with self._lock:
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Cut every sender off, fail what they owed, release the cache. Idempotent.
+
+        It waits for nothing NIXL does (what a sender owed fails at once); ``timeout`` bounds
+        its wait for another thread's call to let go of the receiver (None: as long as it
+        takes), as a tier's shutdown does.
+
+        Raises:
+            DrainTimeout: another thread's call held the receiver past the deadline; nothing
+                changed: call shutdown again.
+            ValueError: ``timeout`` is not None nor a number of seconds.
+        """
+        timeout = check_timeout(timeout)
+        if not self._lock.acquire(timeout=-1 if timeout is None
+                                  else min(timeout, threading.TIMEOUT_MAX)):
+            raise DrainTimeout("shutdown (another thread held the receiver past the deadline; "
+                               "call shutdown again)", [], self._noun)
+        try:
             if self._closed:
                 return
             for link in self.links.open_links():
@@ -569,6 +584,8 @@ class PeerReceiver(JobSide):
                 logger.warning("shutdown: deregister_memory of the receiver's cache raised: "
                                "%s: %s", type(error).__name__, error)
             self._closed = True
+        finally:
+            self._lock.release()
 
     def state_of(self, job_id: int) -> ReceiveState | None:
         """The state of an expected job, or None once published."""

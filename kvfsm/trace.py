@@ -108,12 +108,14 @@ def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
         ValueError: a line is not a trace, or its reason is not one (the message names the
             line).
     """
-    with Path(path).open(encoding="utf-8") as lines:
+    with Path(path).open(encoding="utf-8", errors="surrogateescape") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
                 trace = json.loads(line)
+                if not isinstance(trace, dict):
+                    raise ValueError(f"a JSON {type(trace).__name__}, not an object")
                 if not isinstance(trace.get("steps"), list):
                     raise ValueError("no steps")
                 trace_reason(trace)

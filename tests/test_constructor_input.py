@@ -144,3 +144,14 @@ def test_a_store_config_from_a_configuration_file_names_the_field_of_the_wrong_t
 
     with pytest.raises(ValueError, match=message):
         StoreConfig("bucket", **{field: value})
+
+
+def test_a_faulty_agent_wraps_only_an_agent() -> None:
+    """FaultyAgent(None) raised AttributeError: 'NoneType' object has no attribute 'name'."""
+    from kvfsm.testing import FaultyAgent  # noqa: PLC0415
+
+    for wrong in (None, "agent", FakeNixlAgent):
+        with pytest.raises(ValueError, match=r"FaultyAgent wraps a NIXL agent \(a nixl_agent "
+                                             r"with a name and its calls\), got "):
+            FaultyAgent(wrong)
+    assert FaultyAgent(FakeNixlAgent(name="wrapped")).name == "wrapped"

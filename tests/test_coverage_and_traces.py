@@ -202,6 +202,13 @@ def test_a_file_that_is_not_traces_is_refused_by_line(tmp_path: Path) -> None:
     path.write_text('{"machine": "transfer", "job_id": 1, "steps": []}\nnot json\n')
     with pytest.raises(ValueError, match=r"junk.jsonl:2: not a trace"):
         list(read_traces(path))
+    path.write_text("[1, 2]\n")  # (was: "'list' object has no attribute 'get'")
+    with pytest.raises(ValueError, match=r"junk.jsonl:1: not a trace \(a JSON list, not an "
+                                         r"object\)"):
+        list(read_traces(path))
+    path.write_bytes(b"\xff\xfe\x00binary\n")  # (was: a UnicodeDecodeError naming no file)
+    with pytest.raises(ValueError, match=r"junk.jsonl:1: not a trace"):
+        list(read_traces(path))
 
 
 # -- the plugin's options: naming a machine asks for its coverage -----------------------------

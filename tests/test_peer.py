@@ -666,3 +666,31 @@ def test_a_sender_given_bad_receiver_blocks_is_not_linked(blocks: Any, message: 
     sender.forget_peer()
     sender.shutdown(timeout=5)
     receiver.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_a_receiver_shuts_down_within_a_timeout_as_a_tier_does() -> None:
+    """shutdown(timeout=5) raised TypeError on a receiver, where the sender and the tiers take
+    one; it bounds the wait for another thread's call, and a later shutdown goes on."""
+    sender, receiver, _ = fake_peers()
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with receiver._lock:  # another thread's call, stuck
+            holding.set()
+            let_go.wait(10)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    holding.wait(10)
+    try:
+        with pytest.raises(DrainTimeout, match="another thread held the receiver past the "
+                                               "deadline; call shutdown again"):
+            receiver.shutdown(timeout=0.1)
+    finally:
+        let_go.set()
+        other.join()
+    assert not receiver._closed
+    receiver.shutdown(timeout=5)
+    assert receiver._closed
+    sender.shutdown(timeout=5)

@@ -316,6 +316,20 @@ def test_a_failed_release_on_real_nixl_is_retried_and_publishes_once(
     assert tier.stats()["retries"] == 2
 
 
+def test_an_agent_of_a_backend_nixl_lacks_or_an_object_store_without_its_settings_is_named(
+) -> None:
+    """NIXL answered both with a bare code: NIXL_ERR_NOT_FOUND, NIXL_ERR_BACKEND."""
+    require_nixl()
+    with pytest.raises(ValueError, match=r"make_agent: NIXL has no backend 'S3'; it has .*OBJ"):
+        make_agent("no-such-backend", "S3")
+    with pytest.raises(ValueError, match=r"NIXL has no backend 'posix' \(its names are in "
+                                         r"capitals: 'POSIX'\)"):
+        make_agent("lowercase-backend", "posix")
+    with pytest.raises(ValueError, match=r"make_agent: the OBJ backend needs the store's "
+                                         r"parameters: make_agent\(name, 'OBJ', StoreConfig"):
+        make_agent("obj-without-settings", "OBJ")
+
+
 def test_a_tier_given_an_agent_without_its_backend_is_refused_naming_what_it_needs(
     s3_server: S3Server, cache: torch.Tensor, tmp_path: Path
 ) -> None:

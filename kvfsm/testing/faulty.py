@@ -32,8 +32,12 @@ class FaultyAgent:
     """
 
     def __init__(self, agent: Any) -> None:
+        name = getattr(agent, "name", None)
+        if not isinstance(name, str) or not callable(getattr(agent, "transfer", None)):
+            raise ValueError(f"FaultyAgent wraps a NIXL agent (a nixl_agent with a name and its "
+                             f"calls), got {type(agent).__name__} {agent!r}")
         self.wrapped = agent
-        self.name: str = agent.name
+        self.name: str = name
         #: the fault schedule, and the record of every call made
         self.faults = FaultPlan(f"FaultyAgent({type(agent).__name__})")
         self._held: dict[int, int] = {}  # id(handle) -> checks still to answer PROC
