@@ -87,12 +87,20 @@ class TraceRecorder:
         line.update({"job_id": transfer.job_id, "success": result.success,
                      "reason": None if result.reason is None else result.reason.as_dict(),
                      "steps": trace_steps(transfer)})
-        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        try:
+            self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        except OSError as error:  # (a full disk: say which file)
+            raise OSError(error.errno, f"{error.strerror}: writing traces to {self.path}") \
+                from error
         self.count += 1
 
     def close(self) -> None:
         """Flush and close the file."""
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as error:  # (a full disk: say which file)
+            raise OSError(error.errno, f"{error.strerror}: writing traces to {self.path}") \
+                from error
 
     def __enter__(self) -> TraceRecorder:
         return self

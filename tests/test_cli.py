@@ -433,6 +433,15 @@ def test_a_cache_too_large_for_the_machine_is_named_by_its_options(
             "allocated here") in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+def test_a_trace_file_that_fills_up_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """A full disk under the trace said only "[Errno 28] No space left on device"."""
+    assert main(["demo", "--fake", "--blocks", "4", "--no-progress", "--trace",
+                 "/dev/full"]) == 1
+    assert ("OSError: [Errno 28] No space left on device: writing traces to /dev/full"
+            in capsys.readouterr().err)
+
+
 def test_a_trace_into_a_pipe_reaches_its_reader(tmp_path: Path) -> None:
     """``--trace`` into a named pipe that a reader consumes: the check that the trace can be
     written must not open and close the pipe (that ends the reader, and the demo's own open
