@@ -320,7 +320,7 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
         for fault in faults:
             agent.inject(fault.call, fault.fault, at=fault.at, times=fault.times)
         yield _made(lambda: ObjectStoreTier(cache, agent=agent, key_prefix="demo/",
-                                            policy=policy), faults), \
+                                            policy=policy), faults, agent), \
             "object-store tier on kvfsm's fake NIXL agent (in memory)"
         return
 
@@ -346,7 +346,7 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
             raise ValueError(f"{NO_CREDENTIALS}; the demo needs them for {args.s3_endpoint}")
         agent = faulty(make_agent("kvfsm-demo-obj", "OBJ", store.backend_params()))
         yield _made(lambda: ObjectStoreTier(cache, agent=agent, key_prefix=store.key_prefix,
-                                            policy=policy), faults), \
+                                            policy=policy), faults, agent), \
             f"object-store tier on real NIXL (OBJ), bucket {args.bucket} at {args.s3_endpoint}"
         return
 
@@ -355,7 +355,7 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
         agent = faulty(make_agent("kvfsm-demo-posix", "POSIX"))
         try:
             tier = _made(lambda: FileTier(cache, root, agent=agent, durable=False,
-                                          policy=policy), faults)
+                                          policy=policy), faults, agent)
         except RootNotWritableError:
             raise ValueError(f"--dir {root}: cannot be written to (a read-only file system or "
                              "no permission); the demo stores its blocks there") from None
@@ -363,20 +363,32 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
             f"file tier on real NIXL (POSIX), files in {root}"
 
 
-def _made(make: Callable[[], SecondaryTier], faults: list[FaultSpec]) -> SecondaryTier:
-    """The tier ``make`` makes; a fault injected into the calls it makes as it starts (the
-    first ``register_memory`` or ``prep_xfer_dlist``: the primary cache's registration)
-    that stops it is refused, naming the fault, where the demo ended with the bare error."""
+def _made(make: Callable[[], SecondaryTier], faults: list[FaultSpec],
+          agent: Any) -> SecondaryTier:
+    """The tier ``make`` makes on ``agent``; a fault injected into the calls it makes as it
+    starts (the first ``register_memory`` or ``prep_xfer_dlist``: the primary cache's
+    registration) that fired and stopped it is refused, naming the fault, where the demo
+    ended with the bare error. Any other error is the tier's own, as it is."""
     try:
         return make()
     except Exception as error:
-        hit = [f for f in faults if f.call in _STARTING_CALLS and (f.at or 1) == 1]
+        armed = {(call, number) for call, number, _ in agent.faults.pending()} if faults else {}
+        hit = [f for f in faults if f.call in _STARTING_CALLS and (f.at or 1) == 1
+               and agent.call_count(f.call) >= 1 and (f.call, 1) not in armed]
         if not hit:
             raise
         raise ValueError(
             f"the tier could not start: {type(error).__name__}: {error}, the injected fault "
             f"{hit[0].call}@1: a tier's first {hit[0].call} is the primary cache's, made as it "
             f"starts, before any job; inject it @2 or later to fail a job's") from None
+
+
+def _memory_bytes() -> int | None:
+    """The machine's physical memory, or None where it does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _check_trace(path: str) -> None:
@@ -421,13 +433,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvfsm demo: {args.blocks} blocks x {args.block_kib} KiB "
           f"({args.blocks * block_bytes / 2**20:.1f} MiB) in {len(groups)} jobs per phase",
           flush=True)
+    asked = f"--blocks {args.blocks} x --block-kib {args.block_kib}: a cache of " \
+            f"{args.blocks * block_bytes / 2**20:,.0f} MiB"
+    memory = _memory_bytes()
+    if memory is not None and (args.blocks + 1) * block_bytes > memory:  # (+ the pattern's)
+        raise ValueError(f"{asked} is more than this machine's memory "
+                         f"({memory / 2**20:,.0f} MiB)")
     try:
         pattern = _Pattern(args.seed, block_bytes)
         cache = torch.empty((args.blocks, block_bytes), dtype=torch.uint8)
     except RuntimeError as error:  # (torch's allocator says it in its own words)
-        raise ValueError(f"--blocks {args.blocks} x --block-kib {args.block_kib}: a cache of "
-                         f"{args.blocks * block_bytes / 2**20:,.0f} MiB cannot be allocated "
-                         f"here ({str(error).splitlines()[0]})") from None
+        raise ValueError(f"{asked} cannot be allocated here "
+                         f"({str(error).splitlines()[0]})") from None
     with progress_bar(cache.nbytes, "fill", enabled=progress) as bar:
         pattern.fill(cache, bar)
 

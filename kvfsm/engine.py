@@ -176,27 +176,46 @@ class Chain(Generic[S]):
             for step in self.steps) + ">"
 
 
-def _check_collection(name: str, what: str, given: object, of: str, example: str) -> None:
-    """Raise DeclarationError unless ``given`` is a collection (a lone state, answer or str is
-    not: iterating it would take it apart, or fail inside the engine)."""
+def _collection(name: str, what: str, given: object, of: str, example: str) -> tuple[Any, ...]:
+    """``given`` as a tuple, or DeclarationError unless it is a collection (a lone state,
+    answer or str is not: iterating it would take it apart, or fail inside the engine)."""
     if isinstance(given, str | bytes | enum.Enum) or not isinstance(given, Iterable):
         raise DeclarationError(f"{name}: {what} must be a collection of {of} ({example}), "
                                f"got {type(given).__name__} {given!r}")
+    return tuple(given)
+
+
+def _answer_sets(name: str, what: str, given: object) -> dict[Any, tuple[Any, ...]]:
+    """``answers`` or ``guards``: each name's answers as a tuple of Enum members, or
+    DeclarationError naming the first that is not."""
+    if not isinstance(given, Mapping):
+        raise DeclarationError(f"{name}: {what} must map names to answers, got "
+                               f"{type(given).__name__} {given!r}")
+    sets = {}
+    for key, accepted in given.items():
+        sets[key] = _collection(name, f"{what}[{key!r}]", accepted, "answers",
+                                "[Answer.OK, ...]")
+        for answer in sets[key]:
+            if not isinstance(answer, enum.Enum):
+                raise DeclarationError(
+                    f"{name}: {what}[{key!r}] holds {answer!r}, which is not a member of an "
+                    "Enum: answers are Enum members (class Answer(enum.Enum))")
+    return sets
 
 
 #: what a transition names, each of it required
 _TRANSITION_KEYS = ("trigger", "source", "dest")
 
 
-def _check_transitions(name: str, transitions: object) -> None:
-    """Raise DeclarationError naming the first transition that is not a mapping with a
-    trigger, a source and a dest."""
+def _transition_list(name: str, transitions: object) -> list[Mapping[str, Any]]:
+    """``transitions`` as a list, or DeclarationError naming the first that is not a mapping
+    with a trigger, a source and a dest."""
     if isinstance(transitions, Mapping):  # (iterating it would give its keys)
         raise DeclarationError(f"{name}: transitions must be a list of dicts, one a "
                                f"transition, got one dict {transitions!r}")
-    _check_collection(name, "transitions", transitions, "transitions",
-                      "[{'trigger': ..., 'source': ..., 'dest': ...}]")
-    for index, transition in enumerate(transitions):  # type: ignore[arg-type, var-annotated]
+    listed = list(_collection(name, "transitions", transitions, "transitions",
+                              "[{'trigger': ..., 'source': ..., 'dest': ...}]"))
+    for index, transition in enumerate(listed):
         if not isinstance(transition, Mapping):
             raise DeclarationError(f"{name}: transitions[{index}] must be a dict with "
                                    f"{', '.join(_TRANSITION_KEYS)}, got {transition!r}")
@@ -204,6 +223,7 @@ def _check_transitions(name: str, transitions: object) -> None:
         if missing:
             raise DeclarationError(f"{name}: transitions[{index}] has no "
                                    f"{' nor '.join(repr(k) for k in missing)}: {transition!r}")
+    return listed
 
 
 class Declaration(Generic[S, A]):
@@ -268,22 +288,14 @@ class Declaration(Generic[S, A]):
                 f"{name}: states must be an Enum class (class MyState(enum.Enum): ...), got "
                 f"{type(states).__name__} {states!r}; to add states to a machine by name, use "
                 "its extend(states=[...])")
-        for what, given in (("final", final), ("failure_states", failure_states),
-                            ("unreachable", unreachable), ("running", running)):
-            _check_collection(name, what, given, "states", f"[{states.__name__}.X]")
-        for what, given_answers in (("answers", answers), ("guards", guards)):
-            if not isinstance(given_answers, Mapping):
-                raise DeclarationError(f"{name}: {what} must map names to answers, got "
-                                       f"{type(given_answers).__name__} {given_answers!r}")
-            for key, accepted in given_answers.items():
-                _check_collection(name, f"{what}[{key!r}]", accepted, "answers",
-                                  "[Answer.OK, ...]")
-                for answer in accepted:
-                    if not isinstance(answer, enum.Enum):
-                        raise DeclarationError(
-                            f"{name}: {what}[{key!r}] holds {answer!r}, which is not a member "
-                            "of an Enum: answers are Enum members (class Answer(enum.Enum))")
-        _check_transitions(name, transitions)
+        # each collection read once, here (a generator is used up by reading it)
+        final, failure_states, unreachable, running = (
+            _collection(name, what, given, "states", f"[{states.__name__}.X]")
+            for what, given in (("final", final), ("failure_states", failure_states),
+                                ("unreachable", unreachable), ("running", running)))
+        answers, guards = (_answer_sets(name, what, given)
+                           for what, given in (("answers", answers), ("guards", guards)))
+        transitions = _transition_list(name, transitions)
         self.name = name
         self.states = states
         self.initial = initial

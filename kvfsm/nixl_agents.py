@@ -104,8 +104,6 @@ class StoreConfig:
             if not isinstance(getattr(self, field), str):
                 raise ValueError(f"StoreConfig.{field} must be a str, got "
                                  f"{getattr(self, field)!r}")
-        if not self.region:
-            raise ValueError("StoreConfig.region must be a region's name, got ''")
         if type(self.use_virtual_addressing) is not bool:  # "false" is no False
             raise ValueError(f"StoreConfig.use_virtual_addressing must be True or False, got "
                              f"{self.use_virtual_addressing!r}")

@@ -593,12 +593,16 @@ class FileTier(_Adapter):
         if not tier.read_only:  # a killed engine's temporary files: nobody else removes them
             try:
                 removed = tier.remove_stale()
+            except OSError as error:  # (another user's file in a shared directory): left
+                logger.warning("%s: temporary files of engines gone not removed: %s",
+                               self.label, error)
             except BaseException:
                 tier.shutdown()
                 raise
-            if removed:
-                logger.info("%s: removed %d temporary file(s) of engines gone", self.label,
-                            removed)
+            else:
+                if removed:
+                    logger.info("%s: removed %d temporary file(s) of engines gone",
+                                self.label, removed)
         return tier
 
 

@@ -751,24 +751,42 @@ def test_the_bucket_check_keeps_its_timeout_against_a_server_that_answers_a_byte
         check_bucket(config, timeout=float("nan"))
 
 
+class DownThenFrozen(FakeNixlAgent):
+    """A probe agent whose store is down (its first query raises, as NIXL's does for a refused
+    connection), then frozen (the next waits until let go, as NIXL waits 30 s on a server that
+    does not answer), then back."""
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        super().__init__("down-then-frozen", objects=objects)
+        self.inject("query_memory", Raise("NIXL_ERR_BACKEND"))
+        self.asked, self.go = threading.Event(), threading.Event()
+
+    def query_memory(self, *args: object, **kwargs: object) -> list[dict[str, str] | None]:
+        if self.call_count("query_memory") == 1:  # the second query: frozen until let go
+            self.asked.set()
+            self.go.wait(10)
+        return super().query_memory(*args, **kwargs)  # type: ignore[arg-type]
+
+
 @pytest.mark.timeout(30)
-def test_a_lookup_against_a_store_that_stopped_answering_settles_on_miss_then_asks_again(
+def test_a_lookup_against_a_store_that_stopped_answering_answers_miss_until_it_answers(
     primary: torch.Tensor,
 ) -> None:
-    """A probe whose query failed (a dead or frozen store: NIXL raises) left its names
-    unanswered, so every lookup of them answered RETRY for as long as the store was down, and
-    vLLM deferred the request for as long. The failed query now answers MISS (the engine goes
-    on without the block), asked again once the MISS is probed_miss_seconds old."""
+    """A probe whose query failed left its names unanswered, so every lookup of them
+    answered RETRY for as long as the store was down, and vLLM deferred the request for as
+    long. A failed query now answers MISS (the engine goes on without the block), and so do
+    the lookups while the store is asked again, however long that takes; once it answers,
+    its answer counts."""
     agent = FakeNixlAgent("store")
-    probe = FakeNixlAgent("probe", objects=agent.objects)
     writer = ObjectStoreTier(primary, agent=agent)
     writer.submit_store(store(1, "k"))
     assert run_to_idle(writer) == [True]
+    probe = DownThenFrozen(agent.objects)
+
     class Impatient(ObjectStoreTier):
-        probed_miss_seconds = 0.05
+        probed_miss_seconds = 0.0  # (asked again at the next lookup)
 
     tier = Impatient(primary, agent=FakeNixlAgent("reader"), probe_agent=probe)
-    probe.inject("query_memory", Raise("NIXL_ERR_BACKEND"), times=2)  # the store is down
 
     def verdict() -> Lookup:
         answer, deadline = tier.lookup("k"), time.monotonic() + 10
@@ -777,12 +795,15 @@ def test_a_lookup_against_a_store_that_stopped_answering_settles_on_miss_then_as
             answer = tier.lookup("k")
         return answer
 
-    assert verdict() is Lookup.MISS, "the query failed: MISS, not RETRY for ever"
+    assert verdict() is Lookup.MISS, "the query failed: MISS, not RETRY"
     assert tier.probe_errors == 1
-    time.sleep(0.06)  # past probed_miss_seconds: asked again, and the store is still down
-    assert verdict() is Lookup.MISS
-    time.sleep(0.06)  # the store answers again
-    assert verdict() is Lookup.HIT
-    assert probe.call_count("query_memory") == 3
+    assert probe.asked.wait(10), "a later lookup asks the store again"
+    seen = {tier.lookup("k") for _ in range(20)}  # the store frozen: that query waits
+    assert seen == {Lookup.MISS}, "while it is asked again: MISS, not RETRY"
+    probe.go.set()
+    deadline = time.monotonic() + 10
+    while tier.lookup("k") is not Lookup.HIT and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tier.lookup("k") is Lookup.HIT, "the store answered: its answer counts"
     for each in (tier, writer):
         each.shutdown(timeout=5)

@@ -424,13 +424,22 @@ def test_a_fault_that_stops_the_tier_starting_is_named_as_the_injected_one(
             f"any job; inject it @2 or later to fail a job's") in capsys.readouterr().err
     assert main(["demo", "--fake", "--blocks", "4", "--blocks-per-job", "1",
                  "--inject-faults", f"{call}:raise@2"]) == 0
+    capsys.readouterr()
+    # a tier that could not start for a reason of its own is not blamed on the fault
+    assert main(["demo", "--blocks", "4", "--dir", "/proc/kvfsm-demo-dir",
+                 "--inject-faults", f"{call}:raise@1"]) == 2
+    error = capsys.readouterr().err
+    assert "FileTier root '/proc/kvfsm-demo-dir' cannot be created" in error
+    assert "injected" not in error
 
 
-def test_a_cache_too_large_for_the_machine_is_named_by_its_options(
+def test_a_cache_larger_than_the_machine_is_refused_by_its_options_before_allocating(
         capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--fake", "--block-kib", "100000000"]) == 2
-    assert ("--blocks 256 x --block-kib 100000000: a cache of 25,000,000 MiB cannot be "
-            "allocated here") in capsys.readouterr().err
+    """torch's allocator said "DefaultCPUAllocator: can't allocate memory", naming no option
+    (or, on a machine with room for its one-block pattern, filled that first)."""
+    assert main(["demo", "--fake", "--block-kib", str(2**40)]) == 2  # 1 PiB a block
+    assert ("--blocks 256 x --block-kib 1099511627776: a cache of 274,877,906,944 MiB is more "
+            "than this machine's memory (") in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")

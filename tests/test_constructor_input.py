@@ -129,7 +129,6 @@ def test_a_policy_of_the_right_kind_is_taken() -> None:
     ("io_threads", 2.5, r"StoreConfig.io_threads must be an int of at least 1 or None, got 2.5"),
     ("io_threads", 0, r"StoreConfig.io_threads must be an int of at least 1 or None, got 0"),
     ("region", None, r"StoreConfig.region must be a str, got None"),
-    ("region", "", r"StoreConfig.region must be a region's name, got ''"),
     ("use_virtual_addressing", "false",
      r"StoreConfig.use_virtual_addressing must be True or False, got 'false'"),
     ("endpoint", 9000, r"StoreConfig.endpoint must be a str or None, got 9000"),

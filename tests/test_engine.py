@@ -297,6 +297,20 @@ def test_a_declaration_of_the_wrong_shape_is_refused_naming_the_part(
         door_declaration(**override)
 
 
+def test_a_declaration_of_generators_and_sets_is_read_once_and_taken() -> None:
+    """The shape checks read each collection, and once read a generator was empty: answers
+    given as generators left edges that could never be taken, transitions as one left
+    states unreachable. Each is read once now, and kept."""
+    base = door_declaration()
+    declared = door_declaration(
+        answers={event: (a for a in answers) for event, answers in base.answers.items()},
+        guards={guard: set(accepted) for guard, accepted in base.guards.items()},
+        transitions=(dict(t) for t in base.transitions),
+        final=(s for s in [Door.GONE]))
+    assert declared.edges == base.edges
+    assert declared.answers == base.answers and declared.final == frozenset({Door.GONE})
+
+
 def test_an_edge_that_can_never_be_taken_is_refused() -> None:
     # "remove" only ever carries NONE, so a "remove" edge taken unless NONE is dead code
     transitions = [*door_declaration().transitions,

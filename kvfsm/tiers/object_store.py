@@ -103,6 +103,9 @@ class _Prober:
         self._batch = batch
         self.miss_for = miss_for
         self._wanted: dict[str, None] = {}  # insertion-ordered set of names to probe
+        #: names whose last query failed (the store did not answer), oldest first, at most
+        #: MAX_WANTED: asked about again, they answer MISS meanwhile (:meth:`failed_before`)
+        self._unanswered: dict[str, None] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -148,6 +151,12 @@ class _Prober:
             return True
         thread.join(timeout)
         return not thread.is_alive()
+
+    def failed_before(self, name: str) -> bool:
+        """True when the last query about ``name`` failed: a store that does not answer
+        answers it MISS, however long the next query waits (NIXL gives a query against a
+        frozen store up after 30 s)."""
+        return name in self._unanswered
 
     def __len__(self) -> int:
         return len(self._wanted)
@@ -209,7 +218,20 @@ class _Prober:
             answers = None
         if answers is not None and removing is not None:  # (deleted before, or during, it)
             doomed.update(removing(names))
+        self._record(names, answers, doomed)
+        return True
+
+    def _record(self, names: list[str], answers: list[Any] | None, doomed: set[str]) -> None:
+        """What a query answered for ``names`` (None: it failed), as the lookups' verdicts."""
         with self._lock:
+            unanswered = self._unanswered
+            for name in names:
+                if answers is None:
+                    unanswered[name] = None
+                    if len(unanswered) > MAX_WANTED:
+                        del unanswered[next(iter(unanswered))]
+                else:
+                    unanswered.pop(name, None)
             for index, name in enumerate(names):
                 self._wanted.pop(name, None)
                 # a result the tier recorded meanwhile is newer than this probe; a query that
@@ -218,7 +240,6 @@ class _Prober:
                 self._known.offer(
                     name, Lookup.MISS if answers is None or answers[index] is None
                     or name in doomed else Lookup.HIT, self.miss_for)
-        return True
 
 
 class _Remover:
@@ -456,8 +477,10 @@ class ObjectStoreTier(SecondaryTier):
 
     A block a probe found absent, or could not ask about (the store did not answer the query),
     is looked for again once the MISS is :attr:`probed_miss_seconds` old, so a block another
-    process (or tier) stores into the same bucket is found, and an engine is never told RETRY
-    for as long as the store is down; one whose load failed stays a MISS (F11) until newer
+    process (or tier) stores into the same bucket is found; a name whose query failed answers
+    MISS until a query about it is answered, so an engine is told RETRY for a store that is
+    down only until its first query about a name gives up (NIXL: at once for a refused
+    connection, 30 s against a frozen server); one whose load failed stays a MISS (F11) until newer
     names push it out of the lookup cache. A process sees an object only once its upload
     completed: S3 makes a PUT visible whole or not at all.
 
@@ -662,8 +685,9 @@ class ObjectStoreTier(SecondaryTier):
         return self._prober.errors
 
     def _probe(self, name: str) -> Lookup:
-        self._prober.want(name)
-        return Lookup.RETRY
+        prober = self._prober
+        prober.want(name)
+        return Lookup.MISS if prober.failed_before(name) else Lookup.RETRY
 
     def _signal_stop(self) -> None:
         self._prober.signal_stop()
