@@ -46,13 +46,15 @@ def seconds_left(deadline: float) -> float:
 
 
 def check_interval(name: str, value: object) -> float:
-    """A number of seconds to sleep between polls: finite and >= 0.
+    """A number of seconds to sleep between polls: finite and >= 0, at most the longest wait
+    the platform can make (``threading.TIMEOUT_MAX``, some 292 years: ``time.sleep`` refuses
+    more, and an int past a float's range does not even convert).
 
     Raises:
         ValueError: anything else, naming ``name`` and what was given.
     """
     if (isinstance(value, bool) or not isinstance(value, int | float)
-            or not 0 <= value < math.inf):
+            or not 0 <= value <= threading.TIMEOUT_MAX):
         raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
 

@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import heapq
 import inspect
 import itertools
@@ -44,6 +45,7 @@ import logging
 import math
 import operator
 import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -52,7 +54,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
-from kvfsm.contract import JobSide
+from kvfsm.contract import JobSide, check_interval
 from kvfsm.machines.transfer import FailureReason
 from kvfsm.tiers.base import Lookup, TierBusyError
 from kvfsm.transfer import JobResult, TransferJob
@@ -190,11 +192,14 @@ class TieringDrainTimeout(TimeoutError):
     """Jobs were still outstanding at the deadline; they stay outstanding, untouched."""
 
     def __init__(self, what: str, outstanding: Sequence[Submitted],
-                 finalized: Sequence[Finalized]) -> None:
+                 finalized: Sequence[Finalized], busy: Sequence[str] = ()) -> None:
         self.outstanding = tuple(outstanding)
         #: the jobs finalized before the deadline
         self.finalized = tuple(finalized)
-        lines = [str(job) for job in self.outstanding]
+        #: what each tier that still had work in flight said of it (its jobs' states and
+        #: last errors, for kvfsm's tiers)
+        self.busy = tuple(busy)
+        lines = [str(job) for job in self.outstanding] + list(self.busy)
         super().__init__(f"{what}: {len(self.outstanding)} job(s) without a result\n  "
                          + "\n  ".join(lines))
 
@@ -645,9 +650,10 @@ class TieringManager:
         if not isinstance(primary, CPUPrimaryTier):
             raise TypeError(f"primary must be a CPUPrimaryTier, got {type(primary).__name__}")
         # checked now: time.sleep would refuse it only in drain, after a step had finalized jobs
-        _check_seconds("poll_interval", poll_interval)
-        if poll_interval == math.inf:  # (a timeout may be infinite: no sleep may)
-            raise TieringInputError(f"poll_interval must be finite, got {poll_interval!r}")
+        try:
+            poll_interval = check_interval("poll_interval", poll_interval)
+        except ValueError as error:
+            raise TieringInputError(str(error)) from None
         if isinstance(secondaries, Mapping):
             named = dict(secondaries)
         elif isinstance(secondaries, str | bytes) or not isinstance(secondaries, Iterable):
@@ -675,6 +681,13 @@ class TieringManager:
         self.poll_interval = poll_interval
         self._tiers: dict[str, OffloadTier] = named
         self._jobs: dict[int, Submitted] = {}
+        #: results taken from the tiers and not yet finalized (a step an interrupt cut short
+        #: leaves them to the next)
+        self._taken: collections.deque[tuple[str, JobResult]] = collections.deque()
+        #: jobs finalized since a step last returned them
+        self._done: list[Finalized] = []
+        #: the result being finalized, or last finalized: once its job is gone, it is done
+        self._finalizing: JobResult | None = None
         self._ids = itertools.count(1)
         self._closed = False
         #: every bookkeeping issue found so far (each was raised once, by step)
@@ -728,7 +741,7 @@ class TieringManager:
         self._check_open()
         listed = _block_list(block_ids)
         keys = self.primary.readable_keys(listed)  # checks before any change
-        self._check_names(keys, self._tiers)  # every tier gets every key
+        kinds = self._check_names(keys, self._tiers)  # every tier gets every key
         blocks = [operator.index(block) for block in listed]
         submitted: list[int] = []
         refusals: list[tuple[str, int, BaseException]] = []
@@ -747,6 +760,7 @@ class TieringManager:
                 tier.submit_store(job)
             except BaseException as error:
                 if pinned and not isinstance(error, Exception) and _took(tier, job.job_id):
+                    self._took_kinds(kinds)
                     raise  # an interrupt once the tier took the job: it keeps its pin
                 del self._jobs[job.job_id]
                 if not pinned:  # the pin failed, or an interrupt came before it: no tier's
@@ -761,6 +775,7 @@ class TieringManager:
                 refusals.append((name, job.job_id, error))
                 continue
             submitted.append(job.job_id)
+            self._took_kinds(kinds)  # (at once: an interrupt may follow)
         if refusals:
             raise _refused(refusals, submitted) from refusals[0][2]
         return submitted
@@ -822,14 +837,14 @@ class TieringManager:
         if not checked:
             raise TieringInputError("a load needs at least one key")
         if tier is None:
-            self._check_names(checked, self._tiers)  # before any lookup: each may raise
+            kinds = self._check_names(checked, self._tiers)  # before any lookup: each may raise
             tier = self._find(checked)
             if tier is None:
                 return None
         elif not isinstance(tier, str) or tier not in self._tiers:
             raise TieringInputError(f"no tier named {tier!r}; tiers: {list(self._tiers)}")
         else:
-            self._check_names(checked, (tier,))
+            kinds = self._check_names(checked, (tier,))
         # everything is checked: the allocation is the first change, and may evict
         blocks: list[int] | None = None
         job: TransferJob | None = None
@@ -838,11 +853,13 @@ class TieringManager:
             job = TransferJob(next(self._ids), list(checked), blocks, is_promotion=True)
             self._jobs[job.job_id] = Submitted(job, tier)
             self._tiers[tier].submit_load(job)
+            self._took_kinds(kinds)
         except BaseException as error:
             if blocks is None:  # allocate raised (having changed nothing), or an interrupt
                 raise  # came before it: nothing to take back
             if (job is not None and not isinstance(error, Exception)
                     and _took(self._tiers[tier], job.job_id)):
+                self._took_kinds(kinds)
                 raise  # an interrupt once the tier took the job: its blocks wait for it
             if job is not None:
                 self._jobs.pop(job.job_id, None)
@@ -869,29 +886,58 @@ class TieringManager:
 
     def _step(self, deadline: float | None) -> list[Finalized]:
         """:meth:`step`; with a ``deadline``, a kvfsm tier whose lock another thread's call
-        holds is waited for until then at most, and hands out only what it had published."""
-        finalized: list[Finalized] = []
+        holds is waited for until then at most, and hands out only what it had published.
+
+        A tier hands each result out once, so every result is queued as it comes
+        (:attr:`_taken`) and leaves the queue as it is finalized, and every job finalized is
+        kept (:attr:`_done`) until a step returns it: an interrupt in a step loses neither
+        the results not yet finalized nor the jobs finalized, the next step goes on with
+        them, and a result whose finalizing had begun (:attr:`_finalizing`) is not finalized
+        twice. (One window stays, as narrow as a call's return: it leaves that one job's
+        blocks pinned or written, never unpinned twice.)"""
         issues: list[BookkeepingIssue] = []
+        taken = self._taken
         for name, tier in self._tiers.items():
-            try:
-                results = list(tier.get_finished_jobs() if deadline is None
-                               or not isinstance(tier, JobSide) else tier._finished_by(deadline))
+            try:  # (each result queued as it comes: a generator that raises keeps those before)
+                for result in (tier.get_finished_jobs() if deadline is None
+                               or not isinstance(tier, JobSide)
+                               else tier._finished_by(deadline)):
+                    taken.append((name, result))
             except Exception as error:
                 issues.append(BookkeepingIssue(
                     None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))
-                continue
-            for result in results:
-                issue = self._finalize(name, result, finalized)
+            while taken:
+                from_tier, result = taken[0]
+                issue = self._finalize(from_tier, result, self._done)
+                taken.popleft()
                 if issue is not None:
                     issues.append(issue)
+        done, self._done = self._done, []
         if issues:
             self.bookkeeping_errors.extend(issues)
-            raise BookkeepingError(issues, finalized)
-        return finalized
+            raise BookkeepingError(issues, done)
+        return done
 
     def has_pending_work(self) -> bool:
         """True while a job has no result, or a tier still has work in flight."""
         return bool(self._jobs) or any(tier.has_pending_work() for tier in self._tiers.values())
+
+    def _busy(self) -> list[str]:
+        """A line for each tier with work in flight: its unpublished jobs' states and last
+        errors (a kvfsm tier's), those of the manager's own or another caller's alike."""
+        lines = []
+        for name, tier in self._tiers.items():
+            if not tier.has_pending_work():
+                continue
+            records = tier.unpublished() if isinstance(tier, JobSide) else []
+            said = "; ".join(f"job {r.job_id}: {r.state.name}, last error: {r.error}"
+                             for r in records[:8])
+            more = f" and {len(records) - 8} more" if len(records) > 8 else ""
+            lines.append(f"tier {name!r} has work in flight"
+                         + (f": {said}{more}" if said
+                            else " (results not yet handed out)" if records == [] and
+                            isinstance(tier, JobSide) else ""))
+        return lines
 
     def outstanding(self) -> list[Submitted]:
         """The jobs without a result, in submission order."""
@@ -915,9 +961,8 @@ class TieringManager:
                 outstanding and later steps go on with them.
             BookkeepingError: as :meth:`step` (its ``finalized`` covers the whole drain).
         """
-        if timeout is not None:
-            _check_seconds("timeout", timeout)
-        deadline = None if timeout in (None, math.inf) else time.monotonic() + timeout
+        seconds = _timeout(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
         done: list[Finalized] = []
         while True:
             try:
@@ -928,7 +973,7 @@ class TieringManager:
             if not self.has_pending_work():
                 return done
             if deadline is not None and time.monotonic() >= deadline:
-                raise TieringDrainTimeout("drain", self.outstanding(), done)
+                raise TieringDrainTimeout("drain", self.outstanding(), done, self._busy())
             time.sleep(self.poll_interval if deadline is None else  # (never past the deadline)
                        min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 
@@ -946,12 +991,11 @@ class TieringManager:
             Exception: the first error a tier's shutdown raised, after every other tier was
                 shut down; the manager stays open (tiers' shutdowns are idempotent).
         """
-        if timeout is not None:
-            _check_seconds("timeout", timeout)
+        seconds = _timeout(timeout)
         if self._closed:
             return []
-        deadline = None if timeout in (None, math.inf) else time.monotonic() + timeout
-        done = self.drain(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        done = self.drain(seconds)
         errors: list[Exception] = []
         for name, tier in self._tiers.items():
             try:  # within what is left of the deadline (None: no bound for the tier either)
@@ -992,9 +1036,10 @@ class TieringManager:
         return None
 
     def _check_names(self, keys: Sequence[Key], tiers: Iterable[str], *,
-                     distinct: bool = True) -> None:
+                     distinct: bool = True) -> dict[tuple[type, int], int]:
         """Each tier that names its blocks (``remote_name``) can name every key, and (with
-        ``distinct``) names no two alike, or a TieringInputError naming tier and keys.
+        ``distinct``) names no two alike, or a TieringInputError naming tier and keys; returns
+        the keys' kinds (:meth:`_check_kind`).
 
         The primary tells keys apart by value, a tier by name: ``"6b"`` and ``b"k"`` are two
         keys but one object (bytes are named in hex), so such a job would be refused by the
@@ -1017,15 +1062,17 @@ class TieringManager:
                         f"keys[{first}] = {keys[first]!r} and keys[{index}] = {key!r} name "
                         f"the same block {name!r} in tier {tier_name!r}")
         if self._hex_named:
-            self._check_kind(keys, keep=distinct)
+            return self._check_kind(keys)
+        return {}
 
-    def _check_kind(self, keys: Sequence[Key], *, keep: bool) -> None:
+    def _check_kind(self, keys: Sequence[Key]) -> dict[tuple[type, int], int]:
         """No bytes key beside a str key that is its hex (``b"k"`` and ``"6b"``), in this call
         or beside the keys stored or loaded before, while a tier names a bytes key as its hex:
         the primary holds the two apart, the tier in one file, so once both were stored a load
         of one would publish the other's bytes. Kept by kind and length (``"6b"`` can only be
         a 1-byte key's name): other str keys, and keys of other lengths, go with either.
-        ``keep``: the keys are stored or loaded (not only looked up): remember them."""
+        Returns the kinds seen: a store or load that a tier took remembers them
+        (:meth:`_took_kinds`); one that changed nothing, or a lookup, does not."""
         kinds = self._kinds
         seen: dict[tuple[type, int], int] = {}
         for index, key in enumerate(keys):
@@ -1046,8 +1093,11 @@ class TieringManager:
                     "(b'k' as '6b'), where this manager holds them apart; give it bytes keys "
                     "or str keys that are no hex, not both")
             seen.setdefault(kind, index)
-        if keep:
-            kinds.update(seen)
+        return seen
+
+    def _took_kinds(self, kinds: Iterable[tuple[type, int]]) -> None:
+        """A tier took a store or a load of keys of these kinds (:meth:`_check_kind`)."""
+        self._kinds.update(kinds)
 
     def _finalize(self, name: str, result: JobResult,
                   finalized: list[Finalized]) -> BookkeepingIssue | None:
@@ -1055,6 +1105,8 @@ class TieringManager:
         # True == 1 and hashes alike: a bool must not finalize job 1
         job_id = raw_id if isinstance(raw_id, int) and not isinstance(raw_id, bool) else None
         submitted = None if job_id is None else self._jobs.get(job_id)
+        if submitted is None and result is self._finalizing:
+            return None  # finalized by a step an interrupt cut short (see _step)
         if submitted is None:
             return BookkeepingIssue(job_id, name,
                                     f"result {result!r} is for no outstanding job (never "
@@ -1062,6 +1114,7 @@ class TieringManager:
         if submitted.tier != name:
             return BookkeepingIssue(job_id, name, f"the job was submitted to tier "
                                                   f"{submitted.tier!r}")
+        self._finalizing = result  # from here on, finalizing it again would unpin twice
         del self._jobs[submitted.job_id]
         job, success = submitted.job, getattr(result, "success", None)
         issue = None
@@ -1117,10 +1170,19 @@ def _takes_timeout(call: Callable[..., Any]) -> bool:
         return False
 
 
-def _check_seconds(what: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) \
-            or value < 0:
-        raise TieringInputError(f"{what} must be a number of seconds >= 0, got {value!r}")
+def _timeout(value: object) -> float | None:
+    """A drain's or a shutdown's timeout in seconds; None (no bound) for None, infinity, or a
+    wait longer than any the platform can make (``threading.TIMEOUT_MAX``).
+
+    Raises:
+        TieringInputError: not None nor a number >= 0 (a bool, a str, NaN, -1), naming it.
+    """
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or (isinstance(value, float) and math.isnan(value)) or value < 0):
+        raise TieringInputError(f"timeout must be a number of seconds >= 0, got {value!r}")
+    return None if value >= threading.TIMEOUT_MAX else float(value)
 
 
 def _refused(refusals: Sequence[tuple[str, int, BaseException]],

@@ -100,7 +100,8 @@ def test_a_drain_timeout_lists_each_outstanding_job_on_a_line_of_its_own() -> No
         manager.drain(timeout=0)
     assert str(raised.value) == ("drain: 2 job(s) without a result\n"
                                  "  job 1: store of blocks [0] on tier 'slow'\n"
-                                 "  job 2: store of blocks [0, 1] on tier 'slow'")
+                                 "  job 2: store of blocks [0, 1] on tier 'slow'\n"
+                                 "  tier 'slow' has work in flight")
 
 
 def test_a_bookkeeping_error_lists_each_issue_on_a_line_of_its_own() -> None:

@@ -27,6 +27,7 @@ from kvfsm.tiering import (
     BookkeepingError,
     CPUPrimaryTier,
     PrimaryTierError,
+    TieringDrainTimeout,
     TieringInputError,
     TieringManager,
     TierInputRefusedError,
@@ -324,13 +325,16 @@ def test_bad_input_to_any_manager_call_is_a_tiering_input_error_and_changes_noth
     assert stack.snapshot() == before
 
 
-@pytest.mark.parametrize("poll_interval", [-0.001, math.nan, "fast", True, None])
+@pytest.mark.parametrize("poll_interval", [-0.001, math.nan, "fast", True, None, math.inf,
+                                           1e300, 10**400])
 def test_a_manager_takes_only_a_poll_interval_time_sleep_takes(
     poll_interval: Any, tmp_path: Path
 ) -> None:
-    """Else drain would raise from ``time.sleep`` after a step, losing the jobs it finalized."""
+    """Else drain would raise from ``time.sleep`` after a step, losing the jobs it finalized
+    (1e300 was taken, and an int past a float's range raised a bare OverflowError)."""
     primary = CPUPrimaryTier(2, BLOCK_BYTES, torch.uint8)
-    with pytest.raises(TieringInputError, match="poll_interval must be a number of seconds"):
+    with pytest.raises(TieringInputError, match="poll_interval must be a finite number of "
+                                                "seconds >= 0"):
         TieringManager(primary, [DictTier(primary.cache)], poll_interval=poll_interval)
 
 
@@ -497,3 +501,116 @@ def test_random_bad_input_changes_nothing_and_is_a_value_error(stack: Stack) -> 
     bad_call()
     assert stack.primary.stats()["evictions"] == 0
     assert manager.store([block(stack, "a")]) == [1, 2], "no job id was used"
+
+
+@pytest.mark.timeout(30)
+def test_a_call_that_changes_nothing_leaves_the_kinds_of_keys_free(stack: Stack) -> None:
+    """A load that found no tier holding its key, or a store every tier refused, recorded its
+    keys' kinds all the same: a later bytes key was refused as sharing blocks with hex str
+    keys the manager "stored or loaded before", which it never had."""
+    assert stack.manager.load(["6c"]) is None  # no tier holds it: nothing changed
+    (k_block,) = ready(stack.primary, b"l")  # b"l" is named "6c": free to store now
+    done = stack.manager.store([k_block])
+    assert len(done) == 2
+    assert all(r.success for r in stack.manager.drain(5))
+
+
+class HandsOutThenFails:
+    """A user's tier whose get_finished_jobs is a generator that raises after its first
+    result (the OffloadTier protocol takes any iterable)."""
+
+    def __init__(self, inner: DictTier) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def get_finished_jobs(self) -> Iterator[JobResult]:
+        results = self.inner.get_finished_jobs()
+        yield from results[:1]
+        self.inner.pending[:0] = results[1:]
+        raise OSError("the tier's poll broke")
+
+
+@pytest.mark.timeout(30)
+def test_results_a_tier_handed_out_before_its_poll_raised_are_finalized() -> None:
+    """A generator's results were collected with list(): the one yielded before it raised was
+    thrown away, its job never finalized, its block pinned for good."""
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    tier = HandsOutThenFails(DictTier(primary.cache))
+    manager = TieringManager(primary, {"gen": tier})
+    a, b = ready(primary, "a", "b")
+    first, second = manager.store([a]) + manager.store([b])
+    with pytest.raises(BookkeepingError, match=r"get_finished_jobs raised OSError: the tier's "
+                                               r"poll broke") as raised:
+        manager.step()
+    assert [done.job.job_id for done in raised.value.finalized] == [first]
+    assert primary.pin_count(a) == 0 and primary.pin_count(b) == 1
+    tier.get_finished_jobs = tier.inner.get_finished_jobs  # the tier mends
+    assert [done.job.job_id for done in manager.step()] == [second]
+    assert primary.stats()["pinned"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_an_interrupt_in_a_step_loses_neither_results_nor_the_jobs_it_finalized() -> None:
+    """The step took every result from the tier (handed out once), then an interrupt while
+    finalizing the second lost the rest: their jobs outstanding for ever, their blocks
+    pinned for good, and the first job's Finalized never returned."""
+    import sys  # noqa: PLC0415
+
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    manager = TieringManager(primary, {"dict": DictTier(primary.cache)})
+    blocks = ready(primary, "a", "b", "c")
+    jobs = [job for block in blocks for job in manager.store([block])]
+    calls = [0]
+
+    def interrupt_the_second(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is TieringManager._finalize.__code__:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise KeyboardInterrupt
+
+    sys.settrace(interrupt_the_second)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            manager.step()
+    finally:
+        sys.settrace(None)
+    assert manager.outstanding() != []
+    assert sorted(done.job.job_id for done in manager.step()) == jobs, "all three, once"
+    assert manager.outstanding() == [] and primary.stats()["pinned"] == 0
+
+
+class GatedAgent(FakeNixlAgent):
+    """A fake agent whose transfers run until the gate opens."""
+
+    def __init__(self) -> None:
+        super().__init__("gated")
+        self.open = False
+
+    def check_xfer_state(self, handle: Any) -> str:
+        answer = super().check_xfer_state(handle) if self.open else "PROC"
+        return answer
+
+
+@pytest.mark.timeout(30)
+def test_a_timeout_past_any_wait_is_no_bound_and_a_drain_timeout_names_a_busy_tier() -> None:
+    """drain(10**400) and shutdown(timeout=10**400) raised a bare OverflowError, where the
+    tiers take such a timeout as no bound; and a drain waiting on a tier's own job (submitted
+    by another caller) timed out saying "0 job(s) without a result", naming nothing."""
+    primary = CPUPrimaryTier(2, BLOCK_BYTES, torch.uint8)
+    agent = GatedAgent()
+    objects = ObjectStoreTier(primary.cache, agent=agent)
+    manager = TieringManager(primary, {"objects": objects})
+    (a,) = ready(primary, "a")
+    objects.submit_store(TransferJob(900, ["own"], [a]))  # another caller's job
+    with pytest.raises(TieringDrainTimeout, match=r"drain: 0 job\(s\) without a result\n  "
+                                                  r"tier 'objects' has work in flight: job 900: "
+                                                  r"PROCESSING, last error: None"):
+        manager.drain(timeout=0.05)
+    agent.open = True
+    objects.drain_jobs(timeout=5)
+    assert [r.job_id for r in objects.get_finished_jobs()] == [900]
+    assert manager.drain(timeout=10**400) == []
+    assert manager.shutdown(timeout=10**400) == [] and manager.closed
+    agent.close()
