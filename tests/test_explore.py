@@ -244,3 +244,72 @@ def test_a_step_answering_a_failure_alone_is_a_failure_with_its_reason() -> None
     found = explore(VERIFY_MACHINE, steps={"verify": lambda primary, transfer: Verified.MISMATCH},
                     max_faults=1)
     assert found.ok, found.report()
+
+
+# -- steps of a user's own: which of their answers decide a job's outcome ----------------------
+
+def _verify_machine(name: str, raised_dest: str, spent_dest: str) -> Declaration[Any, Any]:
+    """The tutorial's checksum lifecycle, with a ``verify`` that raised retried in place
+    (``count_retry``) and given up (EXHAUSTED) to ``spent_dest``."""
+    from examples.verify_lifecycle import Verified  # noqa: PLC0415
+    from kvfsm.lifecycle import Answer  # noqa: PLC0415
+
+    after = "latch_success" if spent_dest == "DONE" else "latch_failure"
+    return TRANSFER_MACHINE.extend(
+        name, states=["VERIFYING"],
+        replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
+                 ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+        answers={"verify": (Verified.MATCH, Verified.MISMATCH, Answer.RAISED,
+                            Answer.EXHAUSTED)},
+        guards={"matched": (Verified.MATCH,), "mismatch": (Verified.MISMATCH,),
+                "raised": (Answer.RAISED,), "spent": (Answer.EXHAUSTED,)},
+        transitions=[
+            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
+             "conditions": "matched", "after": "latch_success"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
+             "conditions": "mismatch", "after": "latch_failure"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": raised_dest,
+             "conditions": "raised", "after": "count_retry"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": spent_dest,
+             "conditions": "spent", "after": after},
+            {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
+        effects={"VERIFYING": "verify"}, calls={"verify": "crc32"})
+
+
+def test_a_step_retried_in_place_fails_its_job_only_when_given_up() -> None:
+    """Any step that raised made the explorer expect its job to fail, so a lifecycle that
+    retries a step in place (as the shipped one retries a release) was reported as a
+    violation; now a retry is no verdict, and the give-up (EXHAUSTED) is."""
+    from examples.verify_lifecycle import Checksums  # noqa: PLC0415
+
+    retried = _verify_machine("verify_retried", "VERIFYING", "FAILED")
+    assert explore(retried, steps={"verify": Checksums()}, max_faults=2).violations == []
+    raises = parse_path("mode=1;" + ",".join(f"verify:raise@{n}" for n in range(1, 5)))
+    _, violations, taken = replay(raises, retried, steps={"verify": Checksums()})
+    assert violations == []
+    assert taken["VERIFYING -verify[raised]-> VERIFYING"] == 3
+    assert taken["VERIFYING -verify[spent]-> FAILED"] == 1, "one job's tries given up"
+    # given up to DONE, latching success: the job the step never verified publishes success
+    gives_up_to_done = _verify_machine("verify_spent_done", "VERIFYING", "DONE")
+    _, violations, _ = replay(raises, gives_up_to_done, steps={"verify": Checksums()})
+    assert [(v.invariant, v.job_id) for v in violations] == [(Invariant.OUTCOME, 0)]
+
+
+def test_a_best_effort_step_after_the_outcome_is_latched_decides_nothing() -> None:
+    """A notice sent after the cleanup, whose failure the lifecycle lets go by (as the shipped
+    one lets a leaked cleanup go by), was reported as failing its job."""
+    from kvfsm.lifecycle import Answer  # noqa: PLC0415
+
+    notify = TRANSFER_MACHINE.extend(
+        "notify", states=["NOTIFYING"],
+        replace={("XFER_RELEASED", "clean", "cleaned"): {"dest": "NOTIFYING"},
+                 ("XFER_RELEASED", "clean", "leaked"): {"dest": "NOTIFYING"}},
+        answers={"notify": (Answer.OK, Answer.RAISED)},
+        guards={"any_notify": (Answer.OK, Answer.RAISED)},
+        transitions=[{"trigger": "notify", "source": "NOTIFYING", "dest": "CLEANED",
+                      "conditions": "any_notify"},
+                     {"trigger": "cancel", "source": "NOTIFYING", "dest": "NOTIFYING"}],
+        effects={"NOTIFYING": "notify"}, calls={"notify": "send"})
+    found = explore(notify, steps={"notify": lambda transfer, primary: Answer.OK},
+                    max_faults=1)
+    assert found.violations == []

@@ -23,7 +23,9 @@ A lifecycle with steps of its own (an effect such as ``verify``, made by a funct
 given: ``explore(machine, steps={...})``) runs them on every path, and each step call is a call
 like NIXL's: it raises at every step too (``verify:raise@1``). A step that raises or gives an
 answer the declaration treats as a failure (:func:`kvfsm.diagrams.failure_answers`) makes its
-job's expected outcome a failure.
+job's expected outcome a failure, unless the outcome was latched before the step (a
+best-effort step after it decides nothing) or the answer's edge retries the step in place;
+a step whose tries are given up (EXHAUSTED) makes it a failure too.
 
 A violating path prints as a fault spec (``mode=1;check_xfer_state:raise@1,...``) that
 :func:`replay` runs again, step by step.
@@ -46,7 +48,7 @@ import torch
 
 from kvfsm.driver import MachineRefused, StepFunction, check_runnable
 from kvfsm.engine import Declaration
-from kvfsm.lifecycle import TRANSFER_MACHINE, TransferEvent
+from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_agent import FakeNixlAgent
 from kvfsm.testing.faults import (
@@ -60,6 +62,7 @@ from kvfsm.testing.faults import (
 )
 from kvfsm.tiers.base import SecondaryTier
 from kvfsm.tiers.object_store import ObjectStoreTier
+from kvfsm.trace import trace_steps
 from kvfsm.transfer import NO_REASON, FailureKind, JobResult, TransferJob
 
 __all__ = [
@@ -205,6 +208,8 @@ class _WatchedAgent(FakeNixlAgent):
         #: the state checks (by number) after which the clock passes the running bound
         self.late: set[int] = set()
         self.tier: SecondaryTier | None = None
+        #: the events of the machine's own steps
+        self.steps: frozenset[str] = frozenset()
         self._checks = 0
 
     def job_of(self, handle: Any) -> _Job | None:
@@ -403,6 +408,7 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
     from kvfsm.diagrams import failure_answers  # noqa: PLC0415 - the drawing's rule
 
     failing = failure_answers(machine)
+    table = machine.compile(listen=False).table
     armed = {(c.call, c.occurrence) for c in path.choices if c.call in steps}
     for choice in path.choices:
         if isinstance(choice.fault, Late):  # a check that answers PROC, then the bound
@@ -411,6 +417,17 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
         elif choice.call not in steps:
             agent.inject(choice.call, choice.fault, at=choice.occurrence)
     counts = dict.fromkeys(steps, 0)
+    agent.steps = frozenset(steps)
+
+    def decides(transfer: Any, name: str, answer: Any) -> bool:
+        """Whether this answer of step ``name`` decides the job's outcome as a failure: the
+        outcome is not latched yet (a step after it, a best-effort notice say, cannot change
+        it), and the answer's edge is no retry (a loop back to where the step is made again:
+        only the give-up, EXHAUSTED, ends the tries: :func:`_final`)."""
+        if transfer.success is not None:
+            return False
+        taken = table.get(transfer.state, {}).get(name, {}).get(answer)
+        return taken is None or taken.dest is not transfer.state
 
     def watched(name: str, step: StepFunction) -> StepFunction:
         def run(transfer: Any, primary: Any) -> Any:
@@ -422,11 +439,11 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
                     raise FakeNixlError(Raise().code)
                 answered = step(transfer, primary)
             except Exception:
-                if seen is not None:
+                if seen is not None and decides(transfer, name, Answer.RAISED):
                     seen.step_failed = True
                 raise
             answer = answered[0] if isinstance(answered, tuple) else answered
-            if seen is not None and answer in failing:
+            if seen is not None and answer in failing and decides(transfer, name, answer):
                 seen.step_failed = True
             return answered
 
@@ -440,6 +457,9 @@ def _final(agent: _WatchedAgent, transfer: Any, machine: Declaration[Any, Any]) 
     if seen is not None:
         seen.final = transfer.state
         seen.held = transfer.state in machine.final & machine.failure_states
+        if not seen.step_failed and agent.steps:  # a step's tries given up (EXHAUSTED)
+            seen.step_failed = any(event in agent.steps and answer == Answer.EXHAUSTED.name
+                                   for event, answer, *_ in trace_steps(transfer))
 
 
 def _cancel(agent: _WatchedAgent, tier: SecondaryTier, job_id: int) -> None:
