@@ -684,9 +684,12 @@ class Declaration(Generic[S, A]):
             for answer in sorted(self.answers[event], key=lambda a: a.name):
                 accepting = [e for e in edges if self._accepts(e, answer)]
                 if not accepting:
+                    what = ("declare where a give-up goes: an edge to another state (a "
+                            "failure's)" if answer.name == "EXHAUSTED"
+                            else "declare the stay as a self-loop")
                     raise DeclarationError(
                         f"{self.name}: in state {source_name}, event {event!r} with answer "
-                        f"{answer.name} matches no edge; declare the stay as a self-loop")
+                        f"{answer.name} matches no edge; {what}")
                 if len(accepting) > 1:
                     raise DeclarationError(
                         f"{self.name}: in state {source_name}, event {event!r} with answer "

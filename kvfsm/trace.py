@@ -126,6 +126,11 @@ def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
                     raise ValueError(f"a JSON {type(trace).__name__}, not an object")
                 if not isinstance(trace.get("steps"), list):
                     raise ValueError("no steps")
+                for index, row in enumerate(trace["steps"], start=1):
+                    if (not isinstance(row, list) or len(row) < 4
+                            or not all(isinstance(part, str) for part in row[:4])):
+                        raise ValueError(f"step {index} is not [event, answer, from, to, "
+                                         f"seconds]: {row!r}")
                 trace_reason(trace)
             except (ValueError, AttributeError) as error:
                 raise ValueError(f"{path}:{number}: not a trace ({error})") from None

@@ -206,6 +206,10 @@ def test_a_file_that_is_not_traces_is_refused_by_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"junk.jsonl:1: not a trace \(a JSON list, not an "
                                          r"object\)"):
         list(read_traces(path))
+    path.write_text('{"steps": [["post", "PROC", "SUBMITTED"]]}\n')  # (was: "not enough
+    with pytest.raises(ValueError, match=r"junk.jsonl:1: not a trace \(step 1 is not \[event, "
+                                         r"answer, from, to, seconds\]"):  # values to unpack")
+        list(read_traces(path))
     path.write_bytes(b"\xff\xfe\x00binary\n")  # (was: a UnicodeDecodeError naming no file)
     with pytest.raises(ValueError, match=r"junk.jsonl:1: not a trace"):
         list(read_traces(path))

@@ -517,3 +517,14 @@ def test_a_spec_that_is_not_a_str_is_refused_by_value() -> None:
     with pytest.raises(ValueError, match=r"^a machine is named by a str \(module:ATTRIBUTE, or "
                                          r"one of transfer, peer_receive, peer_link\), got None$"):
         load_machine(None)  # type: ignore[arg-type]
+
+
+def test_a_give_up_that_matches_no_edge_is_told_to_go_somewhere_not_to_stay() -> None:
+    """The hint said "declare the stay as a self-loop" for EXHAUSTED too, which a runner then
+    refuses: a give-up that stays would be tried for ever."""
+    from kvfsm.lifecycle import Answer  # noqa: PLC0415
+
+    with pytest.raises(DeclarationError, match=r"door: in state CLOSED, event 'push' with "
+                                               r"answer EXHAUSTED matches no edge; declare where "
+                                               r"a give-up goes: an edge to another state"):
+        door_declaration(answers={"push": [*Push, Answer.EXHAUSTED], "remove": [Push.NONE]})

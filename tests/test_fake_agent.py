@@ -1258,3 +1258,23 @@ def test_an_interrupted_check_that_fails_a_write_to_files_puts_them_back(tmp_pat
         at += 1
     assert at > 3, "the check was interrupted at several points"
 
+
+
+def test_the_fake_agent_fails_calls_at_random_the_same_way_for_a_seed() -> None:
+    """FaultyAgent had chaos(); the fake had it only as agent.faults.chaos."""
+    def run(seed: int) -> list[tuple[int, bool]]:
+        from kvfsm.tiers import ObjectStoreTier  # noqa: PLC0415
+
+        agent = FakeNixlAgent(name=f"chaos-{seed}")
+        tier = ObjectStoreTier(torch.zeros(8, 16), agent=agent)
+        agent.chaos(0.3, seed=seed)  # (once the tier registered its cache)
+        for job_id in range(8):
+            tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id]))
+        tier.drain_jobs(timeout=10)
+        results = sorted((r.job_id, r.success) for r in tier.get_finished_jobs())
+        tier.shutdown(timeout=5)
+        return results
+
+    first = run(7)
+    assert first == run(7), "one seed, one run"
+    assert not all(success for _, success in first), "some calls failed"

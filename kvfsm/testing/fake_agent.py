@@ -542,6 +542,11 @@ class FakeNixlAgent:
         """Arm ``fault`` for ``times`` calls of ``call`` (see :meth:`FaultPlan.inject`)."""
         self.faults.inject(call, fault, at=at, times=times)
 
+    def chaos(self, rate: float, *, seed: int = 0, **options: Any) -> None:
+        """Fail calls at random, reproducibly for a seed (see :meth:`FaultPlan.chaos`), as
+        :class:`~kvfsm.testing.FaultyAgent` does on a real agent."""
+        self.faults.chaos(rate, seed=seed, **options)
+
     def clear_faults(self) -> None:
         """Disarm every injected fault that has not fired yet."""
         self.faults.clear()
