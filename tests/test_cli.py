@@ -605,6 +605,23 @@ def test_options_the_peer_explorer_does_not_take_are_a_usage_error(
         captured.err
 
 
+def test_a_replayed_path_whose_fault_never_fires_fails_saying_so(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A replay naming a fault past the calls the path makes printed "0 violations" and
+    exited 0, as if it had checked that fault; a step fault other than raise acted as one."""
+    assert main(["explore", "--replay", "mode=1;release_xfer_handle:raise@99"]) == 1
+    out = capsys.readouterr().out
+    assert "release_xfer_handle:raise@99 never fired (the path made 4 release_xfer_handle " \
+           "call(s))" in out
+    assert "0 violations (1 fault(s) never fired: the path checked less than it names)" in out
+    assert main(["explore", "--replay", "mode=1;release_xfer_handle:raise@1"]) == 0
+    capsys.readouterr()
+    assert main(["explore", "--machine", "examples.verify_lifecycle:VERIFY_MACHINE", "--steps",
+                 "examples.verify_lifecycle:STEPS", "--replay", "mode=1;verify:err@1"]) == 2
+    assert ("--replay: verify:err@1: a step of the machine's own takes raise only"
+            in capsys.readouterr().err)
+
+
 def test_kvfsm_explore_shows_progress_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["explore", "--max-faults", "1", "--progress"]) == 0
     captured = capsys.readouterr()

@@ -990,17 +990,7 @@ def run(args: Any) -> int:
         raise ValueError("--max-faults must be at least 0 and --max-stall at least 1")
     _check_steps(machine, steps)
     if args.replay:
-        path = parse_path(args.replay)
-        calls, violations, taken = replay(path, machine, parent=args.parent, steps=steps)
-        print(f"path {path}: {len(calls)} NIXL calls")
-        print("  calls: " + " ".join(calls))
-        print("  transitions taken:")
-        for edge, count in taken.items():
-            print(f"    {edge}  x{count}")
-        for violation in violations:
-            print(f"  {violation}")
-        print("0 violations" if not violations else f"{len(violations)} violation(s)")
-        return 1 if violations else 0
+        return _replay_command(args, machine, steps)
     found = explore(machine, steps=steps, parent=args.parent, max_faults=args.max_faults,
                     max_stall=args.max_stall, stop_at_first=not args.all, spec=args.machine,
                     steps_spec=args.steps,
@@ -1009,6 +999,34 @@ def run(args: Any) -> int:
           + (", through the tiering manager" if args.parent else ""))
     print(found.report())
     return 0 if found.ok else 1
+
+
+def _replay_command(args: Any, machine: Declaration[Any, Any],
+                    steps: dict[str, StepFunction] | None) -> int:
+    """``kvfsm explore --replay PATH``: 1 when the path violates an invariant, or names a
+    fault that never fired (it checked less than it says)."""
+    path = parse_path(args.replay)
+    for choice in path.choices:  # (a step answers what it answers, or raises)
+        if steps and choice.call in steps and not isinstance(choice.fault, Raise):
+            raise ValueError(f"--replay: {choice}: a step of the machine's own takes "
+                             "raise only")
+    calls, violations, taken = replay(path, machine, parent=args.parent, steps=steps)
+    print(f"path {path}: {len(calls)} NIXL calls")
+    print("  calls: " + " ".join(calls))
+    print("  transitions taken:")
+    for edge, count in taken.items():
+        print(f"    {edge}  x{count}")
+    for violation in violations:
+        print(f"  {violation}")
+    unfired = [f"{choice} never fired (the path made {calls.count(choice.call)} "
+               f"{choice.call} call(s))" for choice in path.choices
+               if calls.count(choice.call) < choice.occurrence]
+    for line in unfired:
+        print(f"  {line}")
+    print(("0 violations" if not violations else f"{len(violations)} violation(s)")
+          + (f" ({len(unfired)} fault(s) never fired: the path checked less than it names)"
+             if unfired else ""))
+    return 1 if violations or unfired else 0
 
 
 def _check_steps(machine: Declaration[Any, Any], steps: dict[str, StepFunction] | None) -> None:
