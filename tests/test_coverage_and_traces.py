@@ -86,6 +86,23 @@ def test_the_plugin_fails_a_run_that_missed_a_transition(
     result.stdout.fnmatch_lines(["*FAILED: 1 declared transition(s) never taken*"])
 
 
+def test_two_machines_of_one_name_are_refused_and_one_never_compiled_is_said(
+    lamp_project: pytest.Pytester,
+) -> None:
+    """The second of two machines named alike replaced the first without a word; a machine
+    named but never compiled (imported under another module name, or made in another process)
+    showed 0 taken, as if untested."""
+    lamp_project.makepyfile(other_lamp=USER_MACHINE)
+    result = lamp_project.runpytest("--kvfsm-machine", "lamp:LAMP",
+                                    "--kvfsm-machine", "other_lamp:LAMP")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kvfsm-machine: lamp:LAMP and other_lamp:LAMP are two "
+                                 "machines named 'lamp'; give each a name of its own*"])
+    result = lamp_project.runpytest("--kvfsm-machine", "other_lamp:LAMP")
+    result.stdout.fnmatch_lines(["machine lamp: 0 of 4 transitions taken (0 %)",
+                                 "*(never compiled in this run: a tier made in another process*"])
+
+
 def test_the_plugin_passes_a_run_that_took_every_transition(
     lamp_project: pytest.Pytester,
 ) -> None:

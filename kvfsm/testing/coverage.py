@@ -67,6 +67,10 @@ class TransitionCoverage:
             taken = sum(1 for count in counts.values() if count)
             lines.append(f"machine {name}: {taken} of {len(counts)} transitions taken "
                          f"({100 * taken / max(len(counts), 1):.0f} %)")
+            if not any(c.declaration is declaration for c in self._compiled):
+                lines.append("  (never compiled in this run: a tier made in another process "
+                             "is not counted, nor one built on a copy of the declaration, "
+                             "such as its module imported under another name)")
             for (edge, answer), count in sorted(
                     counts.items(), key=lambda item: (item[0][0].source, item[0][0].event,
                                                       item[0][0].order, item[0][1])):
@@ -101,9 +105,16 @@ def pytest_configure(config: pytest.Config) -> None:
             or named):
         return
     try:
-        machines = {m.name: m for m in map(load_machine, named)} if named else kvfsm_machines()
+        loaded = {spec: load_machine(spec) for spec in named}
     except ValueError as error:
         raise pytest.UsageError(f"--kvfsm-machine: {error}") from None
+    machines = kvfsm_machines() if not named else {}
+    for spec, machine in loaded.items():  # (one table a name: two of one name were one)
+        same = [other for other, m in loaded.items() if m.name == machine.name and other != spec]
+        if same and machines.get(machine.name) is not machine:
+            raise pytest.UsageError(f"--kvfsm-machine: {spec} and {same[0]} are two machines "
+                                    f"named {machine.name!r}; give each a name of its own")
+        machines[machine.name] = machine
     coverage = TransitionCoverage(machines)
     coverage.start()
     config.stash[_KEY] = coverage
