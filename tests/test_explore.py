@@ -313,3 +313,18 @@ def test_a_best_effort_step_after_the_outcome_is_latched_decides_nothing() -> No
     found = explore(notify, steps={"notify": lambda transfer, primary: Answer.OK},
                     max_faults=1)
     assert found.violations == []
+
+
+def test_a_path_replays_as_it_ran_whatever_ran_before_it_with_the_same_steps() -> None:
+    """Paths shared one step object: the checksums one path recorded were found by the
+    next, so a printed path replayed otherwise than it had run (a load of a block whose
+    store failed matched a checksum another path had recorded)."""
+    from examples.verify_lifecycle import VERIFY_MACHINE, Checksums  # noqa: PLC0415
+
+    steps = {"verify": Checksums()}
+    path = parse_path("mode=1;verify:raise@1")
+    first = replay(path, VERIFY_MACHINE, steps=steps)
+    explore(VERIFY_MACHINE, steps=steps, max_faults=1)  # every other path, the same steps
+    assert replay(path, VERIFY_MACHINE, steps=steps)[2] == first[2]
+    assert replay(path, VERIFY_MACHINE, steps={"verify": Checksums()})[2] == first[2]
+    assert steps["verify"].crcs == {}, "the steps given are left as they were"

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import enum
 import re
 import shlex
@@ -404,7 +405,10 @@ def _pass_running_bound(tier: SecondaryTier) -> None:
 def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
             steps: dict[str, StepFunction]) -> dict[str, StepFunction]:
     """Arm the path's faults: NIXL's in the agent, the steps' in the steps, which are
-    returned watched (each call recorded and numbered among the agent's calls)."""
+    returned watched (each call recorded and numbered among the agent's calls), each a fresh
+    copy: what a step keeps (a checksum it recorded) stays on its path, so a path replays
+    as it ran (a step that cannot be copied is shared, as given)."""
+    steps = {name: _fresh(step) for name, step in steps.items()}
     from kvfsm.diagrams import failure_answers  # noqa: PLC0415 - the drawing's rule
 
     failing = failure_answers(machine)
@@ -450,6 +454,14 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
         return run
 
     return {name: watched(name, step) for name, step in steps.items()}
+
+
+def _fresh(step: StepFunction) -> StepFunction:
+    """A copy of ``step`` and what it keeps, or ``step`` itself if it cannot be copied."""
+    try:
+        return copy.deepcopy(step)
+    except Exception:  # (a lock, a file it holds open): shared across paths, as given
+        return step
 
 
 def _final(agent: _WatchedAgent, transfer: Any, machine: Declaration[Any, Any]) -> None:

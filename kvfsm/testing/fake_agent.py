@@ -27,6 +27,10 @@ either may be posted again.
 Failures: what real NIXL reports becomes :class:`FakeNixlError` (or the ``TypeError``,
 ``KeyError`` or ``IndexError`` the real wrapper raises for malformed arguments). What would crash
 or corrupt a real process becomes :class:`NixlMisuseError`, which is not a ``FakeNixlError``.
+So does breaking the order kvfsm keeps, where NIXL 1.5.1 itself lets some pass: a descriptor
+list released, or memory deregistered, before a transfer handle made from it (NIXL returns
+normally once that transfer is over), and a second release of a handle (NIXL's Python wrapper
+ignores it): a test that drives NIXL directly gets a misuse for either.
 
 Faults: :meth:`FakeNixlAgent.inject` arms :data:`Fault` values for numbered calls. Every call of
 a NIXL method is numbered per method name from 1 when it starts, failed calls included, and the
