@@ -175,6 +175,9 @@ def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Diverge
             named.setdefault(answer.name, []).append(answer)
     state = declaration.initial
     failed = False
+    from kvfsm.testing.explore import _Record  # noqa: PLC0415 - (it imports this module)
+
+    record: Any = _Record(state)  # what the declared actions latch, step by step
 
     def diverged(index: int, recorded: str, declared: str) -> Divergence:
         return Divergence(trace.get("job_id"), trace.get("line", 0), index, recorded, declared)
@@ -182,25 +185,18 @@ def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Diverge
     for index, row in enumerate(trace["steps"], start=1):
         event, answer_name, source, dest = row[:4]
         recorded = f"{source} -{event}({answer_name})-> {dest}"
-        if source != state.name:
-            return diverged(index, recorded, f"the transfer is in {state.name}")
-        candidates = answers_named.get(event, {}).get(answer_name)
-        if not candidates:
-            return diverged(index, recorded, f"no event {event!r} with answer {answer_name}")
-        steps, refusal = [], None
-        for answer in candidates:
-            try:
-                steps.append(machine.step(state, event, answer))
-            except InvalidTransition as error:
-                refusal = refusal or error
-        if not steps:
-            return diverged(index, recorded, str(refusal))
-        step = next((s for s in steps if s.dest.name == dest), steps[0])
-        if step.dest.name != dest:
-            return diverged(index, recorded, f"{source} -{event}({answer_name})-> "
-                                             f"{step.dest.name}")
-        state = step.dest
+        taken = _step_of(machine, answers_named, state, row)
+        if isinstance(taken, str):
+            return diverged(index, recorded, taken)
+        state = taken.dest
         failed = failed or state in declaration.failure_states
+        if record is not None:
+            record.state = state
+            try:
+                for action in taken.actions:
+                    action(record, taken.answer, None)
+            except Exception:  # an action that needs what a bare record lacks: the outcome
+                record = None  # the steps latch is not known, and not compared
     end = len(trace["steps"]) + 1
     if state not in declaration.final:  # a trace is written as its transfer is published
         return diverged(end, f"the trace ends in {state.name}",
@@ -211,7 +207,41 @@ def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Diverge
         names = ", ".join(sorted(s.name for s in declaration.failure_states))
         return diverged(end, "success=true",
                         f"the steps went through a failure state ({names})")
+    if trace.get("success") is True and trace.get("reason") is not None:
+        return diverged(end, "success=true with a failure's reason",
+                        "a success carries no reason")
+    if record is not None and isinstance(trace.get("success"), bool):
+        latched = bool(record.success) and state not in (
+            declaration.final & declaration.failure_states)
+        if trace["success"] is not latched:
+            return diverged(end, f"success={str(trace['success']).lower()}",
+                            f"the declared actions of these steps latch "
+                            f"success={str(latched).lower()}")
     return None
+
+
+def _step_of(machine: Any, answers_named: dict[str, dict[str, list[Any]]], state: Any,
+             row: list[Any]) -> Any:
+    """The declared step a trace's row took from ``state``, or what the declaration says
+    instead (a str)."""
+    event, answer_name, source, dest = row[:4]
+    if source != state.name:
+        return f"the transfer is in {state.name}"
+    candidates = answers_named.get(event, {}).get(answer_name)
+    if not candidates:
+        return f"no event {event!r} with answer {answer_name}"
+    steps, refusal = [], None
+    for answer in candidates:
+        try:
+            steps.append(machine.step(state, event, answer))
+        except InvalidTransition as error:
+            refusal = refusal or error
+    if not steps:
+        return str(refusal)
+    step = next((s for s in steps if s.dest.name == dest), steps[0])
+    if step.dest.name != dest:
+        return f"{source} -{event}({answer_name})-> {step.dest.name}"
+    return step
 
 
 def add_arguments(parser: Any) -> None:

@@ -197,9 +197,19 @@ def test_a_trace_that_ends_short_or_says_another_outcome_than_its_steps_diverges
     assert divergence is not None and declared in str(divergence), divergence
     assert replay(TRANSFER_MACHINE, {**trace, "steps": SUCCESS_STEPS, "success": True}) is None
     assert replay(TRANSFER_MACHINE, {**trace, "steps": FAILURE_STEPS, "success": False}) is None
-    # a failure through no state the declaration calls one (a user's REJECTED, say) replays:
-    # failure_states are what diagrams draw, not a rule every failure path keeps
-    assert replay(TRANSFER_MACHINE, {**trace, "steps": SUCCESS_STEPS, "success": False}) is None
+    # the outcome is the one the declared actions latch along the steps, whatever states
+    # they pass (a failure through no state the declaration calls one, a user's REJECTED
+    # say, latches it too): a failure along the steps that latch success diverges
+    divergence = replay(TRANSFER_MACHINE, {**trace, "steps": SUCCESS_STEPS, "success": False})
+    assert divergence is not None and str(divergence).endswith(
+        "recorded success=false; the declaration: the declared actions of these steps latch "
+        "success=true"), divergence
+    reason = {"kind": "raised", "call": "post", "error": "nixlBackendError: NIXL_ERR_BACKEND"}
+    divergence = replay(TRANSFER_MACHINE, {**trace, "steps": SUCCESS_STEPS, "success": True,
+                                           "reason": reason})
+    assert divergence is not None and str(divergence).endswith(
+        "recorded success=true with a failure's reason; the declaration: a success carries no "
+        "reason"), divergence
 
 
 def test_a_trace_naming_a_machine_that_does_not_exist_is_refused_by_line(
