@@ -46,17 +46,22 @@ def seconds_left(deadline: float) -> float:
 
 
 def check_interval(name: str, value: object) -> float:
-    """A number of seconds to sleep between polls: finite and >= 0, at most the longest wait
-    the platform can make (``threading.TIMEOUT_MAX``, some 292 years: ``time.sleep`` refuses
-    more, and an int past a float's range does not even convert).
+    """A number of seconds to sleep between polls: finite and >= 0, at most
+    :data:`MAX_INTERVAL` (``time.sleep`` fails once the clock plus the wait passes what it
+    counts in, some 292 years, and an int past a float's range does not even convert).
 
     Raises:
         ValueError: anything else, naming ``name`` and what was given.
     """
     if (isinstance(value, bool) or not isinstance(value, int | float)
-            or not 0 <= value <= threading.TIMEOUT_MAX):
-        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+            or not 0 <= value <= MAX_INTERVAL):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0 (at most "
+                         f"{MAX_INTERVAL:.0e}), got {value!r}")
     return float(value)
+
+
+#: the longest sleep between polls taken: a billion seconds (some 31 years)
+MAX_INTERVAL = 1e9
 
 __all__ = ["Books", "DrainTimeout", "JobSide"]
 

@@ -910,6 +910,7 @@ class TieringManager:
                 from_tier, result = taken[0]
                 issue = self._finalize(from_tier, result, self._done)
                 taken.popleft()
+                self._finalizing = None  # (the same result handed out again is an issue)
                 if issue is not None:
                     issues.append(issue)
         done, self._done = self._done, []
@@ -920,7 +921,8 @@ class TieringManager:
 
     def has_pending_work(self) -> bool:
         """True while a job has no result, or a tier still has work in flight."""
-        return bool(self._jobs) or any(tier.has_pending_work() for tier in self._tiers.values())
+        return (bool(self._jobs) or bool(self._taken) or bool(self._done)
+                or any(tier.has_pending_work() for tier in self._tiers.values()))
 
     def _busy(self) -> list[str]:
         """A line for each tier with work in flight: its unpublished jobs' states and last
@@ -969,6 +971,9 @@ class TieringManager:
                 done += self._step(deadline)
             except BookkeepingError as error:
                 error.finalized = (*done, *error.finalized)
+                raise
+            except BaseException:  # (an interrupt): the next step returns them all the same
+                self._done[:0] = done
                 raise
             if not self.has_pending_work():
                 return done

@@ -101,6 +101,12 @@ def test_two_machines_of_one_name_are_refused_and_one_never_compiled_is_said(
     result = lamp_project.runpytest("--kvfsm-machine", "other_lamp:LAMP")
     result.stdout.fnmatch_lines(["machine lamp: 0 of 4 transitions taken (0 %)",
                                  "*(never compiled in this run: a tier made in another process*"])
+    # one machine named by two specs is one machine
+    lamp_project.makepyfile(alias="from lamp import LAMP as SAME\n")
+    result = lamp_project.runpytest("--kvfsm-machine", "lamp:LAMP", "--kvfsm-machine",
+                                    "alias:SAME")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["machine lamp: 3 of 4 transitions taken (75 %)"])
 
 
 def test_the_plugin_passes_a_run_that_took_every_transition(

@@ -328,3 +328,48 @@ def test_a_path_replays_as_it_ran_whatever_ran_before_it_with_the_same_steps() -
     assert replay(path, VERIFY_MACHINE, steps=steps)[2] == first[2]
     assert replay(path, VERIFY_MACHINE, steps={"verify": Checksums()})[2] == first[2]
     assert steps["verify"].crcs == {}, "the steps given are left as they were"
+
+
+def test_a_best_effort_step_given_up_after_the_outcome_is_latched_decides_nothing() -> None:
+    """A notice after the cleanup that is retried and then given up (EXHAUSTED to CLEANED):
+    its give-up was taken as failing a job whose outcome was latched long before."""
+    from kvfsm.lifecycle import Answer  # noqa: PLC0415
+
+    notify = TRANSFER_MACHINE.extend(
+        "notify_retried", states=["NOTIFYING"],
+        replace={("XFER_RELEASED", "clean", "cleaned"): {"dest": "NOTIFYING"},
+                 ("XFER_RELEASED", "clean", "leaked"): {"dest": "NOTIFYING"}},
+        answers={"notify": (Answer.OK, Answer.RAISED, Answer.EXHAUSTED)},
+        guards={"sent": (Answer.OK,), "raised": (Answer.RAISED,), "spent": (Answer.EXHAUSTED,)},
+        transitions=[
+            {"trigger": "notify", "source": "NOTIFYING", "dest": "CLEANED", "conditions": "sent"},
+            {"trigger": "notify", "source": "NOTIFYING", "dest": "NOTIFYING",
+             "conditions": "raised", "after": "count_retry"},
+            {"trigger": "notify", "source": "NOTIFYING", "dest": "CLEANED", "conditions": "spent"},
+            {"trigger": "cancel", "source": "NOTIFYING", "dest": "NOTIFYING"}],
+        effects={"NOTIFYING": "notify"}, calls={"notify": "send"})
+    found = explore(notify, steps={"notify": lambda transfer, primary: Answer.OK},
+                    max_faults=2)
+    assert found.violations == []
+
+
+def test_steps_sharing_an_object_share_its_copy_and_the_steps_given_are_not_called() -> None:
+    """Each step was copied on its own: two methods of one object got an object each, and
+    what one kept the other never saw."""
+    from kvfsm.testing.explore import _fresh  # noqa: PLC0415
+
+    class Book:
+        def __init__(self) -> None:
+            self.kept: list[int] = []
+
+        def stamp(self, transfer: Any, primary: Any) -> None:
+            self.kept.append(transfer)
+
+        def verify(self, transfer: Any, primary: Any) -> bool:
+            return transfer in self.kept
+
+    book = Book()
+    copied = _fresh({"stamp": book.stamp, "verify": book.verify})
+    copied["stamp"](1, None)
+    assert copied["verify"](1, None) is True, "one object behind both copies"
+    assert book.kept == [], "the object given is left as it was"

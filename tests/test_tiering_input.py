@@ -326,7 +326,7 @@ def test_bad_input_to_any_manager_call_is_a_tiering_input_error_and_changes_noth
 
 
 @pytest.mark.parametrize("poll_interval", [-0.001, math.nan, "fast", True, None, math.inf,
-                                           1e300, 10**400])
+                                           9.2e9, 1e300, 10**400])
 def test_a_manager_takes_only_a_poll_interval_time_sleep_takes(
     poll_interval: Any, tmp_path: Path
 ) -> None:
@@ -614,3 +614,45 @@ def test_a_timeout_past_any_wait_is_no_bound_and_a_drain_timeout_names_a_busy_ti
     assert manager.drain(timeout=10**400) == []
     assert manager.shutdown(timeout=10**400) == [] and manager.closed
     agent.close()
+
+
+class InterruptedSecondPoll(DictTier):
+    """A user's tier that hands its first result out, then is interrupted in the next poll."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        super().__init__(cache)
+        self.polls = 0
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        self.polls += 1
+        if self.polls == 1:
+            out, self.pending = self.pending[:1], self.pending[1:]
+            return out
+        if self.polls == 2:
+            raise KeyboardInterrupt  # Ctrl-C during the drain's second step
+        return super().get_finished_jobs()
+
+
+@pytest.mark.timeout(30)
+def test_an_interrupted_drain_loses_no_job_it_finalized_and_a_result_twice_is_an_issue() -> None:
+    """The jobs an interrupted drain had finalized in its earlier rounds were lost with its
+    local list; and once a step had finalized a result, that same result handed out again
+    passed without a word."""
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    tier = InterruptedSecondPoll(primary.cache)
+    manager = TieringManager(primary, {"t": tier}, poll_interval=0)
+    a, b = ready(primary, "a", "b")
+    first, second = manager.store([a]) + manager.store([b])
+    with pytest.raises(KeyboardInterrupt):
+        manager.drain()
+    assert manager.has_pending_work()
+    assert sorted(done.job.job_id for done in manager.drain()) == [first, second]
+    (c,) = ready(primary, "c")
+    (third,) = manager.store([c])
+    (result,) = tier.pending
+    assert [done.job.job_id for done in manager.step()] == [third]
+    tier.pending.append(result)  # handed out a second time
+    with pytest.raises(BookkeepingError, match=rf"job {third} from tier 't': result .* is for "
+                                               r"no outstanding job"):
+        manager.step()
+    assert primary.stats()["pinned"] == 0

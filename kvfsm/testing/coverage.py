@@ -110,8 +110,9 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--kvfsm-machine: {error}") from None
     machines = kvfsm_machines() if not named else {}
     for spec, machine in loaded.items():  # (one table a name: two of one name were one)
-        same = [other for other, m in loaded.items() if m.name == machine.name and other != spec]
-        if same and machines.get(machine.name) is not machine:
+        same = [other for other, m in loaded.items()
+                if m.name == machine.name and m is not machine]
+        if same:
             raise pytest.UsageError(f"--kvfsm-machine: {spec} and {same[0]} are two machines "
                                     f"named {machine.name!r}; give each a name of its own")
         machines[machine.name] = machine

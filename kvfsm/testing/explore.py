@@ -176,6 +176,9 @@ class _Job:
     held: bool = False
     #: a step of the machine's own raised or gave a failure answer: the job must fail
     step_failed: bool = False
+    #: the steps of the machine's own made before its outcome was latched (those whose
+    #: give-up, EXHAUSTED, decides it)
+    deciding: set[str] = field(default_factory=set)
     #: submitted before a ``late`` check: past the running bound, NIXL may still run it when
     #: it is given up
     past_bound: bool = False
@@ -405,10 +408,11 @@ def _pass_running_bound(tier: SecondaryTier) -> None:
 def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
             steps: dict[str, StepFunction]) -> dict[str, StepFunction]:
     """Arm the path's faults: NIXL's in the agent, the steps' in the steps, which are
-    returned watched (each call recorded and numbered among the agent's calls), each a fresh
-    copy: what a step keeps (a checksum it recorded) stays on its path, so a path replays
-    as it ran (a step that cannot be copied is shared, as given)."""
-    steps = {name: _fresh(step) for name, step in steps.items()}
+    returned watched (each call recorded and numbered among the agent's calls), a fresh copy
+    of them all: what a step keeps (a checksum it recorded) stays on its path, so a path
+    replays as it ran, and the step objects given are never called themselves (steps that
+    cannot be copied are shared, as given)."""
+    steps = _fresh(steps)
     from kvfsm.diagrams import failure_answers  # noqa: PLC0415 - the drawing's rule
 
     failing = failure_answers(machine)
@@ -438,6 +442,8 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
             agent.calls.append(name)
             counts[name] += 1
             seen = agent.jobs.get(transfer.job_id)
+            if seen is not None and transfer.success is None:
+                seen.deciding.add(name)  # (its give-up then decides the outcome: _final)
             try:
                 if (name, counts[name]) in armed:
                     raise FakeNixlError(Raise().code)
@@ -456,12 +462,13 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
     return {name: watched(name, step) for name, step in steps.items()}
 
 
-def _fresh(step: StepFunction) -> StepFunction:
-    """A copy of ``step`` and what it keeps, or ``step`` itself if it cannot be copied."""
+def _fresh(steps: dict[str, StepFunction]) -> dict[str, StepFunction]:
+    """A copy of the steps and what they keep, made as one (steps sharing an object share its
+    copy), or the steps themselves if they cannot be copied."""
     try:
-        return copy.deepcopy(step)
+        return copy.deepcopy(steps)
     except Exception:  # (a lock, a file it holds open): shared across paths, as given
-        return step
+        return steps
 
 
 def _final(agent: _WatchedAgent, transfer: Any, machine: Declaration[Any, Any]) -> None:
@@ -469,8 +476,8 @@ def _final(agent: _WatchedAgent, transfer: Any, machine: Declaration[Any, Any]) 
     if seen is not None:
         seen.final = transfer.state
         seen.held = transfer.state in machine.final & machine.failure_states
-        if not seen.step_failed and agent.steps:  # a step's tries given up (EXHAUSTED)
-            seen.step_failed = any(event in agent.steps and answer == Answer.EXHAUSTED.name
+        if not seen.step_failed and seen.deciding:  # a deciding step's tries given up
+            seen.step_failed = any(event in seen.deciding and answer == Answer.EXHAUSTED.name
                                    for event, answer, *_ in trace_steps(transfer))
 
 
