@@ -300,19 +300,26 @@ def test_a_best_effort_step_after_the_outcome_is_latched_decides_nothing() -> No
     one lets a leaked cleanup go by), was reported as failing its job."""
     from kvfsm.lifecycle import Answer  # noqa: PLC0415
 
-    notify = TRANSFER_MACHINE.extend(
-        "notify", states=["NOTIFYING"],
-        replace={("XFER_RELEASED", "clean", "cleaned"): {"dest": "NOTIFYING"},
-                 ("XFER_RELEASED", "clean", "leaked"): {"dest": "NOTIFYING"}},
-        answers={"notify": (Answer.OK, Answer.RAISED)},
-        guards={"any_notify": (Answer.OK, Answer.RAISED)},
-        transitions=[{"trigger": "notify", "source": "NOTIFYING", "dest": "CLEANED",
-                      "conditions": "any_notify"},
-                     {"trigger": "cancel", "source": "NOTIFYING", "dest": "NOTIFYING"}],
-        effects={"NOTIFYING": "notify"}, calls={"notify": "send"})
+    notify = _notifying("notify", {"any_notify": (Answer.OK, Answer.RAISED)},
+                        [{"dest": "CLEANED", "conditions": "any_notify"}])
     found = explore(notify, steps={"notify": lambda transfer, primary: Answer.OK},
                     max_faults=1)
     assert found.violations == []
+
+
+def _notifying(name: str, guards: dict[str, Any], moves: list[dict[str, Any]],
+               ) -> Declaration[Any, Any]:
+    """The transfer lifecycle with a notice sent after the cleanup (``notify``, made in
+    NOTIFYING), its answers those its ``guards`` take, each of ``moves`` an edge from it."""
+    answers = tuple(dict.fromkeys(a for accepted in guards.values() for a in accepted))
+    return TRANSFER_MACHINE.extend(
+        name, states=["NOTIFYING"],
+        replace={("XFER_RELEASED", "clean", "cleaned"): {"dest": "NOTIFYING"},
+                 ("XFER_RELEASED", "clean", "leaked"): {"dest": "NOTIFYING"}},
+        answers={"notify": answers}, guards=guards,
+        transitions=[*({"trigger": "notify", "source": "NOTIFYING", **move} for move in moves),
+                     {"trigger": "cancel", "source": "NOTIFYING", "dest": "NOTIFYING"}],
+        effects={"NOTIFYING": "notify"}, calls={"notify": "send"})
 
 
 def test_a_path_replays_as_it_ran_whatever_ran_before_it_with_the_same_steps() -> None:
@@ -335,19 +342,12 @@ def test_a_best_effort_step_given_up_after_the_outcome_is_latched_decides_nothin
     its give-up was taken as failing a job whose outcome was latched long before."""
     from kvfsm.lifecycle import Answer  # noqa: PLC0415
 
-    notify = TRANSFER_MACHINE.extend(
-        "notify_retried", states=["NOTIFYING"],
-        replace={("XFER_RELEASED", "clean", "cleaned"): {"dest": "NOTIFYING"},
-                 ("XFER_RELEASED", "clean", "leaked"): {"dest": "NOTIFYING"}},
-        answers={"notify": (Answer.OK, Answer.RAISED, Answer.EXHAUSTED)},
-        guards={"sent": (Answer.OK,), "raised": (Answer.RAISED,), "spent": (Answer.EXHAUSTED,)},
-        transitions=[
-            {"trigger": "notify", "source": "NOTIFYING", "dest": "CLEANED", "conditions": "sent"},
-            {"trigger": "notify", "source": "NOTIFYING", "dest": "NOTIFYING",
-             "conditions": "raised", "after": "count_retry"},
-            {"trigger": "notify", "source": "NOTIFYING", "dest": "CLEANED", "conditions": "spent"},
-            {"trigger": "cancel", "source": "NOTIFYING", "dest": "NOTIFYING"}],
-        effects={"NOTIFYING": "notify"}, calls={"notify": "send"})
+    notify = _notifying(
+        "notify_retried",
+        {"sent": (Answer.OK,), "raised": (Answer.RAISED,), "spent": (Answer.EXHAUSTED,)},
+        [{"dest": "CLEANED", "conditions": "sent"},
+         {"dest": "NOTIFYING", "conditions": "raised", "after": "count_retry"},
+         {"dest": "CLEANED", "conditions": "spent"}])
     found = explore(notify, steps={"notify": lambda transfer, primary: Answer.OK},
                     max_faults=2)
     assert found.violations == []

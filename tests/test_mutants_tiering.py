@@ -31,7 +31,7 @@ from kvfsm.tiering import (
 )
 from kvfsm.tiers import Lookup, ObjectStoreTier
 
-from .test_tiering import BLOCK_BYTES, DictTier, build, write
+from .test_tiering import BLOCK_BYTES, DictTier, ScriptedPolls, build, write
 
 
 class Holding(DictTier):
@@ -228,18 +228,13 @@ def test_finishing_a_read_of_a_free_block_is_refused() -> None:
         primary.complete_read([block])
 
 
-class Late(DictTier):
+class Late(ScriptedPolls):
     """A tier that hands out its results on the first poll and a stray one on the second."""
 
-    def __init__(self, cache: torch.Tensor) -> None:
-        super().__init__(cache)
-        self.polls = 0
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        self.polls += 1
-        if self.polls == 1:
-            return super().get_finished_jobs()
-        return [JobResult(999, True)] if self.polls == 2 else []
+    def poll(self, number: int) -> list[JobResult]:
+        if number == 1:
+            return super().poll(number)
+        return [JobResult(999, True)] if number == 2 else []
 
     def has_pending_work(self) -> bool:
         return self.polls < 2

@@ -171,6 +171,21 @@ class DictTier:
         self.shut_down = True
 
 
+class ScriptedPolls(DictTier):
+    """A user's tier whose n-th poll answers ``poll(n)`` (numbered from 1)."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        super().__init__(cache)
+        self.polls = 0
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        self.polls += 1
+        return self.poll(self.polls)
+
+    def poll(self, number: int) -> list[JobResult]:
+        return super().get_finished_jobs()
+
+
 # -- the primary tier ----------------------------------------------------------------------------
 
 def test_a_block_is_written_then_ready_then_read_by_each_pin() -> None:

@@ -35,7 +35,7 @@ from kvfsm.tiering import (
 )
 from kvfsm.tiers import FileTier, InvalidJobError, Lookup, ObjectStoreTier
 
-from .test_tiering import DictTier  # a user's own tier, with no remote_name
+from .test_tiering import DictTier, ScriptedPolls  # a user's own tiers, no remote_name
 
 BLOCK_BYTES = 256
 #: a key and a bytes key with the same text: two keys to the primary, one block to a tier
@@ -616,21 +616,16 @@ def test_a_timeout_past_any_wait_is_no_bound_and_a_drain_timeout_names_a_busy_ti
     agent.close()
 
 
-class InterruptedSecondPoll(DictTier):
+class InterruptedSecondPoll(ScriptedPolls):
     """A user's tier that hands its first result out, then is interrupted in the next poll."""
 
-    def __init__(self, cache: torch.Tensor) -> None:
-        super().__init__(cache)
-        self.polls = 0
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        self.polls += 1
-        if self.polls == 1:
+    def poll(self, number: int) -> list[JobResult]:
+        if number == 1:
             out, self.pending = self.pending[:1], self.pending[1:]
             return out
-        if self.polls == 2:
+        if number == 2:
             raise KeyboardInterrupt  # Ctrl-C during the drain's second step
-        return super().get_finished_jobs()
+        return super().poll(number)
 
 
 @pytest.mark.timeout(30)
