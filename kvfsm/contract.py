@@ -45,6 +45,10 @@ def seconds_left(deadline: float) -> float:
     return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
 
 
+#: the longest sleep between polls taken: a billion seconds (some 31 years)
+MAX_INTERVAL = 1e9
+
+
 def check_interval(name: str, value: object) -> float:
     """A number of seconds to sleep between polls: finite and >= 0, at most
     :data:`MAX_INTERVAL` (``time.sleep`` fails once the clock plus the wait passes what it
@@ -58,10 +62,6 @@ def check_interval(name: str, value: object) -> float:
         raise ValueError(f"{name} must be a finite number of seconds >= 0 (at most "
                          f"{MAX_INTERVAL:.0e}), got {value!r}")
     return float(value)
-
-
-#: the longest sleep between polls taken: a billion seconds (some 31 years)
-MAX_INTERVAL = 1e9
 
 __all__ = ["Books", "DrainTimeout", "JobSide"]
 

@@ -567,8 +567,7 @@ class PeerReceiver(JobSide):
             ValueError: ``timeout`` is not None nor a number of seconds.
         """
         timeout = check_timeout(timeout)
-        if not self._lock.acquire(timeout=-1 if timeout is None
-                                  else min(timeout, threading.TIMEOUT_MAX)):
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
             raise DrainTimeout("shutdown (another thread held the receiver past the deadline; "
                                "call shutdown again)", [], self._noun)
         try:

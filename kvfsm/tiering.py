@@ -42,10 +42,8 @@ import heapq
 import inspect
 import itertools
 import logging
-import math
 import operator
 import re
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -54,7 +52,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
-from kvfsm.contract import JobSide, check_interval
+from kvfsm.contract import JobSide, check_interval, check_timeout
 from kvfsm.machines.transfer import FailureReason
 from kvfsm.tiers.base import Lookup, TierBusyError
 from kvfsm.transfer import JobResult, TransferJob
@@ -931,14 +929,18 @@ class TieringManager:
         for name, tier in self._tiers.items():
             if not tier.has_pending_work():
                 continue
-            records = tier.unpublished() if isinstance(tier, JobSide) else []
+            busy = f"tier {name!r} has work in flight"
+            if not isinstance(tier, JobSide):  # (a user's tier says no more)
+                lines.append(busy)
+                continue
+            records = tier.unpublished()
+            if not records:
+                lines.append(f"{busy} (results not yet handed out)")
+                continue
             said = "; ".join(f"job {r.job_id}: {r.state.name}, last error: {r.error}"
                              for r in records[:8])
             more = f" and {len(records) - 8} more" if len(records) > 8 else ""
-            lines.append(f"tier {name!r} has work in flight"
-                         + (f": {said}{more}" if said
-                            else " (results not yet handed out)" if records == [] and
-                            isinstance(tier, JobSide) else ""))
+            lines.append(f"{busy}: {said}{more}")
         return lines
 
     def outstanding(self) -> list[Submitted]:
@@ -1182,12 +1184,13 @@ def _timeout(value: object) -> float | None:
     Raises:
         TieringInputError: not None nor a number >= 0 (a bool, a str, NaN, -1), naming it.
     """
-    if value is None:
-        return None
-    if (isinstance(value, bool) or not isinstance(value, int | float)
-            or (isinstance(value, float) and math.isnan(value)) or value < 0):
-        raise TieringInputError(f"timeout must be a number of seconds >= 0, got {value!r}")
-    return None if value >= threading.TIMEOUT_MAX else float(value)
+    try:
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise ValueError  # (the tiers take it as "at once": the manager refuses it)
+        return check_timeout(value)
+    except ValueError:
+        raise TieringInputError(f"timeout must be a number of seconds >= 0, got {value!r}") \
+            from None
 
 
 def _refused(refusals: Sequence[tuple[str, int, BaseException]],

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from kvfsm.engine import Chain, Declaration, InvalidTransition
 from kvfsm.machines.transfer import FailureReason
-from kvfsm.transfer import Transfer
+from kvfsm.transfer import Transfer, TransferJob
 
 #: kvfsm's machines by their state enums, once a recorder needs them
 _KVFSM_STATES: dict[type, str] = {}
@@ -47,6 +47,25 @@ def trace_steps(transfer: Transfer) -> list[list[Any]]:
              round(moment - start, 6)]
             for entry, moment in zip(trace[::2], trace[1::2], strict=True)
             for step in (entry.traced if isinstance(entry, Chain) else (entry,))]
+
+
+class BareRecord:
+    """A bare record a declaration's table runs on (the table explorer, :func:`replay`): a
+    state, a latched outcome, and the fields the shipped actions write."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.success: bool | None = None
+        self.error: str | None = None
+        self.reason: Any = None
+        self.retries = 0
+        self.leaks: tuple[Any, ...] = ()
+        self.finished_at = 0.0
+        self.job = TransferJob(0, (), ())
+        self.trace: list[Any] = []
+
+    def key(self) -> tuple[Any, bool | None]:
+        return self.state, self.success
 
 
 def _kvfsm_states() -> dict[type, str]:
@@ -89,18 +108,20 @@ class TraceRecorder:
                      "steps": trace_steps(transfer)})
         try:
             self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
-        except OSError as error:  # (a full disk: say which file)
-            raise OSError(error.errno, f"{error.strerror}: writing traces to {self.path}") \
-                from error
+        except OSError as error:
+            raise self._named(error) from error
         self.count += 1
 
     def close(self) -> None:
         """Flush and close the file."""
         try:
             self._file.close()
-        except OSError as error:  # (a full disk: say which file)
-            raise OSError(error.errno, f"{error.strerror}: writing traces to {self.path}") \
-                from error
+        except OSError as error:
+            raise self._named(error) from error
+
+    def _named(self, error: OSError) -> OSError:
+        """``error`` saying which file it is about (a full disk says only that it is full)."""
+        return OSError(error.errno, f"{error.strerror}: writing traces to {self.path}")
 
     def __enter__(self) -> TraceRecorder:
         return self
@@ -175,9 +196,7 @@ def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Diverge
             named.setdefault(answer.name, []).append(answer)
     state = declaration.initial
     failed = False
-    from kvfsm.testing.explore import _Record  # noqa: PLC0415 - (it imports this module)
-
-    record: Any = _Record(state)  # what the declared actions latch, step by step
+    record: BareRecord | None = BareRecord(state)  # what the declared actions latch
 
     def diverged(index: int, recorded: str, declared: str) -> Divergence:
         return Divergence(trace.get("job_id"), trace.get("line", 0), index, recorded, declared)

@@ -63,7 +63,7 @@ from kvfsm.testing.faults import (
 )
 from kvfsm.tiers.base import SecondaryTier
 from kvfsm.tiers.object_store import ObjectStoreTier
-from kvfsm.trace import trace_steps
+from kvfsm.trace import BareRecord, trace_steps
 from kvfsm.transfer import NO_REASON, FailureKind, JobResult, TransferJob
 
 __all__ = [
@@ -212,8 +212,6 @@ class _WatchedAgent(FakeNixlAgent):
         #: the state checks (by number) after which the clock passes the running bound
         self.late: set[int] = set()
         self.tier: SecondaryTier | None = None
-        #: the events of the machine's own steps
-        self.steps: frozenset[str] = frozenset()
         self._checks = 0
 
     def job_of(self, handle: Any) -> _Job | None:
@@ -425,7 +423,6 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
         elif choice.call not in steps:
             agent.inject(choice.call, choice.fault, at=choice.occurrence)
     counts = dict.fromkeys(steps, 0)
-    agent.steps = frozenset(steps)
 
     def decides(transfer: Any, name: str, answer: Any) -> bool:
         """Whether this answer of step ``name`` decides the job's outcome as a failure: the
@@ -841,25 +838,6 @@ def replay(path: Path, machine: Declaration[Any, Any] = TRANSFER_MACHINE,
 
 
 
-class _Record:
-    """A bare record for exploring any machine's table: state, latched outcome, and the
-    fields the shipped actions write."""
-
-    def __init__(self, state: Any) -> None:
-        self.state = state
-        self.success: bool | None = None
-        self.error: str | None = None
-        self.reason: Any = None
-        self.retries = 0
-        self.leaks: tuple[Any, ...] = ()
-        self.finished_at = 0.0
-        self.job = TransferJob(0, (), ())
-        self.trace: list[Any] = []
-
-    def key(self) -> tuple[Any, bool | None]:
-        return self.state, self.success
-
-
 def explore_table(machine: Declaration[Any, Any]) -> Exploration:
     """Explore any declared machine at the level of its table: every (event, answer) from
     every reachable (state, latched outcome), running the declared actions.
@@ -876,7 +854,7 @@ def explore_table(machine: Declaration[Any, Any]) -> Exploration:
     compiled = machine.compile(listen=False)
     events = [(event, answer) for event, answers in machine.answers.items()
               for answer in sorted(answers, key=lambda a: a.name)]
-    start = _Record(machine.initial)
+    start = BareRecord(machine.initial)
     seen = {start.key()}
     frontier = [start]
     edges: set[tuple[Any, Any]] = set()

@@ -225,15 +225,14 @@ class _Prober:
         """What a query answered for ``names`` (None: it failed), as the lookups' verdicts."""
         with self._lock:
             unanswered = self._unanswered
-            for name in names:
+            for index, name in enumerate(names):
+                self._wanted.pop(name, None)
                 if answers is None:
                     unanswered[name] = None
                     if len(unanswered) > MAX_WANTED:
                         del unanswered[next(iter(unanswered))]
                 else:
                     unanswered.pop(name, None)
-            for index, name in enumerate(names):
-                self._wanted.pop(name, None)
                 # a result the tier recorded meanwhile is newer than this probe; a query that
                 # failed (a dead or frozen store) answers MISS until it is asked again, where
                 # RETRY for ever would hold the engine's request back for ever
