@@ -41,7 +41,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import run_in_tree, worktrees
+from common import add_commits, run_in_tree, worktrees
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -202,7 +202,7 @@ HAND = "(b) hand-written"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("commits", nargs="+", help="commits, oldest first")
+    add_commits(parser)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions a transfer with callgrind (one round: "

@@ -154,12 +154,31 @@ def median_of(runs: Sequence[dict[str, float]], key: str) -> float:
     return statistics.median(run[key] for run in runs)
 
 
+class _Commits(argparse.Action):
+    """The commits to compare, oldest first: each named once (a worktree each, named after
+    it)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        seen: set[str] = set()
+        for commit in values:
+            if commit.replace("/", "-") in seen:
+                parser.error(f"commit {commit!r} is named twice: name each commit once")
+            seen.add(commit.replace("/", "-"))
+        setattr(namespace, self.dest, values)
+
+
+def add_commits(parser: argparse.ArgumentParser) -> None:
+    """The positional commits of a benchmark comparing commits, oldest first, each once."""
+    parser.add_argument("commits", nargs="+", action=_Commits, help="commits, oldest first")
+
+
 def commits_parser(doc: str, stores: Sequence[int], stores_help: str,
                    quick_help: str) -> argparse.ArgumentParser:
     """The arguments of a benchmark comparing commits: the commits, oldest first, the sizes
     (``--stores``), ``--rounds`` and ``--quick``."""
     parser = argparse.ArgumentParser(description=doc.split("\n", maxsplit=1)[0])
-    parser.add_argument("commits", nargs="+", help="commits, oldest first")
+    add_commits(parser)
     parser.add_argument("--stores", type=int, nargs="+", default=list(stores), help=stores_help)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help=quick_help)
