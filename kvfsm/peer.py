@@ -50,8 +50,12 @@ with the agent metadata, and every notification the sender writes carries it
   (same nonce, same sender name, same job id and blocks) completes it; one that came first is
   kept for that link until an :meth:`~PeerReceiver.expect` of its job claims it, or the link
   closes. Each counts once: on one link the n-th expect of a job id is completed by the n-th
-  notification of it. (A sender writing notifications no expect ever claims grows this store;
-  ``stats()["early"]`` shows it, and forgetting the sender frees it.)
+  notification of it. One that came first counts only while its blocks stayed the job's: once
+  a job covering one of them was published (its blocks handed back to the engine, which may
+  write them), a copy kept from before no longer says what they hold, and is discarded when an
+  expect would take it (:meth:`PeerReceiver._fresh`). (A sender writing notifications no
+  expect ever claims grows this store; ``stats()["early"]`` shows it, and forgetting the
+  sender frees it.)
 * **A closed link's nonce is spent.** When a link closes (``forget_peer``, a lost sender,
   ``shutdown``) what it kept is discarded, its jobs still expected fail, and its notifications,
   arriving then or later, never count; ``connect`` refuses metadata that carries a spent nonce,
@@ -206,8 +210,9 @@ class _Inbox:
         self.link = link
         #: notification -> the expected job it completes
         self.waiting: dict[bytes, int] = {}
-        #: notifications that came before their expect(), each with how many came
-        self.early: dict[bytes, int] = {}
+        #: notifications that came before their expect(): for each, when each copy of it came
+        #: (the receiver's hand-back count then, :meth:`PeerReceiver._fresh`), oldest first
+        self.early: dict[bytes, list[int]] = {}
 
 
 class _Expected:
@@ -276,9 +281,17 @@ class PeerReceiver(JobSide):
         self._inboxes: dict[str, _Inbox] = {}
         #: nonces of links that closed, with their sender: their notifications never count
         self._spent: dict[str, str] = {}
-        #: (sender, nonce, notification) with a nonce no link has yet, oldest first
-        self._unknown: collections.deque[tuple[str, str, bytes]] = collections.deque(
+        #: (sender, nonce, notification, when it came) with a nonce no link has yet, oldest
+        #: first
+        self._unknown: collections.deque[tuple[str, str, bytes, int]] = collections.deque(
             maxlen=MAX_UNKNOWN_NOTIFICATIONS)
+        #: how many times blocks were handed back to the engine (a job published, whatever its
+        #: outcome), and the count each block was last handed back at: a notification kept
+        #: from before its blocks were handed back no longer says what they hold
+        self._handbacks = 0
+        self._handed_back: dict[int, int] = {}
+        #: links whose sender's notifications came with another nonce (warned once each)
+        self._relinked: set[PeerLink] = set()
         #: notifications pushed out of the unknown store; notifications that could never count
         self._dropped = 0
         self._discarded = 0
@@ -372,13 +385,36 @@ class PeerReceiver(JobSide):
             self._owed[link] = self._owed.get(link, 0) + 1
             inbox = self._inboxes[link.nonce]
             message = notification_for(link.nonce, job.job_id, job.block_ids)
-            came = inbox.early.pop(message, 0)
-            if came:  # it came first: it counts (once), published at the next poll
-                if came > 1:
-                    inbox.early[message] = came - 1
+            if message in inbox.early and self._fresh(inbox, message, job):
+                # it came first, and its blocks were not handed back since: it counts (once),
+                # published at the next poll
                 self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
             else:
                 inbox.waiting[message] = job.job_id
+
+    def _fresh(self, inbox: _Inbox, message: bytes, job: TransferJob) -> bool:
+        """Take the oldest copy of ``message`` kept in ``inbox`` that came after the job's
+        blocks were last handed back to the engine; True if there was one. Older copies are
+        discarded: the write they report landed before the engine got those blocks back (a
+        job covering them was published since), and the engine may have written the blocks
+        since, so they no longer hold what was written (a job failed, say, and expected again
+        with the same id and blocks once its sender linked again)."""
+        came = inbox.early[message]
+        handed_back = max(self._handed_back.get(block, 0) for block in job.block_ids)
+        stale = 0
+        while stale < len(came) and came[stale] < handed_back:
+            stale += 1
+        if stale:
+            self._discarded += stale
+            logger.warning("job %d: %d notification(s) of it kept from before its blocks %s "
+                           "were handed back (a job covering them was published since) were "
+                           "discarded: the blocks may hold something else now; the job waits "
+                           "for a new write", job.job_id, stale, list(job.block_ids))
+        fresh = len(came) > stale
+        del came[:stale + fresh]
+        if not came:
+            del inbox.early[message]
+        return fresh
 
     def _check_expected(self, job: Any) -> None:
         """Raise InvalidJobError naming what is wrong with an expected ``job``."""
@@ -439,7 +475,7 @@ class PeerReceiver(JobSide):
             if link is not None and _says_link_is_there(link, messages):
                 link.quiet_since = now  # heard from: it is there
             for message in messages:
-                self._take(name, bytes(message))
+                self._take(name, bytes(message), link)
         if self._dropped > dropped:
             logger.warning("dropped the %d oldest notification(s) carrying a nonce no link "
                            "has: the store of %d was full (%d dropped in all)",
@@ -473,15 +509,17 @@ class PeerReceiver(JobSide):
         """
         with self._lock:
             return {"expected": len(self._expected),
-                    "early": sum(sum(inbox.early.values()) for inbox in self._inboxes.values()),
+                    "early": sum(len(came) for inbox in self._inboxes.values()
+                                 for came in inbox.early.values()),
                     "unknown": len(self._unknown),
                     "dropped": self._dropped,
                     "discarded": self._discarded,
                     "notify_errors": self._notif_errors,
                     "leaks": len(self._leaks) + len(self.links.leaks())}
 
-    def _take(self, sender: str, message: bytes) -> None:
-        """One notification from NIXL: it completes a job, or is kept, dropped or discarded."""
+    def _take(self, sender: str, message: bytes, link: PeerLink | None = None) -> None:
+        """One notification from NIXL (under the name of ``link``'s sender, when a link has
+        that name): it completes a job, or is kept, dropped or discarded."""
         found = _JOB_NOTIFICATION.match(message)
         if found is None:
             if message != PROBE_MESSAGE:
@@ -491,7 +529,7 @@ class PeerReceiver(JobSide):
         inbox = self._inboxes.get(nonce)
         if inbox is not None:
             if inbox.link.name == sender:
-                self._arrived(inbox, message)
+                self._arrived(inbox, message, self._handbacks)
             else:
                 self._discard(sender, message, f"its nonce is {inbox.link.name!r}'s link's")
         elif nonce in self._spent:
@@ -499,13 +537,23 @@ class PeerReceiver(JobSide):
         else:  # a sender not connected yet, maybe: kept while there is room
             if len(self._unknown) == self._unknown.maxlen:
                 self._dropped += 1
-            self._unknown.append((sender, nonce, message))
+            self._unknown.append((sender, nonce, message, self._handbacks))
+            if (link is not None and link.state not in PEER_LINK.final
+                    and link not in self._relinked):
+                self._relinked.add(link)
+                logger.warning(
+                    "sender %s: its notifications carry a nonce its link does not: it linked "
+                    "again, or a new process of its name writes. The %d job(s) owed over the "
+                    "old link wait until it is found gone; if the sender is gone, "
+                    "forget_peer(%r), then connect its new metadata", sender,
+                    self._owed.get(link, 0), sender)
 
-    def _arrived(self, inbox: _Inbox, message: bytes) -> None:
-        """A notification of an open link: it completes the job waiting for it, or waits."""
+    def _arrived(self, inbox: _Inbox, message: bytes, came: int) -> None:
+        """A notification of an open link, that came when ``came`` hand-backs were made: it
+        completes the job waiting for it, or waits."""
         job_id = inbox.waiting.pop(message, None)
         if job_id is None:
-            inbox.early[message] = inbox.early.get(message, 0) + 1
+            inbox.early.setdefault(message, []).append(came)
         else:
             self.machine.fire(self._expected[job_id], ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
 
@@ -516,11 +564,11 @@ class PeerReceiver(JobSide):
             return
         unknown = list(self._unknown)
         self._unknown.clear()
-        for sender, entry_nonce, message in unknown:
+        for sender, entry_nonce, message, came in unknown:
             if entry_nonce != nonce:
-                self._unknown.append((sender, entry_nonce, message))
+                self._unknown.append((sender, entry_nonce, message, came))
             elif sender == inbox.link.name:
-                self._arrived(inbox, message)
+                self._arrived(inbox, message, came)
             else:
                 self._discard(sender, message, f"its nonce is {inbox.link.name!r}'s link's")
 
@@ -531,10 +579,11 @@ class PeerReceiver(JobSide):
     def _close(self, link: PeerLink) -> None:
         """Close a link: remove its metadata, discard what it kept, spend its nonce."""
         self.links.close(link)
+        self._relinked.discard(link)
         inbox = self._inboxes.pop(link.nonce, None)
         self._spent[link.nonce] = str(link.name)
         if inbox is not None and inbox.early:
-            count = sum(inbox.early.values())
+            count = sum(map(len, inbox.early.values()))
             self._discarded += count
             logger.info("sender %s: %d notification(s) no job claimed were discarded with its "
                         "link", link.name, count)
@@ -594,8 +643,11 @@ class PeerReceiver(JobSide):
     def _publish(self, expected: _Expected) -> None:
         self.machine.fire(expected, ReceiveEvent.PUBLISH, PeerAnswer.OK)
         del self._expected[expected.job.job_id]
+        self._handbacks += 1  # its blocks go back to the engine, whatever the outcome
+        handbacks, handed_back = self._handbacks, self._handed_back
         for block in expected.job.block_ids:
             del self._writing[block]
+            handed_back[block] = handbacks
         owed = self._owed[expected.link] - 1
         if owed:
             self._owed[expected.link] = owed

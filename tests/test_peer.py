@@ -403,7 +403,13 @@ def test_a_new_link_of_a_sender_that_restarts_its_job_ids_never_shares_a_notific
     assert second != first
     agent.inbox = {"engine-a": [notification_for(second, 1, [0])]}
     assert outcomes(receiver) == [(1, False)], "the old link's job fails"
+    # its failure handed block 0 back to the engine, after the new write landed there: the
+    # engine may have written the block since, so that notification no longer says what the
+    # block holds, and the new link's job 1 waits for a write made after it was expected
     receiver.expect(promotion(1, 0), "engine-a")
+    assert receiver.get_finished_jobs() == []
+    assert receiver.state_of(1) is ReceiveState.EXPECTING
+    agent.inbox = {"engine-a": [notification_for(second, 1, [0])]}
     assert outcomes(receiver) == [(1, True)], "the new link's job 1 has its notification"
 
     # a notification counts once: the same job id expected again waits for a new write...
@@ -414,7 +420,7 @@ def test_a_new_link_of_a_sender_that_restarts_its_job_ids_never_shares_a_notific
     agent.inbox = {"engine-a": [notification_for(second, 1, [0])]}
     assert outcomes(receiver) == [(1, True)]
     assert receiver.stats() == {"expected": 0, "early": 0, "unknown": 0, "dropped": 0,
-                                "discarded": 1, "notify_errors": 0, "leaks": 0}
+                                "discarded": 2, "notify_errors": 0, "leaks": 0}
 
     with pytest.raises(PeerLinkError, match=f"sender 'engine-a': this metadata is that of a link "
                                             f"that closed \\(nonce {first} is spent\\)"):
@@ -422,6 +428,70 @@ def test_a_new_link_of_a_sender_that_restarts_its_job_ids_never_shares_a_notific
     with pytest.raises(PeerLinkError, match="'engine-a' is already linked \\(CONNECTED\\) with "
                                             "this metadata"):
         receiver.connect(sender_metadata()[:13] + second.encode() + b":engine-a")
+
+
+def test_a_write_that_landed_before_its_blocks_were_handed_back_never_completes_a_later_job(
+    pair: Pair, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Job 7 is expected into block 3 over the first link; the sender links again (a new
+    nonce) and writes job 7 there, which the receiver cannot count yet. The receiver forgets
+    the old link: job 7 fails, block 3 goes back to the engine, which writes it. Job 7 is then
+    expected again over the sender's new link: the kept notification reports a write that
+    landed before the engine got block 3 back, so it no longer says what block 3 holds. It
+    completed the job at once, a success over the engine's bytes."""
+    pair.receiver.expect(TransferJob(7, ["3"], [3], is_promotion=True), pair.sender_name)
+    pair.sender.forget_peer()  # the sender links again: its writes carry a new nonce
+    pair.sender.connect(pair.receiver.metadata(), pair.receiver.block_descs())
+    pair.sender.submit_store(TransferJob(7, ["3"], [0]))
+    sent, _ = pair.step_until(1, 0)
+    assert [(r.job_id, r.success) for r in sent] == [(7, True)]
+    step_receiver_until(pair.receiver, early=1)
+    assert "its notifications carry a nonce its link does not" in caplog.text, "said why"
+    assert pair.receiver.state_of(7) is ReceiveState.EXPECTING
+
+    pair.receiver.forget_peer(pair.sender_name)
+    _, received = pair.step_until(0, 1)
+    assert [(r.job_id, r.success) for r in received] == [(7, False)]
+    pair.target[3].fill_(0x55)  # the engine has block 3 back, and uses it
+    pair.receiver.connect(pair.sender.metadata())
+    pair.receiver.expect(TransferJob(7, ["3"], [3], is_promotion=True), pair.sender_name)
+    for _ in range(200):
+        assert pair.receiver.get_finished_jobs() == [], "no success over the engine's bytes"
+    assert pair.receiver.state_of(7) is ReceiveState.EXPECTING
+    assert "were handed back (a job covering them was published since) were discarded" in (
+        caplog.text)
+    assert pair.receiver.stats()["discarded"] == 1
+
+    # a write made after it was expected again completes it, with the sender's bytes
+    pair.sender.submit_store(TransferJob(7, ["3"], [0]))
+    sent, received = pair.step_until(1, 1)
+    assert [(r.job_id, r.success) for r in sent + received] == [(7, True), (7, True)]
+    assert torch.equal(pair.target[3], pair.source[0])
+
+
+def test_a_second_early_copy_of_a_notification_counts_only_until_its_blocks_go_back() -> None:
+    """A sender writes job 5 into block 2 twice before the receiver expects it. The first
+    expect takes one copy; once that job is published, block 2 is the engine's again, so the
+    other copy (a write that landed before) no longer says what it holds: a later expect of
+    job 5 waits for a new write. Another block's copy is not affected."""
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    receiver.connect(sender_metadata())
+    nonce = nonce_of(receiver)
+    agent.inbox = {"engine-a": [notification_for(nonce, 5, [2])] * 2
+                   + [notification_for(nonce, 6, [3])]}
+    assert outcomes(receiver) == []
+    assert receiver.stats()["early"] == 3
+    receiver.expect(promotion(5, 2), "engine-a")
+    assert outcomes(receiver) == [(5, True)]
+
+    receiver.expect(promotion(5, 2), "engine-a")
+    assert outcomes(receiver) == [], "the copy from before block 2 went back is discarded"
+    assert (receiver.stats()["early"], receiver.stats()["discarded"]) == (1, 1)
+    receiver.expect(promotion(6, 3), "engine-a")
+    agent.inbox = {"engine-a": [notification_for(nonce, 5, [2])]}
+    assert sorted(outcomes(receiver)) == [(5, True), (6, True)]
+    assert receiver.stats()["early"] == 0
 
 
 def test_a_flood_of_unknown_notifications_stays_bounded_and_never_drops_an_open_links_own(

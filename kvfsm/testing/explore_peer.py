@@ -59,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -946,33 +947,34 @@ def _receive_variant(name: str, replace: dict[tuple[ReceiveState, str, str], dic
 
 
 class _KeepsUsedNotification(PeerReceiver):
-    """Keeps a notification it already used to complete a job, as if it had come first."""
+    """Keeps a notification it already used to complete a job, as if it had come first (and
+    after any hand-back of its blocks)."""
 
-    def _arrived(self, inbox: Any, message: bytes) -> None:
+    def _arrived(self, inbox: Any, message: bytes, came: int) -> None:
         used = message in inbox.waiting
-        super()._arrived(inbox, message)
+        super()._arrived(inbox, message, came)
         if used:
-            inbox.early[message] = inbox.early.get(message, 0) + 1
+            inbox.early.setdefault(message, []).append(sys.maxsize)
 
 
 class _DropsEarlyNotification(PeerReceiver):
     """Throws away a notification that comes before its expect."""
 
-    def _arrived(self, inbox: Any, message: bytes) -> None:
+    def _arrived(self, inbox: Any, message: bytes, came: int) -> None:
         if message in inbox.waiting:
-            super()._arrived(inbox, message)
+            super()._arrived(inbox, message, came)
 
 
 class _CompletesOnOtherLink(PeerReceiver):
     """Matches a notification by its sender's name, not its link: an old link's counts for
     the sender's open link."""
 
-    def _take(self, sender: str, message: bytes) -> None:
+    def _take(self, sender: str, message: bytes, link: Any = None) -> None:
         link = self.links.get(sender)
         found = _JOB_NOTIFICATION.match(message)
         if found is not None and link is not None and link.state is LinkState.CONNECTED:
             message = message.replace(found.group(1), link.nonce.encode(), 1)
-        super()._take(sender, message)
+        super()._take(sender, message, link)
 
 
 class _CompletesTwice(PeerReceiver):
