@@ -507,7 +507,10 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     ``max_running_seconds`` bound have a give-up (EXHAUSTED) edge; a state whose effect may
     leave the transfer where it is (a retry) has a give-up edge out of it too, as the retry
     bound and the shutdown deadline need one (``post`` is made once, at submit: nothing retries
-    it). A step's event carries RAISED, which a step that raises answers.
+    it). A step's event carries RAISED, which a step that raises answers, and no step takes the
+    name of a call the tier makes itself; only the initial state waits on ``post``; each state
+    on a circle of waits has a give-up edge; and every way into a final state that is no
+    failure state passes a ``release`` (F2).
 
     Raises:
         MachineRefused: one line naming the machine, the state and what is missing.
@@ -533,14 +536,17 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
         raise MachineRefused(f"machine {name!r}: the initial state {initial.name} waits on "
                              f"{effects.get(initial)!r}; a tier posts a transfer from its initial "
                              "state, which waits on 'post'")
-    for step in steps:
-        if step not in effects.values():
-            raise MachineRefused(f"machine {name!r}: a step {step!r} was given, but no state "
-                                 "waits on it")
+    _check_step_names(name, steps, effects)
     table = declaration.compile(listen=False).table
     for state, effect in effects.items():
+        if effect == TransferEvent.POST and state is not initial:
+            raise MachineRefused(f"machine {name!r}: state {state.name} waits on 'post', but a "
+                                 f"tier posts a transfer once, from the initial state "
+                                 f"{initial.name}: a transfer waiting there would never move")
         _check_state(declaration, table.get(state, {}), state, effect, steps, policy)
     _check_give_ups_end(declaration, table)
+    _check_circles(declaration, table)
+    _check_released_before_final(declaration, table)
     posted = table[initial][TransferEvent.POST][Answer.PROC].dest
     if posted not in declaration.running:
         raise MachineRefused(f"machine {name!r}: 'post' answering PROC leads {initial.name} to "
@@ -549,6 +555,19 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
         if not callable(function):
             raise ValueError(f"steps[{step!r}] must be a function (step(transfer, primary) -> "
                              f"its answer), got {type(function).__name__} {function!r}")
+
+
+def _check_step_names(name: str, steps: Mapping[str, Any], effects: Mapping[Any, str]) -> None:
+    """Each step given is one a state waits on, and none takes the name of a call the tier
+    makes itself (it would take that call's place on some paths and not on others)."""
+    for step in steps:
+        if step in _EFFECTS or step == END:
+            raise MachineRefused(f"machine {name!r}: a step {step!r} was given, but {step!r} "
+                                 "is a call the tier makes itself (" + ", ".join(_EFFECTS)
+                                 + "); a step of your own needs a name of its own")
+        if step not in effects.values():
+            raise MachineRefused(f"machine {name!r}: a step {step!r} was given, but no state "
+                                 "waits on it")
 
 
 def _check_state(declaration: Declaration[Any, Any], moves: Mapping[str, Any], state: Any,
@@ -613,6 +632,91 @@ def _check_give_ups_end(declaration: Declaration[Any, Any], table: Mapping[Any, 
                     "spent would never end; a give-up edge must lead, in the end, to a state "
                     "that does not give up (a final one, such as QUARANTINED)")
             path.append(following)
+
+
+def _check_circles(declaration: Declaration[Any, Any], table: Mapping[Any, Any]) -> None:
+    """Each state on a circle of waits (states waiting on calls or steps, not running ones,
+    whose effects' answers lead round back to it) has a give-up edge: the retry bound counts
+    the tries a state's effect makes in place, so a circle goes on round after round (a round
+    making a bounded number of calls) until its steps stop it or shutdown's deadline gives the
+    transfer up, which is its effect answering EXHAUSTED."""
+    effects, running = declaration.effects, declaration.running
+    waits = {state: {step.dest for answer, step in table.get(state, {}).get(effect, {}).items()
+                     if answer is not Answer.EXHAUSTED and step.dest is not state}
+             for state, effect in effects.items()
+             if state not in running and effect != TransferEvent.POST
+             and state not in declaration.unreachable}
+    for start, following_start in waits.items():
+        path = _way_back(start, following_start, waits)
+        if path is None:
+            continue
+        effect = effects[start]
+        give_up = table.get(start, {}).get(effect, {}).get(Answer.EXHAUSTED)
+        if give_up is None or give_up.dest is start:
+            circle = " -> ".join(s.name for s in [*path, start])
+            raise MachineRefused(
+                f"machine {declaration.name!r}: state {start.name} is on a circle of waits, "
+                f"{circle}, and has no give-up edge ({effect!r} answering EXHAUSTED to another "
+                "state): the retry bound counts tries in place and does not span a circle, so "
+                "only shutdown's deadline ends a job going round it, by giving it up there")
+
+
+def _way_back(start: Any, following_start: set[Any], waits: Mapping[Any, set[Any]],
+              ) -> list[Any] | None:
+    """A way from ``start`` through waiting states back to it, or None (a depth-first walk)."""
+    path, seen = [start], {start}
+    stack = [iter(sorted(following_start, key=_by_name))]
+    while stack:
+        following = next(stack[-1], None)
+        if following is None:
+            stack.pop()
+            path.pop()
+            continue
+        if following is start:
+            return path
+        if following in waits and following not in seen:
+            seen.add(following)
+            path.append(following)
+            stack.append(iter(sorted(waits[following], key=_by_name)))
+    return None
+
+
+def _by_name(state: Any) -> str:
+    return str(state.name)
+
+
+def _check_released_before_final(declaration: Declaration[Any, Any],
+                                 table: Mapping[Any, Any]) -> None:
+    """Every way from the initial state into a final state that is no failure state passes a
+    ``release`` (a result published before its transfer handle is released lets the engine
+    reuse memory NIXL may still use, F2); a final failure state may be entered before (a
+    quarantine, the handle held for good)."""
+    held_ok = declaration.final & declaration.failure_states
+    before = {declaration.initial: None}  # state -> the state it was reached from
+    queue = [declaration.initial]
+    while queue:
+        state = queue.pop(0)
+        for event, row in sorted(table.get(state, {}).items()):
+            if event == TransferEvent.RELEASE:
+                continue  # past a release: the handle was let go
+            for step in row.values():
+                dest = step.dest
+                if dest in before:
+                    continue
+                before[dest] = state
+                if dest in declaration.final and dest not in held_ok:
+                    path = [dest]
+                    while before[path[-1]] is not None:
+                        path.append(before[path[-1]])
+                    raise MachineRefused(
+                        f"machine {declaration.name!r}: {dest.name}, a final state that is no "
+                        f"failure state, is reached without a 'release' ("
+                        + " -> ".join(s.name for s in reversed(path))
+                        + "): a result published before its transfer handle is released lets "
+                        "the engine reuse memory NIXL may still use; lead every way into it "
+                        "through a state waiting on 'release' (or make the state a failure "
+                        "state: its transfer's handles are then held for good)")
+                queue.append(dest)
 
 
 def _check_give_up(where: str, moves: Mapping[str, Any], effect: str, who: str) -> None:

@@ -241,7 +241,9 @@ class Declaration(Generic[S, A]):
         final: the states a record leaves the table from (drawn distinct in diagrams); they
             declare no events.
         failure_states: the states that mean the run went wrong; diagrams draw the paths through
-            them as failure paths and the paths that avoid them as the success path.
+            them as failure paths and the paths that avoid them as the success path. A tier's
+            job that ends in a final one fails, whatever it latched (quarantined, its handles
+            held for good, if it still holds its transfer handle there).
         unreachable: states no path from ``initial`` enters, on purpose: a variant of a machine
             that leaves some states of a shared Enum unused (the explorer's broken lifecycles,
             a diagram's example of dead code). Any other state the initial state cannot reach

@@ -52,7 +52,14 @@ from typing import Any
 
 from kvfsm.contract import Books
 from kvfsm.engine import Chain, CompiledMachine
-from kvfsm.machines.transfer import Answer, CallFailed, PostInterrupted, TransferEvent
+from kvfsm.machines.transfer import (
+    Answer,
+    CallFailed,
+    FailureKind,
+    FailureReason,
+    PostInterrupted,
+    TransferEvent,
+)
 from kvfsm.policy import RetryPolicy
 from kvfsm.transfer import JobResult, Leak, Transfer
 
@@ -122,8 +129,9 @@ class Runner(Books):
         #: (a lifecycle whose own steps go round in a circle goes on in the next round)
         self._max_moves = len(declaration.states.__members__)
         self.final = declaration.final
-        #: final failure states: a transfer ending there is held (its handles kept for good)
-        self.held = declaration.final & declaration.failure_states
+        #: final failure states: a transfer ending in one fails, whatever it latched, and is
+        #: held for good (quarantined) if it still holds its transfer handle there
+        self.failed_final = declaration.final & declaration.failure_states
         self.initial = declaration.initial
         table = machine.table
         self.table = table
@@ -740,8 +748,8 @@ class Runner(Books):
     def _finish(self, transfer: Transfer) -> None:
         """A transfer reached a final state: its one result, and the books, then listeners."""
         job_id = transfer.job_id
-        held = transfer.state in self.held
-        result = transfer.result(held)
+        held = transfer.state in self.failed_final and self._settle_failed(transfer)
+        result = transfer.result()
         # the result is queued before the record goes: a progress thread publishes while the
         # caller may be taking results (Books) or asking has_pending_work, which must never
         # see neither the record nor the result
@@ -778,6 +786,20 @@ class Runner(Books):
             book(transfer, result)
         if not result.success or transfer.leaks or self.on_published:
             self._announce(transfer, result)
+
+    @staticmethod
+    def _settle_failed(transfer: Transfer) -> bool:
+        """A transfer ended in a final failure state: its record says it failed, whatever it
+        latched, and why (its last error, or the state it ended in); True when it still holds
+        its transfer handle (NIXL may run it, or its release was given up): it is held for
+        good (quarantined)."""
+        held = transfer.xfer is not None
+        transfer.success = False
+        if transfer.reason is None:
+            transfer.reason = FailureReason(
+                FailureKind.QUARANTINED if held else FailureKind.UNKNOWN, None,
+                transfer.error or f"ended in {transfer.state.name}, a failure state")
+        return held
 
     def _announce(self, transfer: Transfer, result: JobResult) -> None:
         """Once the books are written: the log lines of a failure and its leaks, then the

@@ -150,19 +150,15 @@ class Transfer:
         #: in place of a step; see :mod:`kvfsm.trace`)
         self.trace: list[Any] = []
 
-    def result(self, held: bool | None = None) -> JobResult:
-        """The job's result; only meaningful once the outcome is latched. A transfer that
-        ended ``held`` (in a final failure state of its machine: quarantined; by default, in
-        one of the transfer machine's, as its declaration says) fails, whatever NIXL answered;
-        a failure carries its reason (one the machine's actions did not record is UNKNOWN, or
-        QUARANTINED, with the last error)."""
-        if held is None:
-            held = self.state in _HELD
-        success = bool(self.success) and not held
+    def result(self) -> JobResult:
+        """The job's result, as the record says it once it is final (the runner settles the
+        record first: a transfer ending in a final failure state fails, whatever it latched,
+        and one that ends there still holding its transfer handle is quarantined); a failure
+        carries its reason (one nothing recorded is UNKNOWN, with the last error)."""
+        success = bool(self.success)
         reason = None if success else self.reason
         if reason is None and not success:
-            reason = FailureReason(FailureKind.QUARANTINED if held else FailureKind.UNKNOWN, None,
-                                   self.error or NO_REASON)
+            reason = FailureReason(FailureKind.UNKNOWN, None, self.error or NO_REASON)
         return JobResult(self.job_id, success, self.nbytes if success else 0,
                          self.finished_at - self.started_at, reason)
 
@@ -179,5 +175,3 @@ class Transfer:
 
 #: the text of a failure whose machine recorded neither a reason nor an error
 NO_REASON = "no reason recorded"
-#: the transfer machine's final failure states: a transfer ending in one is held (quarantined)
-_HELD = TRANSFER_MACHINE.final & TRANSFER_MACHINE.failure_states

@@ -17,6 +17,9 @@ from kvfsm import (
     TransferState,
 )
 from kvfsm.lifecycle import OutcomeAlreadyLatched
+from kvfsm.machines.transfer import FailureKind
+from kvfsm.policy import RetryPolicy
+from kvfsm.runner import Outcome, Runner
 
 S, E, A = TransferState, TransferEvent, Answer
 
@@ -148,11 +151,17 @@ def test_a_cancelled_transfer_fails_and_still_waits_for_nixl_before_release() ->
 def test_quarantine_keeps_a_finished_outcome_but_publishes_failure() -> None:
     machine = TRANSFER_MACHINE.compile(listen=False)
     transfer = transfer_in(S.PROCESSING)
+    transfer.xfer = "its transfer handle"
     machine.fire(transfer, E.POLL, A.DONE)
     machine.fire(transfer, E.RELEASE, A.EXHAUSTED, RuntimeError("NIXL_ERR_BACKEND"))
     assert transfer.state is S.QUARANTINED
     assert transfer.success is True, "the latched outcome is never recomputed (F3)"
-    assert transfer.result().success is False, "but a quarantined job publishes failure"
+    assert transfer.reason is not None and transfer.reason.kind is FailureKind.QUARANTINED
+    books = Runner(machine, RetryPolicy())  # publishing it, as a tier does
+    books.records[transfer.job_id] = transfer
+    books.take(transfer, E.POLL, Outcome(None))
+    assert books.take_results()[0].success is False, "but a quarantined job publishes failure"
+    assert books.quarantined == [transfer], "its handle held for good"
 
 
 def test_the_outcome_latches_once_and_release_retries_do_not_touch_it() -> None:

@@ -327,15 +327,17 @@ def test_a_step_sending_its_transfer_back_to_running_gets_a_state_check_in_the_s
 
 def check_and_fix() -> Declaration[Any, Any]:
     """The lifecycle with two steps of its own after NIXL's DONE that may go round in a
-    circle: ``check`` answers AGAIN to send the transfer to ``fix``, which sends it back."""
+    circle: ``check`` answers AGAIN to send the transfer to ``fix``, which sends it back; each
+    gives up (shutdown's deadline) into FAILED."""
     base: Declaration[Any, Any] = TRANSFER_MACHINE
     return base.extend(
         "check_and_fix", states=["CHECKING", "FIXING"],
         replace={("SUBMITTED", "post", "finished"): {"dest": "CHECKING", "after": []},
                  ("PROCESSING", "poll", "finished"): {"dest": "CHECKING", "after": []}},
-        answers={"check": (Again.SETTLED, Again.AGAIN, A.RAISED), "fix": (A.OK, A.RAISED)},
+        answers={"check": (Again.SETTLED, Again.AGAIN, A.RAISED, A.EXHAUSTED),
+                 "fix": (A.OK, A.RAISED, A.EXHAUSTED)},
         guards={"settled": (Again.SETTLED,), "again": (Again.AGAIN,),
-                "step_raised": (A.RAISED,), "fixed": (A.OK,)},
+                "step_raised": (A.RAISED, A.EXHAUSTED), "fixed": (A.OK,)},
         transitions=[
             {"trigger": "check", "source": "CHECKING", "dest": "DONE",
              "conditions": "settled", "after": "latch_success"},

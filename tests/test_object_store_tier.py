@@ -675,8 +675,8 @@ def test_a_machine_that_acts_on_proc_gets_every_proc_answer_fired(
         "counting", states=TransferState, initial=TransferState.SUBMITTED, answers=ANSWERS,
         guards=GUARDS, transitions=transitions,
         actions={**ACTIONS, "note_poll": lambda t, answer, detail: polls.append(t.job_id)},
-        final=TRANSFER_MACHINE.final, effects=TRANSFER_MACHINE.effects,
-        running=TRANSFER_MACHINE.running)
+        final=TRANSFER_MACHINE.final, failure_states=TRANSFER_MACHINE.failure_states,
+        effects=TRANSFER_MACHINE.effects, running=TRANSFER_MACHINE.running)
     tier = ObjectStoreTier(primary, agent=agent, machine=counting)
     agent.inject("check_xfer_state", StayProc(3))
     tier.submit_store(store(1, 0))

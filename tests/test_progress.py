@@ -269,10 +269,10 @@ def test_pending_work_is_never_denied_while_the_thread_publishes(
     inside, go_on = threading.Event(), threading.Event()
     making = Transfer.result
 
-    def held_result(transfer: Transfer, held: bool) -> JobResult:
+    def held_result(transfer: Transfer) -> JobResult:
         inside.set()
         go_on.wait(10)
-        return making(transfer, held)
+        return making(transfer)
 
     monkeypatch.setattr(Transfer, "result", held_result)
     tier = tier_on(watched)

@@ -172,7 +172,10 @@ class _Job:
     cancelled_running: bool = False
     #: the final state it was published from (PUBLISHED, or QUARANTINED)
     final: Any = None
-    #: published from a final failure state (quarantined): its handles may be held
+    #: published from a final failure state: its outcome must be failure
+    failed_final: bool = False
+    #: published from a final failure state with a transfer handle never released
+    #: (quarantined): its handles are held for good
     held: bool = False
     #: a step of the machine's own raised or gave a failure answer: the job must fail
     step_failed: bool = False
@@ -472,7 +475,10 @@ def _final(agent: _WatchedAgent, transfer: Any, machine: Declaration[Any, Any]) 
     seen = agent.jobs.get(transfer.job_id)
     if seen is not None:
         seen.final = transfer.state
-        seen.held = transfer.state in machine.final & machine.failure_states
+        # held for good: published from a final failure state with a handle NIXL saw made
+        # and never released (one published from any other state so is a release skipped)
+        seen.failed_final = transfer.state in machine.final & machine.failure_states
+        seen.held = seen.failed_final and bool(seen.xfers) and not seen.released
         if not seen.step_failed and seen.deciding:  # a deciding step's tries given up
             seen.step_failed = any(event in seen.deciding and answer == Answer.EXHAUSTED.name
                                    for event, answer, *_ in trace_steps(transfer))
@@ -510,7 +516,7 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
     if job.xfers and not job.released and not quarantined:
         violations.append(Violation(Invariant.RELEASE_BEFORE_PUBLISH, result.job_id,
                                     "its transfer handle was still held"))
-    expected = (bool(job.outcome) and not job.cancelled_running and not job.held
+    expected = (bool(job.outcome) and not job.cancelled_running and not job.failed_final
                 and not job.step_failed)
     if result.success != expected:
         what = {True: "NIXL said the transfer finished (DONE)", False: "NIXL said the "
@@ -519,6 +525,8 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
             what += ", after it was cancelled while running"
         if job.held:
             what += ", then it was quarantined"
+        elif job.failed_final:
+            what += f", then it ended in {job.final.name}, a failure state"
         if job.step_failed:
             what += ", then a step failed it"
         violations.append(Violation(

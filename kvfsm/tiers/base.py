@@ -420,7 +420,9 @@ class SecondaryTier(JobSide):
 
     def _last_tries(self, deadline: float | None) -> None:
         """Shutdown's deadline passed with jobs unpublished: a transfer that is over gets one
-        last release attempt, and is quarantined if it fails; raise DrainTimeout naming those
+        last try of the call it waits on (its release, a step), and is given up if it stays
+        (the give-up edge: quarantined, or wherever the lifecycle's leads, and from there on
+        the same way, as far as the lifecycle has states); raise DrainTimeout naming those
         NIXL still runs (and all of them if another thread's call holds the tier's lock)."""
         if not self._lock_by(deadline):  # past it: only if no other call holds the lock
             raise DrainTimeout("shutdown (NIXL still runs these, or another thread held the "
@@ -429,10 +431,12 @@ class SecondaryTier(JobSide):
         runner = self._runner
         try:
             for transfer in self.unpublished():
-                if transfer.state not in runner.running_states:  # over: a last try
+                for _ in range(len(runner.in_state)):  # (a give-up may lead to another wait)
+                    if not self._waits(transfer):
+                        break  # published, or NIXL runs it
                     runner.retry_now(transfer)  # in the rounds, if interrupted
                     self._advance((transfer,))
-                    if transfer.job_id in runner.records:
+                    if self._waits(transfer):
                         runner.give_up(transfer, "shutdown deadline passed")
             running = self.unpublished()
             if running:
@@ -440,6 +444,12 @@ class SecondaryTier(JobSide):
                                    "to wait longer)", running) from None
         finally:
             self._lock.release()
+
+    def _waits(self, transfer: Transfer) -> bool:
+        """Whether ``transfer`` is unpublished and waits on a call or a step (not on NIXL)."""
+        runner = self._runner
+        return (runner.records.get(transfer.job_id) is transfer
+                and transfer.state not in runner.running_states)
 
     def _lock_by(self, deadline: float | None) -> bool:
         """Take the tier's lock, waiting until ``deadline`` at most (None: as long as it

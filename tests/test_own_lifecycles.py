@@ -1,0 +1,264 @@
+"""Lifecycles of a user's own, run through kvfsm's tiers: what the tier does with the states,
+steps and answers a user declares, and what it refuses before any NIXL call."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from examples.verify_lifecycle import VERIFY_MACHINE, Checksums
+from kvfsm import TRANSFER_MACHINE, Declaration, TransferJob
+from kvfsm.driver import MachineRefused
+from kvfsm.lifecycle import Answer
+from kvfsm.machines.transfer import FailureKind
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent, Raise
+from kvfsm.tiers import FileTier
+from kvfsm.trace import TraceRecorder, read_traces, replay
+
+
+class Checked(enum.Enum):
+    MATCH = "MATCH"
+    MISMATCH = "MISMATCH"
+
+
+def reject(transfer: Any, answer: Any, detail: Any) -> None:
+    """The user's own action: a block that does not check out fails its job."""
+    transfer.success = False
+
+
+#: a check made once the transfer is released and cleaned: a mismatch ends in REJECTED, a
+#: final failure state of the user's own, with every NIXL handle already let go
+LATE_CHECK = TRANSFER_MACHINE.extend(
+    "late_check", states=["CHECKING", "REJECTED"],
+    replace={("CLEANED", "publish", ""): {"dest": "CHECKING"}},
+    answers={"check": (Checked.MATCH, Checked.MISMATCH, Answer.RAISED)},
+    guards={"matched": (Checked.MATCH,), "unmatched": (Checked.MISMATCH, Answer.RAISED)},
+    actions={"reject": reject},
+    transitions=[
+        {"trigger": "check", "source": "CHECKING", "dest": "PUBLISHED", "conditions": "matched"},
+        {"trigger": "check", "source": "CHECKING", "dest": "REJECTED", "conditions": "unmatched",
+         "after": "reject"},
+        {"trigger": "cancel", "source": "CHECKING", "dest": "CHECKING"},
+    ],
+    effects={"CHECKING": "check"}, final=["REJECTED"], failure_states=["REJECTED"])
+
+
+def file_tier(tmp_path: Path, machine: Declaration[Any, Any], steps: dict[str, Any],
+              **options: Any) -> tuple[FileTier, FakeNixlAgent]:
+    agent = FakeNixlAgent("own")
+    primary = (torch.arange(8 * 64, dtype=torch.int32).view(8, 64) % 251).contiguous()
+    return FileTier(primary, tmp_path, agent=agent, machine=machine, steps=steps,
+                    durable=False, **options), agent
+
+
+def finished(tier: FileTier) -> list[Any]:
+    tier.drain_jobs(timeout=5)
+    return sorted(tier.get_finished_jobs(), key=lambda result: result.job_id)
+
+
+def test_a_final_failure_state_reached_after_the_release_fails_the_job_and_holds_nothing(
+    tmp_path: Path,
+) -> None:
+    """A check after the cleanup rejects the block: the job fails in REJECTED, a final failure
+    state, with every handle already released. It used to be taken for a quarantine (a final
+    failure state was held by definition): counted quarantined, and the primary cache's
+    registration was never released at shutdown, as if a transfer still held it."""
+    tier, agent = file_tier(tmp_path, LATE_CHECK, {"check": lambda transfer, primary:
+                                                     Checked.MISMATCH})
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    [result] = finished(tier)
+    assert not result.success
+    assert result.reason is not None and result.reason.kind is not FailureKind.QUARANTINED
+    assert result.reason.error == "ended in REJECTED, a failure state", "says why"
+    assert (agent.live_xfer_handles(), tier.stats()["quarantined"]) == (0, 0)
+    tier.shutdown(timeout=2)
+    assert (agent.live_registrations(), agent.live_dlist_handles()) == (0, 0), (
+        "nothing holds the primary cache's registration: released at shutdown")
+    assert agent.misuses == []
+
+
+def test_a_job_quarantined_in_a_lifecycles_own_state_is_traced_as_the_failure_it_published(
+    tmp_path: Path,
+) -> None:
+    """The verify lifecycle latches success, then the release keeps raising and is given up:
+    the job is quarantined in the lifecycle's own QUARANTINED and published as a failure. Its
+    trace said success=true (the recorder judged the state against the shipped machine's
+    enum, which a lifecycle's own states never match), and kvfsm replay then refused a
+    correct run."""
+    tier, agent = file_tier(tmp_path, VERIFY_MACHINE, {"verify": Checksums()},
+                            policy=RetryPolicy(max_attempts=1, max_seconds=None))
+    traces = tmp_path / "traces.jsonl"
+    with TraceRecorder(traces, machine="examples.verify_lifecycle:VERIFY_MACHINE") as recorder:
+        tier.on_published.append(recorder)
+        agent.inject("release_xfer_handle", Raise())
+        tier.submit_store(TransferJob(1, ["a"], [0]))
+        [result] = finished(tier)
+    assert not result.success and result.reason is not None
+    assert result.reason.kind is FailureKind.QUARANTINED
+    [trace] = read_traces(traces)
+    assert (trace["success"], trace["reason"]) == (False, result.reason.as_dict())
+    assert replay(VERIFY_MACHINE, trace) is None
+    tier.shutdown(timeout=1)
+    assert tier.stats()["quarantined"] == 1, "its handle is held for good"
+
+
+class Sent(enum.Enum):
+    SENT = "SENT"
+
+
+class Pending(enum.Enum):
+    MATCH = "MATCH"
+    NOT_YET = "NOT_YET"
+
+
+class Waited(enum.Enum):
+    WAITED = "WAITED"
+
+
+#: a notice sent once the transfer is cleaned, before it is published
+NOTIFY = TRANSFER_MACHINE.extend(
+    "notify", states=["NOTIFYING"],
+    replace={("CLEANED", "publish", ""): {"dest": "NOTIFYING"}},
+    answers={"notify": (Sent.SENT, Answer.RAISED)},
+    guards={"notified": (Sent.SENT, Answer.RAISED)},
+    transitions=[
+        {"trigger": "notify", "source": "NOTIFYING", "dest": "PUBLISHED",
+         "conditions": "notified"},
+        {"trigger": "cancel", "source": "NOTIFYING", "dest": "NOTIFYING"},
+    ],
+    effects={"NOTIFYING": "notify"})
+
+#: a check made as soon as NIXL finished, before the release, whose mismatch ends the job in
+#: REJECTED: a final state, but no failure state
+CHECK_THEN_PUBLISH = TRANSFER_MACHINE.extend(
+    "check_then_publish", states=["CHECKING", "REJECTED"],
+    replace={("PROCESSING", "poll", "finished"): {"dest": "CHECKING", "after": []},
+             ("SUBMITTED", "post", "finished"): {"dest": "CHECKING", "after": []}},
+    answers={"check": (Checked.MATCH, Checked.MISMATCH, Answer.RAISED)},
+    guards={"matched": (Checked.MATCH,), "unmatched": (Checked.MISMATCH, Answer.RAISED)},
+    transitions=[
+        {"trigger": "check", "source": "CHECKING", "dest": "DONE", "conditions": "matched",
+         "after": "latch_success"},
+        {"trigger": "check", "source": "CHECKING", "dest": "REJECTED", "conditions": "unmatched",
+         "after": "latch_failure"},
+        {"trigger": "cancel", "source": "CHECKING", "dest": "CHECKING"},
+    ],
+    effects={"CHECKING": "check"}, final=["REJECTED"])
+
+#: a wait written as a circle of two states: not yet, wait, check again
+CHECK_IN_A_CIRCLE = TRANSFER_MACHINE.extend(
+    "check_in_a_circle", states=["CHECKING", "WAITING"],
+    replace={("PROCESSING", "poll", "finished"): {"dest": "CHECKING", "after": []},
+             ("SUBMITTED", "post", "finished"): {"dest": "CHECKING", "after": []}},
+    answers={"check": (Pending.MATCH, Pending.NOT_YET, Answer.RAISED),
+             "wait": (Waited.WAITED, Answer.RAISED)},
+    guards={"matched": (Pending.MATCH,), "pending": (Pending.NOT_YET,),
+            "raised": (Answer.RAISED,), "waited": (Waited.WAITED, Answer.RAISED)},
+    transitions=[
+        {"trigger": "check", "source": "CHECKING", "dest": "DONE", "conditions": "matched",
+         "after": "latch_success"},
+        {"trigger": "check", "source": "CHECKING", "dest": "WAITING", "conditions": "pending"},
+        {"trigger": "check", "source": "CHECKING", "dest": "FAILED", "conditions": "raised",
+         "after": "latch_failure"},
+        {"trigger": "cancel", "source": "CHECKING", "dest": "CHECKING"},
+        {"trigger": "wait", "source": "WAITING", "dest": "CHECKING", "conditions": "waited"},
+        {"trigger": "cancel", "source": "WAITING", "dest": "WAITING"},
+    ],
+    effects={"CHECKING": "check", "WAITING": "wait"})
+
+#: "post again after an error": a state other than the initial one waiting on the post
+REPOST = TRANSFER_MACHINE.extend(
+    "repost", states=["REPOSTING"],
+    replace={("PROCESSING", "poll", "errored"): {"dest": "REPOSTING", "after": []}},
+    transitions=[
+        {"trigger": "post", "source": "REPOSTING", "dest": "PROCESSING", "conditions": "running"},
+        {"trigger": "post", "source": "REPOSTING", "dest": "DONE", "conditions": "finished",
+         "after": "latch_success"},
+        {"trigger": "post", "source": "REPOSTING", "dest": "FAILED", "conditions": "errored",
+         "after": "latch_failure"},
+        {"trigger": "cancel", "source": "REPOSTING", "dest": "FAILED",
+         "after": "latch_cancelled"},
+    ],
+    effects={"REPOSTING": "post"})
+
+
+def always(answer: Any) -> Any:
+    return lambda transfer, primary: answer
+
+
+@pytest.mark.parametrize(("machine", "steps", "refusal"), [
+    # a "hook on release" took the place of the tier's own release on every path that made
+    # the release by itself: the job published success, its transfer handle never released
+    (NOTIFY, {"notify": always(Sent.SENT), "release": always(Answer.OK)},
+     "a step 'release' was given, but 'release' is a call the tier makes itself"),
+    (NOTIFY, {"notify": always(Sent.SENT), "publish": always(Answer.OK)},
+     "a step 'publish' was given, but 'publish' is a call the tier makes itself"),
+    # a mismatch published its job (a failure) before its release: the handle stayed live and
+    # shutdown deregistered the memory under it
+    (CHECK_THEN_PUBLISH, {"check": always(Checked.MISMATCH)},
+     "REJECTED, a final state that is no failure state, is reached without a 'release' "
+     r"\(SUBMITTED -> CHECKING -> REJECTED\)"),
+    # shutdown gave the transfer up by an EXHAUSTED no state of the circle carried: it raised
+    # InvalidTransition, and the tier stayed open with the job unpublished
+    (CHECK_IN_A_CIRCLE, {"check": always(Pending.NOT_YET), "wait": always(Waited.WAITED)},
+     "state CHECKING is on a circle of waits, CHECKING -> WAITING -> CHECKING, and has no "
+     "give-up edge"),
+    # a transfer whose state check raised sat in REPOSTING until its drain timed out
+    (REPOST, {}, "state REPOSTING waits on 'post', but a tier posts a transfer once, from the "
+                 "initial state SUBMITTED"),
+])
+def test_a_lifecycle_a_tier_could_not_run_safely_is_refused_before_any_nixl_call(
+    tmp_path: Path, machine: Declaration[Any, Any], steps: dict[str, Any], refusal: str,
+) -> None:
+    agent = FakeNixlAgent("refused")
+    with pytest.raises(MachineRefused, match=refusal):
+        FileTier(torch.zeros(4, 16), tmp_path, agent=agent, machine=machine, steps=steps)
+    assert (agent.live_registrations(), agent.live_dlist_handles()) == (0, 0)
+
+
+#: a check that may answer "not yet" as long as it likes (a self-loop), and gives up into
+#: FAILED, a state that waits on the release: not a final one
+CHECK_UNTIL_GIVEN_UP = TRANSFER_MACHINE.extend(
+    "check_until_given_up", states=["CHECKING"],
+    replace={("PROCESSING", "poll", "finished"): {"dest": "CHECKING", "after": []},
+             ("SUBMITTED", "post", "finished"): {"dest": "CHECKING", "after": []}},
+    answers={"check": (Pending.MATCH, Pending.NOT_YET, Answer.RAISED, Answer.EXHAUSTED)},
+    guards={"matched": (Pending.MATCH,), "again": (Pending.NOT_YET, Answer.RAISED),
+            "gave_up": (Answer.EXHAUSTED,)},
+    transitions=[
+        {"trigger": "check", "source": "CHECKING", "dest": "DONE", "conditions": "matched",
+         "after": "latch_success"},
+        {"trigger": "check", "source": "CHECKING", "dest": "CHECKING", "conditions": "again"},
+        {"trigger": "check", "source": "CHECKING", "dest": "FAILED", "conditions": "gave_up",
+         "after": "latch_failure"},
+        {"trigger": "cancel", "source": "CHECKING", "dest": "CHECKING"},
+    ],
+    effects={"CHECKING": "check"})
+
+
+def test_shutdown_gives_up_a_step_whose_give_up_leads_to_another_wait_and_publishes_it(
+    tmp_path: Path,
+) -> None:
+    """The check never stops answering "not yet" and the policy sets no bound. At shutdown's
+    deadline it is given up into FAILED, which waits on the release: shutdown makes that too
+    and publishes the failure. It raised DrainTimeout ("NIXL still runs these") with nothing
+    running, and the tier stayed open until shutdown was called again."""
+    tier, agent = file_tier(tmp_path, CHECK_UNTIL_GIVEN_UP,
+                            {"check": always(Pending.NOT_YET)},
+                            policy=RetryPolicy(max_attempts=None, max_seconds=None))
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    for _ in range(20):  # until NIXL finished it, and the check answers "not yet"
+        assert tier.get_finished_jobs() == []
+    state = tier.state_of(1)
+    assert state is not None and state.name == "CHECKING"
+    tier.shutdown(timeout=0.2)
+    assert tier.closed
+    [result] = tier.get_finished_jobs()
+    assert not result.success and result.reason is not None
+    assert "shutdown deadline passed" in str(result.reason)
+    assert (agent.live_xfer_handles(), agent.live_registrations()) == (0, 0)
