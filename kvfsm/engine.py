@@ -464,8 +464,7 @@ class Declaration(Generic[S, A]):
                              else ours(value))
             return edge
 
-        changes: dict[tuple[Any, ...], dict[str, Any]] = {
-            (ours(s).name, str(t), c): dict(v) for (s, t, c), v in (replace or {}).items()}
+        changes = _replacements(name, replace, ours)
         table = []
         for transition in self.transitions:
             source, conditions = transition["source"], transition.get("conditions", "")
@@ -844,6 +843,29 @@ class CompiledMachine(Generic[S, A]):
         for step in self.steps():
             counts[step.edge] += step.count
         return counts
+
+
+def _replacements(name: str, replace: Mapping[Any, Any] | None,
+                  ours: Callable[[Any], Any]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """``extend``'s ``replace``, keyed as the edges are looked up: each key a (source, trigger,
+    guard) triple, each value a dict of what changes; anything else is refused, naming it."""
+    if replace is None:
+        return {}
+    if not isinstance(replace, Mapping):
+        raise DeclarationError(f"{name}: replace must be a dict of (source, trigger, guard) to "
+                               f"the changes, got {type(replace).__name__} {replace!r}")
+    changes: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for key, value in replace.items():
+        if not isinstance(key, tuple) or len(key) != 3:
+            raise DeclarationError(f"{name}: replace key {key!r} must be a (source, trigger, "
+                                   "guard) triple (guard '' for an edge without conditions)")
+        if not isinstance(value, Mapping):
+            raise DeclarationError(f"{name}: replace[{key!r}] must be a dict of what changes "
+                                   f"(such as {{'dest': ...}}), got {type(value).__name__} "
+                                   f"{value!r}")
+        source, trigger, conditions = key
+        changes[(ours(source).name, str(trigger), conditions)] = dict(value)
+    return changes
 
 
 class _Inert:

@@ -669,6 +669,10 @@ class Runner(Books):
         try waits for the backoff."""
         now = time.monotonic()
         failures = transfer.attempts + 1
+        if failures == 1 and transfer.success is None:  # a step before the outcome is
+            # latched (its latch comes after it): the bound counts from now, when NIXL's end
+            # was heard, not from the submit (the latch stamps the end again)
+            transfer.finished_at = now
         if self.policy.spent(failures, transfer.finished_at, now):
             if effect not in _NIXL_WAITS and not isinstance(detail, CallFailed):
                 detail = CallFailed(effect, detail or "retry bound spent")  # name the step

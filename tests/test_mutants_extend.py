@@ -191,3 +191,18 @@ def test_an_unguarded_edge_is_replaced_by_the_empty_guard_name() -> None:
         "cancel_fails", replace={("DONE", "cancel", ""): {"dest": "FAILED"}})
     assert ("cancel", "DONE", "FAILED", (), ()) in edge_tuples(machine)
     assert ("cancel", "DONE", "DONE", (), ()) not in edge_tuples(machine)
+
+
+@pytest.mark.parametrize(("replace", "message"), [
+    ({("DONE", "cancel"): {"dest": "FAILED"}},
+     r"replace key \('DONE', 'cancel'\) must be a \(source, trigger, guard\) triple"),
+    ({("DONE", "cancel", ""): "FAILED"},
+     r"replace\[\('DONE', 'cancel', ''\)\] must be a dict of what changes .* got str 'FAILED'"),
+    ([("DONE", "cancel", "")], "replace must be a dict of"),
+])
+def test_a_replace_of_the_wrong_shape_is_refused_naming_the_entry(replace: Any,
+                                                                  message: str) -> None:
+    """A two-part key or a bare state for a value raised a ValueError from unpacking, which
+    named neither the entry nor what it should be."""
+    with pytest.raises(DeclarationError, match=message):
+        TRANSFER_MACHINE.extend("misshapen", replace=replace)

@@ -262,3 +262,21 @@ def test_shutdown_gives_up_a_step_whose_give_up_leads_to_another_wait_and_publis
     assert not result.success and result.reason is not None
     assert "shutdown deadline passed" in str(result.reason)
     assert (agent.live_xfer_handles(), agent.live_registrations()) == (0, 0)
+
+
+def test_a_steps_retry_bound_before_the_latch_counts_from_nixls_end_not_the_submit(
+    tmp_path: Path,
+) -> None:
+    """The check runs as soon as NIXL finished, before the outcome is latched, and answers
+    "not yet" twice. NIXL took longer than the policy's max_seconds: the bound counted from the
+    submit (the latch stamps the end, and none had come), so the first "not yet" gave up."""
+    answers = [Pending.NOT_YET, Pending.NOT_YET, Pending.MATCH]
+    tier, _ = file_tier(tmp_path, CHECK_UNTIL_GIVEN_UP,
+                        {"check": lambda transfer, primary: answers.pop(0)},
+                        policy=RetryPolicy(max_seconds=5.0, backoff=0.001))
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    [submitted] = tier.unpublished()
+    submitted.started_at = submitted.finished_at = submitted.started_at - 10.0  # NIXL ran 10 s
+    [result] = finished(tier)
+    assert result.success, result.reason
+    assert answers == [], "tried until it matched"
