@@ -541,7 +541,7 @@ class Declaration(Generic[S, A]):
 
     def _check_final(self) -> None:
         """A final state declares no event: a record leaves the table there, its result handed
-        out, so nothing may follow (the explorer's FINAL_MOVES, refused before anything runs)."""
+        out, so nothing may follow (F6, refused before anything runs)."""
         final = {state.name for state in self.final}
         moves = [f"{e.source} -{e.event}-> {e.dest}" for e in self.edges if e.source in final]
         if moves:

@@ -518,12 +518,10 @@ def test_shutdown_lets_go_of_the_tier_while_it_waits_for_a_probe(
     answers (they both waited for the probe with it, 1.8 s for a 2 s probe)."""
     stalled, tier, shutter = shutting_down_behind_a_probe(primary, agent, 30)
     assert tier.closed and shutter.is_alive(), "shutdown waits for the probe, the tier closed"
-    began = time.monotonic()
     with pytest.raises(TierClosedError):
         tier.submit_store(store(1, "after"))
     assert tier.get_finished_jobs() == []
-    took = time.monotonic() - began
-    assert shutter.is_alive() and took < 1.0, f"the calls waited {took:.2f} s for the probe"
+    assert shutter.is_alive(), "the calls returned while the probe (and shutdown) still waits"
     stalled.go.set()
     shutter.join(5)
     assert not shutter.is_alive()
@@ -704,13 +702,11 @@ def test_a_second_shutdown_waits_for_the_first_ones_wait_on_the_background(
     before the probe was over; it now waits for it too, until its own deadline."""
     stalled, tier, first = shutting_down_behind_a_probe(primary, agent, 10)
     threading.Timer(0.3, stalled.go.set).start()
-    began = time.monotonic()
     tier.shutdown(timeout=5)
-    assert time.monotonic() - began >= 0.25 and stalled.finished.is_set()
+    assert stalled.finished.is_set(), "it returned once the probe was over, not before"
     first.join(5)
-    began = time.monotonic()
-    tier.shutdown(timeout=0)  # all done: at once
-    assert time.monotonic() - began < 0.1
+    tier.shutdown(timeout=0)  # all done: nothing to wait for, no DrainTimeout
+    assert tier.closed
     stalled.close()
 
 

@@ -24,8 +24,10 @@ from kvfsm.tiers import (
     TierBusyError,
     TierFullError,
 )
+from kvfsm.tiers.holdings import Holdings
 
 from .conftest import NUM_BLOCKS
+from .real_nixl import require_nixl
 
 BLOCK = 256  # bytes of one block of the conftest primary
 
@@ -101,7 +103,8 @@ def test_a_block_a_load_still_reads_is_never_removed(
     settle(small)
     agent.inject("check_xfer_state", StayProc(3))  # the load runs a while
     small.submit_load(load(2, ("a", 5)))
-    small.submit_store(store(3, ("d", 3)))  # a is the oldest, but read: b goes
+    small.touch(["b", "c"])  # a, being read, is now the least recently used: b goes instead
+    small.submit_store(store(3, ("d", 3)))
     assert small.wait_for_removals(5)
     assert small.object_key("a") in agent.objects
     assert small.object_key("b") not in agent.objects
@@ -260,10 +263,7 @@ def test_a_removal_that_shuts_its_tier_down_ends_the_shutdown_without_waiting_fo
 def test_a_file_tier_deletes_its_least_recently_used_files(
     tmp_path: object, primary: torch.Tensor
 ) -> None:
-    from kvfsm.nixl_agents import nixl_available  # noqa: PLC0415
-
-    if not nixl_available():
-        pytest.skip("needs real NIXL (POSIX)")
+    require_nixl()
     tier = FileTier(primary, tmp_path, capacity_bytes=2 * BLOCK, durable=False,
                     record_events=True)
     try:
@@ -290,11 +290,10 @@ def test_a_file_store_that_failed_before_its_rename_removes_no_file_it_did_not_w
     capacity, stores k too, and its post fails: nothing of its store was put under k's name,
     so the other's whole file stays (it was unlinked as this store's possible leftovers), and
     the other tier still loads it. A store that failed after its rename removes its file."""
-    from kvfsm.nixl_agents import make_agent, nixl_available  # noqa: PLC0415
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
     from kvfsm.testing import FaultyAgent  # noqa: PLC0415
 
-    if not nixl_available():
-        pytest.skip("needs real NIXL (POSIX)")
+    require_nixl()
     other = FileTier(primary, tmp_path, durable=False)
     faulty = FaultyAgent(make_agent("capacity-fails", "POSIX"))
     tier = FileTier(primary, tmp_path, capacity_bytes=2 * BLOCK, durable=durable, agent=faulty)
@@ -330,10 +329,8 @@ def test_a_file_store_whose_first_open_failed_removes_no_file_it_did_not_write(
     import errno  # noqa: PLC0415
     import os  # noqa: PLC0415
 
-    from kvfsm.nixl_agents import nixl_available  # noqa: PLC0415
 
-    if not nixl_available():
-        pytest.skip("needs real NIXL (POSIX)")
+    require_nixl()
     other = FileTier(primary, tmp_path, durable=False)
     tier = FileTier(primary, tmp_path, capacity_bytes=2 * BLOCK, durable=False)
     real_open = os.open
@@ -365,11 +362,10 @@ def test_what_a_failed_store_left_in_place_goes_when_the_last_store_of_it_ends(
     cannot be renamed) while the first still runs, so k is not removed then; the first then
     fails before any rename of its own. k, the second's block, is removed as that first store
     ends: it is this tier's, and nothing counts it (it was once left for good)."""
-    from kvfsm.nixl_agents import make_agent, nixl_available  # noqa: PLC0415
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
     from kvfsm.testing import FaultyAgent  # noqa: PLC0415
 
-    if not nixl_available():
-        pytest.skip("needs real NIXL (POSIX)")
+    require_nixl()
     faulty = FaultyAgent(make_agent("owed", "POSIX"))
     tier = FileTier(primary, tmp_path, capacity_bytes=4 * BLOCK, durable=False, agent=faulty)
     try:
@@ -689,3 +685,16 @@ def test_what_the_capacity_keeps_is_held_when_the_lookup_cache_forgot_it(
         assert tier.verdict("zz") is None
     finally:
         tier.shutdown(timeout=5)
+
+
+def test_events_past_the_limit_drop_the_oldest_and_are_counted() -> None:
+    """Between two take_events() calls at most ``event_limit`` events are kept: the oldest go,
+    and stats() counts them, so a caller that fell behind knows it missed some."""
+    removed: list[str] = []
+    holdings = Holdings(4 * 16, 16, removed.extend, record_events=True, event_limit=2)
+    for key in ("a", "b", "c"):
+        holdings.reserve([key], [key])
+        holdings.finished([key], [key], load=False, success=True)
+    assert [event.keys for event in holdings.take_events()] == [("b",), ("c",)]
+    assert holdings.stats()["events_dropped"] == 1
+    assert holdings.take_events() == []

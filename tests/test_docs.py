@@ -321,6 +321,26 @@ def test_block(block: Block, runs: dict[str, Run]) -> None:
     if block.prints is not None and run.stdout().rstrip() != block.prints.rstrip():
         pytest.fail(f"{block.id} printed other than the doc shows:\n{block.prints}"
                     f"\n{run.report()}", pytrace=False)
+    for claim in path_counts(block, run.stdout()):
+        pytest.fail(f"{block.id}: {claim}\n{run.report()}", pytrace=False)
+
+
+def path_counts(block: Block, stdout: str) -> list[str]:
+    """Where a sh block's comment says how many paths an explore command explores ("2206
+    paths"), what that command printed instead, if it differs."""
+    wrong = []
+    sections = re.split(r"(?m)^\$ ", stdout)  # the script shows each command as it starts
+    for command in block.commands():
+        said = re.search(r"#.*?\b(\d[\d,]*) paths", command)
+        if said is None:
+            continue
+        shown = next((section for section in sections if section.startswith(command)), "")
+        printed = re.search(r"explored (\d+) paths", shown)
+        count = said.group(1).replace(",", "")
+        if printed is None or printed.group(1) != count:
+            wrong.append(f"`{_command_key(command)}`: the doc says {said.group(1)} paths; it "
+                         f"printed {printed.group(0) if printed else 'no path count'}")
+    return wrong
 
 
 def test_the_docs_are_all_read() -> None:
@@ -353,6 +373,16 @@ def test_fences_are_read_as_commonmark_reads_them() -> None:
     assert [(b.id, b.info, b.text, b.closed) for b in blocks_of("doc.md", markdown)] == [
         ("doc.md:2", "python", "x = 1\n", True), ("doc.md:5", "", "```\n", True),
         ("doc.md:8", "sh", "never closed\n", False)]
+
+
+def test_a_commands_path_count_in_its_comment_is_held_to_what_it_printed() -> None:
+    block = Block("doc.md", 1, SHELL, ".venv/bin/kvfsm explore   # every call failing: 2206 "
+                                      "paths, 0 violations\nmake other\n")
+    printed = ("$ .venv/bin/kvfsm explore   # every call failing: 2206 paths, 0 violations\n"
+               "explored {} paths (64055 NIXL calls) in 3.43 s: 0 violations\n$ make other\n")
+    assert path_counts(block, printed.format(2206)) == []
+    assert path_counts(block, printed.format(2300)) == [
+        "`.venv/bin/kvfsm explore`: the doc says 2206 paths; it printed explored 2300 paths"]
 
 
 def test_a_python_block_is_held_to_the_output_shown_after_it() -> None:

@@ -373,3 +373,30 @@ def test_steps_sharing_an_object_share_its_copy_and_the_steps_given_are_not_call
     copied["stamp"](1, None)
     assert copied["verify"](1, None) is True, "one object behind both copies"
     assert book.kept == [], "the object given is left as it was"
+
+
+class Stuck(enum.Enum):
+    START = 1
+    END = 2
+    STUCK = 3
+
+
+class Maybe(enum.Enum):
+    OK = 1
+    NO = 2
+
+
+def test_a_state_from_which_no_final_state_can_be_reached_is_a_dead_end() -> None:
+    """An answer that leads to a state whose every edge comes back to it: a job there never
+    ends. The table explorer names the state (liveness, before any tier runs it)."""
+    machine = Declaration(
+        "stuck", states=Stuck, initial=Stuck.START, answers={"go": list(Maybe)},
+        guards={"ok": [Maybe.OK], "no": [Maybe.NO]}, actions={},
+        transitions=[
+            {"trigger": "go", "source": Stuck.START, "dest": Stuck.END, "conditions": "ok"},
+            {"trigger": "go", "source": Stuck.START, "dest": Stuck.STUCK, "conditions": "no"},
+            {"trigger": "go", "source": Stuck.STUCK, "dest": Stuck.STUCK}],
+        final={Stuck.END})
+    found = explore_table(machine)
+    assert [(v.invariant, v.detail) for v in found.violations] == [
+        (Invariant.DEAD_END, "from STUCK no final state can be reached")]

@@ -7,6 +7,7 @@ bytes runs on real NIXL (skipped without it, failing under ``CI=true``).
 
 from __future__ import annotations
 
+import errno
 import gc
 import hashlib
 import inspect
@@ -16,6 +17,7 @@ import random
 import re
 import select
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -959,3 +961,55 @@ def test_a_root_that_cannot_be_written_is_refused_unless_the_tier_only_loads(
     with pytest.raises(ValueError, match="read_only must be a bool"):
         FileTier(cache, "/proc/sys", agent=agent, read_only="yes")  # type: ignore[arg-type]
     agent.close()
+
+
+class DirectoryFsyncFails:
+    """Stands in for ``os.fsync`` (the environment): a file's flush goes through, the
+    directory's raises EIO, as on a disk that failed after the renames."""
+
+    def __init__(self, real: Callable[[int], None]) -> None:
+        self.real = real
+        self.directories = 0
+
+    def __call__(self, fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            self.directories += 1
+            raise OSError(errno.EIO, "Input/output error (the directory's flush)")
+        self.real(fd)
+
+
+@real_nixl
+def test_a_durable_store_whose_directory_flush_fails_is_no_success(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file of the store was flushed and renamed into place, then the directory's flush
+    failed: the renames may not survive a power loss, so the store fails, saying why."""
+    failing = DirectoryFsyncFails(os.fsync)
+    monkeypatch.setattr(os, "fsync", failing)
+    tier = FileTier(cache, tmp_path, agent=posix())
+    tiers.append(tier)
+    tier.submit_store(TransferJob(1, ["a", "b"], [0, 1]))
+    result = results_of(tier)[1]
+    assert not result.success
+    assert "the directory's flush" in str(result.reason), result.reason
+    assert failing.directories >= 1
+
+
+def test_remove_stale_keeps_the_files_of_a_writer_it_cannot_tell_is_gone(
+    cache: torch.Tensor, tmp_path: Path
+) -> None:
+    """A writer's lock file that cannot be opened (here a directory in its place; another
+    user's file would do the same) says nothing of whether its tier lives: its temporary files
+    stay. Only a writer whose lock file is gone, or is not held, is taken for dead."""
+    writer_id = "0123456789abcdef"
+    (tmp_path / f".kvfsm-writer-{writer_id}").mkdir()
+    kept = tmp_path / f".kvfsm-partial-{writer_id}-1-a"
+    kept.write_bytes(b"whatever it was writing")
+    stale = tmp_path / ".kvfsm-partial-fedcba9876543210-1-a"  # no writer file: gone
+    stale.write_bytes(b"left by a dead tier")
+    cleaning = FileTier(cache, tmp_path, agent=FakeNixlAgent(), durable=False)
+    try:
+        assert cleaning.remove_stale() == 1
+        assert kept.exists() and not stale.exists()
+    finally:
+        cleaning.shutdown()

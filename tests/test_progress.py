@@ -337,17 +337,15 @@ def test_shutdown_wakes_the_thread_from_a_long_interval_and_it_ends_without_a_po
     """Shutdown wakes the thread from its pause: it ends at once, without a poll, and neither
     shutdown nor the process waits out the interval (it used to sleep out its 1.5 s)."""
     primary = torch.zeros(8, 16)
-    tier = ObjectStoreTier(primary, agent=watched, policy=RetryPolicy(progress_interval=1.5))
+    tier = ObjectStoreTier(primary, agent=watched,
+                           policy=RetryPolicy(progress_interval=3600.0))  # past the test's time
     store(tier, 0, 0)
     watched.end(0)
     thread = tier._progress_last
     assert thread is not None
-    began = time.monotonic()
-    tier.shutdown(timeout=None)
-    took = time.monotonic() - began
-    thread.join(1.0)
+    tier.shutdown(timeout=None)  # (one that waited out the interval fails on the test timeout)
+    thread.join(30)
     assert not thread.is_alive(), "the thread slept on after shutdown"
-    assert took < 0.9, f"shutdown(timeout=None) took {took:.2f} s"
     assert tier.closed and [r.job_id for r in tier.get_finished_jobs()] == [0]
     assert watched.total_checks() == 1  # made by shutdown's drain: the thread never polled
 
