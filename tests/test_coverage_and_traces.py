@@ -86,6 +86,16 @@ def test_the_plugin_fails_a_run_that_missed_a_transition(
     result.stdout.fnmatch_lines(["*FAILED: 1 declared transition(s) never taken*"])
 
 
+def test_a_collect_only_run_is_not_failed_for_the_transitions_it_never_ran(
+    lamp_project: pytest.Pytester,
+) -> None:
+    """--collect-only runs no test, so it takes no transition: listing the tests is no failure
+    (a CI step that lists them first would fail)."""
+    result = lamp_project.runpytest("--collect-only", "--kvfsm-coverage-fail",
+                                    "--kvfsm-machine", "lamp:LAMP")
+    assert result.ret == pytest.ExitCode.OK
+
+
 def test_two_machines_of_one_name_are_refused_and_one_never_compiled_is_said(
     lamp_project: pytest.Pytester,
 ) -> None:

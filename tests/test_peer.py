@@ -469,6 +469,24 @@ def test_a_write_that_landed_before_its_blocks_were_handed_back_never_completes_
     assert torch.equal(pair.target[3], pair.source[0])
 
 
+def test_a_notification_carrying_a_links_nonce_from_another_sender_never_counts() -> None:
+    """NIXL names a notification's sender. One that carries engine-a's link nonce but comes
+    from engine-x (another agent that learnt the nonce) completes nothing, now or later: it
+    is discarded and counted, and engine-a's own completes the job."""
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    receiver.connect(sender_metadata())
+    nonce = nonce_of(receiver)
+    agent.inbox = {"engine-x": [notification_for(nonce, 1, [0])]}  # before its expect...
+    assert outcomes(receiver) == []
+    receiver.expect(promotion(1, 0), "engine-a")
+    agent.inbox = {"engine-x": [notification_for(nonce, 1, [0])]}  # ...and while expected
+    assert outcomes(receiver) == []
+    assert receiver.stats()["discarded"] == 2 and receiver.stats()["early"] == 0
+    agent.inbox = {"engine-a": [notification_for(nonce, 1, [0])]}
+    assert outcomes(receiver) == [(1, True)]
+
+
 def test_a_second_early_copy_of_a_notification_counts_only_until_its_blocks_go_back() -> None:
     """A sender writes job 5 into block 2 twice before the receiver expects it. The first
     expect takes one copy; once that job is published, block 2 is the engine's again, so the
