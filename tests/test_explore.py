@@ -400,3 +400,27 @@ def test_a_state_from_which_no_final_state_can_be_reached_is_a_dead_end() -> Non
     found = explore_table(machine)
     assert [(v.invariant, v.detail) for v in found.violations] == [
         (Invariant.DEAD_END, "from STUCK no final state can be reached")]
+
+
+def test_the_explorer_catches_a_driver_that_releases_a_handle_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No declared lifecycle can release a handle twice (the driver lets go of it once NIXL
+    released it); a driver that did would crash real NIXL. The explorer's agent says so on
+    the first path, by name, and as the misuse the fake agent flags."""
+    from kvfsm.driver import TransferDriver  # noqa: PLC0415
+    from kvfsm.lifecycle import Answer  # noqa: PLC0415
+
+    releasing = TransferDriver.release
+
+    def twice(self: TransferDriver, transfer: Any) -> Any:
+        handle = transfer.xfer
+        outcome = releasing(self, transfer)
+        if handle is not None and outcome.answer is Answer.OK:
+            self.agent.release_xfer_handle(handle)  # the broken driver's second release
+        return outcome
+
+    monkeypatch.setattr(TransferDriver, "release", twice)
+    found = explore(max_faults=0)
+    caught = {violation.invariant for violation in found.violations}
+    assert {Invariant.RELEASE_ONCE, Invariant.NO_MISUSE} <= caught, found.report()
