@@ -538,6 +538,7 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
                              "state, which waits on 'post'")
     _check_step_names(name, steps, effects)
     table = declaration.compile(listen=False).table
+    _check_initial_left_for_good(declaration, table)
     for state, effect in effects.items():
         if effect == TransferEvent.POST and state is not initial:
             raise MachineRefused(f"machine {name!r}: state {state.name} waits on 'post', but a "
@@ -555,6 +556,22 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
         if not callable(function):
             raise ValueError(f"steps[{step!r}] must be a function (step(transfer, primary) -> "
                              f"its answer), got {type(function).__name__} {function!r}")
+
+
+def _check_initial_left_for_good(declaration: Declaration[Any, Any],
+                                 table: Mapping[Any, Any]) -> None:
+    """No edge leads back into the initial state: a tier posts a transfer once, at submit, so
+    one sent back there would wait for a post that never comes (and a cancel there would fire
+    the post's answer over an outcome already latched)."""
+    initial = declaration.initial
+    for state, row in table.items():
+        for event, answers in sorted(row.items()):
+            for answer, step in answers.items():
+                if step.dest is initial and state is not initial:
+                    raise MachineRefused(
+                        f"machine {declaration.name!r}: {state.name} -{event}({answer.name})-> "
+                        f"{initial.name} leads back to the initial state, but a tier posts a "
+                        "transfer once, at submit: it would wait there for good")
 
 
 def _check_step_names(name: str, steps: Mapping[str, Any], effects: Mapping[Any, str]) -> None:
@@ -697,9 +714,9 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
     while queue:
         state = queue.pop(0)
         for event, row in sorted(table.get(state, {}).items()):
-            if event == TransferEvent.RELEASE:
-                continue  # past a release: the handle was let go
-            for step in row.values():
+            for answer, step in sorted(row.items(), key=lambda item: item[0].name):
+                if event == TransferEvent.RELEASE and answer is Answer.OK:
+                    continue  # past a release NIXL answered: the handle was let go
                 dest = step.dest
                 if dest in before:
                     continue

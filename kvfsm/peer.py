@@ -53,7 +53,9 @@ with the agent metadata, and every notification the sender writes carries it
   notification of it. One that came first counts only while its blocks stayed the job's: once
   a job covering one of them was published (its blocks handed back to the engine, which may
   write them), a copy kept from before no longer says what they hold, and is discarded when an
-  expect would take it (:meth:`PeerReceiver._fresh`). (A sender writing notifications no
+  expect would take it (:meth:`PeerReceiver._fresh`). A copy is dated when the receiver takes
+  it from NIXL, which may be a poll after its write landed: expecting a job before its sender
+  is told to write it leaves no copy to date. (A sender writing notifications no
   expect ever claims grows this store; ``stats()["early"]`` shows it, and forgetting the
   sender frees it.)
 * **A closed link's nonce is spent.** When a link closes (``forget_peer``, a lost sender,

@@ -636,8 +636,8 @@ class Runner(Books):
         try:
             self.machine.fire(transfer, effect, Answer.EXHAUSTED,
                               why if effect in _NIXL_WAITS else CallFailed(effect, why))
-            logger.error("job %d quarantined in %s: %s", transfer.job_id, was.name, why,
-                         extra=transfer.log_fields())
+            logger.error("job %d %s in %s: %s", transfer.job_id, self._gave_up(transfer),
+                         was.name, why, extra=transfer.log_fields())
         finally:
             self._file(transfer)
 
@@ -677,9 +677,9 @@ class Runner(Books):
             if effect not in _NIXL_WAITS and not isinstance(detail, CallFailed):
                 detail = CallFailed(effect, detail or "retry bound spent")  # name the step
             self.machine.fire(transfer, effect, Answer.EXHAUSTED, detail)
-            logger.error("job %d quarantined after %d failed %s(s): %s", transfer.job_id,
-                         failures, self._call_of[effect], transfer.error,
-                         extra=transfer.log_fields())
+            logger.error("job %d %s after %d failed %s(s): %s", transfer.job_id,
+                         self._gave_up(transfer), failures, self._call_of[effect],
+                         transfer.error, extra=transfer.log_fields())
             return
         self.machine.fire(transfer, effect, answer, detail)
         transfer.attempts = failures
@@ -693,6 +693,13 @@ class Runner(Books):
                            self._call_of[effect], failures, transfer.error if detail is not None
                            else f"answered {getattr(answer, 'name', answer)}",  # (a "not yet")
                            extra=transfer.log_fields())
+
+    def _gave_up(self, transfer: Transfer) -> str:
+        """How a log line says where a give-up (EXHAUSTED) took ``transfer``: quarantined (a
+        final failure state, its transfer handle held), else given up, and where to."""
+        if transfer.state in self.failed_final and transfer.xfer is not None:
+            return "quarantined"
+        return f"given up (now {transfer.state.name})"
 
     def _take_end(self, transfer: Transfer, released: Outcome, cleaned: Outcome) -> None:
         """The release and cleanup of a transfer that is over: one chain when both answered
@@ -800,9 +807,10 @@ class Runner(Books):
         held = transfer.xfer is not None
         transfer.success = False
         if transfer.reason is None:
+            ended = f"ended in {transfer.state.name}, a failure state"
             transfer.reason = FailureReason(
                 FailureKind.QUARANTINED if held else FailureKind.UNKNOWN, None,
-                transfer.error or f"ended in {transfer.state.name}, a failure state")
+                f"{ended}; last error: {transfer.error}" if transfer.error else ended)
         return held
 
     def _announce(self, transfer: Transfer, result: JobResult) -> None:

@@ -53,12 +53,14 @@ ANY_POLICY = RetryPolicy()
 # -- check_runnable: every refusal, word for word ----------------------------------------------
 
 class Tiny(enum.Enum):
-    """The smallest lifecycle a tier runs: posted, running, over, gone."""
+    """The smallest lifecycle a tier runs: posted, running, over, gone (or held, its release
+    having raised)."""
 
     SENT = 1
     RUNNING = 2
     OVER = 3
     GONE = 4
+    HELD = 5
 
 
 def tiny(name: str, *, post: tuple[Answer, ...] = (A.PROC, A.DONE, A.ERR, A.RAISED),
@@ -71,7 +73,8 @@ def tiny(name: str, *, post: tuple[Answer, ...] = (A.PROC, A.DONE, A.ERR, A.RAIS
         answers={"post": post, "poll": (A.PROC, A.DONE, A.ERR, A.RAISED),
                  "release": (A.OK, A.RAISED), "cancel": (A.OK,)},
         guards={"running": (A.PROC,), "posted": tuple(a for a in post if a is not A.PROC),
-                "polled": (A.DONE, A.ERR, A.RAISED)},
+                "polled": (A.DONE, A.ERR, A.RAISED), "released": (A.OK,),
+                "release_raised": (A.RAISED,)},
         actions={}, transitions=[
             {"trigger": "post", "source": Tiny.SENT, "dest": posted, "conditions": "running"},
             {"trigger": "post", "source": Tiny.SENT, "dest": Tiny.OVER, "conditions": "posted"},
@@ -79,10 +82,13 @@ def tiny(name: str, *, post: tuple[Answer, ...] = (A.PROC, A.DONE, A.ERR, A.RAIS
              "conditions": "running"},
             {"trigger": "poll", "source": Tiny.RUNNING, "dest": Tiny.OVER, "conditions": "polled"},
             {"trigger": "cancel", "source": Tiny.RUNNING, "dest": Tiny.RUNNING},
-            {"trigger": "release", "source": Tiny.OVER, "dest": Tiny.GONE},
+            {"trigger": "release", "source": Tiny.OVER, "dest": Tiny.GONE,
+             "conditions": "released"},
+            {"trigger": "release", "source": Tiny.OVER, "dest": Tiny.HELD,
+             "conditions": "release_raised"},
             {"trigger": "cancel", "source": Tiny.OVER, "dest": Tiny.OVER},
             *extra],
-        final=(Tiny.GONE,), unreachable=unreachable,
+        final=(Tiny.GONE, Tiny.HELD), failure_states=(Tiny.HELD,), unreachable=unreachable,
         effects=({Tiny.SENT: "post", Tiny.RUNNING: "poll", Tiny.OVER: "release"} if effects is None
                  else effects),
         running=running)

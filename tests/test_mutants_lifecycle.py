@@ -110,10 +110,10 @@ def test_a_step_answering_what_its_event_does_not_carry_fails_its_job_naming_it(
         f"TypeError: step 'verify' answered {answered!r}, not one of its event's answers")
 
 
-def test_a_step_answering_plainly_says_what_it_answered_and_with_a_reason_gives_it() -> None:
+def test_a_step_answering_plainly_gives_no_reason_and_with_a_reason_gives_it() -> None:
     assert run_one_store(lambda transfer, primary: Checked.GOOD).success
     failed = run_one_store(lambda transfer, primary: Checked.BAD)
-    assert failed.reason == FailureReason(FailureKind.ERR, None, "answered BAD")
+    assert failed.reason == FailureReason(FailureKind.UNKNOWN, None, "BAD")
     said = run_one_store(lambda transfer, primary: (Checked.BAD, "block 0 differs"))
     assert said.reason == FailureReason(FailureKind.ERR, "verify",
                                         "answered BAD: block 0 differs")

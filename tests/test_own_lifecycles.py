@@ -280,3 +280,36 @@ def test_a_steps_retry_bound_before_the_latch_counts_from_nixls_end_not_the_subm
     [result] = finished(tier)
     assert result.success, result.reason
     assert answers == [], "tried until it matched"
+
+
+def test_a_release_given_up_that_leads_on_to_the_publish_is_refused_as_no_release(
+    tmp_path: Path,
+) -> None:
+    """Only a release NIXL answered OK lets the handle go: a lifecycle whose give-up of the
+    release (EXHAUSTED) leads on to XFER_RELEASED, and so to PUBLISHED, publishes success with
+    the handle held (the cleanup then deregistered memory under it). It was taken, as if any
+    edge of the release event were a release."""
+    machine = TRANSFER_MACHINE.extend(
+        "give_up_and_go_on",
+        replace={("DONE", "release", "exhausted"): {"dest": "XFER_RELEASED", "after": []},
+                 ("FAILED", "release", "exhausted"): {"dest": "XFER_RELEASED", "after": []}})
+    with pytest.raises(MachineRefused, match=r"PUBLISHED, a final state that is no failure "
+                                             r"state, is reached without a 'release' \("
+                                             r"SUBMITTED -> DONE -> XFER_RELEASED -> CLEANED "
+                                             r"-> PUBLISHED\)"):
+        FileTier(torch.zeros(4, 16), tmp_path, agent=FakeNixlAgent(), machine=machine)
+
+
+def test_a_failure_in_a_final_failure_state_names_the_state_before_an_older_error(
+    tmp_path: Path,
+) -> None:
+    """The release raised once, then went through; the late check rejects the block. The job
+    failed because it ended in REJECTED, which its reason says first: it used to say only the
+    release's error, which had nothing to do with it any more."""
+    tier, agent = file_tier(tmp_path, LATE_CHECK, {"check": always(Checked.MISMATCH)})
+    agent.inject("release_xfer_handle", Raise())
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    [result] = finished(tier)
+    assert result.reason is not None
+    assert result.reason.error.startswith("ended in REJECTED, a failure state; last error: ")
+    tier.shutdown(timeout=2)

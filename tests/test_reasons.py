@@ -174,29 +174,6 @@ def test_the_reason_takes_no_part_in_comparing_results() -> None:
     assert JobResult(1, False).reason is None
 
 
-@pytest.mark.parametrize(("answered", "reason"), [
-    ("MISMATCH", FailureReason(FailureKind.ERR, None, "answered MISMATCH")),
-    (("MISMATCH", "crc 0x1f2e"), FailureReason(FailureKind.ERR, "verify",
-                                              "answered MISMATCH: crc 0x1f2e")),
-])
-def test_a_steps_failing_answer_is_an_err_saying_what_it_answered(
-    tmp_path: Path, answered: object, reason: FailureReason
-) -> None:
-    """The verify step answers MISMATCH, alone or with why: the job fails with kind ERR (a
-    step's failing answer of its own), saying what it answered. Alone, it was UNKNOWN."""
-    from examples.verify_lifecycle import VERIFY_MACHINE, Verified  # noqa: PLC0415
-
-    answer = (Verified.MISMATCH, answered[1]) if isinstance(answered, tuple) else (
-        Verified.MISMATCH)
-    tier = FileTier(torch.zeros(4, 16), tmp_path, agent=FakeNixlAgent(), durable=False,
-                    machine=VERIFY_MACHINE, steps={"verify": lambda transfer, primary: answer})
-    tier.submit_store(TransferJob(1, ["a"], [0]))
-    tier.drain_jobs(timeout=5)
-    [result] = tier.get_finished_jobs()
-    assert (result.success, result.reason) == (False, reason)
-    tier.shutdown(timeout=5)
-
-
 def test_a_failure_no_action_explained_still_has_a_reason() -> None:
     """A lifecycle with actions of its own may latch failure without a reason: the result
     still carries one, with the last error."""

@@ -504,8 +504,7 @@ def _failure(answer: Answer, detail: Any) -> FailureReason:
     if answer is Answer.ERR:  # the status answered, or a message saying so
         return FailureReason(FailureKind.ERR, call, f"answered {error or 'ERR'!r}"
                              if call is not None or error is None else str(error))
-    if not isinstance(answer, Answer):  # a user step's own answer (given alone: no call
-        # named; with a why, ``(answer, why)``, the step is named too)
+    if call is not None and not isinstance(answer, Answer):  # a user step's own answer
         return FailureReason(FailureKind.ERR, call,
                              f"answered {answer.name}" + (f": {error}" if error else ""))
     return FailureReason(FailureKind.UNKNOWN, call, _describe(answer, detail))

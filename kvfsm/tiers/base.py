@@ -344,16 +344,19 @@ class SecondaryTier(JobSide):
         :meth:`get_finished_jobs` afterwards; a job whose transfer had already ended keeps its
         outcome. New submits are refused from the start. Transfers NIXL still runs are waited
         for up to ``timeout`` seconds (None: as long as it takes), never released while
-        running. At the deadline, a transfer that is over gets one last release attempt (a
-        retry backing off is not waited for); one whose release still fails is quarantined:
-        it is over, so its failure is published and only its handles (and the primary
-        cache's registration they refer to) stay held.
+        running. At the deadline, a transfer that is over gets one last try of the call it
+        waits on, its release or a step (a retry backing off is not waited for); one that still
+        stays is given up (its effect's EXHAUSTED edge), and from where that leads the same
+        way, until it is published: a release given up is quarantined, it is over, so its
+        failure is published and only its handles (and the primary cache's registration they
+        refer to) stay held.
 
-        Returns by the deadline, plus one poll; waiting for another thread's call to let go of
-        the tier's lock counts against it. The tier's background threads (a lookup probe, the
-        deletes of evicted objects, a flush of a store already published) are waited for until
-        the deadline too, once the tier is closed and its lock let go: calls on other threads
-        are refused at once meanwhile.
+        Returns by the deadline, plus one poll for each transfer that is over (its last
+        tries, one for each state its give-ups lead it through); waiting for another thread's
+        call to let go of the tier's lock counts against it. The tier's background threads (a
+        lookup probe, the deletes of evicted objects, a flush of a store already published) are
+        waited for until the deadline too, once the tier is closed and its lock let go: calls
+        on other threads are refused at once meanwhile.
 
         Raises:
             DrainTimeout: transfers NIXL still ran at the deadline, or another thread's call
