@@ -508,9 +508,9 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     leave the transfer where it is (a retry) has a give-up edge out of it too, as the retry
     bound and the shutdown deadline need one (``post`` is made once, at submit: nothing retries
     it). A step's event carries RAISED, which a step that raises answers, and no step takes the
-    name of a call the tier makes itself; only the initial state waits on ``post``; each state
-    on a circle of waits has a give-up edge; and every way into a final state that is no
-    failure state passes a ``release`` (F2).
+    name of a call the tier makes itself; only the initial state waits on ``post``, and no edge
+    leads back into it; each state on a circle of waits has a give-up edge; and every way into
+    a final state that is no failure state passes a ``release`` NIXL answered OK (F2).
 
     Raises:
         MachineRefused: one line naming the machine, the state and what is missing.
