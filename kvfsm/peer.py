@@ -54,8 +54,9 @@ with the agent metadata, and every notification the sender writes carries it
   a job covering one of them was published (its blocks handed back to the engine, which may
   write them), a copy kept from before no longer says what they hold, and is discarded when an
   expect would take it (:meth:`PeerReceiver._fresh`). A copy is dated when the receiver takes
-  it from NIXL, which may be a poll after its write landed: expecting a job before its sender
-  is told to write it leaves no copy to date. (A sender writing notifications no
+  it from NIXL (a poll that hands blocks back takes NIXL's notifications once more first), so
+  one still on its way as its blocks go back is dated after: expecting a job before its
+  sender is told to write it leaves no copy to date. (A sender writing notifications no
   expect ever claims grows this store; ``stats()["early"]`` shows it, and forgetting the
   sender frees it.)
 * **A closed link's nonce is spent.** When a link closes (``forget_peer``, a lost sender,
@@ -459,8 +460,33 @@ class PeerReceiver(JobSide):
 
     def _poll(self, everything: bool = False) -> None:
         """Take NIXL's new notifications, watch the senders, publish what is over (every
-        poll looks at every job: ``everything`` changes nothing)."""
+        poll looks at every job: ``everything`` changes nothing). Before a job is published
+        (its blocks handed back to the engine), NIXL's notifications are taken once more: one
+        of a write that landed before the hand-back is then dated before it (:meth:`_fresh`),
+        not a poll later."""
         now = time.monotonic()
+        self._take_new(now)
+        self._watch_links(now)
+        if not self._expected:
+            return
+        for expected in list(self._expected.values()):
+            if expected.state is ReceiveState.EXPECTING:
+                link = expected.link
+                if link.state in RECEIVE_FAILS_WHEN_LINK_IN:
+                    self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE,
+                                      f"sender {expected.peer} is gone: "
+                                      f"{link.error or 'forgotten'}")
+                else:
+                    self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.PRESENT)
+        if all(e.state is ReceiveState.EXPECTING for e in self._expected.values()):
+            return
+        self._take_new(now)  # what arrived before these hand-backs is dated before them
+        for expected in list(self._expected.values()):
+            if expected.state is not ReceiveState.EXPECTING:
+                self._publish(expected)
+
+    def _take_new(self, now: float) -> None:
+        """Take the notifications NIXL delivered since it was last asked."""
         dropped = self._dropped
         try:
             arrived = self.agent.get_new_notifs()
@@ -483,19 +509,6 @@ class PeerReceiver(JobSide):
                            "has: the store of %d was full (%d dropped in all)",
                            self._dropped - dropped, MAX_UNKNOWN_NOTIFICATIONS,
                            self._dropped)
-        self._watch_links(now)
-        if self._expected:
-            for expected in list(self._expected.values()):
-                if expected.state is ReceiveState.EXPECTING:
-                    link = expected.link
-                    if link.state in RECEIVE_FAILS_WHEN_LINK_IN:
-                        self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE,
-                                          f"sender {expected.peer} is gone: "
-                                          f"{link.error or 'forgotten'}")
-                    else:
-                        self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.PRESENT)
-                if expected.state is not ReceiveState.EXPECTING:
-                    self._publish(expected)
 
     def stats(self) -> dict[str, int]:
         """What the receiver holds and has thrown away.

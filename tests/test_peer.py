@@ -487,6 +487,48 @@ def test_a_notification_carrying_a_links_nonce_from_another_sender_never_counts(
     assert outcomes(receiver) == [(1, True)]
 
 
+def test_a_write_that_lands_inside_the_poll_that_hands_its_blocks_back_is_dated_before() -> None:
+    """As above, but the sender's new write lands inside the receiver's poll that fails old
+    job 7, after that poll took NIXL's notifications and before it handed block 3 back. Its
+    notification was taken a poll later, dated after the hand-back, and completed job 7
+    expected again: a success over the engine's bytes. The poll now takes NIXL's
+    notifications once more before it hands blocks back."""
+    sender_agent, receiver_agent = fake_ucx_pair()
+    source = torch.full((4, 64), 0xAA, dtype=torch.uint8)
+    target = torch.zeros(4, 64, dtype=torch.uint8)
+    sender = PeerSender(source, agent=sender_agent)
+    receiver = PeerReceiver(target, agent=receiver_agent)
+    sender.connect(receiver.metadata(), receiver.block_descs())
+    name = receiver.connect(sender.metadata())
+    receiver.expect(TransferJob(7, ["3"], [3], is_promotion=True), name)
+    sender.forget_peer()  # the sender links again: a new nonce
+    sender.connect(receiver.metadata(), receiver.block_descs())
+    receiver.forget_peer(name)  # job 7 fails at the next poll
+
+    taking = receiver_agent.get_new_notifs
+    landed: list[bool] = []
+
+    def write_lands_after_this_take() -> Any:
+        taken = taking()
+        if not landed:
+            landed.append(True)
+            sender.submit_store(TransferJob(7, ["3"], [0]))
+            assert [r.success for r in sender.get_finished_jobs()] == [True]
+        return taken
+
+    receiver_agent.get_new_notifs = write_lands_after_this_take  # type: ignore[method-assign]
+    assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(7, False)]
+    assert landed and torch.equal(target[3], source[0]), "the write landed in that poll"
+    target[3].fill_(0x55)  # the engine has block 3 back, and writes it
+    receiver.connect(sender.metadata())
+    receiver.expect(TransferJob(7, ["3"], [3], is_promotion=True), name)
+    for _ in range(5):
+        assert receiver.get_finished_jobs() == [], "no success over the engine's bytes"
+    assert receiver.stats()["discarded"] == 1
+    sender.shutdown()
+    receiver.shutdown()
+
+
 def test_a_second_early_copy_of_a_notification_counts_only_until_its_blocks_go_back() -> None:
     """A sender writes job 5 into block 2 twice before the receiver expects it. The first
     expect takes one copy; once that job is published, block 2 is the engine's again, so the

@@ -458,9 +458,11 @@ class _Run:
         return "receiver2" if "receiver2" in self.agents else "receiver"
 
     def took(self, role: str, got: dict[str, list[bytes]]) -> None:
-        """What the receiver's get_new_notifs returned: count what arrived on an open link."""
+        """What the receiver's get_new_notifs returned: count what arrived on an open link (its
+        link judged as it arrived: a poll may close it before it takes more)."""
         if role != self.receiver_role():
             return
+        self.note_closed()
         for sender, messages in got.items():
             name = sender.decode() if isinstance(sender, bytes) else str(sender)
             if name != "engine-a":
