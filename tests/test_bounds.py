@@ -355,6 +355,33 @@ def test_the_names_waiting_for_a_probe_stay_bounded_while_the_store_is_slow(
     stalled.close()
 
 
+class DeadStore(FakeNixlAgent):
+    """A probe agent whose store does not answer: every query raises at once."""
+
+    def query_memory(self, *args: object, **kwargs: object) -> list[dict[str, str] | None]:
+        raise FakeNixlError("NIXL_ERR_BACKEND")
+
+
+def test_the_names_whose_probe_failed_stay_bounded_while_the_store_is_down(
+    primary: torch.Tensor, agent: FakeNixlAgent
+) -> None:
+    """Each name whose probe failed is kept, to answer MISS until a probe about it is answered:
+    against a store that stays down, as many as MAX_WANTED, the oldest forgotten first."""
+    from kvfsm.tiers.object_store import MAX_WANTED  # noqa: PLC0415
+
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=DeadStore())
+    for start in range(0, 2 * MAX_WANTED, MAX_WANTED // 4):
+        for index in range(start, start + MAX_WANTED // 4):
+            tier.lookup(f"name-{index}")
+        for _ in range(10_000):  # until the probe thread asked about them all
+            if tier.stats()["probes_waiting"] == 0 and not tier._prober.busy:
+                break
+            time.sleep(0.001)
+    assert tier.stats()["probes_unanswered"] == MAX_WANTED
+    assert tier.lookup(f"name-{2 * MAX_WANTED - 1}") is Lookup.MISS, "the latest: MISS"
+    tier.shutdown(timeout=5)
+
+
 # -- timeouts and intervals: a bound that cannot be kept is refused by name ---------------------
 
 @pytest.mark.parametrize("call", ["drain_jobs", "shutdown"])

@@ -162,6 +162,11 @@ class _Prober:
         return len(self._wanted)
 
     @property
+    def unanswered(self) -> int:
+        """How many names' last query failed (at most :data:`MAX_WANTED`)."""
+        return len(self._unanswered)
+
+    @property
     def busy(self) -> bool:
         """True while a query may be in flight."""
         thread = self._thread
@@ -639,10 +644,11 @@ class ObjectStoreTier(SecondaryTier):
                       else prefix + object_text(key_text(key)) for key in keys])
 
     def stats(self) -> dict[str, Any]:
-        """The tier's stats, and how many names wait for a probe (at most
-        :data:`MAX_WANTED`)."""
+        """The tier's stats, how many names wait for a probe, and how many answer MISS because
+        their last probe failed (each at most :data:`MAX_WANTED`)."""
         stats = super().stats()
         stats["probes_waiting"] = len(self._prober)
+        stats["probes_unanswered"] = self._prober.unanswered
         remover = self._remover
         if remover is not None:
             holdings = stats["holdings"]
