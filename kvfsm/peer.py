@@ -458,12 +458,14 @@ class PeerReceiver(JobSide):
             if link is not None and link.state not in PEER_LINK.final:
                 self._close(link)
 
-    def _poll(self, everything: bool = False) -> None:
+    def _poll(self, everything: bool = False, closing: bool = False) -> None:
         """Take NIXL's new notifications, watch the senders, publish what is over (every
         poll looks at every job: ``everything`` changes nothing). Before a job is published
         (its blocks handed back to the engine), NIXL's notifications are taken once more: one
         of a write that landed before the hand-back is then dated before it (:meth:`_fresh`),
-        not a poll later."""
+        not a poll later. If that take fails, nothing is published this poll (the jobs wait
+        for a poll whose take goes through), but when ``closing``: every link is closed then,
+        so no notification can count any more."""
         now = time.monotonic()
         self._take_new(now)
         self._watch_links(now)
@@ -480,13 +482,16 @@ class PeerReceiver(JobSide):
                     self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.PRESENT)
         if all(e.state is ReceiveState.EXPECTING for e in self._expected.values()):
             return
-        self._take_new(now)  # what arrived before these hand-backs is dated before them
+        # what arrived before these hand-backs is dated before them
+        if not self._take_new(now) and not closing:
+            return
         for expected in list(self._expected.values()):
             if expected.state is not ReceiveState.EXPECTING:
                 self._publish(expected)
 
-    def _take_new(self, now: float) -> None:
-        """Take the notifications NIXL delivered since it was last asked."""
+    def _take_new(self, now: float) -> bool:
+        """Take the notifications NIXL delivered since it was last asked; False when NIXL's
+        call raised (nothing was taken)."""
         dropped = self._dropped
         try:
             arrived = self.agent.get_new_notifs()
@@ -496,7 +501,7 @@ class PeerReceiver(JobSide):
             if self._notif_errors & (self._notif_errors - 1) == 0:  # 1st, 2nd, 4th...: not all
                 logger.warning("get_new_notifs raised (%d time(s) so far): %s: %s",
                                self._notif_errors, type(error).__name__, error)
-            arrived = {}
+            return False
         for sender, messages in arrived.items():
             name = _peer_name(sender)
             link = self.links.get(name)
@@ -509,6 +514,7 @@ class PeerReceiver(JobSide):
                            "has: the store of %d was full (%d dropped in all)",
                            self._dropped - dropped, MAX_UNKNOWN_NOTIFICATIONS,
                            self._dropped)
+        return True
 
     def stats(self) -> dict[str, int]:
         """What the receiver holds and has thrown away.
@@ -518,8 +524,9 @@ class PeerReceiver(JobSide):
         most :data:`MAX_UNKNOWN_NOTIFICATIONS`); ``dropped``: those pushed out of that store
         since the receiver was made; ``discarded``: notifications that could never count (not
         kvfsm's, another sender's nonce, a closed link's), since it was made;
-        ``notify_errors``: ``get_new_notifs`` calls that raised (each a round with no
-        notification taken); ``leaks``: cleanup calls that failed (the cache's registration
+        ``notify_errors``: ``get_new_notifs`` calls that raised (each took no notification; a
+        poll makes two when it hands blocks back, and publishes nothing if the second raised);
+        ``leaks``: cleanup calls that failed (the cache's registration
         at shutdown, the links' metadata removals).
         """
         with self._lock:
@@ -639,7 +646,7 @@ class PeerReceiver(JobSide):
                 return
             for link in self.links.open_links():
                 self._close(link)
-            self._poll()  # also lets UCX retire a lost sender
+            self._poll(closing=True)  # also lets UCX retire a lost sender
             try:
                 self.agent.deregister_memory(self._registration)
             except Exception as error:  # best effort, as a tier's cleanup: a leak, kept

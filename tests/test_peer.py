@@ -284,6 +284,7 @@ class NotifyingAgent:
         self.sent.append((name, message))
 
     def get_new_notifs(self) -> dict[str, list[bytes]]:
+        self._fail("get_new_notifs")
         inbox, self.inbox = self.inbox, {}
         return inbox
 
@@ -487,12 +488,16 @@ def test_a_notification_carrying_a_links_nonce_from_another_sender_never_counts(
     assert outcomes(receiver) == [(1, True)]
 
 
-def test_a_write_that_lands_inside_the_poll_that_hands_its_blocks_back_is_dated_before() -> None:
+@pytest.mark.parametrize("second_take_raises", [False, True])
+def test_a_write_that_lands_inside_the_poll_that_hands_its_blocks_back_is_dated_before(
+    second_take_raises: bool,
+) -> None:
     """As above, but the sender's new write lands inside the receiver's poll that fails old
     job 7, after that poll took NIXL's notifications and before it handed block 3 back. Its
     notification was taken a poll later, dated after the hand-back, and completed job 7
     expected again: a success over the engine's bytes. The poll now takes NIXL's
-    notifications once more before it hands blocks back."""
+    notifications once more before it hands blocks back; if that take raises, it hands
+    nothing back (job 7's failure waits for the next poll, whose take goes through)."""
     sender_agent, receiver_agent = fake_ucx_pair()
     source = torch.full((4, 64), 0xAA, dtype=torch.uint8)
     target = torch.zeros(4, 64, dtype=torch.uint8)
@@ -507,8 +512,12 @@ def test_a_write_that_lands_inside_the_poll_that_hands_its_blocks_back_is_dated_
 
     taking = receiver_agent.get_new_notifs
     landed: list[bool] = []
+    raises = [second_take_raises]
 
     def write_lands_after_this_take() -> Any:
+        if landed and raises[0]:
+            raises[0] = False
+            raise RuntimeError("NIXL_ERR_BACKEND")  # (NIXL keeps what it has for the next)
         taken = taking()
         if not landed:
             landed.append(True)
@@ -517,6 +526,9 @@ def test_a_write_that_lands_inside_the_poll_that_hands_its_blocks_back_is_dated_
         return taken
 
     receiver_agent.get_new_notifs = write_lands_after_this_take  # type: ignore[method-assign]
+    if second_take_raises:
+        assert receiver.get_finished_jobs() == [], "no hand-back without the second take"
+        assert receiver.stats()["notify_errors"] == 1
     assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(7, False)]
     assert landed and torch.equal(target[3], source[0]), "the write landed in that poll"
     target[3].fill_(0x55)  # the engine has block 3 back, and writes it
@@ -527,6 +539,21 @@ def test_a_write_that_lands_inside_the_poll_that_hands_its_blocks_back_is_dated_
     assert receiver.stats()["discarded"] == 1
     sender.shutdown()
     receiver.shutdown()
+
+
+def test_shutdown_publishes_what_was_owed_even_when_nixl_cannot_say_what_arrived() -> None:
+    """A poll whose second take of notifications raises hands no block back; shutdown's does
+    all the same, since it closed every link first: no notification can count any more, and
+    every job owed publishes its failure."""
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    receiver.connect(sender_metadata())
+    receiver.expect(promotion(1, 0), "engine-a")
+    receiver.forget_peer("engine-a")
+    agent.failing["get_new_notifs"] = [FakeNixlError("NIXL_ERR_BACKEND")] * 10
+    assert outcomes(receiver) == [], "the second take raised: nothing handed back"
+    receiver.shutdown()
+    assert outcomes(receiver) == [(1, False)]
 
 
 def test_a_second_early_copy_of_a_notification_counts_only_until_its_blocks_go_back() -> None:

@@ -595,7 +595,10 @@ class _Run:
         if receiver is None:
             return
         role = self.receiver_role()
-        kept = sum(count - self.successes[key] for key, count in self.taken.items()
+        arrived = Counter(expect.key for expect in self.expects.values()  # used, and not
+                          if receiver.state_of(expect.job_id) is ReceiveState.ARRIVED)  # yet out
+        kept = sum(count - self.successes[key] - arrived[key]
+                   for key, count in self.taken.items()
                    if key[0] == role and self.nonces.get(key[1]) == "open")
         early = receiver.stats()["early"]
         if early != kept:
