@@ -462,3 +462,25 @@ def test_the_explorer_catches_a_driver_that_releases_a_handle_twice(
     found = explore(max_faults=0)
     caught = {violation.invariant for violation in found.violations}
     assert {Invariant.RELEASE_ONCE, Invariant.NO_MISUSE} <= caught, found.report()
+
+
+def test_the_explorer_catches_a_tier_that_counts_a_released_transfer_as_quarantined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tier that took a job ending in a final failure state for a quarantine after its
+    handle was released kept the primary cache's registration at shutdown, and the explorer
+    believed its count. It now counts the jobs it saw published still holding a handle."""
+    from kvfsm.runner import Runner  # noqa: PLC0415
+
+    from .test_own_lifecycles import LATE_CHECK, Checked, always  # noqa: PLC0415
+
+    settle = Runner._settle_failed
+
+    def held_always(transfer: Any) -> bool:
+        settle(transfer)
+        return True
+
+    monkeypatch.setattr(Runner, "_settle_failed", staticmethod(held_always))
+    found = explore(LATE_CHECK, steps={"check": always(Checked.MISMATCH)}, max_faults=0)
+    assert any(v.invariant is Invariant.HANDLE_LEAK and "0 published still holding" in v.detail
+               for v in found.violations), found.report()

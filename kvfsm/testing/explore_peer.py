@@ -340,6 +340,8 @@ class _Run:
         self.violations: list[PeerViolation] = []
         #: (role, call, occurrence) of every faultable call made, in order
         self.log: list[tuple[str, str, int]] = []
+        #: where the log stood when the receiver's poll under way began
+        self.poll_began = 0
         self.agents: dict[str, _Agent] = {}
         self.sender: PeerSender | None = None
         self.sender_agent: _Agent | None = None
@@ -458,11 +460,17 @@ class _Run:
         return "receiver2" if "receiver2" in self.agents else "receiver"
 
     def took(self, role: str, got: dict[str, list[bytes]]) -> None:
-        """What the receiver's get_new_notifs returned: count what arrived on an open link (its
-        link judged as it arrived: a poll may close it before it takes more)."""
+        """What the receiver's get_new_notifs returned: count what arrived on an open link (the
+        first take of a poll judged by the link as the poll began, a later one by the link as
+        it is: a poll may close it between its takes)."""
         if role != self.receiver_role():
             return
-        self.note_closed()
+        # the first take of a poll is judged by the link as the poll began (a receiver takes
+        # what NIXL delivered before it watches its links); a later one, as it is now
+        takes = sum(1 for r, call, _ in self.log[self.poll_began:]
+                    if r == role and call == "get_new_notifs")
+        if takes > 1:
+            self.note_closed()
         for sender, messages in got.items():
             name = sender.decode() if isinstance(sender, bytes) else str(sender)
             if name != "engine-a":
@@ -498,6 +506,7 @@ class _Run:
         receiver = self.receiver
         if receiver is None:
             return
+        self.poll_began = len(self.log)
         try:
             results = receiver.get_finished_jobs()
         except Exception as error:
@@ -982,6 +991,15 @@ class _CompletesOnOtherLink(PeerReceiver):
         super()._take(sender, message, link)
 
 
+class _WatchesBeforeTaking(PeerReceiver):
+    """Watches its senders before it takes what NIXL delivered: a sender that wrote, told it
+    and died has its link closed first, and the notification is thrown away with it."""
+
+    def _poll(self, everything: bool = False, closing: bool = False) -> None:
+        self._watch_links(time.monotonic())
+        super()._poll(everything, closing)
+
+
 class _CompletesTwice(PeerReceiver):
     """Hands out each success twice."""
 
@@ -1007,6 +1025,11 @@ BROKEN_RECEIVERS: dict[str, ReceiverVariant] = {variant.name: variant for varian
         "a notification counts for the sender's open link whatever link it was sent over, so "
         "an old link's late write completes a job of the new one",
         receiver=_CompletesOnOtherLink),
+    ReceiverVariant(
+        "watches-before-taking", PeerInvariant.LOST_NOTIFICATION,
+        "the senders are watched before what NIXL delivered is taken: a sender that wrote and "
+        "died has its link closed first, and its job fails though its bytes landed",
+        receiver=_WatchesBeforeTaking),
     ReceiverVariant(
         "completes-twice", PeerInvariant.ONE_RESULT,
         "each success is handed out twice", receiver=_CompletesTwice),
