@@ -24,6 +24,7 @@ own) makes the answer PROC: for the machine the store still runs, and the next p
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import operator
@@ -710,9 +711,9 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
     quarantine, the handle held for good)."""
     held_ok = declaration.final & declaration.failure_states
     before = {declaration.initial: None}  # state -> the state it was reached from
-    queue = [declaration.initial]
+    queue = collections.deque([declaration.initial])  # breadth first: a shortest way is named
     while queue:
-        state = queue.pop(0)
+        state = queue.popleft()
         for event, row in sorted(table.get(state, {}).items()):
             for answer, step in sorted(row.items(), key=lambda item: item[0].name):
                 if event == TransferEvent.RELEASE and answer is Answer.OK:

@@ -649,10 +649,11 @@ def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
             violations.append(Violation(Invariant.HANDLE_LEAK, job_id,
                                         "published, and its transfer handle is still held"))
     held = sum(1 for seen in agent.jobs.values() if seen.results and seen.held)
-    if tier.stats()["quarantined"] != held:
+    counted = tier.stats()["quarantined"]
+    if counted != held:
         violations.append(Violation(Invariant.HANDLE_LEAK, None,
-                                    f"the tier counts {tier.stats()['quarantined']} quarantined "
-                                    f"transfer(s); {held} published still holding a handle"))
+                                    f"the tier counts {counted} quarantined transfer(s); "
+                                    f"{held} published still holding a handle"))
     if not busy:
         tier.shutdown(timeout=0)
         stats = tier.stats()
