@@ -469,7 +469,9 @@ class TransferDriver:
 
         A step that raises, or answers what its event does not carry, answers RAISED (its
         event must carry it: :func:`check_runnable`); an answer given with a reason
-        (``(answer, why)``) carries it to the machine's actions as the failure's detail.
+        (``(answer, why)``) carries it to the machine's actions as the failure's detail, and
+        one given alone carries the step's name all the same (an empty why), so a failure it
+        latches says which step answered what (``verify answered MISMATCH``).
         """
         try:
             answered = self.steps[name](transfer)
@@ -479,7 +481,7 @@ class TransferDriver:
                                 "event's answers")
         except Exception as error:  # a step's failure is an answer, not an escape
             return Outcome(Answer.RAISED, CallFailed(name, error.with_traceback(None)))
-        return Outcome(answer, None if why is None else CallFailed(name, why))
+        return Outcome(answer, CallFailed(name, "" if why is None else why))
 
 
 _NONE = Outcome(None)

@@ -105,6 +105,12 @@ _NIXL_WAITS: dict[str, str] = {TransferEvent.POLL: "check_xfer_state",
                                TransferEvent.RELEASE: "release_xfer_handle"}
 
 
+
+def _alone(detail: Any) -> bool:
+    """Whether a call's answer came without a why: none (a NIXL wait's answer), or a step's
+    answer given alone (the driver names the step with an empty why)."""
+    return not detail or (isinstance(detail, CallFailed) and detail.error == "")
+
 class Runner(Books):
     """The books of one lifecycle's transfers: where each is, what is due, what was published.
 
@@ -674,8 +680,9 @@ class Runner(Books):
             # was heard, not from the submit (the latch stamps the end again)
             transfer.finished_at = now
         if self.policy.spent(failures, transfer.finished_at, now):
-            if effect not in _NIXL_WAITS and not isinstance(detail, CallFailed):
-                detail = CallFailed(effect, detail or "retry bound spent")  # name the step
+            if effect not in _NIXL_WAITS and (_alone(detail)
+                                              or not isinstance(detail, CallFailed)):
+                detail = CallFailed(effect, "retry bound spent" if _alone(detail) else detail)
             self.machine.fire(transfer, effect, Answer.EXHAUSTED, detail)
             logger.error("job %d %s after %d failed %s(s): %s", transfer.job_id,
                          self._gave_up(transfer), failures, self._call_of[effect],
@@ -690,8 +697,9 @@ class Runner(Books):
             self._ready.pop(transfer.job_id, None)
         if failures & (failures - 1) == 0:  # the 1st, 2nd, 4th, 8th... retry: not every round
             logger.warning("job %d: %s failed (retry %d): %s", transfer.job_id,
-                           self._call_of[effect], failures, transfer.error if detail is not None
-                           else f"answered {getattr(answer, 'name', answer)}",  # (a "not yet")
+                           self._call_of[effect], failures,
+                           f"answered {getattr(answer, 'name', answer)}"  # (a "not yet")
+                           if _alone(detail) else transfer.error,
                            extra=transfer.log_fields())
 
     def _gave_up(self, transfer: Transfer) -> str:

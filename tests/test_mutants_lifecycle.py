@@ -110,10 +110,13 @@ def test_a_step_answering_what_its_event_does_not_carry_fails_its_job_naming_it(
         f"TypeError: step 'verify' answered {answered!r}, not one of its event's answers")
 
 
-def test_a_step_answering_plainly_gives_no_reason_and_with_a_reason_gives_it() -> None:
+def test_a_step_answering_plainly_or_with_a_reason_is_named_in_the_failure() -> None:
+    """A failing answer given alone names the step and what it answered (it used to be an
+    UNKNOWN reason, "failed: BAD", naming no step); one given with a why says that too."""
     assert run_one_store(lambda transfer, primary: Checked.GOOD).success
     failed = run_one_store(lambda transfer, primary: Checked.BAD)
-    assert failed.reason == FailureReason(FailureKind.UNKNOWN, None, "BAD")
+    assert failed.reason == FailureReason(FailureKind.ERR, "verify", "answered BAD")
+    assert str(failed.reason) == "verify answered BAD"
     said = run_one_store(lambda transfer, primary: (Checked.BAD, "block 0 differs"))
     assert said.reason == FailureReason(FailureKind.ERR, "verify",
                                         "answered BAD: block 0 differs")
@@ -256,6 +259,17 @@ def test_a_step_given_up_keeps_why_as_the_error_and_names_the_step_in_the_reason
     assert transfer.error == "running for more than 5 s"
     assert transfer.reason == FailureReason(FailureKind.QUARANTINED, "verify",
                                             "running for more than 5 s")
+
+
+def test_a_step_answering_alone_into_a_quarantine_says_what_it_answered() -> None:
+    """A user's edge that quarantines on a step's answer given alone (the driver names the
+    step with an empty why): the reason says what the step answered, not an empty text."""
+    machine = TRANSFER_MACHINE.compile(listen=False)
+    transfer = transfer_in(S.PROCESSING)
+    machine.fire(transfer, E.POLL, A.EXHAUSTED, CallFailed("verify", ""))
+    assert transfer.error == "answered EXHAUSTED"
+    assert transfer.reason == FailureReason(FailureKind.QUARANTINED, "verify",
+                                            "answered EXHAUSTED")
 
 
 def test_what_a_call_raised_is_kept_by_its_type_and_what_it_answered_has_none() -> None:

@@ -356,11 +356,13 @@ def quarantine(transfer: Any, answer: Answer, detail: Any) -> None:
     # a call that failed once too often (what it raised), or the tier giving up on a call
     # (why, as text: the shutdown deadline, a step's retry bound)
     gave_up = isinstance(detail, CallFailed) and not isinstance(detail.error, BaseException)
-    _keep_error(transfer, answer, detail.error if gave_up else (detail or "retry bound spent"))
+    given = (str(detail.error) or f"answered {getattr(answer, 'name', answer)}"  # a step's
+             if gave_up else "")  # answer given alone says what it answered
+    _keep_error(transfer, answer, given if gave_up else (detail or "retry bound spent"))
     if not running and transfer.success is False:
         return  # it had failed (or was cancelled) before: that is why the job failed
     if gave_up:
-        call, why = detail.call, str(detail.error)
+        call, why = detail.call, given
     elif isinstance(detail, CallFailed):
         call, why, last = detail.call, "retry bound spent", transfer.error
         last_type = _error_type(detail)
@@ -464,6 +466,8 @@ def _describe(answer: Answer, detail: Any) -> str:
     if isinstance(detail, CallFailed):
         if isinstance(detail.error, BaseException):
             detail = detail.error
+        elif detail.error == "":  # a step's answer given alone
+            return f"{detail.call} answered {getattr(answer, 'name', answer)}"
         else:
             return f"{detail.call} answered {detail.error!r}"
     if isinstance(detail, BaseException):
