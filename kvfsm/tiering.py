@@ -534,6 +534,21 @@ class OffloadTier(Protocol):
         given what is left of :meth:`TieringManager.shutdown`'s.)"""
 
 
+def _forget(tier: OffloadTier, name: str, keys: Sequence[Key]) -> None:
+    """A store skipped ``tier`` (or it refused its job): it forgets ``keys``, so a copy it
+    holds from before the blocks were written again is not loaded as theirs. A tier without
+    ``forget`` keeps what it knew; one whose ``forget`` raises is logged, and the store goes
+    on to the other tiers (the jobs they took are the caller's to see)."""
+    forget = getattr(tier, "forget", None)
+    if forget is None:
+        return
+    try:
+        forget(keys)
+    except Exception:
+        logger.exception("tier %s: forget() raised after its store was skipped; a copy it held "
+                         "under these keys may be loaded as theirs", name)
+
+
 def _took(tier: OffloadTier, job_id: int) -> bool:
     """Whether ``tier`` took the job of a submit an interrupt cut short (NIXL may be moving
     its blocks): its ``owes`` says, if it has one (kvfsm's tiers do). An ``owes`` that raises
@@ -721,7 +736,9 @@ class TieringManager:
         True: kvfsm's tiers past their :class:`~kvfsm.policy.InFlightLimit`) is skipped: no
         job, no pin, counted in :meth:`stats` as ``stores_skipped``; so is a tier whose submit
         refuses the job as busy (:class:`~kvfsm.tiers.TierBusyError`: saturated since it was
-        asked, or a delete of one of the blocks in flight).
+        asked, or a delete of one of the blocks in flight). A tier skipped, or one that
+        refused its job, forgets the keys (its ``forget``, when it has one): an older copy it
+        holds under a key written again since is not loaded as these blocks' bytes.
 
         Returns:
             the job ids, one per tier that took the job, in tier order (empty when every tier
@@ -748,6 +765,7 @@ class TieringManager:
             saturated = getattr(tier, "saturated", None)
             if saturated is not None and saturated(nbytes):  # back-pressure: no job, no pin
                 self._skipped[name] += 1
+                _forget(tier, name, keys)
                 continue
             job = TransferJob(next(self._ids), list(keys), list(blocks))
             self._jobs[job.job_id] = Submitted(job, name)
@@ -764,12 +782,13 @@ class TieringManager:
                 if not pinned:  # the pin failed, or an interrupt came before it: no tier's
                     raise  # doing, and nothing pinned (pin changes nothing when it raises)
                 self.primary.complete_read(blocks)
+                if not isinstance(error, Exception):
+                    raise
+                _forget(tier, name, keys)
                 if isinstance(error, TierBusyError):  # saturated since it was asked, or
                     # removing one of the blocks: nothing registered, a later store is taken
                     self._skipped[name] += 1
                     continue
-                if not isinstance(error, Exception):
-                    raise
                 refusals.append((name, job.job_id, error))
                 continue
             submitted.append(job.job_id)

@@ -18,7 +18,7 @@ from kvfsm.tiering import CPUPrimaryTier, TieringManager
 from kvfsm.tiers import Lookup, ObjectStoreTier, TierSaturatedError
 
 from .test_poll_schedule import Held
-from .test_tiering import BLOCK_BYTES, DictTier, write
+from .test_tiering import BLOCK_BYTES, DictTier, content, write
 
 BLOCKS = 16
 
@@ -222,3 +222,95 @@ def test_the_manager_skips_a_tier_deleting_the_block_it_is_asked_to_store_again(
         gate.set()
         manager.shutdown(timeout=10)
 
+
+
+def test_a_key_written_again_is_not_loaded_with_the_bytes_a_skipped_tier_still_holds() -> None:
+    """The engine stored seq0/blk0, freed it, wrote new bytes under the same key and stored
+    them while the object store was saturated: the store skipped that tier, which still held
+    the first bytes as a HIT, and a later load published them as a success. The skipped tier
+    forgets the key now: the load finds nothing until the new bytes are stored there."""
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    agent = Held()
+    tier = ObjectStoreTier(primary.cache, agent=agent, in_flight=InFlightLimit(jobs=1))
+    manager = TieringManager(primary, {"objects": tier})
+
+    def settle() -> list[Any]:
+        agent.held.clear()
+        return manager.drain(timeout=5)
+
+    def write_as(key: str, version: str) -> int:
+        (block,) = primary.allocate([key])
+        primary.cache[block] = content(version)
+        primary.complete_write([block], success=True)
+        return block
+
+    first = write_as("seq0/blk0", "first bytes")
+    assert len(manager.store([first])) == 1
+    settle()
+    assert tier.lookup("seq0/blk0") is Lookup.HIT
+    primary.free([first])  # the sequence ends; the key is free to be written again
+    second = write_as("seq0/blk0", "second bytes")
+    manager.store([write_as("other", "other bytes")])  # in flight: the tier is saturated
+    assert manager.store([second]) == []
+    assert manager.stats()["stores_skipped"] == {"objects": 1}
+    assert tier.lookup("seq0/blk0") is Lookup.MISS, "the old copy is not vouched for"
+    settle()
+    primary.free([second])
+    assert manager.load(["seq0/blk0"]) is None  # (it loaded the first bytes as a success)
+
+    again = write_as("seq0/blk0", "second bytes")  # stored once there is room: found again
+    assert len(manager.store([again])) == 1
+    settle()
+    primary.free([again])
+    assert manager.load(["seq0/blk0"]) is not None
+    [loaded] = settle()
+    assert loaded.success
+    assert torch.equal(primary.cache[loaded.job.block_ids[0]], content("second bytes"))
+    manager.shutdown(timeout=5)
+
+
+class SaturatedForgetting(DictTier):
+    """A user's tier that is always saturated and whose ``forget`` raises."""
+
+    def saturated(self, nbytes: int = 0) -> bool:
+        return True
+
+    def forget(self, keys: Any) -> None:
+        raise RuntimeError("forget is broken")
+
+
+def test_a_tier_whose_forget_raises_is_logged_and_the_others_keep_their_jobs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    manager = TieringManager(primary, {"fast": DictTier(primary.cache),
+                                       "broken": SaturatedForgetting(primary.cache)})
+    (block,) = write(primary, "key-a")
+    [job_id] = manager.store([block])
+    assert manager.stats()["stores_skipped"] == {"fast": 0, "broken": 1}
+    assert "tier broken: forget() raised" in caplog.text
+    assert [done.job_id for done in manager.drain(timeout=5)] == [job_id]
+    assert primary.stats()["pinned"] == 0
+    manager.shutdown(timeout=5)
+
+
+def test_forget_makes_a_held_block_a_miss_until_it_is_stored_again() -> None:
+    """``forget`` answers MISS for blocks the tier holds, within a capacity too (whose books
+    still count the old copy), and a later store makes them HIT; a bad key forgets nothing."""
+    agent = FakeNixlAgent("forget")
+    primary = torch.zeros((4, 64), dtype=torch.uint8)
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=4 * 64,
+                           remove=agent.remove_objects)
+    tier.submit_store(TransferJob(1, ["a", "b"], [0, 1]))
+    tier.drain_jobs(timeout=5)
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    with pytest.raises(ValueError):
+        tier.forget(["a", ""])
+    assert (tier.lookup("a"), tier.lookup("b")) == (Lookup.HIT, Lookup.HIT)
+    tier.forget(["a"])
+    assert (tier.lookup("a"), tier.verdict("a"), tier.lookup("b")) == (
+        Lookup.MISS, Lookup.MISS, Lookup.HIT)
+    tier.submit_store(TransferJob(2, ["a"], [2]))
+    tier.drain_jobs(timeout=5)
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    assert tier.lookup("a") is Lookup.HIT
+    tier.shutdown(timeout=5)

@@ -147,6 +147,40 @@ def test_a_touched_block_is_removed_after_those_not_touched(
     tier.shutdown(timeout=5)
 
 
+def test_touch_never_waits_for_a_poll_under_way_and_still_counts(
+        primary: torch.Tensor, agent: FakeNixlAgent) -> None:
+    """vLLM touches blocks on its lookup path: with another thread's call holding the tier's
+    lock (a poll on the progress thread), ``touch`` returns at once (it used to wait for that
+    poll), and the block it touched still counts as used when the next store makes room."""
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=3 * BLOCK,
+                           remove=agent.remove_objects)
+    tier.submit_store(TransferJob(1, ["a", "b", "c"], [0, 1, 2]))
+    settle(tier)
+    holding, release = threading.Event(), threading.Event()
+
+    def poll_under_way() -> None:
+        with tier._lock:
+            holding.set()
+            release.wait(10)
+
+    poller = threading.Thread(target=poll_under_way)
+    poller.start()
+    try:
+        assert holding.wait(5)
+        toucher = threading.Thread(target=tier.touch, args=(["a"],))
+        toucher.start()
+        toucher.join(5)
+        assert not toucher.is_alive(), "touch waited for the lock"
+    finally:
+        release.set()
+        poller.join(5)
+    tier.submit_store(TransferJob(2, ["d"], [3]))  # order was b, c, a: b goes
+    assert [r.success for r in settle(tier)] == [True]
+    assert tier.wait_for_removals(5)
+    assert (tier.holds("a"), tier.holds("b")) == (True, False)
+    tier.shutdown(timeout=5)
+
+
 def test_a_tier_without_a_capacity_ignores_touch_and_has_no_events(tier: ObjectStoreTier) -> None:
     """Without ``capacity_bytes`` nothing is tracked: touching is a no-op (for keys it never
     stored too) and there are no events to take."""

@@ -530,7 +530,10 @@ class SecondaryTier(JobSide):
 
     def touch(self, keys: Sequence[bytes | str]) -> None:
         """Count blocks as used now (the last the most recent): they are removed last when
-        the tier needs room. Keys the tier does not hold are ignored.
+        the tier needs room. Keys the tier does not hold are ignored. Never waits for the
+        tier's lock (an engine touches blocks on its lookup path): while another thread's call
+        holds it (a poll on the progress thread), the blocks are noted, as a lookup's HIT is,
+        and counted as used by the next call that takes the lock, before it removes any.
 
         Raises:
             ValueError: a key is not a non-empty str or bytes; nothing was counted.
@@ -538,8 +541,30 @@ class SecondaryTier(JobSide):
         holdings = self._holdings
         if holdings is not None:
             names = self._remote_names(keys)
-            with self._lock:
+            lock = self._lock
+            if not lock.acquire(blocking=False):
+                for name in names:
+                    holdings.use(name)
+                return
+            try:
                 holdings.touch(names)
+            finally:
+                lock.release()
+
+    def forget(self, keys: Sequence[bytes | str]) -> None:
+        """The tier no longer vouches for what it holds under ``keys``: they answer MISS, as
+        after a failed store, until a store of them succeeds. For a caller whose blocks under
+        those keys now hold other bytes that this tier did not store (the tiering manager
+        skipped it, saturated or busy): a load from here would bring the old ones back. The
+        old copy stays where it is until a store replaces it or the capacity removes it; what
+        the tier knows is its lookup cache, so a verdict the cache has since forgotten is
+        probed again (name blocks by their content, as vLLM does, and there is nothing to
+        forget).
+
+        Raises:
+            ValueError: a key is not a non-empty str or bytes; nothing was forgotten.
+        """
+        self._known.record(self._remote_names(keys), Lookup.MISS)
 
     def take_events(self) -> list[HoldingEvent]:
         """What the tier stored and removed since the last call, oldest first (kept only when
