@@ -214,6 +214,11 @@ class SecondaryTier(JobSide):
         MachineRefused: the machine cannot run in a tier (:func:`~kvfsm.driver.check_runnable`
             says what is missing); raised before any NIXL call.
 
+    A tier on a real NIXL agent is held by kvfsm while it has jobs unpublished: dropped with
+    transfers in flight, it would tear its agent down under them. At the interpreter's exit,
+    one not shut down with jobs unpublished is drained and shut down, waiting for NIXL to end
+    them.
+
     Bounded memory: the lookup cache keeps the verdicts on the last :attr:`known_names`
     names, and :meth:`stats` lists the last :attr:`leak_record` leaks (and counts them all).
     Set either on the class or a subclass before a tier is made.
@@ -293,6 +298,9 @@ class SecondaryTier(JobSide):
         except BaseException:
             agent.deregister_memory(self._dram)
             raise
+        #: on a real NIXL agent: held by kvfsm (``_live_tiers``) while jobs are unpublished
+        self._on_nixl = _runs_nixl(agent)
+        self._kept = False
 
     # -- the contract -----------------------------------------------------------------------
 
@@ -463,6 +471,9 @@ class SecondaryTier(JobSide):
         """Close the tier (under its lock; shutdown then stops its background work)."""
         self._closed = True
         runner = self._runner
+        if not runner.may_run:  # (a transfer given up while NIXL may run it keeps it held)
+            self._kept = False
+            _live_tiers.discard(self)
         if runner.quarantined or runner.may_run:  # their handles refer to the registration
             logger.error("shutdown: %d quarantined transfer(s) hold their handles (%d may still "
                          "run); the primary cache stays registered", len(runner.quarantined),
@@ -690,6 +701,9 @@ class SecondaryTier(JobSide):
             try:
                 self._submit(job, load=load)
             finally:
+                if self._on_nixl and not self._kept and self._runner.records:
+                    self._kept = True  # dropped now, it would tear its NIXL agent down
+                    _live_tiers.add(self)  # under the transfers: held until they are over
                 if self.policy.progress_interval is not None:
                     self._start_progress(self.policy.progress_interval)
 
@@ -802,6 +816,9 @@ class SecondaryTier(JobSide):
             self._advance(overdue)
         if waiting:
             self._advance(waiting)
+        if self._kept and not runner.records:  # nothing unpublished: it may be dropped
+            self._kept = False
+            _live_tiers.discard(self)
 
     def _take_polls(self, answered: list[tuple[Transfer, Any]]) -> None:
         """Fire each state check's answer, then take the transfer as far as it goes."""
@@ -931,6 +948,50 @@ class SecondaryTier(JobSide):
         return value
 
 logger = logging.getLogger("kvfsm")
+
+#: the tiers on real NIXL agents with jobs unpublished (from a submit until a poll finds none,
+#: or shutdown), held here: one dropped with transfers in flight would tear its NIXL agent down
+#: under them (a process crashed so, in the collector, 1 of 4 times); at the interpreter's
+#: exit they are drained and shut down (:func:`_shut_down_at_exit`)
+_live_tiers: set[SecondaryTier] = set()
+
+
+def _runs_nixl(agent: Any) -> bool:
+    """Whether ``agent`` is NIXL's own ``nixl_agent``, or a wrapper around one (``wrapped``,
+    as :class:`kvfsm.testing.FaultyAgent`'s): its transfers run outside the interpreter."""
+    for _ in range(8):  # (a wrapper of a wrapper...: a few levels at most)
+        if type(agent).__module__.partition(".")[0] in ("nixl", "nixl_cu12", "nixl_cu13"):
+            return True
+        agent = vars(agent).get("wrapped") if hasattr(agent, "__dict__") else None
+        if agent is None:
+            return False
+    return False
+
+
+def _shut_down_at_exit() -> None:
+    """At the interpreter's exit, before it waits for threads: a tier on a real NIXL agent that
+    was not shut down and has jobs unpublished is drained, then shut down, waiting as long as
+    NIXL runs their transfers (none is released while it runs). A process must not exit with
+    a NIXL transfer in flight: with an object store's requests under way it crashed (SIGSEGV,
+    7 of 8 runs of 16 jobs left in flight). Their results, which no one takes, are what NIXL
+    answered (a store it finished is a success)."""
+    for tier in list(_live_tiers):
+        try:
+            if tier.closed or not tier.unpublished():
+                continue
+            logger.warning("interpreter exit: %s was not shut down, with %d job(s) unpublished; "
+                           "shutting it down, waiting for NIXL to end their transfers",
+                           type(tier).__name__, len(tier.unpublished()))
+            tier.drain_jobs(timeout=None)
+            tier.shutdown(timeout=None)
+        except Exception:
+            logger.exception("interpreter exit: the shutdown of a %s raised",
+                             type(tier).__name__)
+
+
+# runs before the interpreter joins its non-daemon threads (atexit handlers run after that,
+# once NIXL's own threads may be going)
+getattr(threading, "_register_atexit", lambda _: None)(_shut_down_at_exit)
 
 
 def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Transfer,
