@@ -484,3 +484,129 @@ def test_the_explorer_catches_a_tier_that_counts_a_released_transfer_as_quaranti
     found = explore(LATE_CHECK, steps={"check": always(Checked.MISMATCH)}, max_faults=0)
     assert any(v.invariant is Invariant.HANDLE_LEAK and "0 published still holding" in v.detail
                for v in found.violations), found.report()
+
+
+# -- the path with no fault injected: what a step does there by itself -------------------------
+
+def index_gone(transfer: Any, primary: Any) -> Any:
+    """A ``verify`` step that raises on every call, fault or none: a broken step."""
+    raise OSError("the checksum index is gone")
+
+
+def mismatching(transfer: Any, primary: Any) -> Any:
+    """A ``verify`` step that answers MISMATCH on every call: a test of the mismatch path."""
+    from examples.verify_lifecycle import Verified  # noqa: PLC0415
+
+    return Verified.MISMATCH
+
+
+#: steps for ``kvfsm explore --machine examples.verify_lifecycle:VERIFY_MACHINE --steps ...``
+BROKEN_STEPS = {"verify": index_gone}
+MISMATCHING_STEPS = {"verify": mismatching}
+
+
+def test_a_step_given_as_its_class_instead_of_an_instance_is_caught_on_the_first_path() -> None:
+    """``steps={"verify": Checksums}`` (the class, not ``Checksums()``): every call of the
+    step raised TypeError, so every job failed on every path, and the explorer reported
+    2437 paths and 0 violations, as for the right steps. A step that raises by itself where
+    no fault was injected is now a violation naming what it raised; one that raises only
+    under faults (a load of a block whose store failed) is a failure its lifecycle handles."""
+    from examples.verify_lifecycle import VERIFY_MACHINE, Checksums, Verified  # noqa: PLC0415
+
+    found = explore(VERIFY_MACHINE, steps={"verify": Checksums})
+    assert not found.ok, found.report()
+    assert found.counterexample == parse_path("mode=1;"), "the path with no fault injected"
+    raised = [v for v in found.violations if v.invariant is Invariant.STEP_RAISED]
+    assert [v.job_id for v in raised] == [0, 1, 2], found.report()
+    assert raised[0].detail == ("verify raised TypeError('Checksums.__init__() takes 1 "
+                                "positional argument but 3 were given')"), found.report()
+    assert ("on the path with no fault injected (mode=1), 3 of 3 jobs whose transfers NIXL "
+            "finished failed: jobs 0, 1, 2: verify raised TypeError: Checksums.__init__() "
+            "takes 1 positional argument but 3 were given") in found.report()
+
+    class StrictChecksums(Checksums):
+        """Raises where Checksums answers MISMATCH: on a load of a block never recorded."""
+
+        def __call__(self, transfer: Any, primary: Any) -> Any:
+            answered = super().__call__(transfer, primary)
+            if isinstance(answered, tuple) and answered[0] is Verified.MISMATCH:
+                raise KeyError(answered[1])
+            return answered
+
+    assert explore(VERIFY_MACHINE, steps={"verify": StrictChecksums()}, max_faults=1).ok
+    _, violations, taken = replay(parse_path("mode=1;verify:raise@1"), VERIFY_MACHINE,
+                                  steps={"verify": StrictChecksums()})
+    assert violations == []
+    assert taken["VERIFYING -verify[unverified]-> FAILED"] == 2, \
+        "the store's verify failed, and the load's raised KeyError by itself"
+
+
+def test_a_step_failing_its_jobs_on_purpose_is_no_violation_and_the_report_says_so() -> None:
+    """A step that answers MISMATCH on every call tests the mismatch path: no violation. But
+    no path then has a job succeed, and the report says so, with what the step answered."""
+    from examples.verify_lifecycle import VERIFY_MACHINE, Checksums  # noqa: PLC0415
+
+    found = explore(VERIFY_MACHINE, steps=MISMATCHING_STEPS, max_faults=1)
+    assert found.ok, found.report()
+    assert [(run.path, [r.job_id for r in run.failed], len(run.results))
+            for run in found.fault_free] == [(parse_path("mode=1;"), [0, 1, 2], 3),
+                                             (parse_path("mode=0;"), [0, 1, 2], 3)]
+    assert ("on the path with no fault injected (mode=1), 3 of 3 jobs whose transfers NIXL "
+            "finished failed: jobs 0, 1, 2: verify answered MISMATCH") in found.report()
+    right = explore(VERIFY_MACHINE, steps={"verify": Checksums()}, max_faults=0)
+    assert [run.failed for run in right.fault_free] == [(), ()], right.report()
+    assert "no fault injected" not in right.report()
+
+
+def test_a_step_answering_what_its_event_does_not_carry_is_named_as_the_steps_fault() -> None:
+    """The tier takes such an answer as RAISED; the explorer expected the job to succeed, and
+    reported an OUTCOME violation of the lifecycle, naming neither the step nor its answer."""
+    from examples.verify_lifecycle import VERIFY_MACHINE  # noqa: PLC0415
+
+    found = explore(VERIFY_MACHINE, steps={"verify": lambda transfer, primary: "MATCH"},
+                    max_faults=0)
+    assert {v.invariant for v in found.violations} == {Invariant.STEP_ANSWER}, found.report()
+    assert found.violations[0].detail == ("verify answered 'MATCH', not one of its event's "
+                                          "answers (MATCH, MISMATCH, RAISED)")
+
+
+#: a lifecycle that fails a job NIXL finished, for ``kvfsm explore --machine ...``
+FAIL_WHEN_DONE = variant("fail_when_done", {
+    (S.PROCESSING, "poll", "finished"): {"dest": S.FAILED, "after": "latch_failure"}})
+
+
+def test_a_violation_about_a_failure_a_job_published_shows_the_jobs_reason(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """OUTCOME said the job published success=False where NIXL said DONE, and never what the
+    job gave as its reason, which says why it failed."""
+    from kvfsm.cli import main  # noqa: PLC0415
+
+    found = explore(FAIL_WHEN_DONE, max_faults=0)
+    outcome = found.violations[0]
+    assert (outcome.invariant, outcome.reason) == (Invariant.OUTCOME, "failed: DONE")
+    assert str(outcome).endswith("it published success=False (its reason: failed: DONE)")
+    assert str(outcome) in found.report()
+    options = ["--machine", "tests.test_explore:FAIL_WHEN_DONE"]
+    assert main(["explore", *options, "--max-faults", "0"]) == 1
+    assert "it published success=False (its reason: failed: DONE)" in capsys.readouterr().out
+    assert main(["explore", *options, "--replay", "mode=1;"]) == 1
+    assert "it published success=False (its reason: failed: DONE)" in capsys.readouterr().out
+
+
+def test_kvfsm_explore_fails_on_a_step_that_always_raises_and_reports_one_failing_on_purpose(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvfsm.cli import main  # noqa: PLC0415
+
+    machine = ["--machine", "examples.verify_lifecycle:VERIFY_MACHINE", "--max-faults", "1"]
+    assert main(["explore", *machine, "--steps", "tests.test_explore:BROKEN_STEPS"]) == 1
+    out = capsys.readouterr().out
+    assert ("STEP_RAISED (job 0): a step of the machine's own raised by itself on the path with "
+            "no fault injected (a step broken, or given wrongly): verify raised "
+            "OSError('the checksum index is gone')") in out, out
+    assert "--replay 'mode=1;'" in out
+    assert main(["explore", *machine, "--steps", "tests.test_explore:MISMATCHING_STEPS"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"explored \d+ paths \(\d+ NIXL calls\) in [\d.]+ s: 0 violations\n"
+                     r"on the path with no fault injected \(mode=1\), 3 of 3 jobs whose "
+                     r"transfers NIXL finished failed: jobs 0, 1, 2: verify answered MISMATCH\n",
+                     out), out

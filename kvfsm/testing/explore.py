@@ -25,7 +25,13 @@ like NIXL's: it raises at every step too (``verify:raise@1``). A step that raise
 answer the declaration treats as a failure (:func:`kvfsm.diagrams.failure_answers`) makes its
 job's expected outcome a failure, unless the outcome was latched before the step (a
 best-effort step after it decides nothing) or the answer's edge retries the step in place;
-a step whose tries are given up (EXHAUSTED) makes it a failure too.
+a step whose tries are given up (EXHAUSTED) makes it a failure too. A step answering what its
+event does not carry is a violation on any path (the tier takes it as RAISED); one raising by
+itself on the path with no fault injected is one there (a step broken, or given wrongly: a class
+where its instance belongs). A step answering a failure on purpose is none, but
+:meth:`Exploration.report` names each job that failed on that path, with its reason
+(:attr:`Exploration.fault_free`). A violation about a failure a job published carries the reason
+it published (:attr:`Violation.reason`).
 
 A violating path prints as a fault spec (``mode=1;check_xfer_state:raise@1,...``) that
 :func:`replay` runs again, step by step.
@@ -69,6 +75,7 @@ from kvfsm.transfer import NO_REASON, FailureKind, JobResult, TransferJob
 __all__ = [
     "Choice",
     "Exploration",
+    "FaultFree",
     "Invariant",
     "Late",
     "Path",
@@ -98,6 +105,10 @@ class Invariant(enum.Enum):
     NO_ESCAPE = "an exception escaped the tier"
     PINS = "a primary block was left pinned or half-written (with the parent)"
     ACTION_RAISED = "an action raised while firing a declared event"
+    STEP_RAISED = ("a step of the machine's own raised by itself on the path with no fault "
+                   "injected (a step broken, or given wrongly)")
+    STEP_ANSWER = ("a step of the machine's own answered what its event does not carry (the "
+                   "tier takes it as RAISED)")
     DEAD_END = "a reachable state from which no final state can be reached"
 
 
@@ -140,10 +151,14 @@ class Violation:
     invariant: Invariant
     job_id: int | None
     detail: str
+    #: the reason the job published with its failure (``str(JobResult.reason)``), when the
+    #: violation concerns a failure it published: what the tier said went wrong
+    reason: str | None = None
 
     def __str__(self) -> str:
         job = f" (job {self.job_id})" if self.job_id is not None else ""
-        return f"{self.invariant.name}{job}: {self.invariant.value}: {self.detail}"
+        why = f" (its reason: {self.reason})" if self.reason is not None else ""
+        return f"{self.invariant.name}{job}: {self.invariant.value}: {self.detail}{why}"
 
 
 @dataclass
@@ -215,6 +230,9 @@ class _WatchedAgent(FakeNixlAgent):
         self.late: set[int] = set()
         self.tier: SecondaryTier | None = None
         self._checks = 0
+        #: the calls of the machine's own steps that raised by themselves (no fault injected
+        #: into them), or answered what their event does not carry: (job id, what happened)
+        self.step_errors: list[tuple[int | None, str]] = []
 
     def job_of(self, handle: Any) -> _Job | None:
         job_id = self._by_handle.get(id(handle))
@@ -346,8 +364,9 @@ _SCENARIO: tuple[tuple[int, tuple[str, ...], tuple[int, ...], bool], ...] = (
 
 def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
          steps: dict[str, StepFunction] | None = None,
-         ) -> tuple[list[str], list[Violation], SecondaryTier]:
-    """Run the scenario on ``path``; returns the calls made and the violations seen."""
+         ) -> tuple[list[str], list[Violation], SecondaryTier, dict[int, _Job]]:
+    """Run the scenario on ``path``; returns the calls made, the violations seen, the tier,
+    and what the explorer saw of each job."""
     agent = _WatchedAgent(path.polls)
     watched = _inject(agent, path, machine, steps or {})
     cache = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
@@ -386,8 +405,8 @@ def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
         if not tier.has_pending_work():
             break
         collect()
-    _check_end(agent, tier, max_polls, busy=tier.has_pending_work())
-    return list(agent.calls), violations, tier
+    _check_end(agent, tier, max_polls, busy=tier.has_pending_work(), fault_free=not path.choices)
+    return list(agent.calls), violations, tier, agent.jobs
 
 
 #: a running bound no path reaches but through a ``late`` check
@@ -443,16 +462,28 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
             seen = agent.jobs.get(transfer.job_id)
             if seen is not None and transfer.success is None:
                 seen.deciding.add(name)  # (its give-up then decides the outcome: _final)
+            injected = (name, counts[name]) in armed
             try:
-                if (name, counts[name]) in armed:
+                if injected:
                     raise FakeNixlError(Raise().code)
                 answered = step(transfer, primary)
-            except Exception:
+            except Exception as error:
+                if not injected:
+                    agent.step_errors.append(
+                        (transfer.job_id, f"{name} raised {_described(error)}"))
                 if seen is not None and decides(transfer, name, Answer.RAISED):
                     seen.step_failed = True
                 raise
             answer = answered[0] if isinstance(answered, tuple) else answered
-            if seen is not None and answer in failing and decides(transfer, name, answer):
+            if answer not in machine.answers.get(name, ()) or answer is Answer.RAISED:
+                # the tier takes it as RAISED (kvfsm.driver.TransferDriver.step): so does the
+                # job's expected outcome; the step is wrong on whatever path it does it
+                agent._violation(Invariant.STEP_ANSWER, transfer.job_id,
+                                 f"{name} answered {answered!r}, not one of its event's "
+                                 f"answers ({_names(machine.answers.get(name, ()))})")
+                answer = Answer.RAISED
+            if seen is not None and (answer in failing or answer is Answer.RAISED) \
+                    and decides(transfer, name, answer):
                 seen.step_failed = True
             return answered
 
@@ -506,15 +537,18 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
         violations.append(Violation(Invariant.ONE_RESULT, result.job_id, "never submitted"))
         return
     job.results.append(result)
+    why = _why(result)
     if len(job.results) > 1:
         violations.append(Violation(Invariant.ONE_RESULT, result.job_id,
-                                    f"{len(job.results)} results"))
+                                    f"{len(job.results)} results: " + ", ".join(
+                                        f"success={r.success}" for r in job.results), why))
     # quarantined, its handle is held for good: once NIXL said the transfer is over, or, past
     # the running bound, while NIXL may still run it (the bound's give-up)
     quarantined = job.held and (job.status not in {None, "PROC"} or job.past_bound)
     if job.xfers and not job.released and not quarantined:
         violations.append(Violation(Invariant.RELEASE_BEFORE_PUBLISH, result.job_id,
-                                    "its transfer handle was still held"))
+                                    f"it published success={result.success} while its "
+                                    "transfer handle was still held", why))
     expected = (bool(job.outcome) and not job.cancelled_running and not job.failed_final
                 and not job.step_failed)
     if result.success != expected:
@@ -531,11 +565,20 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
         violations.append(Violation(
             Invariant.OUTCOME, result.job_id,
             f"{what}, so the job must publish success={expected}; it published "
-            f"success={result.success}"))
+            f"success={result.success}", why))
     if not result.success and (result.reason is None or (
             result.reason.kind is FailureKind.UNKNOWN and result.reason.error == NO_REASON)):
         violations.append(Violation(Invariant.REASON, result.job_id,
                                     f"its failure says {result.reason}"))
+
+
+def _why(result: JobResult) -> str | None:
+    """The reason a failed job published, as a violation about its result shows it."""
+    return None if result.success or result.reason is None else str(result.reason)
+
+
+def _names(answers: Any) -> str:
+    return ", ".join(sorted(str(getattr(answer, "name", answer)) for answer in answers))
 
 
 def _described(error: BaseException) -> str:
@@ -553,7 +596,7 @@ class _NoProbes:
 
 def _run_with_parent(path: Path, machine: Declaration[Any, Any], max_polls: int,
                      steps: dict[str, StepFunction] | None = None,
-                     ) -> tuple[list[str], list[Violation], SecondaryTier]:
+                     ) -> tuple[list[str], list[Violation], SecondaryTier, dict[int, _Job]]:
     """The scenario through the parent: a CPU primary tier whose blocks the stores pin.
 
     Two stores cascade three ready blocks; once the first is finalized, block "a" is freed and
@@ -604,8 +647,9 @@ def _run_with_parent(path: Path, machine: Declaration[Any, Any], max_polls: int,
         if primary.key_of(block) is not None and primary.pin_count(block) != 0:
             violations.append(Violation(Invariant.PINS, None,
                                         f"block {block} has count {primary.pin_count(block)}"))
-    _check_end(agent, tier, max_polls, busy=manager.has_pending_work())
-    return list(agent.calls), violations, tier
+    _check_end(agent, tier, max_polls, busy=manager.has_pending_work(),
+               fault_free=not path.choices)
+    return list(agent.calls), violations, tier, agent.jobs
 
 
 class _WatchedTier(ObjectStoreTier):
@@ -638,16 +682,27 @@ class _WatchedTier(ObjectStoreTier):
 
 
 def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
-               busy: bool) -> None:
-    """After the scenario: liveness, held handles, misuse; shut the tier down when idle."""
+               busy: bool, fault_free: bool) -> None:
+    """After the scenario: liveness, held handles, misuse; shut the tier down when idle. On
+    the path with no fault injected, a step of the machine's own that raised is a violation
+    (once a job: the first time)."""
     violations = agent.violations
+    if fault_free:
+        raised: dict[int | None, list[str]] = {}
+        for job_id, what in agent.step_errors:
+            raised.setdefault(job_id, []).append(what)
+        for job_id, whats in raised.items():
+            more = f" (and {len(whats) - 1} more time(s))" if len(whats) > 1 else ""
+            violations.append(Violation(Invariant.STEP_RAISED, job_id, whats[0] + more))
     for job_id, seen in agent.jobs.items():
         if not seen.results:
             violations.append(Violation(Invariant.LIVENESS, job_id,
                                         f"still {_state(tier, job_id)} after {max_polls} polls"))
         elif seen.xfers and not seen.released and not seen.held:
             violations.append(Violation(Invariant.HANDLE_LEAK, job_id,
-                                        "published, and its transfer handle is still held"))
+                                        f"published success={seen.results[0].success}, and "
+                                        "its transfer handle is still held",
+                                        _why(seen.results[0])))
     held = sum(1 for seen in agent.jobs.values() if seen.results and seen.held)
     counted = tier.stats()["quarantined"]
     if counted != held:
@@ -683,6 +738,44 @@ def _alternatives(call: str, max_stall: int) -> list[Fault | Late]:
     return [Raise()]
 
 
+@dataclass(frozen=True, slots=True)
+class FaultFree:
+    """What the jobs published on a path with no fault injected, of those whose transfers NIXL
+    finished (DONE) and that were not cancelled while it ran them.
+
+    A job among them that failed failed by a step of the machine's own: one that answered a
+    failure (a test of the mismatch path, say), or raised (a violation:
+    :attr:`Invariant.STEP_RAISED`). A scenario in which every job fails this way explores no
+    path where it succeeds, so :meth:`Exploration.report` says so.
+    """
+
+    path: Path
+    #: each such job's one result, by job id
+    results: tuple[JobResult, ...]
+
+    @property
+    def failed(self) -> tuple[JobResult, ...]:
+        """The results of those that failed."""
+        return tuple(result for result in self.results if not result.success)
+
+    def __str__(self) -> str:
+        """``on the path with no fault injected (mode=1), 2 of 3 jobs whose transfers NIXL
+        finished failed: jobs 0, 2: verify answered MISMATCH`` (the jobs, by reason)."""
+        by_reason: dict[str, list[str]] = {}
+        for result in self.failed:
+            by_reason.setdefault(str(result.reason), []).append(str(result.job_id))
+        return (f"on the path with no fault injected (mode={self.path.polls}), "
+                f"{len(self.failed)} of {len(self.results)} jobs whose transfers NIXL finished "
+                "failed: " + "; ".join(f"job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)}: "
+                                       f"{reason}" for reason, jobs in by_reason.items()))
+
+
+def _fault_free(path: Path, jobs: dict[int, _Job]) -> FaultFree:
+    return FaultFree(path, tuple(seen.results[0] for _, seen in sorted(jobs.items())
+                                 if seen.results and seen.outcome
+                                 and not seen.cancelled_running))
+
+
 @dataclass
 class Exploration:
     """What :func:`explore` found."""
@@ -697,6 +790,9 @@ class Exploration:
     #: ``--steps``, ``--parent``): the replay command printed must run the path on what found
     #: it, not on the shipped lifecycle
     options: tuple[str, ...] = ()
+    #: what the jobs NIXL finished published on each path with no fault injected (one per
+    #: mode the scenario ran in); a job failing there failed by a step's own answer
+    fault_free: list[FaultFree] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -708,6 +804,7 @@ class Exploration:
         lines = [f"explored {self.paths} paths ({self.calls} NIXL calls) in "
                  f"{self.seconds:.2f} s: "
                  + ("0 violations" if self.ok else "VIOLATION")]
+        lines += [str(run) for run in self.fault_free if run.failed]
         if self.counterexample is not None:
             lines.append(f"shortest violating path: {self.counterexample}")
             lines += [f"  {v}" for v in self.violations]
@@ -759,8 +856,10 @@ def explore(
             children: list[tuple[Path, int]] = []
             with _level_bar(progress, len(level), polls, depth) as bar:
                 for path, last in level:
-                    calls, violations, _ = (_run_with_parent if parent else _run)(
+                    calls, violations, _, jobs = (_run_with_parent if parent else _run)(
                         path, machine, max_polls, steps)
+                    if not path.choices:
+                        found.fault_free.append(_fault_free(path, jobs))
                     found.paths += 1
                     found.calls += len(calls)
                     bar.update()
@@ -843,8 +942,8 @@ def replay(path: Path, machine: Declaration[Any, Any] = TRANSFER_MACHINE,
            steps: dict[str, StepFunction] | None = None,
            ) -> tuple[list[str], list[Violation], dict[str, int]]:
     """Run one path again: the calls made, the violations, and the transitions taken."""
-    calls, violations, tier = (_run_with_parent if parent else _run)(path, machine, max_polls,
-                                                                     steps)
+    calls, violations, tier, _ = (_run_with_parent if parent else _run)(path, machine,
+                                                                        max_polls, steps)
     taken = {f"{e.source} -{e.event}[{e.guard_label}]-> {e.dest}": n
              for e, n in tier.machine.transition_counts().items() if n}
     return calls, violations, taken
