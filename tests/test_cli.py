@@ -119,6 +119,24 @@ def test_a_failed_state_check_fails_that_store_and_the_rest_still_verifies(
     assert "        e.g. job 13 (after store job 2): check_xfer_state raised " in out
 
 
+def test_a_load_that_failed_for_its_own_reason_is_not_blamed_on_its_failed_store(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every release raises: each store moves its bytes, then is quarantined on its release,
+    and so is each load, which read those bytes. The loads failed on their own releases, not
+    for want of what the store left: they are grouped by their own reason."""
+    assert main(["demo", "--fake", "--blocks", "2", "--blocks-per-job", "1", "--no-progress",
+                 "--inject-faults", "release_xfer_handle:raise*1000000",
+                 "--retry-seconds", "0.5"]) == 0
+    out = capsys.readouterr().out
+    quarantined = ("quarantined waiting on release_xfer_handle: retry bound spent; last error: "
+                   "FakeNixlError: NIXL_ERR_BACKEND")
+    assert "results: 2 stores (2 failed), 2 loads (2 failed)" in out
+    assert f"      2 stores: {quarantined} (injected)\n        e.g. job 0: {quarantined}\n" in out
+    assert f"      2 loads: {quarantined} (injected)\n        e.g. job 2: {quarantined}\n" in out
+    assert "the store of its blocks failed" not in out
+
+
 # -- a job that fails for a real reason: the demo says why, and fails -----------------------------
 
 def test_a_read_only_directory_fails_the_demo_and_says_why(
