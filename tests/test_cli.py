@@ -676,6 +676,32 @@ def test_kvfsm_replay_checks_a_demo_trace(tmp_path: Path, capsys: pytest.Capture
     assert "diverges from transfer at line 1" in capsys.readouterr().out
 
 
+def test_kvfsm_replay_of_a_file_it_cannot_read_is_bad_input_not_a_divergence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CI script tells a missing trace from a bad one by the exit status: a file that cannot
+    be read is bad input (2), named with why, as a file holding no trace is; a divergence is 1."""
+    missing = tmp_path / "missing.jsonl"
+    assert main(["replay", str(missing)]) == 2
+    assert capsys.readouterr().err == (f"kvfsm replay: ValueError: {missing}: cannot read the "
+                                       "trace file: No such file or directory\n")
+    assert main(["replay", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"kvfsm replay: ValueError: {tmp_path}: cannot read the "
+                                       "trace file: Is a directory\n")
+
+
+def test_kvfsm_replay_help_says_what_each_exit_status_means(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["replay", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "exit status:\n  0  every trace in the file replays clean\n" in out
+    assert "\n  1  a trace diverges from its declaration" in out
+    assert "\n  2  bad input: the file cannot be read (missing, a directory, no permission)" in out
+
+
 def test_kvfsm_replay_of_a_file_with_no_trace_is_an_error_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
