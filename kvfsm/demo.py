@@ -352,6 +352,8 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
 
     with contextlib.ExitStack() as stack:
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfsm-demo-"))
+        if args.dir:
+            _make_dir(root)
         agent = faulty(make_agent("kvfsm-demo-posix", "POSIX"))
         try:
             tier = _made(lambda: FileTier(cache, root, agent=agent, durable=False,
@@ -361,6 +363,20 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
                              "no permission); the demo stores its blocks there") from None
         yield tier, \
             f"file tier on real NIXL (POSIX), files in {root}"
+
+
+def _make_dir(root: str) -> None:
+    """``--dir``, made if it is missing (as the file tier would), or refused naming the option:
+    a path that is not a directory, or one that cannot be created (a read-only parent)."""
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--dir {root}: exists and is not a directory (the demo stores its "
+                         "blocks in one)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--dir {root}: cannot be created ({error.strerror or error}); the "
+                         "demo stores its blocks there") from None
 
 
 def _made(make: Callable[[], SecondaryTier], faults: list[FaultSpec],

@@ -170,6 +170,27 @@ def test_a_directory_on_a_read_only_file_system_is_a_bad_option_named_as_the_dem
                             "blocks there\n")
 
 
+def test_a_directory_that_cannot_be_made_or_is_a_file_is_a_bad_option_named_as_the_demos(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A --dir under a directory that takes no new one, or a path that is a file: refused as the
+    demo's option before any job runs, saying why, and nothing is made."""
+    under = os.path.join(read_only_dir(), "kvfsm-demo")
+    assert main(["demo", *SMALL, "--dir", under]) == 2
+    captured = capsys.readouterr()
+    assert "results:" not in captured.out, "no job ran"
+    assert re.fullmatch(rf"kvfsm demo: ValueError: --dir {re.escape(under)}: cannot be "
+                        r"created \([^)]+\); the demo stores its blocks there\n",
+                        captured.err), captured.err
+    assert not os.path.exists(under)
+    a_file = tmp_path / "blocks"
+    a_file.write_text("not a directory")
+    assert main(["demo", *SMALL, "--dir", str(a_file)]) == 2
+    assert capsys.readouterr().err == (f"kvfsm demo: ValueError: --dir {a_file}: exists and is "
+                                       "not a directory (the demo stores its blocks in one)\n")
+    assert a_file.read_text() == "not a directory"
+
+
 def test_ctrl_c_during_the_demo_shuts_the_tier_down_and_prints_no_traceback(
     tmp_path: Path,
 ) -> None:
@@ -443,11 +464,12 @@ def test_a_fault_that_stops_the_tier_starting_is_named_as_the_injected_one(
     assert main(["demo", "--fake", "--blocks", "4", "--blocks-per-job", "1",
                  "--inject-faults", f"{call}:raise@2"]) == 0
     capsys.readouterr()
-    # a tier that could not start for a reason of its own is not blamed on the fault
-    assert main(["demo", "--blocks", "4", "--dir", "/proc/kvfsm-demo-dir",
+    # a tier that could not start for a reason of its own (a read-only directory) is not
+    # blamed on the fault
+    assert main(["demo", "--blocks", "4", "--dir", "/proc/sys",
                  "--inject-faults", f"{call}:raise@1"]) == 2
     error = capsys.readouterr().err
-    assert "FileTier root '/proc/kvfsm-demo-dir' cannot be created" in error
+    assert "--dir /proc/sys: cannot be written to" in error
     assert "injected" not in error
 
 
