@@ -352,6 +352,8 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
 
     with contextlib.ExitStack() as stack:
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfsm-demo-"))
+        if args.dir:
+            _make_dir(root)
         agent = faulty(make_agent("kvfsm-demo-posix", "POSIX"))
         try:
             tier = _made(lambda: FileTier(cache, root, agent=agent, durable=False,
@@ -361,6 +363,20 @@ def _open_tier(args: argparse.Namespace, cache: torch.Tensor,
                              "no permission); the demo stores its blocks there") from None
         yield tier, \
             f"file tier on real NIXL (POSIX), files in {root}"
+
+
+def _make_dir(root: str) -> None:
+    """``--dir``, made if it is missing (as the file tier would), or refused naming the option:
+    a path that is not a directory, or one that cannot be created (a read-only parent)."""
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--dir {root}: exists and is not a directory (the demo stores its "
+                         "blocks in one)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--dir {root}: cannot be created ({error.strerror or error}); the "
+                         "demo stores its blocks there") from None
 
 
 def _made(make: Callable[[], SecondaryTier], faults: list[FaultSpec],
@@ -559,8 +575,11 @@ _FILE_NAMES = re.compile(r": '[^']*'(?: -> '[^']*')?$")
 def _failures(stores: dict[int, JobResult], loads: dict[int, JobResult],
               stored_of: dict[int, list[int]], loads_of: dict[int, list[int]],
               faults: Sequence[FaultSpec]) -> list[_Failure]:
-    """Every failed job, in job order, with its cause: a load of blocks whose store failed
-    failed because of that store (injected when the store's failure was)."""
+    """Every failed job, in job order, with its cause: a load of blocks whose store failed,
+    that failed moving its bytes (a call raised or answered an error: its object or file is
+    missing, or not whole), failed because of that store (injected when the store's failure
+    was). A load cancelled or quarantined (its release kept failing, NIXL ran it past the
+    bound) failed for its own reason, whatever its store did: its own reason is its cause."""
     failed_store: dict[int, _Failure] = {}
     failures: list[_Failure] = []
     for job_id, result in sorted(stores.items()):
@@ -573,7 +592,7 @@ def _failures(stores: dict[int, JobResult], loads: dict[int, JobResult],
         if result.success:
             continue
         store = next((failed_store[b] for b in loads_of.get(job_id, ())
-                      if b in failed_store), None)
+                      if b in failed_store), None) if _moving_bytes(result.reason) else None
         if store is not None:
             failures.append(_Failure(result, True, "the store of its blocks failed",
                                      store.injected, store.result.job_id))
@@ -581,6 +600,12 @@ def _failures(stores: dict[int, JobResult], loads: dict[int, JobResult],
             failures.append(_Failure(result, True, _cause(result.reason),
                                      _injected(result.reason, faults)))
     return failures
+
+
+def _moving_bytes(reason: FailureReason | None) -> bool:
+    """True when a job failed on a call that raised or answered an error, as a load of an
+    object or file its store never left does; not when it was cancelled or quarantined."""
+    return reason is not None and reason.kind in (FailureKind.RAISED, FailureKind.ERR)
 
 
 def _cause(reason: FailureReason | None) -> str:

@@ -263,27 +263,39 @@ def _step_of(machine: Any, answers_named: dict[str, dict[str, list[Any]]], state
     return step
 
 
+#: what ``kvfsm replay --help`` says of its exit status
+EXIT_STATUS = """\
+exit status:
+  0  every trace in the file replays clean
+  1  a trace diverges from its declaration (the first divergence is printed)
+  2  bad input: the file cannot be read (missing, a directory, no permission), holds no
+     trace, or has a line that is not one; a --machine, or a machine a trace names, that
+     does not load"""
+
+
 def add_arguments(parser: Any) -> None:
-    """The ``kvfsm replay`` options."""
+    """The ``kvfsm replay`` options, and its exit status in its help."""
     parser.add_argument("file", help="a trace file (kvfsm demo --trace FILE, or TraceRecorder)")
     parser.add_argument("--machine", metavar="SPEC",
                         help="replay against this declaration (module:ATTRIBUTE); by default "
                              "the kvfsm machine each trace names")
+    parser.epilog = EXIT_STATUS
 
 
 def run(args: Any) -> int:
     """``kvfsm replay``: 0 when every trace replays, 1 at the first divergence.
 
     Raises:
-        ValueError: the file holds no trace (an empty file would "replay clean" while checking
-            nothing), or a line that is not one.
+        ValueError: the file cannot be read (the CLI's bad input, exit 2, not a divergence),
+            holds no trace (an empty file would "replay clean" while checking nothing), or has
+            a line that is not one.
     """
     from kvfsm.machines import load_machine  # noqa: PLC0415 - the CLI's own import
 
     fixed = load_machine(args.machine) if args.machine else None
     machines: dict[str, Declaration[Any, Any]] = {}
     count = steps = 0
-    for trace in read_traces(args.file):
+    for trace in _readable_traces(args.file):
         declaration = fixed or machines.get(trace.get("machine", ""))
         if declaration is None and trace.get("machine") is None and "states" in trace:
             raise ValueError(f"{args.file}:{trace.get('line', '?')}: the trace is of a "
@@ -305,3 +317,13 @@ def run(args: Any) -> int:
         raise ValueError(f"{args.file}: no traces in the file: nothing to replay")
     print(f"kvfsm replay: {args.file}: {count} traces ({steps} steps) replay clean")
     return 0
+
+
+def _readable_traces(path: str) -> Iterator[dict[str, Any]]:
+    """:func:`read_traces`, with a file that cannot be read (missing, a directory, no
+    permission, a read that fails) refused as bad input, naming it and why."""
+    try:
+        yield from read_traces(path)
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read the trace file: "
+                         f"{error.strerror or error}") from None

@@ -90,6 +90,7 @@ with warnings.catch_warnings():
 
 from kvfsm import tiers
 from kvfsm.contract import DrainTimeout, check_timeout
+from kvfsm.machines import load_machine, load_steps
 from kvfsm.nixl_agents import StoreConfig
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.tiers.base import Lookup, SecondaryTier
@@ -228,6 +229,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         #: model and KV layout (:func:`namespace`)
         self.namespace = namespace(offloading_spec, chunk_bytes)
         self._check_settings(settings)
+        settings = self._named(settings)
         self._tier: SecondaryTier | None = self._build(
             primary, self.namespace, policy=policy, capacity_bytes=capacity_bytes,
             record_events=capacity_bytes is not None, in_flight=limit, **settings)
@@ -258,6 +260,19 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         if unknown:
             raise ValueError(f"{self.tier_type}: unknown setting(s) {', '.join(unknown)}; "
                              f"its settings: {', '.join(sorted(known))}")
+
+    def _named(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """``machine`` and ``steps`` given as text (what a JSON configuration can say) are
+        named as ``kvfsm explore`` names them, ``module:ATTRIBUTE`` (a machine also by one of
+        kvfsm's names): loaded here, or refused naming the setting and why."""
+        named = dict(settings)
+        for setting, load in (("machine", load_machine), ("steps", load_steps)):
+            if isinstance(named.get(setting), str):
+                try:
+                    named[setting] = load(named[setting])
+                except ValueError as error:
+                    raise ValueError(f"{self.tier_type}: {setting}: {error}") from None
+        return named
 
     def _build(self, primary: torch.Tensor, folder: str, **options: Any) -> SecondaryTier:
         raise NotImplementedError
@@ -533,8 +548,13 @@ class ObjectStoreTier(_Adapter):
     - ``enable_kv_events``, ``locality``: as vLLM's own tiers;
     - ``label``: names the tier in metrics and events (by default its ``type``; two tiers of
       one type need labels of their own);
+    - ``machine``, ``steps``: the lifecycle the tier runs and the functions behind its own
+      effects (:class:`kvfsm.tiers.ObjectStoreTier`), or their ``module:ATTRIBUTE`` names, as
+      ``kvfsm explore`` takes them (what a JSON configuration can say);
+    - ``poll_interval``: seconds the tier sleeps between polls while ``drain_jobs`` waits;
     - ``agent``, ``probe_agent``, ``remove``: a NIXL agent (and its deleter) to drive instead
-      of making them (tests inject faults this way).
+      of making them (tests inject faults this way; objects, so a configuration built in
+      Python).
     """
 
     _tier_class = tiers.ObjectStoreTier
@@ -574,8 +594,9 @@ class FileTier(_Adapter):
     the folder of the model and KV layout: :func:`namespace`), ``durable`` (fsync before a store
     succeeds; default True), ``read_only`` (only load; the folder may not exist yet: MISS until
     other engines' stores make it), ``capacity_bytes``, ``retry``, ``shutdown_timeout``,
-    ``in_flight``, ``enable_kv_events``, ``locality``, ``label`` (as :class:`ObjectStoreTier`),
-    ``agent`` (a NIXL agent with the POSIX backend, instead of one made by the tier). A tier
+    ``in_flight``, ``enable_kv_events``, ``locality``, ``label``, ``machine``, ``steps``,
+    ``poll_interval`` (as :class:`ObjectStoreTier`), ``agent`` (a NIXL agent with the POSIX
+    backend, instead of one made by the tier). A tier
     that stores removes, as it starts, the temporary files of engines that are gone (a killed
     one's stores in flight: :meth:`kvfsm.tiers.FileTier.remove_stale`).
     """

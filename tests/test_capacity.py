@@ -116,12 +116,52 @@ def test_a_store_that_cannot_make_room_is_refused_and_changes_nothing(
 ) -> None:
     agent.inject("check_xfer_state", StayProc(10))
     small.submit_store(store(1, ("a", 0), ("b", 1)))  # being written: not removable
-    with pytest.raises(TierFullError, match=r"needs 1 block\(s\) removed .* only 0"):
+    with pytest.raises(TierFullError, match=re.escape(
+            "needs 1 block(s) removed to stay within capacity_bytes=768 (3 blocks), and only 0 "
+            "can be: of the 2 block(s) counted, 2 being written by stores in flight, not stored "
+            "yet")):
         small.submit_store(store(2, ("c", 2), ("d", 3)))
     assert small.state_of(2) is None
     assert small.stats()["holdings"]["writing_blocks"] == 2
     small.submit_store(store(2, ("c", 2)))  # fits: the same job id is free to use
     assert sorted((r.job_id, r.success) for r in settle(small)) == [(1, True), (2, True)]
+    assert sorted(agent.objects) == object_names(small, "a", "b", "c")
+
+
+def test_a_store_larger_than_the_whole_capacity_is_refused_as_one_that_can_never_fit(
+    small: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    """On an empty, idle tier no block is in the way: the store itself is too big, and the
+    error says so rather than blaming blocks being written or read."""
+    with pytest.raises(TierFullError) as refused:
+        small.submit_store(store(1, ("a", 0), ("b", 1), ("c", 2), ("d", 3)))
+    assert str(refused.value) == (
+        "a store of 4 block(s) (1024 bytes) is larger than capacity_bytes=768 (3 blocks): it "
+        "can never be stored")
+    assert small.state_of(1) is None
+    assert agent.objects == {}
+    holdings = small.stats()["holdings"]
+    assert (holdings["held_blocks"], holdings["writing_blocks"]) == (0, 0)
+
+
+def test_a_refused_store_counts_the_blocks_in_its_way_by_what_keeps_each(
+    small: ObjectStoreTier, agent: FakeNixlAgent
+) -> None:
+    """a, b and c are stored; a load reads b and c while a store names a again with a new d.
+    Only a could make room, and this store keeps a: the error counts each block for what it
+    is, read or named by the store, none being written."""
+    small.submit_store(store(1, ("a", 0), ("b", 1), ("c", 2)))
+    settle(small)
+    agent.inject("check_xfer_state", StayProc(10))  # the load runs a while
+    small.submit_load(load(2, ("b", 5), ("c", 6)))
+    with pytest.raises(TierFullError) as refused:
+        small.submit_store(store(3, ("a", 0), ("d", 3)))
+    assert str(refused.value) == (
+        "a store of 2 block(s) needs 1 block(s) removed to stay within capacity_bytes=768 "
+        "(3 blocks), and only 0 can be: of the 3 block(s) counted, 2 stored and being read, "
+        "1 stored and named by this store")
+    assert small.state_of(3) is None
+    assert [(r.job_id, r.success) for r in settle(small)] == [(2, True)]
     assert sorted(agent.objects) == object_names(small, "a", "b", "c")
 
 

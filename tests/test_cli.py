@@ -119,6 +119,24 @@ def test_a_failed_state_check_fails_that_store_and_the_rest_still_verifies(
     assert "        e.g. job 13 (after store job 2): check_xfer_state raised " in out
 
 
+def test_a_load_that_failed_for_its_own_reason_is_not_blamed_on_its_failed_store(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every release raises: each store moves its bytes, then is quarantined on its release,
+    and so is each load, which read those bytes. The loads failed on their own releases, not
+    for want of what the store left: they are grouped by their own reason."""
+    assert main(["demo", "--fake", "--blocks", "2", "--blocks-per-job", "1", "--no-progress",
+                 "--inject-faults", "release_xfer_handle:raise*1000000",
+                 "--retry-seconds", "0.5"]) == 0
+    out = capsys.readouterr().out
+    quarantined = ("quarantined waiting on release_xfer_handle: retry bound spent; last error: "
+                   "FakeNixlError: NIXL_ERR_BACKEND")
+    assert "results: 2 stores (2 failed), 2 loads (2 failed)" in out
+    assert f"      2 stores: {quarantined} (injected)\n        e.g. job 0: {quarantined}\n" in out
+    assert f"      2 loads: {quarantined} (injected)\n        e.g. job 2: {quarantined}\n" in out
+    assert "the store of its blocks failed" not in out
+
+
 # -- a job that fails for a real reason: the demo says why, and fails -----------------------------
 
 def test_a_read_only_directory_fails_the_demo_and_says_why(
@@ -150,6 +168,27 @@ def test_a_directory_on_a_read_only_file_system_is_a_bad_option_named_as_the_dem
     assert captured.err == ("kvfsm demo: ValueError: --dir /proc/sys: cannot be written to (a "
                             "read-only file system or no permission); the demo stores its "
                             "blocks there\n")
+
+
+def test_a_directory_that_cannot_be_made_or_is_a_file_is_a_bad_option_named_as_the_demos(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A --dir under a directory that takes no new one, or a path that is a file: refused as the
+    demo's option before any job runs, saying why, and nothing is made."""
+    under = os.path.join(read_only_dir(), "kvfsm-demo")
+    assert main(["demo", *SMALL, "--dir", under]) == 2
+    captured = capsys.readouterr()
+    assert "results:" not in captured.out, "no job ran"
+    assert re.fullmatch(rf"kvfsm demo: ValueError: --dir {re.escape(under)}: cannot be "
+                        r"created \([^)]+\); the demo stores its blocks there\n",
+                        captured.err), captured.err
+    assert not os.path.exists(under)
+    a_file = tmp_path / "blocks"
+    a_file.write_text("not a directory")
+    assert main(["demo", *SMALL, "--dir", str(a_file)]) == 2
+    assert capsys.readouterr().err == (f"kvfsm demo: ValueError: --dir {a_file}: exists and is "
+                                       "not a directory (the demo stores its blocks in one)\n")
+    assert a_file.read_text() == "not a directory"
 
 
 def test_ctrl_c_during_the_demo_shuts_the_tier_down_and_prints_no_traceback(
@@ -425,11 +464,12 @@ def test_a_fault_that_stops_the_tier_starting_is_named_as_the_injected_one(
     assert main(["demo", "--fake", "--blocks", "4", "--blocks-per-job", "1",
                  "--inject-faults", f"{call}:raise@2"]) == 0
     capsys.readouterr()
-    # a tier that could not start for a reason of its own is not blamed on the fault
-    assert main(["demo", "--blocks", "4", "--dir", "/proc/kvfsm-demo-dir",
+    # a tier that could not start for a reason of its own (a read-only directory) is not
+    # blamed on the fault
+    assert main(["demo", "--blocks", "4", "--dir", "/proc/sys",
                  "--inject-faults", f"{call}:raise@1"]) == 2
     error = capsys.readouterr().err
-    assert "FileTier root '/proc/kvfsm-demo-dir' cannot be created" in error
+    assert "--dir /proc/sys: cannot be written to" in error
     assert "injected" not in error
 
 
@@ -656,6 +696,32 @@ def test_kvfsm_replay_checks_a_demo_trace(tmp_path: Path, capsys: pytest.Capture
     traces.write_text(tampered)
     assert main(["replay", str(traces)]) == 1
     assert "diverges from transfer at line 1" in capsys.readouterr().out
+
+
+def test_kvfsm_replay_of_a_file_it_cannot_read_is_bad_input_not_a_divergence(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A CI script tells a missing trace from a bad one by the exit status: a file that cannot
+    be read is bad input (2), named with why, as a file holding no trace is; a divergence is 1."""
+    missing = tmp_path / "missing.jsonl"
+    assert main(["replay", str(missing)]) == 2
+    assert capsys.readouterr().err == (f"kvfsm replay: ValueError: {missing}: cannot read the "
+                                       "trace file: No such file or directory\n")
+    assert main(["replay", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"kvfsm replay: ValueError: {tmp_path}: cannot read the "
+                                       "trace file: Is a directory\n")
+
+
+def test_kvfsm_replay_help_says_what_each_exit_status_means(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["replay", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "exit status:\n  0  every trace in the file replays clean\n" in out
+    assert "\n  1  a trace diverges from its declaration" in out
+    assert "\n  2  bad input: the file cannot be read (missing, a directory, no permission)" in out
 
 
 def test_kvfsm_replay_of_a_file_with_no_trace_is_an_error_naming_it(

@@ -722,6 +722,12 @@ def test_kvfsm_imports_without_vllm() -> None:
      "'false'"),  # (was taken as true)
     ("in_flight", {"bytes": 100}, f"FileTier: in_flight bytes 100 is less than one chunk "
      f"({CHUNK_BYTES} bytes): every store would be refused"),  # (was: every store dropped)
+    ("machine", "examples.verify_lifecycle:VERIFY", "FileTier: machine: "
+     "'examples.verify_lifecycle:VERIFY': examples.verify_lifecycle has no attribute 'VERIFY'"),
+    ("machine", "examples.verify_lifecycle:STEPS", "FileTier: machine: "
+     "'examples.verify_lifecycle:STEPS' is not a kvfsm Declaration (found dict)"),
+    ("steps", "examples.verify_lifecycle", "FileTier: steps: 'examples.verify_lifecycle': name "
+     "steps as module:ATTRIBUTE, e.g. examples.verify_lifecycle:STEPS"),
 ])
 def test_a_bad_setting_is_refused_with_an_error_naming_it(
     tmp_path: Path, engines: Callable[..., Engine], setting: str, value: Any, message: str
@@ -729,6 +735,33 @@ def test_a_bad_setting_is_refused_with_an_error_naming_it(
     with pytest.raises(ValueError, match=re.escape(message)):
         engines(file_entry(tmp_path, **{setting: value}))
     assert list(tmp_path.iterdir()) == []  # no tier was made: nothing in its directory
+
+
+def test_a_configuration_names_its_lifecycle_and_steps_as_kvfsm_explore_does(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """A JSON configuration can only name ``machine`` and ``steps``: as ``module:ATTRIBUTE``,
+    the tier runs the tutorial's checksum lifecycle with its steps. A block whose file changed
+    since its store fails its promotion (a MISS, not other bytes); one left alone comes back."""
+    engine = engines(file_entry(tmp_path, machine="examples.verify_lifecycle:VERIFY_MACHINE",
+                                steps="examples.verify_lifecycle:STEPS"))
+    tier = the_tier(engine)
+    assert tier.tier.machine.declaration.name == "verify"
+    engine.offload("A", blocks(1, 2))
+    engine.settle()
+    engine.offload("B", blocks(3, 4, 5, 6))  # the 4-chunk primary evicts A's chunks
+    engine.settle()
+    path_of(tier, 1).write_bytes(block(9))  # another writer, bit rot: not what was stored
+
+    def mismatches() -> int:  # (the machine's counts are the process's: compared before, after)
+        return sum(count for edge, count in tier.tier.machine.transition_counts().items()
+                   if "unverified" in edge.conditions)
+
+    before = mismatches()
+    assert engine.fetch("C", [key(1)]) == {key(1): None}
+    assert mismatches() == before + 1  # the verify step said so
+    engine.settle()
+    assert engine.fetch("D", [key(2)]) == {key(2): block(2)}
 
 
 def test_the_object_tiers_names_are_the_adapters_own_to_choose(

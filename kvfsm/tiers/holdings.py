@@ -42,7 +42,9 @@ def check_capacity(capacity_bytes: object, block_bytes: int) -> None:
 
 class TierFullError(RuntimeError):
     """A store would take the tier past its capacity and too few stored blocks are free to
-    remove (transfers in flight use them); nothing was registered."""
+    remove (transfers in flight use them, or the store names them), or the store alone is
+    larger than the capacity; nothing was registered. The message says which, counting the
+    blocks in the way by what keeps each."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +107,8 @@ class Holdings:
         free blocks it needs to.
 
         Raises:
-            TierFullError: too few blocks are free to make room; nothing changed.
+            TierFullError: too few blocks are free to make room, or ``names`` alone are more
+                than the capacity; nothing changed.
         """
         self._count_uses()
         held, writers, fresh = self._held, self._writers, self._fresh
@@ -120,11 +123,7 @@ class Holdings:
                     if len(victims) == over:
                         break
             if len(victims) < over:
-                raise TierFullError(
-                    f"a store of {len(names)} block(s) needs {over} block(s) removed to stay "
-                    f"within capacity_bytes={self.capacity_bytes} ({self.capacity_blocks} "
-                    f"blocks), and only {len(victims)} stored block(s) are free: the rest "
-                    f"are being written or read")
+                raise TierFullError(self._why_full(names, over, len(victims)))
         pins = self._pins
         for name in names:
             pins[name] += 1
@@ -132,6 +131,28 @@ class Holdings:
         fresh |= new
         if victims:
             self._evict(victims)
+
+    def _why_full(self, names: Sequence[str], over: int, free: int) -> str:
+        """Why a store of ``names`` is refused: it is larger than the whole capacity, or which
+        of the blocks counted against the capacity cannot be removed, and why."""
+        size = (f"capacity_bytes={self.capacity_bytes} ({self.capacity_blocks} "
+                f"block{'' if self.capacity_blocks == 1 else 's'})")
+        if len(names) > self.capacity_blocks:
+            return (f"a store of {len(names)} block(s) ({len(names) * self.block_bytes} bytes) "
+                    f"is larger than {size}: it can never be stored")
+        held, writers, pins, wanted = self._held, self._writers, self._pins, set(names)
+        rewritten = sum(1 for name in held if writers[name])
+        read = sum(1 for name in held if pins[name] and not writers[name])
+        kept = sum(1 for name in held if name in wanted and not pins[name])
+        parts = [f"{count} {what}" for count, what in (
+            (len(self._fresh), "being written by stores in flight, not stored yet"),
+            (rewritten, "stored and being written again"),
+            (read, "stored and being read"),
+            (kept, "stored and named by this store"),
+        ) if count]
+        return (f"a store of {len(names)} block(s) needs {over} block(s) removed to stay "
+                f"within {size}, and only {free} can be: of the {len(held) + len(self._fresh)} "
+                f"block(s) counted, {', '.join(parts)}")
 
     def pin(self, names: Iterable[str]) -> None:
         """A load of ``names`` starts: they count as used, and are not removed until it ends."""
