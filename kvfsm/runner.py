@@ -647,18 +647,18 @@ class Runner(Books):
         finally:
             self._file(transfer)
 
-    def cancel(self, transfer: Transfer) -> None:
-        """The caller cancelled the job: fire ``cancel``; the table says what that means in
-        the transfer's state (a running one latches failure, one that is over keeps its
-        outcome). Every state a transfer waits in declares it
-        (:func:`~kvfsm.driver.check_runnable`)."""
+    def cancel(self, transfer: Transfer, why: str | None = None) -> None:
+        """The caller cancelled the job: fire ``cancel`` (with ``why``, what cancelled it, as
+        its detail); the table says what that means in the transfer's state (a running one
+        latches failure, one that is over keeps its outcome). Every state a transfer waits in
+        declares it (:func:`~kvfsm.driver.check_runnable`)."""
         try:
             if transfer.state is self.initial:  # an interrupt came before its post answered:
                 # NIXL may run it once it has a handle (a poll says), else nothing runs
                 self.machine.fire(transfer, TransferEvent.POST,
                                   Answer.PROC if transfer.xfer is not None else Answer.RAISED,
                                   CallFailed("post", PostInterrupted()))
-            self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK)
+            self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK, why)
         finally:
             self._file(transfer)
 

@@ -215,7 +215,7 @@ def test_a_shutdown_that_times_out_on_a_running_transfer_says_call_it_again(
         tier.shutdown(timeout=0.01)
     assert str(timed_out.value) == (
         "shutdown (NIXL still runs these; call shutdown again to wait longer): 1 transfer(s) "
-        "not published\n  job 1: CANCELLING, retries=0, last error: cancelled")
+        "not published\n  job 1: CANCELLING, retries=0, last error: cancelled by shutdown()")
     assert [t.job_id for t in timed_out.value.stuck] == [1] and not tier.closed
     assert agent.running_transfers() == 1, "never released while NIXL runs it"
 

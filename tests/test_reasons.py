@@ -258,3 +258,16 @@ def test_the_tiering_manager_hands_the_reason_on_with_the_finalized_job(
     assert [(f.success, str(f.reason)) for f in finalized] == [
         (False, f"make_prepped_xfer raised {BACKEND}")]
     manager.shutdown(timeout=5)
+
+
+def test_a_job_shutdown_cancelled_says_shutdown_did(tier: ObjectStoreTier,
+                                                    agent: FakeNixlAgent) -> None:
+    """A job failed by shutdown() is told from one the caller cancelled: the reason's kind is
+    the same (CANCELLED), its words say what cancelled it (both said "cancelled")."""
+    agent.inject("check_xfer_state", StayProc(3))
+    tier.submit_store(store(7, 0))
+    tier.get_finished_jobs()
+    tier.shutdown(timeout=5)
+    (result,) = tier.get_finished_jobs()
+    assert result.reason == FailureReason(FailureKind.CANCELLED, None, "cancelled by shutdown()")
+    assert str(result.reason) == "cancelled by shutdown()"

@@ -323,9 +323,11 @@ def record_leaks(transfer: Any, answer: Answer, detail: Any) -> None:
 
 def latch_cancelled(transfer: Any, answer: Answer, detail: Any) -> None:
     """Latch the outcome of a transfer cancelled while running: failure, reason CANCELLED
-    (whatever NIXL answers while the transfer is waited for)."""
+    (whatever NIXL answers while the transfer is waited for), its error what cancelled it
+    when that is said (``cancelled by shutdown()``), else ``cancelled``."""
     latch_failure(transfer, answer, detail or "cancelled")
-    _set_reason(transfer, _CANCELLED)
+    _set_reason(transfer, FailureReason(FailureKind.CANCELLED, None, detail)
+                if isinstance(detail, str) and detail else _CANCELLED)
 
 
 def note_ended(transfer: Any, answer: Answer, detail: Any) -> None:

@@ -386,7 +386,7 @@ class SecondaryTier(JobSide):
                 self._progress_wake.set()
                 progress = self._progress_last
                 for transfer in self.unpublished():
-                    self._runner.cancel(transfer)
+                    self._runner.cancel(transfer, "cancelled by shutdown()")
         finally:
             self._lock.release()
         if closed:  # (an earlier shutdown's wait for the background work may be under way, or
