@@ -826,8 +826,13 @@ def test_the_check_fails_when_a_guard_takes_other_answers_under_its_old_name(
 ) -> None:
     """Swapping what two guards accept sends a running transfer to DONE (and a finished one
     round again) with every guard and edge named as before: the drawing says the answers."""
-    swapped = TRANSFER_MACHINE.extend(
-        "transfer", guards={"running": [Answer.DONE], "finished": [Answer.PROC]})
+    shipped = TRANSFER_MACHINE
+    swapped = Declaration(
+        "transfer", states=shipped.states, initial=shipped.initial, answers=shipped.answers,
+        guards={**shipped.guards, "running": [Answer.DONE], "finished": [Answer.PROC]},
+        actions=shipped.actions, transitions=shipped.transitions, final=shipped.final,
+        failure_states=shipped.failure_states, unreachable=shipped.unreachable,
+        calls=shipped.calls, effects=shipped.effects, running=shipped.running)
     problems = check([swapped], COMMITTED)
     assert [str(p).splitlines()[0] for p in problems] == [
         f"machine 'transfer': {COMMITTED / 'transfer.dot'} differs from the declaration",
