@@ -52,7 +52,9 @@ is named, kvfsm's own, listed in :data:`MACHINES` (one line each). Each goes to
 ``DIR/NAME.dot`` and ``DIR/NAME.svg``, ``NAME`` being the declaration's ``name``; ``DIR`` is
 ``diagrams`` in the current directory unless ``--out`` says otherwise, for kvfsm's machines and a
 user's alike. A DIR that is not a directory, or cannot be written, is refused in one line before
-anything is written.
+anything is written, and so is a machine named like one of kvfsm's own (``transfer``,
+``peer_receive``, ``peer_link``) that is not that machine: its drawing would take the place of
+kvfsm's.
 """
 
 from __future__ import annotations
@@ -345,9 +347,13 @@ def write(declarations: Iterable[Declaration[Any, Any]], out: Path) -> list[Path
     """Write each machine's DOT, and render its SVG unless the SVG already shows that DOT.
 
     Returns the files that changed. Raises :class:`DiagramError`, having written nothing, when
-    ``out`` is not a directory that can be made or written to; and when an SVG needs rendering
-    and ``dot`` is missing (the DOT files are written first).
+    a machine is named like one of kvfsm's own but is not it (its drawing would take the place
+    of kvfsm's), or ``out`` is not a directory that can be made or written to; and when an SVG
+    needs rendering and ``dot`` is missing (the DOT files are written first).
     """
+    declarations = list(declarations)
+    for declaration in declarations:
+        _check_not_named_like_ours(declaration)
     drawn = [(d.name, to_dot(d)) for d in declarations]
     _make_directory(out)
     dots = [(out / f"{name}.dot", text) for name, text in drawn
@@ -550,9 +556,22 @@ def _check_name(name: str) -> None:
                            "'_', '.' and '-'")
 
 
+def _check_not_named_like_ours(declaration: Declaration[Any, Any]) -> None:
+    """A machine named like one of kvfsm's own (:data:`kvfsm.machines.KVFSM_MACHINES`) is that
+    machine: another one's drawing would silently take the place of kvfsm's."""
+    spec = KVFSM_MACHINES.get(declaration.name)
+    if spec is not None and load_machine(spec) is not declaration:
+        raise DiagramError(
+            f"machine {declaration.name!r} is named like kvfsm's own machine {spec}, but is "
+            f"another machine: its drawing would take the place of kvfsm's "
+            f"({declaration.name}.dot, {declaration.name}.svg); give your machine a name of "
+            "its own")
+
+
 def _unique(declarations: list[Declaration[Any, Any]],
             specs: Sequence[str]) -> list[Declaration[Any, Any]]:
-    """Drop a machine named twice; refuse two different machines with one name."""
+    """Drop a machine named twice; refuse two different machines with one name, and a machine
+    named like one of kvfsm's own that is not it."""
     kept: dict[str, tuple[Declaration[Any, Any], str]] = {}
     for declaration, spec in zip(declarations, specs, strict=True):
         _check_name(declaration.name)
@@ -562,6 +581,8 @@ def _unique(declarations: list[Declaration[Any, Any]],
         elif seen[0] is not declaration:
             raise DiagramError(f"{seen[1]} and {spec} are both named {declaration.name!r}; "
                                "each machine needs its own name")
+    for declaration, _ in kept.values():
+        _check_not_named_like_ours(declaration)
     return [declaration for declaration, _ in kept.values()]
 
 

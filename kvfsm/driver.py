@@ -28,7 +28,7 @@ import collections
 import enum
 import functools
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import islice
 from typing import Any, Protocol
 
@@ -467,21 +467,74 @@ class TransferDriver:
     def step(self, transfer: Transfer, *, name: str) -> Outcome:
         """Make the user's step ``name``: what it answered.
 
-        A step that raises, or answers what its event does not carry, answers RAISED (its
-        event must carry it: :func:`check_runnable`); an answer given with a reason
+        A step that raises, or returns what is not one of its event's answers, nor such an
+        answer with a reason (``(answer, why)``, ``why`` a str), answers RAISED (its event must
+        carry it: :func:`check_runnable`), with a ``TypeError`` saying what it returned and
+        what it may return; an answer given with a reason
         (``(answer, why)``) carries it to the machine's actions as the failure's detail, and
         one given alone carries the step's name all the same (an empty why), so a failure it
         latches says which step answered what (``verify answered MISMATCH``).
         """
         try:
-            answered = self.steps[name](transfer)
-            answer, why = answered if isinstance(answered, tuple) else (answered, None)
-            if answer not in self._answers[name] or answer is Answer.RAISED:
-                raise TypeError(f"step {name!r} answered {answered!r}, not one of its "
-                                "event's answers")
+            answer, why = _step_answer(name, self.steps[name](transfer), self._answers[name])
         except Exception as error:  # a step's failure is an answer, not an escape
             return Outcome(Answer.RAISED, CallFailed(name, error.with_traceback(None)))
         return Outcome(answer, CallFailed(name, "" if why is None else why))
+
+
+def _step_answer(name: str, answered: Any, carried: Collection[Any]) -> tuple[Any, str | None]:
+    """What step ``name`` returned, as (answer, why), or TypeError saying what it returned and
+    what it must return: one of its event's answers (``carried``, but RAISED, which a step
+    answers by raising), or ``(answer, why)`` with ``why`` a str."""
+    if isinstance(answered, tuple):
+        if len(answered) != 2:
+            raise TypeError(f"step {name!r} returned {answered!r}, a tuple of {len(answered)} "
+                            f"items; a step returns its answer ({_answers_of(carried)}), or "
+                            "(answer, why) with why a str")
+        answer, why = answered
+    else:
+        answer, why = answered, None
+    if not (isinstance(answer, enum.Enum) and answer in carried) or answer is Answer.RAISED:
+        raise TypeError(_misanswered(name, answer, carried))
+    if not (why is None or isinstance(why, str)):
+        raise TypeError(f"step {name!r} returned {answered!r}, whose why is "
+                        f"{type(why).__name__} {why!r}; a step returns its answer, or "
+                        "(answer, why) with why a str")
+    return answer, why
+
+
+def _answers_of(carried: Collection[Any]) -> str:
+    """The answers a step may return: its event's, but RAISED (``Verified.MATCH, ...``)."""
+    return ", ".join(sorted(f"{type(a).__name__}.{a.name}" for a in carried
+                            if a is not Answer.RAISED))
+
+
+def _misanswered(name: str, answer: Any, carried: Collection[Any]) -> str:
+    """Why ``answer`` is not one a step may give, and what it may: a member of another class
+    than the event's answers are (a copy of their Enum, under the same name, is named with
+    both modules), the name of an answer rather than the answer, or RAISED."""
+    kinds = {type(a) for a in carried}
+    if isinstance(answer, enum.Enum):
+        kind = type(answer)
+        what = (f"{kind.__name__}.{answer.name}" if kind in kinds else
+                f"{kind.__module__}.{kind.__qualname__}.{answer.name}")
+    else:
+        kind, what = None, f"{type(answer).__name__} {answer!r}"
+    if answer is Answer.RAISED:
+        return (f"step {name!r} answered {what}, which a step answers by raising an exception, "
+                f"not by returning it; it returns one of {_answers_of(carried)}")
+    said = (f"step {name!r} answered {what}, which is not one of its event's answers "
+            f"({_answers_of(carried)})")
+    twins = sorted(f"{k.__module__}.{k.__qualname__}" for k in kinds
+                   if kind is not None and k is not kind and k.__name__ == kind.__name__)
+    if twins:
+        return (f"{said}: the event takes {' or '.join(twins)} members, another class of the "
+                f"same name; answer with the class the machine declares")
+    named = sorted(f"{type(a).__name__}.{a.name}" for a in carried
+                   if isinstance(answer, str) and a.name == answer and a is not Answer.RAISED)
+    if named:
+        return f"{said}; answer the member {named[0]}, not its name"
+    return said
 
 
 _NONE = Outcome(None)

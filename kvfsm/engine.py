@@ -203,6 +203,40 @@ def _answer_sets(name: str, what: str, given: object) -> dict[Any, tuple[Any, ..
     return sets
 
 
+def _mapping(name: str, what: str, given: object, example: str, *,
+             none: bool = True) -> Mapping[Any, Any]:
+    """``given`` (None: empty, where ``none`` allows it), or DeclarationError unless it is a
+    mapping."""
+    if given is None and none:
+        return {}
+    if not isinstance(given, Mapping):
+        empty = "" if none else "; give {} for none"
+        raise DeclarationError(f"{name}: {what} must be a dict ({example}), got "
+                               f"{type(given).__name__} {given!r}{empty}")
+    return given
+
+
+def _state(name: str, what: str, given: object, states: type[enum.Enum]) -> Any:
+    """The member of ``states`` that ``given`` is, or names (as a transition's source or dest
+    names one); DeclarationError naming what was given, and what to give, otherwise."""
+    if isinstance(given, states):
+        return given
+    known = ", ".join(states.__members__)
+    if isinstance(given, str) and not isinstance(given, enum.Enum):
+        try:
+            return states[given]
+        except KeyError:
+            raise DeclarationError(f"{name}: {what} names {given!r}, which is not a state of "
+                                   f"{states.__name__} (its states: {known})") from None
+    if isinstance(given, enum.Enum) and given.name in states.__members__:
+        hint = (f"give {states.__name__}.{given.name} (the member of the states' Enum) or its "
+                f"name {given.name!r}")
+    else:
+        hint = f"give a member of {states.__name__} or its name (its states: {known})"
+    raise DeclarationError(f"{name}: {what} names {given!r}, which is not a member of "
+                           f"{states.__name__}; {hint}")
+
+
 #: what a transition names, each of it required
 _TRANSITION_KEYS = ("trigger", "source", "dest")
 
@@ -231,7 +265,10 @@ class Declaration(Generic[S, A]):
 
     Args:
         name: the machine's name (used in errors, diagrams and coverage).
-        states: the Enum of states.
+        states: the Enum of states. Wherever a state is named (``initial``, ``final``,
+            ``failure_states``, ``unreachable``, ``running``, the keys of ``effects``, and a
+            transition's ``source`` and ``dest``), it is given as a member of this Enum or by
+            its name (``Door.BROKEN`` or ``"BROKEN"``).
         initial: the state every record starts in.
         answers: for each event name, the answers it can carry (members of one Enum).
         guards: for each guard name, the set of answers it accepts.
@@ -273,49 +310,64 @@ class Declaration(Generic[S, A]):
         name: str,
         *,
         states: type[S],
-        initial: S,
+        initial: S | str,
         answers: Mapping[str, Iterable[A]],
         guards: Mapping[str, Iterable[A]],
         actions: Mapping[str, Action],
         transitions: Sequence[Mapping[str, Any]],
-        final: Iterable[S] = (),
-        failure_states: Iterable[S] = (),
-        unreachable: Iterable[S] = (),
+        final: Iterable[S | str] = (),
+        failure_states: Iterable[S | str] = (),
+        unreachable: Iterable[S | str] = (),
         calls: Mapping[str, str | Sequence[str]] | None = None,
-        effects: Mapping[S, str] | None = None,
-        running: Iterable[S] = (),
+        effects: Mapping[S, str] | Mapping[str, str] | None = None,
+        running: Iterable[S | str] = (),
     ) -> None:
+        if not isinstance(name, str) or not name:
+            raise DeclarationError(f"a machine's name must be a non-empty str, got "
+                                   f"{type(name).__name__} {name!r}")
         if not (isinstance(states, type) and issubclass(states, enum.Enum)):
             raise DeclarationError(
                 f"{name}: states must be an Enum class (class MyState(enum.Enum): ...), got "
                 f"{type(states).__name__} {states!r}; to add states to a machine by name, use "
                 "its extend(states=[...])")
-        # each collection read once, here (a generator is used up by reading it)
-        final, failure_states, unreachable, running = (
-            _collection(name, what, given, "states", f"[{states.__name__}.X]")
+        # each collection read once, here (a generator is used up by reading it); a state is
+        # given as a member of ``states`` or by its name, as a transition's source and dest
+        named: dict[str, tuple[S, ...]] = {
+            what: tuple(_state(name, what, state, states) for state in _collection(
+                name, what, given, "states", f"[{states.__name__}.X] or ['X']"))
             for what, given in (("final", final), ("failure_states", failure_states),
-                                ("unreachable", unreachable), ("running", running)))
+                                ("unreachable", unreachable), ("running", running))}
+        start: S = _state(name, "initial", initial, states)
+        waits: dict[S, Any] = {}
+        for state, effect in _mapping(name, "effects", effects,
+                                      "{State.X: 'event'} or {'X': 'event'}").items():
+            member = _state(name, "effects", state, states)
+            if member in waits:
+                raise DeclarationError(f"{name}: effects names state {member.name} twice")
+            waits[member] = effect
         answers, guards = (_answer_sets(name, what, given)
                            for what, given in (("answers", answers), ("guards", guards)))
+        actions = _mapping(name, "actions", actions, "{'name': function}", none=False)
+        calls = _mapping(name, "calls", calls, "{'event': 'call'}")
         transitions = _transition_list(name, transitions)
         self.name = name
         self.states = states
-        self.initial = initial
+        self.initial = start
         self.answers: dict[str, frozenset[A]] = {e: frozenset(a) for e, a in answers.items()}
         self.guards: dict[str, frozenset[A]] = {g: frozenset(a) for g, a in guards.items()}
         self.actions = dict(actions)
         self.transitions = [dict(t) for t in transitions]
-        self.final = frozenset(final)
-        self.failure_states = frozenset(failure_states)
-        self.unreachable = frozenset(unreachable)
+        self.final = frozenset(named["final"])
+        self.failure_states = frozenset(named["failure_states"])
+        self.unreachable = frozenset(named["unreachable"])
         self.calls: dict[str, tuple[str, ...]] = {
             str(event): (named,) if isinstance(named, str) else tuple(named)
-            for event, named in (calls or {}).items()}
+            if isinstance(named, Iterable) else named  # (refused below)
+            for event, named in calls.items()}
         #: the effect each state waits on, by the event it fires (empty: none declared)
-        self.effects: dict[S, str] = {state: str(effect)
-                                      for state, effect in (effects or {}).items()}
+        self.effects: dict[S, str] = {state: str(effect) for state, effect in waits.items()}
         #: the states in which the work may still be under way outside the machine
-        self.running = frozenset(running)
+        self.running = frozenset(named["running"])
         self._check_states()
         self._check_names()
         self.edges: tuple[Edge, ...] = self._read_edges(self.build_machine(_Inert()))
@@ -328,7 +380,7 @@ class Declaration(Generic[S, A]):
         self._resolve()  # fail at declaration time, not at first use
         self._check_reachable()
         self._check_final()
-        self._check_effects(effects or {})
+        self._check_effects(waits)
 
     # -- the transitions machine ------------------------------------------------------------
 
@@ -426,16 +478,44 @@ class Declaration(Generic[S, A]):
         named by their names (a member of this machine's Enum is taken by its name too).
 
         Raises:
-            DeclarationError: a state, or a replaced edge, that does not exist; or whatever the
-                new declaration gets wrong (it is checked as any declaration is).
+            DeclarationError: a state, or a replaced edge, that does not exist; a part of the
+                wrong shape (a transition without its dest, one dict where a list of them goes,
+                a list where a dict goes); the name of the machine extended (the new machine
+                takes a name of its own); or whatever the new declaration gets wrong (it is
+                checked as any declaration is).
         """
+        if not isinstance(name, str) or not name:
+            raise DeclarationError(f"extend of {self.name!r}: the new machine's name must be a "
+                                   f"non-empty str, got {type(name).__name__} {name!r}")
+        if name == self.name:
+            raise DeclarationError(
+                f"{name}: extend names the new machine {name!r}, the name of the machine it "
+                f"extends; give your machine a name of its own (diagrams, coverage and traces "
+                f"tell machines apart by name)")
         names = [state.name for state in self.states]
         for field, given in (("states", states), ("running", running), ("final", final),
                              ("failure_states", failure_states), ("unreachable", unreachable)):
             if isinstance(given, str | bytes):  # (a str is iterable: one state per letter)
                 raise DeclarationError(f"{name}: {field} must be a list of state names, got "
                                        f"{given!r}; write [{given!r}]")
+        states, running, final, failure_states, unreachable = (
+            _collection(name, field, given, "state names", "['VERIFYING']")
+            for field, given in (("states", states), ("running", running), ("final", final),
+                                 ("failure_states", failure_states),
+                                 ("unreachable", unreachable)))
+        answers, guards, actions, calls, effects = (
+            _mapping(name, field, given, example) for field, given, example in (
+                ("answers", answers, "{'event': [Answer.X, ...]}"),
+                ("guards", guards, "{'guard': [Answer.X, ...]}"),
+                ("actions", actions, "{'action': function}"),
+                ("calls", calls, "{'event': 'call'}"),
+                ("effects", effects, "{'STATE': 'event'}")))
+        transitions = _transition_list(name, transitions)
         added = list(states)
+        for state in added:
+            if not isinstance(state, str) or not state.isidentifier():
+                raise DeclarationError(f"{name}: states names the new states by their names "
+                                       f"(identifiers, such as 'VERIFYING'), got {state!r}")
         clash = sorted(set(added) & set(names)) or sorted(
             {state for state in added if added.count(state) > 1})
         if clash:
@@ -477,19 +557,19 @@ class Declaration(Generic[S, A]):
             raise DeclarationError(f"{name}: replace names edges {self.name!r} does not have: "
                                    f"{sorted(changes)}")
         effects_now = {ours(s): e for s, e in self.effects.items()}
-        effects_now.update({ours(s): e for s, e in (effects or {}).items()})
+        effects_now.update({ours(s): e for s, e in effects.items()})
         return Declaration(
             name,
             states=new,
             initial=ours(self.initial),
-            answers={**self.answers, **(answers or {})},
-            guards={**self.guards, **(guards or {})},
-            actions={**self.actions, **(actions or {})},
+            answers={**self.answers, **answers},
+            guards={**self.guards, **guards},
+            actions={**self.actions, **actions},
             transitions=[*table, *map(mapped, transitions)],
             final=[*map(ours, self.final), *map(ours, final)],
             failure_states=[*map(ours, self.failure_states), *map(ours, failure_states)],
             unreachable=[*map(ours, self.unreachable), *map(ours, unreachable)],
-            calls={**self.calls, **(calls or {})},
+            calls={**self.calls, **calls},
             effects=effects_now or None,
             running=[*map(ours, self.running), *map(ours, running)],
         )
@@ -499,16 +579,8 @@ class Declaration(Generic[S, A]):
         return [e for e in self.edges if e.source == source.name and e.event == event]
 
     def _check_states(self) -> None:
-        """The initial, final, failure and unreachable states are members of ``states``."""
-        named = [("initial", [self.initial]), ("final", self.final),
-                 ("failure_states", self.failure_states), ("unreachable", self.unreachable),
-                 ("effects", self.effects), ("running", self.running)]
-        for what, states in named:
-            for state in states:
-                if not isinstance(state, self.states):
-                    raise DeclarationError(
-                        f"{self.name}: {what} names {state!r}, which is not a member of "
-                        f"{self.states.__name__}")
+        """The initial state is not named unreachable (every state named is a member of
+        ``states``: :func:`_state` resolved it)."""
         if self.initial in self.unreachable:
             raise DeclarationError(f"{self.name}: the initial state {self.initial.name} is "
                                    "named in unreachable")
@@ -605,15 +677,22 @@ class Declaration(Generic[S, A]):
             if event not in self.answers:
                 raise DeclarationError(f"{self.name}: calls names {event!r}, which is not one "
                                        "of its events")
-            if not named or not all(isinstance(name, str) and name for name in named):
+            if not (isinstance(named, tuple) and named
+                    and all(isinstance(name, str) and name for name in named)):
                 raise DeclarationError(f"{self.name}: the calls of {event!r} must be names "
                                        f"(str), got {named!r}")
 
     def _check_transition(self, transition: Mapping[str, Any]) -> None:
         trigger = transition.get("trigger")
+        if not isinstance(trigger, str):
+            raise DeclarationError(f"{self.name}: transition {transition} has trigger "
+                                   f"{trigger!r}; a trigger is an event's name (str)")
         if trigger not in self.answers:
-            raise DeclarationError(f"{self.name}: transition {transition} has an undeclared "
-                                   f"trigger {trigger!r}")
+            raise DeclarationError(
+                f"{self.name}: transition {transition} has trigger {trigger!r}, an event "
+                f"answers= does not declare; declare the answers it carries: "
+                f"answers={{{str(trigger)!r}: [Answer.X, ...]}} (events declared: "
+                f"{', '.join(map(str, self.answers)) or 'none'})")
         for key in transition:
             if key not in {"trigger", "source", "dest", "conditions", "unless", "after"}:
                 raise DeclarationError(f"{self.name}: unsupported key {key!r} in {transition}"

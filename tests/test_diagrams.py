@@ -28,7 +28,15 @@ import pytest
 
 from kvfsm import Declaration, Transfer, TransferJob, TransferState
 from kvfsm.cli import main
-from kvfsm.diagrams import MACHINES, DiagramError, check, failure_answers, load_declaration, to_dot
+from kvfsm.diagrams import (
+    MACHINES,
+    DiagramError,
+    check,
+    failure_answers,
+    load_declaration,
+    to_dot,
+    write,
+)
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer
 from kvfsm.peer import PeerAnswer
 from kvfsm.peer_link import LinkAnswer
@@ -826,8 +834,13 @@ def test_the_check_fails_when_a_guard_takes_other_answers_under_its_old_name(
 ) -> None:
     """Swapping what two guards accept sends a running transfer to DONE (and a finished one
     round again) with every guard and edge named as before: the drawing says the answers."""
-    swapped = TRANSFER_MACHINE.extend(
-        "transfer", guards={"running": [Answer.DONE], "finished": [Answer.PROC]})
+    shipped = TRANSFER_MACHINE
+    swapped = Declaration(
+        "transfer", states=shipped.states, initial=shipped.initial, answers=shipped.answers,
+        guards={**shipped.guards, "running": [Answer.DONE], "finished": [Answer.PROC]},
+        actions=shipped.actions, transitions=shipped.transitions, final=shipped.final,
+        failure_states=shipped.failure_states, unreachable=shipped.unreachable,
+        calls=shipped.calls, effects=shipped.effects, running=shipped.running)
     problems = check([swapped], COMMITTED)
     assert [str(p).splitlines()[0] for p in problems] == [
         f"machine 'transfer': {COMMITTED / 'transfer.dot'} differs from the declaration",
@@ -996,6 +1009,11 @@ def test_only_draws_just_the_machines_named(tmp_path: Path) -> None:
     (["kvfsm.lifecycle:TransferState"], "is not a kvfsm Declaration (found EnumType)"),
     (["no_such_module_kvfsm:X"], "cannot import 'no_such_module_kvfsm'"),
     (["transfer", "tests.test_diagrams:RENAMED"], "are both named 'transfer'"),
+    (["tests.test_diagrams:RENAMED"],
+     "machine 'transfer' is named like kvfsm's own machine "
+     "kvfsm.machines.transfer:TRANSFER_MACHINE, but is another machine: its drawing would take "
+     "the place of kvfsm's (transfer.dot, transfer.svg); give your machine a name of its own"),
+    (["--check", "tests.test_diagrams:RENAMED"], "is named like kvfsm's own machine"),
     (["tests.test_diagrams:BADLY_NAMED"], "machine name 'a door/b' cannot name a file"),
     (["--only"], "no machine to draw"),
 ])
@@ -1049,6 +1067,22 @@ RENAMED = door(failure_states=[])
 RENAMED.name = "transfer"
 BADLY_NAMED = door()
 BADLY_NAMED.name = "a door/b"
+
+
+def test_a_machine_named_like_one_of_kvfsms_never_overwrites_kvfsms_drawing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's machine named ``transfer`` would be drawn to transfer.dot and .svg, in place of
+    the drawing of kvfsm's transfer machine: refused, with nothing written; kvfsm's own machine
+    is drawn under its name as before (its committed drawing is current: nothing to write)."""
+    shutil.copytree(COMMITTED, tmp_path, dirs_exist_ok=True)
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    with pytest.raises(DiagramError, match=r"^machine 'transfer' is named like kvfsm's own "):
+        write([RENAMED], tmp_path)
+    assert main(["diagrams", "--out", str(tmp_path), "tests.test_diagrams:RENAMED"]) == 2
+    assert "give your machine a name of its own" in capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == before
+    assert write([TRANSFER_MACHINE], tmp_path) == []  # kvfsm's own: its drawing is current
 
 
 # -- rendering ----------------------------------------------------------------------------------

@@ -214,11 +214,14 @@ def test_a_state_that_is_not_a_member_is_refused_naming_the_field_it_was_given_i
     """_check_states: 2, 3 (``initial``), 8, 9 (``unreachable``), 10, 11 (``effects``), 17,
     18, 19 (the initial state named unreachable)."""
     assert refusal(initial=Stranger.CLOSED) == (
-        "door: initial names <Stranger.CLOSED: 1>, which is not a member of Door")
-    assert refusal(unreachable=["GONE"]) == (
-        "door: unreachable names 'GONE', which is not a member of Door")
-    assert refusal(effects={"CLOSED": "push"}) == (
-        "door: effects names 'CLOSED', which is not a member of Door")
+        "door: initial names <Stranger.CLOSED: 1>, which is not a member of Door; give "
+        "Door.CLOSED (the member of the states' Enum) or its name 'CLOSED'")
+    assert refusal(unreachable=["GONER"]) == (
+        "door: unreachable names 'GONER', which is not a state of Door (its states: CLOSED, "
+        "OPEN, JAMMED, GONE)")
+    assert refusal(effects={"SHUT": "push"}) == (
+        "door: effects names 'SHUT', which is not a state of Door (its states: CLOSED, OPEN, "
+        "JAMMED, GONE)")
     assert refusal(unreachable=[Door.CLOSED]) == (
         "door: the initial state CLOSED is named in unreachable")
 

@@ -99,15 +99,21 @@ def run_one_store(step: Any) -> Any:
     return result
 
 
-@pytest.mark.parametrize("answered", [Stranger.GOOD, (Stranger.GOOD, "why"), Answer.RAISED,
-                                      "GOOD"])
+_NOT_CARRIED = "which is not one of its event's answers (Checked.BAD, Checked.GOOD)"
+
+
+@pytest.mark.parametrize(("answered", "message"), [
+    (Stranger.GOOD, f"tests.test_mutants_lifecycle.Stranger.GOOD, {_NOT_CARRIED}"),
+    ((Stranger.GOOD, "why"), f"tests.test_mutants_lifecycle.Stranger.GOOD, {_NOT_CARRIED}"),
+    (Answer.RAISED, "Answer.RAISED, which a step answers by raising an exception, not by "
+                    "returning it; it returns one of Checked.BAD, Checked.GOOD"),
+    ("GOOD", f"str 'GOOD', {_NOT_CARRIED}; answer the member Checked.GOOD, not its name")])
 def test_a_step_answering_what_its_event_does_not_carry_fails_its_job_naming_it(
-        answered: Any) -> None:
+        answered: Any, message: str) -> None:
     result = run_one_store(lambda transfer, primary: answered)
     assert not result.success
     assert result.reason == FailureReason(
-        FailureKind.RAISED, "verify",
-        f"TypeError: step 'verify' answered {answered!r}, not one of its event's answers")
+        FailureKind.RAISED, "verify", f"TypeError: step 'verify' answered {message}")
 
 
 def test_a_step_answering_plainly_or_with_a_reason_is_named_in_the_failure() -> None:

@@ -48,7 +48,8 @@ def test_the_transfer_machine_declares_what_each_state_waits_on() -> None:
     ({"effects": {**TRANSFER_MACHINE.effects, S.DONE: 3}}, "must be an event's name"),
     ({"running": (S.PROCESSING, S.DONE)}, "running states wait on one effect"),
     ({"running": (S.PROCESSING, S.PUBLISHED)}, "both running and final"),
-    ({"running": ("PROCESSING",)}, "running names 'PROCESSING', which is not a member"),
+    ({"running": ("PROCESSED",)}, "running names 'PROCESSED', which is not a state of "
+                                  "TransferState"),
 ])
 def test_effects_and_running_states_are_checked_when_declared(changes: dict[str, Any],
                                                               message: str) -> None:

@@ -1,0 +1,184 @@
+"""Declaring a machine of one's own, as a newcomer does: from scratch with ``Declaration``, or
+from the shipped one with ``TRANSFER_MACHINE.extend``.
+
+A state is named the same way wherever a declaration names one: as a member of the machine's
+states Enum, or by its name, as a transition's ``source`` and ``dest`` are. A declaration of
+the wrong shape (a transition without its dest, one dict where a list of them goes, None where
+a dict goes, an event nobody declared the answers of) is refused with a ``DeclarationError``
+saying what was wrong and what to give, never a ``KeyError`` or ``TypeError`` from inside, and
+the machine extended is left as it was. An extension takes a name of its own.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from typing import Any
+
+import pytest
+
+from kvfsm import TRANSFER_MACHINE, Declaration
+from kvfsm.engine import DeclarationError
+
+
+class Door(enum.Enum):
+    OPEN = 1
+    CLOSED = 2
+    BROKEN = 3
+    GONE = 4
+
+
+class Push(enum.Enum):
+    OK = 1
+    JAM = 2
+
+
+class Lookalike(enum.Enum):
+    """Another Enum with a member named like one of the door's states."""
+
+    BROKEN = 3
+
+
+def declare(**changes: Any) -> Declaration[Any, Any]:
+    """A door that opens, or jams and breaks, and closes again; GONE is left unused."""
+    arguments: dict[str, Any] = {
+        "states": Door, "initial": Door.CLOSED,
+        "answers": {"open": (Push.OK, Push.JAM), "close": (Push.OK,)},
+        "guards": {"ok": (Push.OK,), "jam": (Push.JAM,)}, "actions": {},
+        "transitions": [
+            {"trigger": "open", "source": "CLOSED", "dest": "OPEN", "conditions": "ok"},
+            {"trigger": "open", "source": "CLOSED", "dest": "BROKEN", "conditions": "jam"},
+            {"trigger": "close", "source": "OPEN", "dest": "CLOSED"}],
+        "final": [Door.BROKEN], "unreachable": [Door.GONE]}
+    return Declaration("door", **{**arguments, **changes})
+
+
+def refusal(**changes: Any) -> str:
+    with pytest.raises(DeclarationError) as refused:
+        declare(**changes)
+    return str(refused.value)
+
+
+# -- a state is given as a member or by its name, wherever one is named ------------------------
+
+def test_states_are_named_by_their_names_as_transitions_name_them() -> None:
+    by_name = declare(initial="CLOSED", final=["BROKEN"], failure_states=["BROKEN"],
+                      unreachable=["GONE"], effects={"CLOSED": "open", "OPEN": "close"},
+                      running=["OPEN"])
+    by_member = declare(initial=Door.CLOSED, final=[Door.BROKEN], failure_states=[Door.BROKEN],
+                        unreachable=[Door.GONE],
+                        effects={Door.CLOSED: "open", Door.OPEN: "close"}, running=[Door.OPEN])
+    for declaration in (by_name, by_member):
+        assert declaration.initial is Door.CLOSED
+        assert declaration.final == declaration.failure_states == {Door.BROKEN}
+        assert declaration.unreachable == {Door.GONE}
+        assert declaration.effects == {Door.CLOSED: "open", Door.OPEN: "close"}
+        assert declaration.running == {Door.OPEN}
+    assert by_name.edges == by_member.edges
+
+
+def test_a_name_that_is_no_state_is_refused_listing_the_states() -> None:
+    assert refusal(final=["BROKE"]) == (
+        "door: final names 'BROKE', which is not a state of Door (its states: OPEN, CLOSED, "
+        "BROKEN, GONE)")
+    assert refusal(initial="closed") == (
+        "door: initial names 'closed', which is not a state of Door (its states: OPEN, CLOSED, "
+        "BROKEN, GONE)")
+
+
+def test_a_member_of_another_enum_is_refused_saying_which_member_to_give() -> None:
+    assert refusal(final=[Lookalike.BROKEN]) == (
+        "door: final names <Lookalike.BROKEN: 3>, which is not a member of Door; give "
+        "Door.BROKEN (the member of the states' Enum) or its name 'BROKEN'")
+    assert refusal(failure_states=[Push.JAM]) == (
+        "door: failure_states names <Push.JAM: 2>, which is not a member of Door; give a "
+        "member of Door or its name (its states: OPEN, CLOSED, BROKEN, GONE)")
+
+
+def test_a_state_given_twice_in_effects_by_member_and_by_name_is_refused() -> None:
+    assert refusal(effects={"CLOSED": "open", Door.CLOSED: "open", "OPEN": "close"}) == (
+        "door: effects names state CLOSED twice")
+
+
+# -- a declaration of the wrong shape is a DeclarationError saying what to give ----------------
+
+def test_an_event_without_answers_is_refused_saying_to_declare_them() -> None:
+    assert refusal(answers={"close": (Push.OK,)}) == (
+        "door: transition {'trigger': 'open', 'source': 'CLOSED', 'dest': 'OPEN', "
+        "'conditions': 'ok'} has trigger 'open', an event answers= does not declare; declare "
+        "the answers it carries: answers={'open': [Answer.X, ...]} (events declared: close)")
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"actions": None}, "door: actions must be a dict ({'name': function}), got NoneType None; "
+                        "give {} for none"),
+    ({"calls": ["open"]}, "door: calls must be a dict ({'event': 'call'}), got list ['open']"),
+    ({"calls": {"open": 5}}, "door: the calls of 'open' must be names (str), got 5"),
+    ({"effects": ["CLOSED"]}, "door: effects must be a dict ({State.X: 'event'} or "
+                              "{'X': 'event'}), got list ['CLOSED']"),
+    ({"transitions": [{"trigger": ["open"], "source": "CLOSED", "dest": "OPEN"}]},
+     "door: transition {'trigger': ['open'], 'source': 'CLOSED', 'dest': 'OPEN'} has trigger "
+     "['open']; a trigger is an event's name (str)"),
+], ids=["actions None", "calls a list", "a call not named", "effects a list", "trigger a list"])
+def test_a_part_of_the_wrong_shape_is_named_with_what_to_give(changes: dict[str, Any],
+                                                             message: str) -> None:
+    assert refusal(**changes) == message
+
+
+def test_a_machine_without_a_name_is_refused() -> None:
+    with pytest.raises(DeclarationError) as refused:
+        Declaration(None, states=Door, initial=Door.CLOSED, answers={}, guards={},  # type: ignore[arg-type]
+                    actions={}, transitions=[])
+    assert str(refused.value) == "a machine's name must be a non-empty str, got NoneType None"
+
+
+def _shipped() -> tuple[Any, ...]:
+    """Everything the shipped machine declares, copied to compare with later."""
+    shipped = TRANSFER_MACHINE
+    declared = (shipped.name, shipped.answers, shipped.guards, shipped.transitions,
+                shipped.final, shipped.failure_states, shipped.effects, shipped.running,
+                shipped.calls, shipped.edges)
+    return (*copy.deepcopy(declared), dict(shipped.actions))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"transitions": [{"trigger": "cancel", "source": "AJAR"}]},
+     "ajar: transitions[0] has no 'dest': {'trigger': 'cancel', 'source': 'AJAR'}"),
+    ({"transitions": {"trigger": "cancel", "source": "AJAR", "dest": "AJAR"}},
+     "ajar: transitions must be a list of dicts, one a transition, got one dict "
+     "{'trigger': 'cancel', 'source': 'AJAR', 'dest': 'AJAR'}"),
+    ({"answers": [("verify", ())]},
+     "ajar: answers must be a dict ({'event': [Answer.X, ...]}), got list [('verify', ())]"),
+    ({"effects": ["AJAR"]}, "ajar: effects must be a dict ({'STATE': 'event'}), got list "
+                            "['AJAR']"),
+    ({"final": None},
+     "ajar: final must be a collection of state names (['VERIFYING']), got NoneType None"),
+    ({"states": ["AJAR", 2]},
+     "ajar: states names the new states by their names (identifiers, such as 'VERIFYING'), "
+     "got 2"),
+    ({"transitions": [{"trigger": "shut", "source": "AJAR", "dest": "AJAR"}]},
+     "ajar: transition {'trigger': 'shut', 'source': <AjarState.AJAR: 10>, 'dest': "
+     "<AjarState.AJAR: 10>} has trigger 'shut', an event answers= does not declare; declare "
+     "the answers it carries: answers={'shut': [Answer.X, ...]} (events declared: post, poll, "
+     "release, clean, publish, cancel)"),
+], ids=["no dest", "one dict", "answers a list", "effects a list", "final None",
+        "a state not named", "an event without answers"])
+def test_an_extension_of_the_wrong_shape_is_refused_and_changes_nothing(
+        changes: dict[str, Any], message: str) -> None:
+    before = _shipped()
+    with pytest.raises(DeclarationError) as refused:
+        TRANSFER_MACHINE.extend("ajar", **{"states": ["AJAR"], **changes})
+    assert str(refused.value) == message
+    assert _shipped() == before
+
+
+def test_an_extension_named_like_the_machine_it_extends_is_refused() -> None:
+    before = _shipped()
+    with pytest.raises(DeclarationError) as refused:
+        TRANSFER_MACHINE.extend("transfer", states=["AJAR"], unreachable=["AJAR"])
+    assert str(refused.value) == (
+        "transfer: extend names the new machine 'transfer', the name of the machine it "
+        "extends; give your machine a name of its own (diagrams, coverage and traces tell "
+        "machines apart by name)")
+    assert _shipped() == before
+    assert TRANSFER_MACHINE.extend("ajar", states=["AJAR"], unreachable=["AJAR"]).name == "ajar"

@@ -1,0 +1,103 @@
+"""What a user's step returns, as the driver takes it (``TransferDriver.step``).
+
+A step returns one of its event's answers, or ``(answer, why)`` with ``why`` a str. Anything
+else fails its job (the step's event answering RAISED) with a reason saying what the step
+returned and what it may return: the answers its event takes, by name. The mistakes a newcomer
+makes are named as such: a tuple of three, a why that is not text, the answer's name instead of
+the answer, RAISED returned instead of raised, and a member of a copy of the answers' Enum (a
+class of the same name in another module: both modules are named, as the two read alike).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import pytest
+import torch
+
+from kvfsm import FailureKind, TransferJob
+from kvfsm.lifecycle import Answer
+from kvfsm.testing import FakeNixlAgent
+from kvfsm.tiers import ObjectStoreTier
+
+from . import test_mutants_extend
+from .test_mutants_extend import verify_like
+
+
+class Checked(enum.Enum):
+    """A copy of the Enum the machine's ``verify`` answers are members of, in another module."""
+
+    GOOD = "GOOD"
+    BAD = "BAD"
+
+
+def store_with(step: Any) -> Any:
+    """The result of one store through a tier whose ``verify`` step is ``step``."""
+    agent = FakeNixlAgent(name="steps")
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent, machine=verify_like(),
+                           steps={"verify": step})
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    results: list[Any] = []
+    for _ in range(1000):
+        results += tier.get_finished_jobs()
+        if results:
+            break
+    tier.shutdown(timeout=5)
+    assert agent.misuses == []  # released and cleaned up as any failed job
+    (result,) = results
+    return result
+
+
+def refused(returned: Any) -> str:
+    """Why a store whose step returned ``returned`` failed."""
+    result = store_with(lambda transfer, primary: returned)
+    assert not result.success
+    assert result.reason.kind is FailureKind.RAISED and result.reason.call == "verify"
+    assert result.reason.error.startswith("TypeError: ")
+    return str(result.reason.error).removeprefix("TypeError: ")
+
+
+THEIRS = test_mutants_extend.Checked  # the class the machine's answers are members of
+
+
+def test_a_step_returning_three_things_is_told_what_it_may_return() -> None:
+    assert refused((THEIRS.GOOD, "matched", 3)) == (
+        "step 'verify' returned (<Checked.GOOD: 'GOOD'>, 'matched', 3), a tuple of 3 items; a "
+        "step returns its answer (Checked.BAD, Checked.GOOD), or (answer, why) with why a str")
+
+
+def test_a_why_that_is_not_text_is_refused_and_none_is_no_why() -> None:
+    assert refused((THEIRS.BAD, 3)) == (
+        "step 'verify' returned (<Checked.BAD: 'BAD'>, 3), whose why is int 3; a step returns "
+        "its answer, or (answer, why) with why a str")
+    assert store_with(lambda transfer, primary: (THEIRS.GOOD, None)).success
+    assert store_with(lambda transfer, primary: (THEIRS.GOOD, "all blocks match")).success
+
+
+def test_a_member_of_a_copy_of_the_answers_enum_is_named_with_both_modules() -> None:
+    message = (
+        "step 'verify' answered tests.test_step_answers.Checked.GOOD, which is not one of its "
+        "event's answers (Checked.BAD, Checked.GOOD): the event takes "
+        "tests.test_mutants_extend.Checked members, another class of the same name; answer "
+        "with the class the machine declares")
+    assert refused(Checked.GOOD) == message
+    assert refused((Checked.GOOD, "matched")) == message
+
+
+@pytest.mark.parametrize(("returned", "message"), [
+    ("GOOD", "step 'verify' answered str 'GOOD', which is not one of its event's answers "
+             "(Checked.BAD, Checked.GOOD); answer the member Checked.GOOD, not its name"),
+    (Answer.RAISED, "step 'verify' answered Answer.RAISED, which a step answers by raising an "
+                    "exception, not by returning it; it returns one of Checked.BAD, "
+                    "Checked.GOOD"),
+    (Answer.OK, "step 'verify' answered Answer.OK, which is not one of its event's answers "
+                "(Checked.BAD, Checked.GOOD)"),
+    (["GOOD"], "step 'verify' answered list ['GOOD'], which is not one of its event's answers "
+               "(Checked.BAD, Checked.GOOD)"),
+    (None, "step 'verify' answered NoneType None, which is not one of its event's answers "
+           "(Checked.BAD, Checked.GOOD)"),
+], ids=["a name", "RAISED", "another event's answer", "a list", "nothing"])
+def test_what_is_not_an_answer_is_named_with_the_answers_the_event_takes(
+        returned: Any, message: str) -> None:
+    assert refused(returned) == message
