@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
 from kvfsm.engine import Declaration
-from kvfsm.machines.transfer import Answer, CallFailed, TransferEvent
+from kvfsm.machines.transfer import Answer, CallFailed, StepMisanswered, TransferEvent
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import COMMITTING, END, NIXL_RUNNING, Outcome
 from kvfsm.transfer import Leak, Transfer
@@ -469,11 +469,12 @@ class TransferDriver:
 
         A step that raises, or returns what is not one of its event's answers, nor such an
         answer with a reason (``(answer, why)``, ``why`` a str), answers RAISED (its event must
-        carry it: :func:`check_runnable`), with a ``TypeError`` saying what it returned and
-        what it may return; an answer given with a reason
-        (``(answer, why)``) carries it to the machine's actions as the failure's detail, and
-        one given alone carries the step's name all the same (an empty why), so a failure it
-        latches says which step answered what (``verify answered MISMATCH``).
+        carry it: :func:`check_runnable`); one that returned so fails with a
+        :class:`StepMisanswered` saying what it returned and what it may return (the job's
+        reason: ``verify returned ...``). An answer given with a reason carries it to the
+        machine's actions as the failure's detail, and one given alone carries the step's name
+        all the same (an empty why), so a failure it latches says which step answered what
+        (``verify answered MISMATCH``).
         """
         try:
             answer, why = _step_answer(name, self.steps[name](transfer), self._answers[name])
@@ -483,23 +484,24 @@ class TransferDriver:
 
 
 def _step_answer(name: str, answered: Any, carried: Collection[Any]) -> tuple[Any, str | None]:
-    """What step ``name`` returned, as (answer, why), or TypeError saying what it returned and
-    what it must return: one of its event's answers (``carried``, but RAISED, which a step
-    answers by raising), or ``(answer, why)`` with ``why`` a str."""
+    """What step ``name`` returned, as (answer, why), or :class:`StepMisanswered` (a TypeError)
+    saying what it returned and what it must return: one of its event's answers (``carried``,
+    but RAISED, which a step answers by raising), or ``(answer, why)`` with ``why`` a str."""
     if isinstance(answered, tuple):
         if len(answered) != 2:
-            raise TypeError(f"step {name!r} returned {answered!r}, a tuple of {len(answered)} "
-                            f"items; a step returns its answer ({_answers_of(carried)}), or "
-                            "(answer, why) with why a str")
+            raise StepMisanswered(name, f"returned {answered!r}, a tuple of {len(answered)} "
+                                  f"items; a step returns its answer ({_answers_of(carried)}),"
+                                  " or (answer, why) with why a str")
         answer, why = answered
     else:
         answer, why = answered, None
     if not (isinstance(answer, enum.Enum) and answer in carried) or answer is Answer.RAISED:
-        raise TypeError(_misanswered(name, answer, carried))
+        raise StepMisanswered(name, _misanswered(name, answer, carried).removeprefix(
+            f"step {name!r} "))
     if not (why is None or isinstance(why, str)):
-        raise TypeError(f"step {name!r} returned {answered!r}, whose why is "
-                        f"{type(why).__name__} {why!r}; a step returns its answer, or "
-                        "(answer, why) with why a str")
+        raise StepMisanswered(name, f"returned {answered!r}, whose why is "
+                              f"{type(why).__name__} {why!r}; a step returns its answer, or "
+                              "(answer, why) with why a str")
     return answer, why
 
 

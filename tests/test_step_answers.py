@@ -2,10 +2,11 @@
 
 A step returns one of its event's answers, or ``(answer, why)`` with ``why`` a str. Anything
 else fails its job (the step's event answering RAISED) with a reason saying what the step
-returned and what it may return: the answers its event takes, by name. The mistakes a newcomer
-makes are named as such: a tuple of three, a why that is not text, the answer's name instead of
-the answer, RAISED returned instead of raised, and a member of a copy of the answers' Enum (a
-class of the same name in another module: both modules are named, as the two read alike).
+returned and what it may return (ERR, the step as the call: it returned, it did not raise): the
+answers its event takes, by name. The mistakes a newcomer makes are named as such: a tuple of
+three, a why that is not text, the answer's name instead of the answer, RAISED returned instead
+of raised, and a member of a copy of the answers' Enum (a class of the same name in another
+module: both modules are named, as the two read alike).
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def refused(returned: Any) -> str:
     """Why a store whose step returned ``returned`` failed."""
     result = store_with(lambda transfer, primary: returned)
     assert not result.success
-    assert result.reason.kind is FailureKind.RAISED and result.reason.call == "verify"
-    assert result.reason.error.startswith("TypeError: ")
-    return str(result.reason.error).removeprefix("TypeError: ")
+    assert result.reason.kind is FailureKind.ERR and result.reason.call == "verify"
+    assert str(result.reason) == f"verify {result.reason.error}", "it says what it did"
+    return f"step 'verify' {result.reason.error}"
 
 
 THEIRS = test_mutants_extend.Checked  # the class the machine's answers are members of

@@ -82,6 +82,7 @@ __all__ = [
     "FailureReason",
     "OutcomeAlreadyLatched",
     "PostInterrupted",
+    "StepMisanswered",
     "TransferEvent",
     "TransferState",
     "count_retry",
@@ -252,6 +253,18 @@ class CallFailed:
 
     call: str
     error: BaseException | str
+
+
+class StepMisanswered(TypeError):
+    """What a user's step returned is no answer it may give (not one of its event's answers,
+    nor ``(answer, why)`` with why a str): its event answers RAISED, and the job's reason says
+    what it returned (ERR, the step as the call: ``verify answered str 'MATCH', which is not one
+    of its event's answers (...)``), not that it raised."""
+
+    def __init__(self, step: str, what: str) -> None:
+        super().__init__(f"step {step!r} {what}")
+        #: what the step did, without its name (``answered str 'MATCH', ...``)
+        self.what = what
 
 
 class PostInterrupted(Exception):
@@ -466,6 +479,8 @@ def _describe(answer: Answer, detail: Any) -> str:
     """The error as text (a transfer's ``error``): an exception's type and text, or what a
     call answered."""
     if isinstance(detail, CallFailed):
+        if isinstance(detail.error, StepMisanswered):
+            return f"{detail.call} {detail.error.what}"
         if isinstance(detail.error, BaseException):
             detail = detail.error
         elif detail.error == "":  # a step's answer given alone
@@ -504,6 +519,8 @@ def _failure(answer: Answer, detail: Any) -> FailureReason:
     """Why a transfer failed, from the answer that failed it and its detail."""
     call = detail.call if isinstance(detail, CallFailed) else None
     error = detail.error if isinstance(detail, CallFailed) else detail
+    if isinstance(error, StepMisanswered):  # a step that returned what is no answer
+        return FailureReason(FailureKind.ERR, call, error.what)
     if isinstance(error, BaseException):
         return FailureReason(FailureKind.RAISED, call, f"{type(error).__name__}: {error}",
                              type(error).__name__)
