@@ -33,6 +33,7 @@ from itertools import islice
 from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
+from kvfsm.diagrams import failure_answers
 from kvfsm.engine import Declaration
 from kvfsm.machines.transfer import Answer, CallFailed, StepMisanswered, TransferEvent
 from kvfsm.policy import RetryPolicy
@@ -203,6 +204,10 @@ class TransferDriver:
         self.remote = remote
         self.steps = dict(steps or {})
         self._answers = declaration.answers
+        #: the answers the declaration treats as failures: a step's failing answer given alone
+        #: is handed on naming the step (a failure it latches says which step answered what);
+        #: any other answer alone is handed on with no detail, as NIXL's are
+        self._failing = failure_answers(declaration)
         # a remote side that keeps StorageSide's commit or close has nothing to do there
         self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
         self._closes = getattr(type(remote), "close", None) is not StorageSide.close
@@ -471,38 +476,52 @@ class TransferDriver:
         answer with a reason (``(answer, why)``, ``why`` a str), answers RAISED (its event must
         carry it: :func:`check_runnable`); one that returned so fails with a
         :class:`StepMisanswered` saying what it returned and what it may return (the job's
-        reason: ``verify returned ...``). An answer given with a reason carries it to the
-        machine's actions as the failure's detail, and one given alone carries the step's name
-        all the same (an empty why), so a failure it latches says which step answered what
-        (``verify answered MISMATCH``).
+        reason: ``verify returned ...``). An answer equal to one of its event's (a StrEnum's
+        value) is taken as that answer. An answer given with a reason carries it to the
+        machine's actions as the failure's detail; a failing answer (one the declaration leads
+        to a failure state, or retries with actions) given alone carries the step's name all
+        the same (an empty why), so a failure it latches says which step answered what
+        (``verify answered MISMATCH``); any other answer alone carries no detail.
         """
         try:
             answer, why = _step_answer(name, self.steps[name](transfer), self._answers[name])
         except Exception as error:  # a step's failure is an answer, not an escape
             return Outcome(Answer.RAISED, CallFailed(name, error.with_traceback(None)))
-        return Outcome(answer, CallFailed(name, "" if why is None else why))
+        if why is not None:
+            return Outcome(answer, CallFailed(name, why))
+        return Outcome(answer, CallFailed(name, "") if answer in self._failing else None)
 
 
-def _step_answer(name: str, answered: Any, carried: Collection[Any]) -> tuple[Any, str | None]:
+def _step_answer(name: str, answered: Any, carried: Collection[Any]) -> tuple[Any, Any]:
     """What step ``name`` returned, as (answer, why), or :class:`StepMisanswered` (a TypeError)
     saying what it returned and what it must return: one of its event's answers (``carried``,
-    but RAISED, which a step answers by raising), or ``(answer, why)`` with ``why`` a str."""
+    but RAISED, which a step answers by raising), or ``(answer, why)`` (``why`` None: none).
+    A value equal to one of them (a StrEnum's ``"match"``, an IntEnum's ``1``) is that
+    answer."""
     if isinstance(answered, tuple):
         if len(answered) != 2:
             raise StepMisanswered(name, f"returned {answered!r}, a tuple of {len(answered)} "
                                   f"items; a step returns its answer ({_answers_of(carried)}),"
-                                  " or (answer, why) with why a str")
+                                  " or (answer, why)")
         answer, why = answered
     else:
         answer, why = answered, None
-    if not (isinstance(answer, enum.Enum) and answer in carried) or answer is Answer.RAISED:
+    if not (isinstance(answer, enum.Enum) and answer in carried):
+        answer = _equal_answer(answer, carried)
+    if answer is Answer.RAISED or not (isinstance(answer, enum.Enum) and answer in carried):
         raise StepMisanswered(name, _misanswered(name, answer, carried).removeprefix(
             f"step {name!r} "))
-    if not (why is None or isinstance(why, str)):
-        raise StepMisanswered(name, f"returned {answered!r}, whose why is "
-                              f"{type(why).__name__} {why!r}; a step returns its answer, or "
-                              "(answer, why) with why a str")
     return answer, why
+
+
+def _equal_answer(answer: Any, carried: Collection[Any]) -> Any:
+    """The declared answer ``answer`` equals (a StrEnum's or an IntEnum's value), if exactly
+    one does; else ``answer`` itself."""
+    try:
+        equal = [declared for declared in carried if declared == answer]
+    except Exception:  # an answer whose comparison raises is no answer
+        return answer
+    return equal[0] if len(equal) == 1 else answer
 
 
 def _answers_of(carried: Collection[Any]) -> str:

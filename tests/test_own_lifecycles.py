@@ -313,3 +313,35 @@ def test_a_failure_in_a_final_failure_state_names_the_state_before_an_older_erro
     assert result.reason is not None
     assert result.reason.error.startswith("ended in REJECTED, a failure state; last error: ")
     tier.shutdown(timeout=2)
+
+
+#: a scrub of the blocks after the cleanup, whose leaks are kept as the cleanup's are
+#: (``record_leaks``, which takes the leaks as its detail)
+SCRUB = TRANSFER_MACHINE.extend(
+    "with_scrub", states=["SCRUBBING"],
+    replace={("XFER_RELEASED", "clean", "cleaned"): {"dest": "SCRUBBING"}},
+    answers={"scrub": (Answer.OK, Answer.LEAKED, Answer.RAISED)},
+    guards={"scrubbed": (Answer.OK,), "scrub_leaked": (Answer.LEAKED,),
+            "scrub_raised": (Answer.RAISED,)},
+    transitions=[
+        {"trigger": "scrub", "source": "SCRUBBING", "dest": "CLEANED", "conditions": "scrubbed"},
+        {"trigger": "scrub", "source": "SCRUBBING", "dest": "CLEANED",
+         "conditions": "scrub_leaked", "after": "record_leaks"},
+        {"trigger": "scrub", "source": "SCRUBBING", "dest": "CLEANED",
+         "conditions": "scrub_raised"},
+        {"trigger": "cancel", "source": "SCRUBBING", "dest": "CLEANED"}],
+    effects={"SCRUBBING": "scrub"}, calls={"scrub": "scrub"})
+
+
+def test_a_step_answering_what_is_no_failure_alone_hands_its_actions_no_detail(
+    tmp_path: Path,
+) -> None:
+    """The scrub answers LEAKED alone into ``record_leaks``: the job publishes its success with
+    nothing leaked. (A step's answer given alone once reached every action naming the step,
+    which ``record_leaks`` took for its leaks: every poll raised and the job was never
+    published.)"""
+    tier, _ = file_tier(tmp_path, SCRUB, {"scrub": always(Answer.LEAKED)})
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    [result] = finished(tier)
+    assert result.success and tier.stats()["leaks"] == 0
+    tier.shutdown(timeout=2)

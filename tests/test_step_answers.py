@@ -1,12 +1,12 @@
 """What a user's step returns, as the driver takes it (``TransferDriver.step``).
 
-A step returns one of its event's answers, or ``(answer, why)`` with ``why`` a str. Anything
+A step returns one of its event's answers, or ``(answer, why)`` (``why`` None: none). Anything
 else fails its job (the step's event answering RAISED) with a reason saying what the step
 returned and what it may return (ERR, the step as the call: it returned, it did not raise): the
 answers its event takes, by name. The mistakes a newcomer makes are named as such: a tuple of
-three, a why that is not text, the answer's name instead of the answer, RAISED returned instead
-of raised, and a member of a copy of the answers' Enum (a class of the same name in another
-module: both modules are named, as the two read alike).
+three, the answer's name instead of the answer, RAISED returned instead of raised, and a member
+of a copy of the answers' Enum (a class of the same name in another module: both modules are
+named, as the two read alike).
 """
 
 from __future__ import annotations
@@ -65,15 +65,54 @@ THEIRS = test_mutants_extend.Checked  # the class the machine's answers are memb
 def test_a_step_returning_three_things_is_told_what_it_may_return() -> None:
     assert refused((THEIRS.GOOD, "matched", 3)) == (
         "step 'verify' returned (<Checked.GOOD: 'GOOD'>, 'matched', 3), a tuple of 3 items; a "
-        "step returns its answer (Checked.BAD, Checked.GOOD), or (answer, why) with why a str")
+        "step returns its answer (Checked.BAD, Checked.GOOD), or (answer, why)")
 
 
-def test_a_why_that_is_not_text_is_refused_and_none_is_no_why() -> None:
-    assert refused((THEIRS.BAD, 3)) == (
-        "step 'verify' returned (<Checked.BAD: 'BAD'>, 3), whose why is int 3; a step returns "
-        "its answer, or (answer, why) with why a str")
+def test_a_why_of_any_kind_is_kept_as_text_and_none_is_no_why() -> None:
+    """A why is what the step says of its answer: a number is kept as text, as a str is."""
+    said = store_with(lambda transfer, primary: (THEIRS.BAD, 3))
+    assert str(said.reason) == "verify answered BAD: 3"
     assert store_with(lambda transfer, primary: (THEIRS.GOOD, None)).success
     assert store_with(lambda transfer, primary: (THEIRS.GOOD, "all blocks match")).success
+
+
+class Valued(enum.StrEnum):
+    MATCH = "match"
+    MISMATCH = "mismatch"
+
+
+def test_a_value_equal_to_an_answer_is_that_answer() -> None:
+    """A StrEnum's member equals its value: a step returning "match" answered MATCH (as it
+    did before answers were checked by their class)."""
+    from kvfsm import TRANSFER_MACHINE  # noqa: PLC0415
+
+    machine = TRANSFER_MACHINE.extend(
+        "valued", states=["VERIFYING"],
+        replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
+                 ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+        answers={"verify": (Valued.MATCH, Valued.MISMATCH, Answer.RAISED)},
+        guards={"matched": (Valued.MATCH,), "unmatched": (Valued.MISMATCH, Answer.RAISED)},
+        transitions=[
+            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
+             "conditions": "matched", "after": "latch_success"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
+             "conditions": "unmatched", "after": "latch_failure"},
+            {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"},
+        ],
+        effects={"VERIFYING": "verify"})
+
+    def store(returned: Any) -> Any:
+        tier = ObjectStoreTier(torch.zeros(4, 8), agent=FakeNixlAgent(), machine=machine,
+                               steps={"verify": lambda transfer, primary: returned})
+        tier.submit_store(TransferJob(1, ["a"], [0]))
+        tier.drain_jobs(timeout=5)
+        [result] = tier.get_finished_jobs()
+        tier.shutdown(timeout=5)
+        return result
+
+    assert store("match").success
+    failed = store("mismatch")
+    assert str(failed.reason) == "verify answered MISMATCH"
 
 
 def test_a_member_of_a_copy_of_the_answers_enum_is_named_with_both_modules() -> None:
