@@ -14,6 +14,7 @@ the driver their remote side, and probe for blocks they were not told about (:me
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import functools
 import logging
@@ -43,7 +44,7 @@ from kvfsm.machines.transfer import (
     TransferEvent,
 )
 from kvfsm.policy import InFlightLimit, RetryPolicy
-from kvfsm.runner import END, Outcome, Runner
+from kvfsm.runner import END, NIXL_RUNNING, Outcome, Runner
 from kvfsm.tiers.holdings import HoldingEvent, Holdings, Remove, TierFullError, check_capacity
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
@@ -214,10 +215,10 @@ class SecondaryTier(JobSide):
         MachineRefused: the machine cannot run in a tier (:func:`~kvfsm.driver.check_runnable`
             says what is missing); raised before any NIXL call.
 
-    A tier on a real NIXL agent is held by kvfsm while it has jobs unpublished: dropped with
-    transfers in flight, it would tear its agent down under them. At the interpreter's exit,
-    one not shut down with jobs unpublished is drained and shut down, waiting for NIXL to end
-    them.
+    A tier on a real NIXL agent is held by kvfsm while it has jobs unpublished (or a transfer
+    given up while NIXL may run it): dropped with transfers in flight, it would tear its agent
+    down under them. At the interpreter's exit, one not shut down with jobs unpublished is
+    drained and shut down, waiting for NIXL to end them, within :data:`EXIT_WAIT_SECONDS`.
 
     Bounded memory: the lookup cache keeps the verdicts on the last :attr:`known_names`
     names, and :meth:`stats` lists the last :attr:`leak_record` leaks (and counts them all).
@@ -816,8 +817,8 @@ class SecondaryTier(JobSide):
             self._advance(overdue)
         if waiting:
             self._advance(waiting)
-        if self._kept and not runner.records:  # nothing unpublished: it may be dropped
-            self._kept = False
+        if self._kept and not runner.records and not runner.may_run:  # nothing unpublished:
+            self._kept = False  # it may be dropped
             _live_tiers.discard(self)
 
     def _take_polls(self, answered: list[tuple[Transfer, Any]]) -> None:
@@ -950,10 +951,15 @@ class SecondaryTier(JobSide):
 logger = logging.getLogger("kvfsm")
 
 #: the tiers on real NIXL agents with jobs unpublished (from a submit until a poll finds none,
-#: or shutdown), held here: one dropped with transfers in flight would tear its NIXL agent down
-#: under them (a process crashed so, in the collector, 1 of 4 times); at the interpreter's
-#: exit they are drained and shut down (:func:`_shut_down_at_exit`)
+#: or shutdown), or a transfer given up while NIXL may still run it (for good), held here: one
+#: dropped with transfers in flight would tear its NIXL agent down under them (a process
+#: crashed so, in the collector, 1 of 4 times); at the interpreter's exit they are drained and
+#: shut down (:func:`_shut_down_at_exit`)
 _live_tiers: set[SecondaryTier] = set()
+
+#: how long the interpreter's exit waits, at most, for NIXL to end what the tiers it finds
+#: still run (:func:`_shut_down_at_exit`); past it, an error names them and the exit goes on
+EXIT_WAIT_SECONDS = 60.0
 
 
 def _runs_nixl(agent: Any) -> bool:
@@ -969,24 +975,76 @@ def _runs_nixl(agent: Any) -> bool:
 
 
 def _shut_down_at_exit() -> None:
-    """At the interpreter's exit, before it waits for threads: a tier on a real NIXL agent that
-    was not shut down and has jobs unpublished is drained, then shut down, waiting as long as
-    NIXL runs their transfers (none is released while it runs). A process must not exit with
-    a NIXL transfer in flight: with an object store's requests under way it crashed (SIGSEGV,
-    7 of 8 runs of 16 jobs left in flight). Their results, which no one takes, are what NIXL
-    answered (a store it finished is a success)."""
-    for tier in list(_live_tiers):
+    """At the interpreter's exit, before it joins its threads: a process must not exit with a
+    NIXL transfer in flight (with an object store's requests under way it crashed, SIGSEGV,
+    7 of 8 runs of 16 jobs left in flight).
+
+    The threads the interpreter would join next (not daemons, not kvfsm's) are joined first,
+    so what they submit last is seen. Then every tier held (:data:`_live_tiers`) refuses new
+    jobs, and one not shut down with jobs unpublished is drained and shut down; a transfer
+    given up while NIXL may run it is asked about until NIXL says it is over. All of it within
+    :data:`EXIT_WAIT_SECONDS`: past it (a transfer NIXL never ends, a peer's write its receiver
+    in this process is no longer polled to end), an error names what still runs, and the exit
+    goes on."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if (thread is not current and not thread.daemon and thread.is_alive()
+                and not thread.name.startswith("kvfsm-")):
+            thread.join()  # (the interpreter waits for it next all the same)
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    tiers = list(_live_tiers)
+    for tier in tiers:
+        if tier._lock_by(deadline):
+            try:
+                tier._closing = True  # submits refused from now on; its progress thread ends
+                tier._progress_wake.set()
+            finally:
+                tier._lock.release()
+    for tier in tiers:
         try:
-            if tier.closed or not tier.unpublished():
-                continue
-            logger.warning("interpreter exit: %s was not shut down, with %d job(s) unpublished; "
-                           "shutting it down, waiting for NIXL to end their transfers",
-                           type(tier).__name__, len(tier.unpublished()))
-            tier.drain_jobs(timeout=None)
-            tier.shutdown(timeout=None)
+            _finish_at_exit(tier, deadline)
         except Exception:
-            logger.exception("interpreter exit: the shutdown of a %s raised",
+            logger.exception("interpreter exit: %s raised while its transfers were waited for",
                              type(tier).__name__)
+
+
+def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
+    """Drain and shut ``tier`` down by ``deadline`` if it has jobs unpublished; then wait for
+    the transfers it gave up while NIXL may run them."""
+    if not tier.closed and tier.unpublished():
+        logger.warning("interpreter exit: %s was not shut down, with %d job(s) unpublished; "
+                       "waiting up to %g s for NIXL to end their transfers",
+                       type(tier).__name__, len(tier.unpublished()), EXIT_WAIT_SECONDS)
+        with contextlib.suppress(DrainTimeout):
+            tier.drain_jobs(_left(deadline))
+        try:
+            tier.shutdown(_left(deadline))
+        except DrainTimeout as timed_out:
+            logger.error("interpreter exit: %s: NIXL still runs %d transfer(s) after %g s; "
+                         "exiting with them in flight: %s", type(tier).__name__,
+                         len(timed_out.stuck), EXIT_WAIT_SECONDS, timed_out)
+            return
+    runner = tier._runner
+    running = [(t.job_id, handle) for t in runner.quarantined if t.job_id in runner.may_run
+               for handle in _handles(t)]
+    while running and time.monotonic() < deadline:
+        answers = tier._driver.check([handle for _, handle in running])  # (never raises: a
+        running = [entry for entry, answer in zip(running, answers, strict=True)  # call that
+                   if answer == NIXL_RUNNING]  # raised answers what it raised: NIXL ended it)
+        if running:
+            time.sleep(0.01)
+    if running:
+        logger.error("interpreter exit: %s: NIXL still runs %d transfer(s) it gave up on "
+                     "(jobs %s) after %g s; exiting with them in flight", type(tier).__name__,
+                     len(running), sorted({job_id for job_id, _ in running}), EXIT_WAIT_SECONDS)
+
+
+def _handles(transfer: Transfer) -> list[Any]:
+    """The transfer handles of ``transfer`` NIXL may still run: its own, and those of a job
+    made one per block that were posted and not found over."""
+    split = transfer.split
+    others = [] if split is None else split.handles[split.done:split.posted]
+    return ([] if transfer.xfer is None else [transfer.xfer]) + others
 
 
 # runs before the interpreter joins its non-daemon threads (atexit handlers run after that,
