@@ -480,8 +480,9 @@ class Declaration(Generic[S, A]):
         Raises:
             DeclarationError: a state, or a replaced edge, that does not exist; a part of the
                 wrong shape (a transition without its dest, one dict where a list of them goes,
-                a list where a dict goes); the name of the machine extended (the new machine
-                takes a name of its own); or whatever the new declaration gets wrong (it is
+                a list where a dict goes); a state given twice in ``effects`` (as a member and
+                by its name); the name of the machine extended (the new machine takes a name
+                of its own); or whatever the new declaration gets wrong (it is
                 checked as any declaration is).
         """
         if not isinstance(name, str) or not name:
@@ -557,7 +558,13 @@ class Declaration(Generic[S, A]):
             raise DeclarationError(f"{name}: replace names edges {self.name!r} does not have: "
                                    f"{sorted(changes)}")
         effects_now = {ours(s): e for s, e in self.effects.items()}
-        effects_now.update({ours(s): e for s, e in effects.items()})
+        waits: dict[Any, str] = {}
+        for state, effect in effects.items():  # (a state given as a member and by its name
+            member = ours(state)               # is refused, as Declaration refuses it)
+            if member in waits:
+                raise DeclarationError(f"{name}: effects names state {member.name} twice")
+            waits[member] = effect
+        effects_now.update(waits)
         return Declaration(
             name,
             states=new,

@@ -100,6 +100,18 @@ def test_a_state_given_twice_in_effects_by_member_and_by_name_is_refused() -> No
         "door: effects names state CLOSED twice")
 
 
+def test_an_extension_giving_a_state_twice_in_effects_is_refused_as_a_declaration_is() -> None:
+    """extend kept the last of the two silently: CLOSED waited on whichever came second."""
+    door = declare()
+    with pytest.raises(DeclarationError) as refused:
+        door.extend("door_ext", effects={Door.CLOSED: "close", "CLOSED": "open", "OPEN": "close"})
+    assert str(refused.value) == "door_ext: effects names state CLOSED twice"
+    assert door.effects == {}
+    extended = door.extend("door_ext", effects={Door.CLOSED: "open", "OPEN": "close"})
+    assert {state.name: effect for state, effect in extended.effects.items()} == {
+        "CLOSED": "open", "OPEN": "close"}
+
+
 # -- a declaration of the wrong shape is a DeclarationError saying what to give ----------------
 
 def test_an_event_without_answers_is_refused_saying_to_declare_them() -> None:

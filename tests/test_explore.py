@@ -541,6 +541,55 @@ def test_a_step_given_as_its_class_instead_of_an_instance_is_caught_on_the_first
         "the store's verify failed, and the load's raised KeyError by itself"
 
 
+def test_a_step_raising_by_itself_is_a_violation_only_when_it_decides_the_outcome() -> None:
+    """Every raise on the path with no fault injected was a violation, even one the lifecycle
+    retries in place (a transient error: the job then succeeded). Now a raise retried is
+    none; a step that raises until its tries are given up (EXHAUSTED) still is one."""
+    from examples.verify_lifecycle import Checksums  # noqa: PLC0415
+
+    class BusyOnce(Checksums):
+        """Raises on each job's first verify (its index busy), then checks as Checksums."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.tried: set[int] = set()
+
+        def __call__(self, transfer: Any, primary: Any) -> Any:
+            if transfer.job_id not in self.tried:
+                self.tried.add(transfer.job_id)
+                raise TimeoutError("block index busy, try again")
+            return super().__call__(transfer, primary)
+
+    retried = _verify_machine("verify_retried", "VERIFYING", "FAILED")
+    found = explore(retried, steps={"verify": BusyOnce()}, max_faults=1)
+    assert found.ok, found.report()
+    assert [[r.success for r in run.results] for run in found.fault_free] == 2 * [3 * [True]]
+
+    found = explore(retried, steps={"verify": index_gone}, max_faults=0)
+    raised = [v for v in found.violations if v.invariant is Invariant.STEP_RAISED]
+    assert [v.job_id for v in raised] == [0, 1, 2], found.report()
+    assert raised[0].detail == ("verify raised OSError('the checksum index is gone') (and 1 "
+                                "more time(s))"), "the raise retried, and the one given up"
+
+
+def test_a_best_effort_step_raising_by_itself_after_the_outcome_is_latched_is_no_violation(
+        ) -> None:
+    """A notice after the cleanup whose endpoint is down raises on every call, and the
+    lifecycle lets it go (RAISED to CLEANED): every job succeeds as NIXL said, yet each raise
+    was reported as the step's fault, with the parent or without."""
+    from kvfsm.lifecycle import Answer  # noqa: PLC0415
+
+    def endpoint_down(transfer: Any, primary: Any) -> Any:
+        raise ConnectionRefusedError("notification endpoint down")
+
+    notify = _notifying("notify", {"any_notify": (Answer.OK, Answer.RAISED)},
+                        [{"dest": "CLEANED", "conditions": "any_notify"}])
+    for parent in (False, True):
+        found = explore(notify, steps={"notify": endpoint_down}, max_faults=1, parent=parent)
+        assert found.ok, found.report()
+        assert [[r.success for r in run.results] for run in found.fault_free] == 2 * [3 * [True]]
+
+
 def test_a_step_failing_its_jobs_on_purpose_is_no_violation_and_the_report_says_so() -> None:
     """A step that answers MISMATCH on every call tests the mismatch path: no violation. But
     no path then has a job succeed, and the report says so, with what the step answered."""
@@ -560,14 +609,42 @@ def test_a_step_failing_its_jobs_on_purpose_is_no_violation_and_the_report_says_
 
 def test_a_step_answering_what_its_event_does_not_carry_is_named_as_the_steps_fault() -> None:
     """The tier takes such an answer as RAISED; the explorer expected the job to succeed, and
-    reported an OUTCOME violation of the lifecycle, naming neither the step nor its answer."""
+    reported an OUTCOME violation of the lifecycle, naming neither the step nor its answer.
+    It now says what the tier said (the driver's words), which the job's reason says too."""
     from examples.verify_lifecycle import VERIFY_MACHINE  # noqa: PLC0415
 
     found = explore(VERIFY_MACHINE, steps={"verify": lambda transfer, primary: "MATCH"},
                     max_faults=0)
     assert {v.invariant for v in found.violations} == {Invariant.STEP_ANSWER}, found.report()
-    assert found.violations[0].detail == ("verify answered 'MATCH', not one of its event's "
-                                          "answers (MATCH, MISMATCH, RAISED)")
+    assert found.violations[0].detail == (
+        "step 'verify' answered str 'MATCH', which is not one of its event's answers "
+        "(Verified.MATCH, Verified.MISMATCH); answer the member Verified.MATCH, not its name")
+    assert [str(r.reason) for r in found.fault_free[0].failed] == 3 * [
+        "verify answered str 'MATCH', which is not one of its event's answers "
+        "(Verified.MATCH, Verified.MISMATCH); answer the member Verified.MATCH, not its name"]
+
+
+@pytest.mark.parametrize("returns", ["a list", "a tuple of three", "RAISED"])
+def test_whatever_the_tier_refuses_of_what_a_step_returned_is_a_step_answer(returns: str,
+                                                                           ) -> None:
+    """The explorer checked a step's answer with a copy of the tier's check, and judged
+    otherwise than the tier: a list made its own check raise TypeError (unhashable) inside
+    the step, so the job failed by the explorer's error, reported as OUTCOME; of a tuple of
+    three it took the first item as the answer; of RAISED returned it listed RAISED among
+    the answers. Now it asks the tier's own check, and says what the tier says."""
+    from examples.verify_lifecycle import VERIFY_MACHINE, Verified  # noqa: PLC0415
+    from kvfsm.lifecycle import Answer  # noqa: PLC0415
+
+    answered = {"a list": [Verified.MATCH], "a tuple of three": (Verified.MATCH, "ok", 1),
+                "RAISED": Answer.RAISED}[returns]
+    found = explore(VERIFY_MACHINE, steps={"verify": lambda transfer, primary: answered},
+                    max_faults=0)
+    assert {(v.invariant, v.job_id) for v in found.violations} == {
+        (Invariant.STEP_ANSWER, job) for job in (0, 1, 2)}, found.report()
+    said = found.violations[0].detail
+    assert said.startswith("step 'verify' "), said
+    assert {str(r.reason) for r in found.fault_free[0].failed} == {
+        "verify " + said.removeprefix("step 'verify' ")}, "the tier's words, the job's reason"
 
 
 #: a lifecycle that fails a job NIXL finished, for ``kvfsm explore --machine ...``

@@ -25,10 +25,13 @@ like NIXL's: it raises at every step too (``verify:raise@1``). A step that raise
 answer the declaration treats as a failure (:func:`kvfsm.diagrams.failure_answers`) makes its
 job's expected outcome a failure, unless the outcome was latched before the step (a
 best-effort step after it decides nothing) or the answer's edge retries the step in place;
-a step whose tries are given up (EXHAUSTED) makes it a failure too. A step answering what its
-event does not carry is a violation on any path (the tier takes it as RAISED); one raising by
-itself on the path with no fault injected is one there (a step broken, or given wrongly: a class
-where its instance belongs). A step answering a failure on purpose is none, but
+a step whose tries are given up (EXHAUSTED) makes it a failure too. A step returning what the
+tier refuses as an answer (what its event does not carry: the driver's own check, in its words)
+is a violation on any path (the tier takes it as RAISED); one raising by itself on the path with
+no fault injected, where that decides its job's outcome (at once, or as it keeps raising until
+its tries are given up), is one there (a step broken, or given wrongly: a class where its
+instance belongs); a raise retried in place, or a best-effort step's after the outcome was
+latched, decides nothing and is none. A step answering a failure on purpose is none, but
 :meth:`Exploration.report` names each job that failed on that path, with its reason
 (:attr:`Exploration.fault_free`). A violation about a failure a job published carries the reason
 it published (:attr:`Violation.reason`).
@@ -53,7 +56,7 @@ from typing import Any
 
 import torch
 
-from kvfsm.driver import MachineRefused, StepFunction, check_runnable
+from kvfsm.driver import MachineRefused, StepFunction, _step_answer, check_runnable
 from kvfsm.engine import Declaration
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent
 from kvfsm.policy import RetryPolicy
@@ -196,6 +199,10 @@ class _Job:
     #: the steps of the machine's own made before its outcome was latched (those whose
     #: give-up, EXHAUSTED, decides it)
     deciding: set[str] = field(default_factory=set)
+    #: by step, what it raised by itself since it last answered, where the raise decided
+    #: nothing (retried in place, or after the outcome was latched): a violation on the path
+    #: with no fault injected only if those tries are given up (:func:`_final`)
+    raising: dict[str, list[str]] = field(default_factory=dict)
     #: submitted before a ``late`` check: past the running bound, NIXL may still run it when
     #: it is given up
     past_bound: bool = False
@@ -231,7 +238,8 @@ class _WatchedAgent(FakeNixlAgent):
         self.tier: SecondaryTier | None = None
         self._checks = 0
         #: the calls of the machine's own steps that raised by themselves (no fault injected
-        #: into them), or answered what their event does not carry: (job id, what happened)
+        #: into them) and so decided their job's outcome, at once or when their tries were
+        #: given up (EXHAUSTED): (job id, what it raised)
         self.step_errors: list[tuple[int | None, str]] = []
 
     def job_of(self, handle: Any) -> _Job | None:
@@ -468,19 +476,27 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
                     raise FakeNixlError(Raise().code)
                 answered = step(transfer, primary)
             except Exception as error:
-                if not injected:
-                    agent.step_errors.append(
-                        (transfer.job_id, f"{name} raised {_described(error)}"))
-                if seen is not None and decides(transfer, name, Answer.RAISED):
+                deciding = decides(transfer, name, Answer.RAISED)
+                if not injected:  # raised by itself: a violation on the path with no fault
+                    # injected if it decides the outcome, now or when its tries are given up
+                    what = f"{name} raised {_described(error)}"
+                    if deciding or seen is None:
+                        agent.step_errors.append((transfer.job_id, what))
+                    else:  # absorbed: retried in place, or after the outcome was latched
+                        seen.raising.setdefault(name, []).append(what)
+                if seen is not None and deciding:
                     seen.step_failed = True
                 raise
-            answer = answered[0] if isinstance(answered, tuple) else answered
-            if answer not in machine.answers.get(name, ()) or answer is Answer.RAISED:
-                # the tier takes it as RAISED (kvfsm.driver.TransferDriver.step): so does the
-                # job's expected outcome; the step is wrong on whatever path it does it
+            if seen is not None:
+                seen.raising.pop(name, None)  # it answered: its raises before were retried
+            try:  # the driver's own reading of what a step returned (TransferDriver.step)
+                answer, _ = _step_answer(name, answered, machine.answers.get(name, ()))
+            except Exception as error:  # StepMisanswered: the tier takes it as RAISED, so
+                # does the job's expected outcome; the step is wrong on whatever path it does
                 agent._violation(Invariant.STEP_ANSWER, transfer.job_id,
-                                 f"{name} answered {answered!r}, not one of its event's "
-                                 f"answers ({_names(machine.answers.get(name, ()))})")
+                                 str(error) if isinstance(error, TypeError)
+                                 else f"{name} returned what the tier cannot read: "
+                                      f"{_described(error)}")
                 answer = Answer.RAISED
             if seen is not None and (answer in failing or answer is Answer.RAISED) \
                     and decides(transfer, name, answer):
@@ -509,9 +525,13 @@ def _final(agent: _WatchedAgent, transfer: Any, machine: Declaration[Any, Any]) 
         # and never released (one published from any other state so is a release skipped)
         seen.failed_final = transfer.state in machine.final & machine.failure_states
         seen.held = seen.failed_final and bool(seen.xfers) and not seen.released
-        if not seen.step_failed and seen.deciding:  # a deciding step's tries given up
-            seen.step_failed = any(event in seen.deciding and answer == Answer.EXHAUSTED.name
-                                   for event, answer, *_ in trace_steps(transfer))
+        if seen.deciding:  # a deciding step's tries given up: it decides the outcome, and
+            # the raises that spent them count as deciding (STEP_RAISED: _check_end)
+            given_up = {event for event, answer, *_ in trace_steps(transfer)
+                        if event in seen.deciding and answer == Answer.EXHAUSTED.name}
+            seen.step_failed = seen.step_failed or bool(given_up)
+            agent.step_errors += [(transfer.job_id, what) for event in sorted(given_up)
+                                  for what in seen.raising.get(event, ())]
 
 
 def _cancel(agent: _WatchedAgent, tier: SecondaryTier, job_id: int) -> None:
@@ -575,10 +595,6 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
 def _why(result: JobResult) -> str | None:
     """The reason a failed job published, as a violation about its result shows it."""
     return None if result.success or result.reason is None else str(result.reason)
-
-
-def _names(answers: Any) -> str:
-    return ", ".join(sorted(str(getattr(answer, "name", answer)) for answer in answers))
 
 
 def _described(error: BaseException) -> str:
@@ -684,8 +700,8 @@ class _WatchedTier(ObjectStoreTier):
 def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
                busy: bool, fault_free: bool) -> None:
     """After the scenario: liveness, held handles, misuse; shut the tier down when idle. On
-    the path with no fault injected, a step of the machine's own that raised is a violation
-    (once a job: the first time)."""
+    the path with no fault injected, a step of the machine's own whose raise decided its job's
+    outcome is a violation (once a job: the first such raise, and how many more)."""
     violations = agent.violations
     if fault_free:
         raised: dict[int | None, list[str]] = {}
