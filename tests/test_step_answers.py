@@ -23,7 +23,7 @@ from kvfsm.testing import FakeNixlAgent
 from kvfsm.tiers import ObjectStoreTier
 
 from . import test_mutants_extend
-from .test_mutants_extend import verify_like
+from .test_mutants_lifecycle import run_one_store
 
 
 class Checked(enum.Enum):
@@ -33,21 +33,9 @@ class Checked(enum.Enum):
     BAD = "BAD"
 
 
-def store_with(step: Any) -> Any:
-    """The result of one store through a tier whose ``verify`` step is ``step``."""
-    agent = FakeNixlAgent(name="steps")
-    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent, machine=verify_like(),
-                           steps={"verify": step})
-    tier.submit_store(TransferJob(1, ["a"], [0]))
-    results: list[Any] = []
-    for _ in range(1000):
-        results += tier.get_finished_jobs()
-        if results:
-            break
-    tier.shutdown(timeout=5)
-    assert agent.misuses == []  # released and cleaned up as any failed job
-    (result,) = results
-    return result
+#: the result of one store through a tier whose ``verify`` step is the one given (released and
+#: cleaned up as any failed job: no misuse of the agent)
+store_with = run_one_store
 
 
 def refused(returned: Any) -> str:
