@@ -33,7 +33,6 @@ from itertools import islice
 from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
-from kvfsm.diagrams import failure_answers
 from kvfsm.engine import Declaration
 from kvfsm.machines.transfer import Answer, CallFailed, StepMisanswered, TransferEvent
 from kvfsm.policy import RetryPolicy
@@ -204,10 +203,6 @@ class TransferDriver:
         self.remote = remote
         self.steps = dict(steps or {})
         self._answers = declaration.answers
-        #: the answers the declaration treats as failures: a step's failing answer given alone
-        #: is handed on naming the step (a failure it latches says which step answered what);
-        #: any other answer alone is handed on with no detail, as NIXL's are
-        self._failing = failure_answers(declaration)
         # a remote side that keeps StorageSide's commit or close has nothing to do there
         self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
         self._closes = getattr(type(remote), "close", None) is not StorageSide.close
@@ -478,10 +473,10 @@ class TransferDriver:
         :class:`StepMisanswered` saying what it returned and what it may return (the job's
         reason: ``verify returned ...``). An answer equal to one of its event's (a StrEnum's
         value) is taken as that answer. An answer given with a reason carries it to the
-        machine's actions as the failure's detail; a failing answer (one the declaration leads
-        to a failure state, or retries with actions) given alone carries the step's name all
-        the same (an empty why), so a failure it latches says which step answered what
-        (``verify answered MISMATCH``); any other answer alone carries no detail.
+        machine's actions as the failure's detail; one given alone carries the step's name
+        all the same (an empty why), so a failure it latches says which step answered what
+        (``verify answered MISMATCH``), but OK and LEAKED, whose detail the machine's own
+        actions read as theirs (``record_leaks`` takes its detail for the leaks).
         """
         try:
             answer, why = _step_answer(name, self.steps[name](transfer), self._answers[name])
@@ -489,7 +484,7 @@ class TransferDriver:
             return Outcome(Answer.RAISED, CallFailed(name, error.with_traceback(None)))
         if why is not None:
             return Outcome(answer, CallFailed(name, why))
-        return Outcome(answer, CallFailed(name, "") if answer in self._failing else None)
+        return Outcome(answer, None if answer in _DETAIL_OF_THEIR_OWN else CallFailed(name, ""))
 
 
 def _step_answer(name: str, answered: Any, carried: Collection[Any]) -> tuple[Any, Any]:
@@ -504,6 +499,8 @@ def _step_answer(name: str, answered: Any, carried: Collection[Any]) -> tuple[An
                                   f"items; a step returns its answer ({_answers_of(carried)}),"
                                   " or (answer, why)")
         answer, why = answered
+        if why is not None and not isinstance(why, str):
+            why = _as_text(why)  # (a tensor's truth value raises: the why is text from here)
     else:
         answer, why = answered, None
     if not (isinstance(answer, enum.Enum) and answer in carried):
@@ -512,6 +509,19 @@ def _step_answer(name: str, answered: Any, carried: Collection[Any]) -> tuple[An
         raise StepMisanswered(name, _misanswered(name, answer, carried).removeprefix(
             f"step {name!r} "))
     return answer, why
+
+
+def _as_text(why: Any) -> str:
+    """A step's why as text (what ``str`` makes of it, or its type's name when that raises)."""
+    try:
+        return str(why)
+    except Exception:
+        return f"<{type(why).__name__}>"
+
+
+#: answers a step may give whose detail kvfsm's own actions read as theirs: given alone, they
+#: are handed on with none (LEAKED's is the leaks, for ``record_leaks``)
+_DETAIL_OF_THEIR_OWN = frozenset({Answer.OK, Answer.LEAKED})
 
 
 def _equal_answer(answer: Any, carried: Collection[Any]) -> Any:

@@ -345,3 +345,30 @@ def test_a_step_answering_what_is_no_failure_alone_hands_its_actions_no_detail(
     [result] = finished(tier)
     assert result.success and tier.stats()["leaks"] == 0
     tier.shutdown(timeout=2)
+
+
+#: a check made as NIXL finished whose mismatch latches failure on its way to DONE (no failure
+#: state: the job waits on its release as a success does)
+CHECK_INTO_DONE = TRANSFER_MACHINE.extend(
+    "check_into_done", states=["CHECKING"],
+    replace={("PROCESSING", "poll", "finished"): {"dest": "CHECKING", "after": []},
+             ("SUBMITTED", "post", "finished"): {"dest": "CHECKING", "after": []}},
+    answers={"check": (Checked.MATCH, Checked.MISMATCH, Answer.RAISED)},
+    guards={"matched": (Checked.MATCH,), "unmatched": (Checked.MISMATCH, Answer.RAISED)},
+    transitions=[
+        {"trigger": "check", "source": "CHECKING", "dest": "DONE", "conditions": "matched",
+         "after": "latch_success"},
+        {"trigger": "check", "source": "CHECKING", "dest": "DONE", "conditions": "unmatched",
+         "after": "latch_failure"},
+        {"trigger": "cancel", "source": "CHECKING", "dest": "CHECKING"}],
+    effects={"CHECKING": "check"})
+
+
+def test_a_mismatch_latched_on_the_way_to_done_names_the_step(tmp_path: Path) -> None:
+    """The mismatch, given alone, fails the job naming the check, whether or not its edge
+    enters a failure state (it read "failed: MISMATCH", naming no step, when it did not)."""
+    tier, _ = file_tier(tmp_path, CHECK_INTO_DONE, {"check": always(Checked.MISMATCH)})
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    [result] = finished(tier)
+    assert str(result.reason) == "check answered MISMATCH"
+    tier.shutdown(timeout=2)

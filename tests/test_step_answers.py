@@ -64,6 +64,13 @@ def test_a_why_of_any_kind_is_kept_as_text_and_none_is_no_why() -> None:
     assert store_with(lambda transfer, primary: (THEIRS.GOOD, "all blocks match")).success
 
 
+def test_a_why_whose_truth_value_raises_is_kept_as_text() -> None:
+    """A tensor of the blocks that differ, given as the why: its truth value raises, and every
+    poll raised with it, the job never published; it is kept as text."""
+    said = store_with(lambda transfer, primary: (THEIRS.BAD, torch.tensor([0, 3])))
+    assert str(said.reason) == "verify answered BAD: tensor([0, 3])"
+
+
 class Valued(enum.StrEnum):
     MATCH = "match"
     MISMATCH = "mismatch"
