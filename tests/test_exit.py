@@ -179,5 +179,58 @@ def test_an_exit_that_cannot_see_a_transfer_end_waits_its_bound_and_says_so() ->
     child = run_child(PEER_IN_ONE_PROCESS, timeout=90)
     assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
     if "left 1" in child.stdout:  # (UCX may have ended it at once: then there is no story)
-        assert ("interpreter exit: PeerSender: NIXL still runs 1 transfer(s) after 2 s; "
-                "exiting with them in flight") in child.stderr
+        assert ("interpreter exit: PeerSender: NIXL still runs 1 transfer(s) (jobs [1]) after "
+                "2 s; exiting with them in flight") in child.stderr
+
+
+IDLE_POOL = """
+from concurrent.futures import ThreadPoolExecutor
+import torch
+POOL = ThreadPoolExecutor(2)  # idle workers, not daemons, kept by a module
+POOL.submit(print, "task ran", flush=True).result()
+from kvfsm.tiers import FileTier
+print("main done", flush=True)
+"""
+
+
+def test_an_exit_with_idle_worker_threads_and_no_tier_is_not_held_up() -> None:
+    """A module keeps a thread pool whose workers are stopped by the interpreter's own exit:
+    importing kvfsm's tiers does not hold that exit up (a version of the exit's wait joined
+    every such thread before the pool was told to stop, and waited for ever)."""
+    child = run_child(IDLE_POOL, timeout=60)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert child.stdout.split() == ["task", "ran", "main", "done"]
+
+
+FORKED_WORKER = """
+import logging, multiprocessing, tempfile
+import torch
+from kvfsm import TransferJob
+from kvfsm.tiers import FileTier
+logging.basicConfig(format="%(message)s")
+tier = FileTier(torch.ones(64, 1 << 16, dtype=torch.uint8), tempfile.mkdtemp())
+for job in range(16):
+    tier.submit_store(TransferJob(job, [f"k{job}-{i}" for i in range(4)],
+                                  [4 * job + i for i in range(4)]))
+worker = multiprocessing.get_context("fork").Process(target=print, args=("worker done",))
+worker.start()
+worker.join(60)
+print("worker exit code", worker.exitcode, flush=True)
+tier.drain_jobs(timeout=30)
+results = tier.get_finished_jobs()
+print("stored", sum(r.success for r in results), "of", len(results), flush=True)
+tier.shutdown(timeout=10)
+"""
+
+
+def test_a_forked_worker_exiting_leaves_the_parents_transfers_alone() -> None:
+    """A worker forked while the engine's stores are in flight returns: its exit does not
+    drain the copy of the parent's tier it inherited (it did: the copy's state checks failed,
+    its cleanup removed the parent's partial files, and every one of the parent's 16 stores
+    failed at its commit)."""
+    require_nixl()
+    child = run_child(FORKED_WORKER, timeout=120)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert "worker exit code 0" in child.stdout
+    assert "stored 16 of 16" in child.stdout, child.stderr[-2000:]
+    assert "interpreter exit" not in child.stderr

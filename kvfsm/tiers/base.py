@@ -13,14 +13,16 @@ the driver their remote side, and probe for blocks they were not told about (:me
 
 from __future__ import annotations
 
+import atexit
 import collections
-import contextlib
 import enum
 import functools
 import logging
 import operator
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -301,6 +303,8 @@ class SecondaryTier(JobSide):
             raise
         #: on a real NIXL agent: held by kvfsm (``_live_tiers``) while jobs are unpublished
         self._on_nixl = _runs_nixl(agent)
+        if self._on_nixl:
+            _nixl_tiers.add(self)  # (closed to new jobs as the interpreter exits)
         self._kept = False
 
     # -- the contract -----------------------------------------------------------------------
@@ -954,11 +958,14 @@ logger = logging.getLogger("kvfsm")
 #: or shutdown), or a transfer given up while NIXL may still run it (for good), held here: one
 #: dropped with transfers in flight would tear its NIXL agent down under them (a process
 #: crashed so, in the collector, 1 of 4 times); at the interpreter's exit they are drained and
-#: shut down (:func:`_shut_down_at_exit`)
+#: shut down (:func:`_wait_at_exit`)
 _live_tiers: set[SecondaryTier] = set()
 
+#: every tier on a real NIXL agent: refused new jobs as the interpreter exits
+_nixl_tiers: weakref.WeakSet[SecondaryTier] = weakref.WeakSet()
+
 #: how long the interpreter's exit waits, at most, for NIXL to end what the tiers it finds
-#: still run (:func:`_shut_down_at_exit`); past it, an error names them and the exit goes on
+#: still run (:func:`_wait_at_exit`); past it, an error names them and the exit goes on
 EXIT_WAIT_SECONDS = 60.0
 
 
@@ -974,33 +981,28 @@ def _runs_nixl(agent: Any) -> bool:
     return False
 
 
-def _shut_down_at_exit() -> None:
-    """At the interpreter's exit, before it joins its threads: a process must not exit with a
-    NIXL transfer in flight (with an object store's requests under way it crashed, SIGSEGV,
-    7 of 8 runs of 16 jobs left in flight).
+def _wait_at_exit() -> None:
+    """At the interpreter's exit, once it joined its threads (an ``atexit`` handler): a process
+    must not exit with a NIXL transfer in flight (with an object store's requests under way
+    it crashed, SIGSEGV, 7 of 8 runs of 16 jobs left in flight).
 
-    The threads the interpreter would join next (not daemons, not kvfsm's) are joined first,
-    so what they submit last is seen. Then every tier held (:data:`_live_tiers`) refuses new
-    jobs, and one not shut down with jobs unpublished is drained and shut down; a transfer
-    given up while NIXL may run it is asked about until NIXL says it is over. All of it within
-    :data:`EXIT_WAIT_SECONDS`: past it (a transfer NIXL never ends, a peer's write its receiver
-    in this process is no longer polled to end), an error names what still runs, and the exit
-    goes on."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if (thread is not current and not thread.daemon and thread.is_alive()
-                and not thread.name.startswith("kvfsm-")):
-            thread.join()  # (the interpreter waits for it next all the same)
+    Every tier on real NIXL refuses new jobs from now on (a daemon thread may still submit);
+    one held (:data:`_live_tiers`) that was not shut down, with jobs unpublished, is drained
+    and shut down; then what NIXL may still run of its transfers (those still running, and
+    those given up while it ran them) is asked about until NIXL says it is over. All of it
+    within :data:`EXIT_WAIT_SECONDS`: past it (a transfer NIXL never ends, a peer's write whose
+    receiver in this process no one polls any more), an error names what still runs, and the
+    exit goes on. Threads still running when the main thread returned are not disturbed: the
+    interpreter joins them first, and their tiers keep working until then."""
     deadline = time.monotonic() + EXIT_WAIT_SECONDS
-    tiers = list(_live_tiers)
-    for tier in tiers:
+    for tier in list(_nixl_tiers):
         if tier._lock_by(deadline):
             try:
                 tier._closing = True  # submits refused from now on; its progress thread ends
                 tier._progress_wake.set()
             finally:
                 tier._lock.release()
-    for tier in tiers:
+    for tier in list(_live_tiers):
         try:
             _finish_at_exit(tier, deadline)
         except Exception:
@@ -1008,25 +1010,34 @@ def _shut_down_at_exit() -> None:
                              type(tier).__name__)
 
 
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's tiers are the parent's (their transfers run in its NIXL),
+    so the child's exit leaves them alone."""
+    _live_tiers.clear()
+    _nixl_tiers.clear()
+
+
 def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
-    """Drain and shut ``tier`` down by ``deadline`` if it has jobs unpublished; then wait for
-    the transfers it gave up while NIXL may run them."""
+    """Drain and shut ``tier`` down by ``deadline`` if it has jobs unpublished (a poll that
+    raises does not stop it); then ask NIXL about what it may still run of its transfers until
+    it says each is over."""
+    name = type(tier).__name__
     if not tier.closed and tier.unpublished():
         logger.warning("interpreter exit: %s was not shut down, with %d job(s) unpublished; "
                        "waiting up to %g s for NIXL to end their transfers",
-                       type(tier).__name__, len(tier.unpublished()), EXIT_WAIT_SECONDS)
-        with contextlib.suppress(DrainTimeout):
-            tier.drain_jobs(_left(deadline))
-        try:
-            tier.shutdown(_left(deadline))
-        except DrainTimeout as timed_out:
-            logger.error("interpreter exit: %s: NIXL still runs %d transfer(s) after %g s; "
-                         "exiting with them in flight: %s", type(tier).__name__,
-                         len(timed_out.stuck), EXIT_WAIT_SECONDS, timed_out)
-            return
+                       name, len(tier.unpublished()), EXIT_WAIT_SECONDS)
+        for end in (tier.drain_jobs, tier.shutdown):
+            try:
+                end(_left(deadline))
+            except DrainTimeout:
+                pass
+            except Exception:
+                logger.exception("interpreter exit: %s: %s raised", name, end.__name__)
     runner = tier._runner
-    running = [(t.job_id, handle) for t in runner.quarantined if t.job_id in runner.may_run
+    running = [(t.job_id, handle) for t in tier.unpublished() if t.state in runner.running_states
                for handle in _handles(t)]
+    running += [(t.job_id, handle) for t in runner.quarantined if t.job_id in runner.may_run
+                for handle in _handles(t)]
     while running and time.monotonic() < deadline:
         answers = tier._driver.check([handle for _, handle in running])  # (never raises: a
         running = [entry for entry, answer in zip(running, answers, strict=True)  # call that
@@ -1034,9 +1045,9 @@ def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
         if running:
             time.sleep(0.01)
     if running:
-        logger.error("interpreter exit: %s: NIXL still runs %d transfer(s) it gave up on "
-                     "(jobs %s) after %g s; exiting with them in flight", type(tier).__name__,
-                     len(running), sorted({job_id for job_id, _ in running}), EXIT_WAIT_SECONDS)
+        logger.error("interpreter exit: %s: NIXL still runs %d transfer(s) (jobs %s) after "
+                     "%g s; exiting with them in flight", name, len(running),
+                     sorted({job_id for job_id, _ in running}), EXIT_WAIT_SECONDS)
 
 
 def _handles(transfer: Transfer) -> list[Any]:
@@ -1047,9 +1058,8 @@ def _handles(transfer: Transfer) -> list[Any]:
     return ([] if transfer.xfer is None else [transfer.xfer]) + others
 
 
-# runs before the interpreter joins its non-daemon threads (atexit handlers run after that,
-# once NIXL's own threads may be going)
-getattr(threading, "_register_atexit", lambda _: None)(_shut_down_at_exit)
+atexit.register(_wait_at_exit)  # (after the interpreter joined its threads)
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Transfer,
