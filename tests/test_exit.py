@@ -156,7 +156,9 @@ from kvfsm.nixl_agents import make_agent
 from kvfsm.peer import PeerReceiver, PeerSender
 logging.basicConfig(format="%(message)s")
 kvfsm.tiers.base.EXIT_WAIT_SECONDS = 2.0
-sender = PeerSender(torch.ones(8, 4096, dtype=torch.uint8), agent=make_agent("engine-a", "UCX"))
+from kvfsm.policy import RetryPolicy
+sender = PeerSender(torch.ones(8, 4096, dtype=torch.uint8), agent=make_agent("engine-a", "UCX"),
+                    policy=RetryPolicy(progress_interval={progress}))
 receiver = PeerReceiver(torch.zeros(8, 4096, dtype=torch.uint8),
                         agent=make_agent("engine-b", "UCX"))
 sender.connect(receiver.metadata(), receiver.block_descs())
@@ -171,12 +173,16 @@ print("left", len(sender.unpublished()), flush=True)
 """
 
 
-def test_an_exit_that_cannot_see_a_transfer_end_waits_its_bound_and_says_so() -> None:
+@pytest.mark.parametrize("progress", [None, 0.01], ids=["polled-by-the-engine", "progress-thread"])
+def test_an_exit_that_cannot_see_a_transfer_end_waits_its_bound_and_says_so(
+    progress: float | None,
+) -> None:
     """A sender and its receiver in one process: the write ends only once the receiver is
     polled too, which nothing does at exit. The exit waits EXIT_WAIT_SECONDS (2 s here), names
-    what NIXL still runs, and goes on (it waited for ever)."""
+    what NIXL still runs, and goes on (it waited for ever; with the sender's progress thread,
+    the interpreter's join of that thread did, before the exit's wait began)."""
     require_nixl()
-    child = run_child(PEER_IN_ONE_PROCESS, timeout=90)
+    child = run_child(PEER_IN_ONE_PROCESS.replace("{progress}", str(progress)), timeout=90)
     assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
     if "left 1" in child.stdout:  # (UCX may have ended it at once: then there is no story)
         assert ("interpreter exit: PeerSender: NIXL still runs 1 transfer(s) (jobs [1]) after "
@@ -203,19 +209,28 @@ def test_an_exit_with_idle_worker_threads_and_no_tier_is_not_held_up() -> None:
 
 
 FORKED_WORKER = """
-import logging, multiprocessing, tempfile
+import gc, logging, multiprocessing, tempfile, weakref
 import torch
 from kvfsm import TransferJob
 from kvfsm.tiers import FileTier
 logging.basicConfig(format="%(message)s")
-tier = FileTier(torch.ones(64, 1 << 16, dtype=torch.uint8), tempfile.mkdtemp())
+root = tempfile.mkdtemp()
+tier = FileTier(torch.ones(64, 1 << 16, dtype=torch.uint8), root)
 for job in range(16):
     tier.submit_store(TransferJob(job, [f"k{job}-{i}" for i in range(4)],
                                   [4 * job + i for i in range(4)]))
+held = weakref.ref(tier)
+if DROPPED:  # the engine let go of it: kvfsm holds it while its stores are in flight
+    del tier
+    gc.collect()
 worker = multiprocessing.get_context("fork").Process(target=print, args=("worker done",))
 worker.start()
 worker.join(60)
 print("worker exit code", worker.exitcode, flush=True)
+other = FileTier(torch.ones(4, 1 << 16, dtype=torch.uint8), root)  # a restarted engine, say
+print("removed as stale", other.remove_stale(), flush=True)
+other.shutdown(timeout=5)
+tier = held()
 tier.drain_jobs(timeout=30)
 results = tier.get_finished_jobs()
 print("stored", sum(r.success for r in results), "of", len(results), flush=True)
@@ -223,14 +238,42 @@ tier.shutdown(timeout=10)
 """
 
 
-def test_a_forked_worker_exiting_leaves_the_parents_transfers_alone() -> None:
-    """A worker forked while the engine's stores are in flight returns: its exit does not
+@pytest.mark.parametrize("dropped", [False, True], ids=["kept", "dropped"])
+def test_a_forked_worker_exiting_leaves_the_parents_transfers_alone(dropped: bool) -> None:
+    """A worker forked while the engine's stores are in flight returns. Its exit does not
     drain the copy of the parent's tier it inherited (it did: the copy's state checks failed,
     its cleanup removed the parent's partial files, and every one of the parent's 16 stores
-    failed at its commit)."""
+    failed at its commit), nor give up the parent's claim on its partial files when the copy
+    is freed (another tier then removed them as stale, and the stores failed all the same)."""
     require_nixl()
-    child = run_child(FORKED_WORKER, timeout=120)
+    child = run_child(f"DROPPED = {dropped}\n" + textwrap.dedent(FORKED_WORKER), timeout=120)
     assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
     assert "worker exit code 0" in child.stdout
+    assert "removed as stale 0" in child.stdout
     assert "stored 16 of 16" in child.stdout, child.stderr[-2000:]
     assert "interpreter exit" not in child.stderr
+
+
+FORKED_BESIDE_AN_OBJECT_STORE = """
+import multiprocessing, time
+import torch
+from kvfsm.nixl_agents import StoreConfig
+from kvfsm.tiers import ObjectStoreTier
+config = StoreConfig({bucket!r}, endpoint={endpoint!r}, access_key="kvfsm-access",
+                     secret_key="kvfsm-secret")
+tier = ObjectStoreTier(torch.ones(8, 4096, dtype=torch.uint8), store=config)
+worker = multiprocessing.get_context("fork").Process(target=print, args=("worker done",))
+worker.start()
+worker.join(30)
+print("worker exit code", worker.exitcode, flush=True)
+tier.shutdown(timeout=10)
+"""
+
+
+def test_a_forked_worker_beside_an_object_store_tier_ends(s3_server: S3Server) -> None:
+    """The worker's exit leaves the parent's lookup prober and its NIXL agent alone: dropping
+    the child's copy of that agent never returned, and every forked worker hung at its end."""
+    child = run_child(FORKED_BESIDE_AN_OBJECT_STORE.format(
+        bucket=s3_server.new_bucket(), endpoint=s3_server.endpoint), timeout=90)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert "worker exit code 0" in child.stdout

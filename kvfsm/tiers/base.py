@@ -716,7 +716,8 @@ class SecondaryTier(JobSide):
         """Start the progress thread if jobs are unpublished and none runs (under the tier's
         lock: the thread ends under it too, so one runs at most)."""
         if (self._progress_thread is not None or self._progress_error is not None
-                or self._closing or not self._runner.records):
+                or self._closing or not self._runner.records
+                or not threading.main_thread().is_alive()):
             return
         thread = threading.Thread(target=self._progress_loop, args=(interval,),
                                   name=f"kvfsm-progress-{type(self).__name__}")
@@ -733,12 +734,15 @@ class SecondaryTier(JobSide):
         """Poll every ``interval`` seconds while jobs are unpublished and the tier is open (at
         once, after :data:`BEHIND_PAUSE`, while the last poll left turns due it did not take)."""
         lock, records, wake = self._lock, self._runner.records, self._progress_wake
+        main = threading.main_thread()
         try:
             runner, pause = self._runner, min(interval, BEHIND_PAUSE)
             while True:
                 wake.wait(pause if runner.behind else interval)
                 with lock:
-                    if not records or self._closing:
+                    if not records or self._closing or not main.is_alive():  # (the main
+                        # thread returned: what is left is the exit's, within its bound, and
+                        # threads still running poll on their own)
                         self._progress_thread = None
                         return
                     self._poll(limit=PROGRESS_SLICE)
@@ -996,12 +1000,8 @@ def _wait_at_exit() -> None:
     interpreter joins them first, and their tiers keep working until then."""
     deadline = time.monotonic() + EXIT_WAIT_SECONDS
     for tier in list(_nixl_tiers):
-        if tier._lock_by(deadline):
-            try:
-                tier._closing = True  # submits refused from now on; its progress thread ends
-                tier._progress_wake.set()
-            finally:
-                tier._lock.release()
+        tier._closing = True  # submits refused from now on (read before the lock is taken)
+        tier._progress_wake.set()
     for tier in list(_live_tiers):
         try:
             _finish_at_exit(tier, deadline)
@@ -1010,11 +1010,17 @@ def _wait_at_exit() -> None:
                              type(tier).__name__)
 
 
+#: in a forked child, the sets of tiers the parent held: kept for good (freed in the child, a
+#: tier the parent had dropped would tear the child's copy of its NIXL agent down)
+_inherited: list[Any] = []
+
+
 def _forget_after_fork() -> None:
     """In a forked child: the parent's tiers are the parent's (their transfers run in its NIXL),
-    so the child's exit leaves them alone."""
-    _live_tiers.clear()
-    _nixl_tiers.clear()
+    so the child's exit leaves them alone, and they are kept, never freed, in the child."""
+    global _live_tiers, _nixl_tiers
+    _inherited.append((_live_tiers, list(_nixl_tiers)))
+    _live_tiers, _nixl_tiers = set(), weakref.WeakSet()
 
 
 def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
@@ -1033,21 +1039,32 @@ def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
                 pass
             except Exception:
                 logger.exception("interpreter exit: %s: %s raised", name, end.__name__)
-    runner = tier._runner
-    running = [(t.job_id, handle) for t in tier.unpublished() if t.state in runner.running_states
-               for handle in _handles(t)]
-    running += [(t.job_id, handle) for t in runner.quarantined if t.job_id in runner.may_run
-                for handle in _handles(t)]
-    while running and time.monotonic() < deadline:
-        answers = tier._driver.check([handle for _, handle in running])  # (never raises: a
-        running = [entry for entry, answer in zip(running, answers, strict=True)  # call that
-                   if answer == NIXL_RUNNING]  # raised answers what it raised: NIXL ended it)
-        if running:
-            time.sleep(0.01)
+    running: list[tuple[int, Any]] = []
+    while tier._lock_by(deadline):  # (past the deadline: once more, if the lock is free; a
+        try:  # daemon thread may still poll: the handles are read, and asked about, under it)
+            running = _may_run(tier)
+            answers = tier._driver.check([handle for _, handle in running])  # (never raises:
+            running = [entry for entry, answer in zip(running, answers, strict=True)  # one
+                       if answer == NIXL_RUNNING]  # that raised answers what it raised)
+        finally:
+            tier._lock.release()
+        if not running or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
     if running:
         logger.error("interpreter exit: %s: NIXL still runs %d transfer(s) (jobs %s) after "
                      "%g s; exiting with them in flight", name, len(running),
                      sorted({job_id for job_id, _ in running}), EXIT_WAIT_SECONDS)
+
+
+def _may_run(tier: SecondaryTier) -> list[tuple[int, Any]]:
+    """(Under the tier's lock.) The handles NIXL may still run of ``tier``'s transfers, by job:
+    those of transfers in a running state, and of those given up while NIXL ran them."""
+    runner = tier._runner
+    return ([(t.job_id, handle) for t in runner.records.values()
+             if t.state in runner.running_states for handle in _handles(t)]
+            + [(t.job_id, handle) for t in runner.quarantined if t.job_id in runner.may_run
+               for handle in _handles(t)])
 
 
 def _handles(transfer: Transfer) -> list[Any]:

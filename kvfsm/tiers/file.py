@@ -433,6 +433,8 @@ class _Writer:
 
     def __init__(self, directory: str) -> None:
         self._directory = directory
+        #: the process that made it (a forked child leaves the claim to its parent)
+        self.pid = os.getpid()
         #: the writer id, once claimed (None before the first store, and once released)
         self.id: str | None = None
         #: every temporary file of this writer starts with this path, a number and a "-"
@@ -751,7 +753,11 @@ def _release(flusher: _Flusher, writer: _Writer, timeout: float | None) -> bool:
     and give the writer's claim up once it ended: at once, or by the flusher as it ends, so no
     file it may still rename counts as stale before (another tier's
     :meth:`FileTier.remove_stale` leaves the files of a locked writer alone). True when the
-    flusher ended in time."""
+    flusher ended in time. In a forked child, nothing: the claim and the flusher are the
+    parent's (the child's copy gave the parent's claim up, and its partial files were then
+    taken for stale)."""
+    if os.getpid() != writer.pid:
+        return True
     writer.retired = True
     return flusher.stop(timeout, writer.release)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import threading
 import time
@@ -96,6 +97,7 @@ class _Prober:
                  shared: threading.RLock | None, miss_for: float,
                  removing: Callable[[Sequence[str]], tuple[str, ...]] | None = None) -> None:
         self._agent = agent
+        self._pid = os.getpid()  # (a forked child leaves the parent's prober alone)
         self._shared = shared
         self._known = known
         #: the names the tier is deleting: found or not, a probe answers MISS for them
@@ -140,7 +142,11 @@ class _Prober:
 
     def stop(self, timeout: float | None = None) -> bool:
         """Drop the names not yet asked and wait up to ``timeout`` seconds (None: as long as
-        it takes) for the query in flight; True when no query runs any more."""
+        it takes) for the query in flight; True when no query runs any more. In a forked
+        child, nothing: the prober and its NIXL agent are the parent's (dropping the child's
+        copy of the agent never returned)."""
+        if os.getpid() != self._pid:
+            return True
         self.signal_stop()
         with self._lock:
             thread = self._thread
