@@ -42,9 +42,11 @@ takes, which it makes after letting go of the lock for 50 us. So however many ru
 tight ``max_unpolled`` is, the poll a submit waits for is that many checks, the endings of what
 they found and the retries due; when the turns due outrun the thread, the bound above stretches
 to the time the thread needs to go round them. It runs while jobs are unpublished and ends when
-none are (it is started again by the next submit), or once the main thread has returned: what
-is left then is the interpreter's exit's, which drains a tier not shut down and waits for NIXL
-to end its transfers within ``kvfsm.tiers.base.EXIT_WAIT_SECONDS``. Its work still takes the
+none are (it is started again by the next submit); it is not a daemon, so a process that
+forgot ``shutdown`` waits for it, once the main thread has returned, for
+``kvfsm.tiers.base.EXIT_WAIT_SECONDS`` at most; what is left then is the interpreter's exit's,
+which drains a tier not shut down and waits for NIXL to end its transfers within the same
+bound. Its work still takes the
 interpreter's lock, so the scheduler's own Python work shares a core with it
 (``docs/performance.md`` measures what that costs). Should a poll raise, the thread logs it and
 stops, and ``get_finished_jobs`` polls on the caller's thread again, as without it (the tier's

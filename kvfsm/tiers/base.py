@@ -18,6 +18,7 @@ import collections
 import enum
 import functools
 import logging
+import math
 import operator
 import os
 import threading
@@ -716,8 +717,7 @@ class SecondaryTier(JobSide):
         """Start the progress thread if jobs are unpublished and none runs (under the tier's
         lock: the thread ends under it too, so one runs at most)."""
         if (self._progress_thread is not None or self._progress_error is not None
-                or self._closing or not self._runner.records
-                or not threading.main_thread().is_alive()):
+                or self._closing or not self._runner.records):
             return
         thread = threading.Thread(target=self._progress_loop, args=(interval,),
                                   name=f"kvfsm-progress-{type(self).__name__}")
@@ -734,17 +734,18 @@ class SecondaryTier(JobSide):
         """Poll every ``interval`` seconds while jobs are unpublished and the tier is open (at
         once, after :data:`BEHIND_PAUSE`, while the last poll left turns due it did not take)."""
         lock, records, wake = self._lock, self._runner.records, self._progress_wake
-        main = threading.main_thread()
+        main, until = threading.main_thread(), math.inf
         try:
             runner, pause = self._runner, min(interval, BEHIND_PAUSE)
             while True:
                 wake.wait(pause if runner.behind else interval)
                 with lock:
-                    if not records or self._closing or not main.is_alive():  # (the main
-                        # thread returned: what is left is the exit's, within its bound, and
-                        # threads still running poll on their own)
-                        self._progress_thread = None
-                        return
+                    if until == math.inf and not main.is_alive():  # the main thread returned:
+                        # the interpreter waits for this thread, EXIT_WAIT_SECONDS at most
+                        until = time.monotonic() + EXIT_WAIT_SECONDS
+                    if not records or self._closing or time.monotonic() >= until:
+                        self._progress_thread = None  # (past its bound, what is left is the
+                        return  # exit's, and threads still running poll on their own)
                     self._poll(limit=PROGRESS_SLICE)
                     self._progress_polls += 1
         except BaseException as error:
