@@ -468,15 +468,16 @@ class TransferDriver:
         """Make the user's step ``name``: what it answered.
 
         A step that raises, or returns what is not one of its event's answers, nor such an
-        answer with a reason (``(answer, why)``, ``why`` a str), answers RAISED (its event must
-        carry it: :func:`check_runnable`); one that returned so fails with a
-        :class:`StepMisanswered` saying what it returned and what it may return (the job's
-        reason: ``verify returned ...``). An answer equal to one of its event's (a StrEnum's
-        value) is taken as that answer. An answer given with a reason carries it to the
-        machine's actions as the failure's detail; one given alone carries the step's name
-        all the same (an empty why), so a failure it latches says which step answered what
-        (``verify answered MISMATCH``), but OK and LEAKED, whose detail the machine's own
-        actions read as theirs (``record_leaks`` takes its detail for the leaks).
+        answer with a reason (``(answer, why)``; a why that is not text is made text), answers
+        RAISED (its event must carry it: :func:`check_runnable`); one that returned so fails
+        with a :class:`StepMisanswered` saying what it returned and what it may return (the
+        job's reason: ``verify returned ...`` or ``verify answered ...``). An answer equal to
+        one of its event's (a StrEnum's value) is taken as that answer. An answer given with
+        a reason carries it to the machine's actions as the failure's detail; one given alone
+        carries the step's name all the same (an empty why), so a failure it latches says
+        which step answered what (``verify answered MISMATCH``), but OK and LEAKED, whose
+        detail the machine's own actions read as theirs (``record_leaks`` takes its detail
+        for the leaks).
         """
         try:
             answer, why = _step_answer(name, self.steps[name](transfer), self._answers[name])
@@ -506,8 +507,7 @@ def _step_answer(name: str, answered: Any, carried: Collection[Any]) -> tuple[An
     if not (isinstance(answer, enum.Enum) and answer in carried):
         answer = _equal_answer(answer, carried)
     if answer is Answer.RAISED or not (isinstance(answer, enum.Enum) and answer in carried):
-        raise StepMisanswered(name, _misanswered(name, answer, carried).removeprefix(
-            f"step {name!r} "))
+        raise StepMisanswered(name, _misanswered(answer, carried))
     return answer, why
 
 
@@ -540,8 +540,9 @@ def _answers_of(carried: Collection[Any]) -> str:
                             if a is not Answer.RAISED))
 
 
-def _misanswered(name: str, answer: Any, carried: Collection[Any]) -> str:
-    """Why ``answer`` is not one a step may give, and what it may: a member of another class
+def _misanswered(answer: Any, carried: Collection[Any]) -> str:
+    """Why ``answer`` is not one a step may give, and what it may (words that follow the
+    step's name): a member of another class
     than the event's answers are (a copy of their Enum, under the same name, is named with
     both modules), the name of an answer rather than the answer, or RAISED."""
     kinds = {type(a) for a in carried}
@@ -552,9 +553,9 @@ def _misanswered(name: str, answer: Any, carried: Collection[Any]) -> str:
     else:
         kind, what = None, f"{type(answer).__name__} {answer!r}"
     if answer is Answer.RAISED:
-        return (f"step {name!r} answered {what}, which a step answers by raising an exception, "
-                f"not by returning it; it returns one of {_answers_of(carried)}")
-    said = (f"step {name!r} answered {what}, which is not one of its event's answers "
+        return (f"answered {what}, which a step answers by raising an exception, not by "
+                f"returning it; it returns one of {_answers_of(carried)}")
+    said = (f"answered {what}, which is not one of its event's answers "
             f"({_answers_of(carried)})")
     twins = sorted(f"{k.__module__}.{k.__qualname__}" for k in kinds
                    if kind is not None and k is not kind and k.__name__ == kind.__name__)

@@ -105,11 +105,11 @@ _NIXL_WAITS: dict[str, str] = {TransferEvent.POLL: "check_xfer_state",
                                TransferEvent.RELEASE: "release_xfer_handle"}
 
 
-
 def _alone(detail: Any) -> bool:
     """Whether a call's answer came without a why: none (a NIXL wait's answer), or a step's
     answer given alone (the driver names the step with an empty why)."""
     return not detail or (isinstance(detail, CallFailed) and detail.error == "")
+
 
 class Runner(Books):
     """The books of one lifecycle's transfers: where each is, what is due, what was published.
@@ -680,9 +680,11 @@ class Runner(Books):
             # was heard, not from the submit (the latch stamps the end again)
             transfer.finished_at = now
         if self.policy.spent(failures, transfer.finished_at, now):
-            if effect not in _NIXL_WAITS and (_alone(detail)
-                                              or not isinstance(detail, CallFailed)):
-                detail = CallFailed(effect, "retry bound spent" if _alone(detail) else detail)
+            if effect not in _NIXL_WAITS:  # name the step, and say why when it did not
+                if _alone(detail):
+                    detail = CallFailed(effect, "retry bound spent")
+                elif not isinstance(detail, CallFailed):
+                    detail = CallFailed(effect, detail)
             self.machine.fire(transfer, effect, Answer.EXHAUSTED, detail)
             logger.error("job %d %s after %d failed %s(s): %s", transfer.job_id,
                          self._gave_up(transfer), failures, self._call_of[effect],

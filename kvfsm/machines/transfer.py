@@ -257,7 +257,7 @@ class CallFailed:
 
 class StepMisanswered(TypeError):
     """What a user's step returned is no answer it may give (not one of its event's answers,
-    nor ``(answer, why)`` with why a str): its event answers RAISED, and the job's reason says
+    nor ``(answer, why)`` with one of them): its event answers RAISED, and the job's reason says
     what it returned (ERR, the step as the call: ``verify answered str 'MATCH', which is not one
     of its event's answers (...)``), not that it raised."""
 

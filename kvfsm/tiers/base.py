@@ -980,7 +980,7 @@ def _runs_nixl(agent: Any) -> bool:
     for _ in range(8):  # (a wrapper of a wrapper...: a few levels at most)
         if type(agent).__module__.partition(".")[0] in ("nixl", "nixl_cu12", "nixl_cu13"):
             return True
-        agent = vars(agent).get("wrapped") if hasattr(agent, "__dict__") else None
+        agent = getattr(agent, "__dict__", {}).get("wrapped")  # (not through __getattr__)
         if agent is None:
             return False
     return False
