@@ -381,13 +381,16 @@ def test_a_bad_progress_interval_is_refused_by_name(bad: object) -> None:
 
 
 def poll_of_each_check(agent: FakeNixlAgent, tier: ObjectStoreTier) -> list[int]:
-    """From now on, for each state check ``agent`` answers, which of the tier's progress polls
-    made it (``stats()`` reads the books without the tier's lock)."""
+    """From now on, for each state check ``agent`` answers on the tier's progress thread, which
+    of its polls made it (``stats()`` reads the books without the tier's lock). A check made
+    on another thread is not counted: the caller's own poll, while no progress thread runs
+    (the last job published, the next submit not yet made), is not the thread's, nor sliced."""
     made: list[int] = []
     answer = agent.check_xfer_state
 
     def check_xfer_state(handle: Any) -> str:
-        made.append(tier.stats()["progress"]["polls"])
+        if threading.current_thread().name.startswith("kvfsm-progress"):
+            made.append(tier.stats()["progress"]["polls"])
         return answer(handle)
 
     agent.check_xfer_state = check_xfer_state  # type: ignore[method-assign]
