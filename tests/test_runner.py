@@ -531,6 +531,33 @@ def test_a_listener_that_cancels_a_job_found_done_in_the_same_round_leaves_it_it
     tier.shutdown()
 
 
+def test_a_listener_that_drains_finishes_the_jobs_found_done_with_its_own() -> None:
+    """A round's state checks find three stores over. A listener of the first one published
+    drains the tier from inside that round: the other two, found DONE but not yet taken on by
+    the round, are released and published by the drain (it does not wait for them until its
+    deadline), each once, and the round that found them makes no call for them again."""
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent)
+    for job_id in (1, 2, 3):
+        tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id]))
+    drained: list[bool] = []
+
+    def listener(transfer: Transfer) -> None:
+        if transfer.job_id == 1:
+            tier.drain_jobs(timeout=2)
+            drained.append(not tier.unpublished())
+
+    tier.on_published.append(listener)
+    results = tier.get_finished_jobs()
+
+    assert drained == [True], "the drain inside the listener returned, every job published"
+    assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True), (3, True)]
+    assert agent.call_count("release_xfer_handle") == 3
+    assert agent.call_count("check_xfer_state") == 3, "nothing is asked of NIXL twice"
+    assert agent.misuses == []
+    tier.shutdown()
+
+
 class CleanupInterruptedOnce(FakeNixlAgent):
     """The fake agent, with its next ``deregister_memory`` cut short by a KeyboardInterrupt
     (armed by the test), as a Ctrl-C landing in NIXL's call would."""
