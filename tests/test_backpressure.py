@@ -5,7 +5,9 @@ tier, so a slow tier cannot pile up pins on the primary."""
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -15,7 +17,8 @@ from kvfsm import TransferJob
 from kvfsm.policy import InFlightLimit
 from kvfsm.testing import FakeNixlAgent
 from kvfsm.tiering import CPUPrimaryTier, TieringManager
-from kvfsm.tiers import Lookup, ObjectStoreTier, TierSaturatedError
+from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, TierSaturatedError
+from kvfsm.tiers.base import KnownNames
 
 from .test_poll_schedule import Held
 from .test_tiering import BLOCK_BYTES, DictTier, content, write
@@ -314,3 +317,80 @@ def test_forget_makes_a_held_block_a_miss_until_it_is_stored_again() -> None:
     assert [r.success for r in tier.get_finished_jobs()] == [True]
     assert tier.lookup("a") is Lookup.HIT
     tier.shutdown(timeout=5)
+
+
+class SmallCache(ObjectStoreTier):
+    """An object store tier whose lookup cache keeps the verdicts on four names."""
+
+    known_names = 4
+
+
+class SmallFileCache(FileTier):
+    """A file tier whose lookup cache keeps the verdicts on four names."""
+
+    known_names = 4
+
+
+def settled(tier: Any, key: str) -> Lookup:
+    """The tier's answer once its probe (an object store's, on a thread) is in."""
+    deadline = time.monotonic() + 5
+    while (answer := tier.lookup(key)) is Lookup.RETRY and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return answer
+
+
+@pytest.mark.parametrize("kind", ["objects", "files"])
+def test_a_forgotten_key_stays_a_miss_after_its_verdict_left_the_lookup_cache(
+        kind: str, tmp_path: Any) -> None:
+    """The engine made a tier forget key "a" (it holds other bytes now than the tier's copy).
+    Stores of other keys then push the MISS out of the lookup cache, which keeps four names:
+    a probe finds the old copy all the same, and it must not bring it back as a HIT (a load
+    would publish the old bytes as a success). A load of "a" that succeeds reads the old
+    copy and leaves it forgotten; the next store of "a" makes it a HIT again. Only the last
+    four keys forgotten are kept so: the tier's memory stays bounded."""
+    agent = FakeNixlAgent(f"forgotten-{kind}")
+    primary = torch.zeros((16, 64), dtype=torch.uint8)
+    tier = (SmallCache(primary, agent=agent) if kind == "objects"
+            else SmallFileCache(primary, str(tmp_path), agent=agent))
+    job_ids = itertools.count()
+
+    def run(keys: list[str], blocks: list[int], load: bool = False) -> bool:
+        job = TransferJob(next(job_ids), keys, blocks, is_promotion=load)
+        (tier.submit_load if load else tier.submit_store)(job)
+        tier.drain_jobs(timeout=5)
+        return all(result.success for result in tier.get_finished_jobs())
+
+    primary[0] = 1
+    assert run(["a"], [0])
+    assert settled(tier, "a") is Lookup.HIT
+    tier.forget(["a"])
+    for index in range(1, 9):  # eight verdicts: the cache of four keeps none of "a"'s
+        assert run([f"other{index}"], [index])
+    assert settled(tier, "a") is Lookup.MISS, "the old copy was found and vouched for"
+    assert tier.verdict("a") is Lookup.MISS
+    assert run(["a"], [9], load=True)  # it reads the old copy: not the engine's bytes
+    assert settled(tier, "a") is Lookup.MISS
+    primary[10] = 2
+    assert run(["a"], [10])
+    assert settled(tier, "a") is Lookup.HIT
+    assert run(["a"], [11], load=True)
+    assert torch.equal(primary[11], primary[10])
+
+    tier.forget([f"other{index}" for index in range(1, 6)])  # five: "other1" goes first
+    for index in range(12, 16):
+        assert run([f"fill{index}"], [index])
+    assert settled(tier, "other1") is Lookup.HIT, "only the last four forgotten are kept"
+    assert settled(tier, "other5") is Lookup.MISS
+    tier.shutdown(timeout=5)
+
+
+def test_a_probe_answering_after_its_key_was_forgotten_does_not_bring_the_copy_back() -> None:
+    """A probe sent before the key was forgotten finds the old copy and answers once the
+    forget's MISS has left the lookup cache: its HIT is not taken."""
+    known = KnownNames(2)
+    known.forget(["a"])
+    known.record(["b", "c", "d"], Lookup.HIT)  # the cache keeps two verdicts: none of "a"
+    known.offer("a", Lookup.HIT)
+    assert known.get("a") is Lookup.MISS
+    known.record(["a"], Lookup.HIT)  # a store of it succeeded
+    assert known.get("a") is Lookup.HIT

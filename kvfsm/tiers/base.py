@@ -131,12 +131,17 @@ class KnownNames:
     probe found may be given an age past which it is asked again: another process sharing
     the store may write the block meanwhile.
 
+    A name the caller made the tier forget (:meth:`forget`: its blocks hold other bytes now
+    than the tier's copy) is MISS, whatever a probe finds, until a store of it succeeds: it
+    is kept apart from the verdicts, so other names' verdicts do not push it out; only the
+    last ``limit`` names forgotten are kept so.
+
     One thread records (under the tier's lock) while a probe thread offers and lookups read
     without it: the writes (and the removal of an expired MISS) take a lock of the cache's
     own, so none of them can undo another's newer verdict; a read of a live verdict takes none.
     """
 
-    __slots__ = ("_lock", "_names", "limit")
+    __slots__ = ("_forgotten", "_lock", "_names", "limit")
 
     def __init__(self, limit: int) -> None:
         if type(limit) is not int or limit < 1:
@@ -147,33 +152,64 @@ class KnownNames:
         #: first. (An OrderedDict: a plain dict whose oldest are deleted one by one makes each
         #: next deletion scan the holes left before it, quadratic once the limit is reached.)
         self._names: collections.OrderedDict[str, Lookup | float] = collections.OrderedDict()
+        #: the names forgotten (:meth:`forget`) and not stored since, oldest first
+        self._forgotten: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def get(self, name: str) -> Lookup | None:
         """The verdict on ``name``, or None when it is not known (any more)."""
         verdict = self._names.get(name)
         if type(verdict) is not float:
+            if verdict is None and name in self._forgotten:
+                return Lookup.MISS  # (its verdict went, the copy it forgot may still be there)
             return verdict  # type: ignore[return-value]
         if time.monotonic() < verdict:
             return Lookup.MISS
         with self._lock:  # expired: ask again (unless a verdict was recorded meanwhile)
             if self._names.get(name) == verdict:
                 del self._names[name]
-        return None
+        return Lookup.MISS if name in self._forgotten else None
 
-    def record(self, names: Sequence[str], verdict: Lookup) -> None:
-        """A transfer's outcome: ``verdict`` on each of ``names``, now the most recent."""
+    def record(self, names: Sequence[str], verdict: Lookup, *, load: bool = False) -> None:
+        """A transfer's outcome: ``verdict`` on each of ``names``, now the most recent. A
+        store's HIT makes a forgotten name the tier's again; a load's (``load``) does not: it
+        read the copy the caller made the tier forget, which stays MISS."""
         known = self._names
         with self._lock:
+            forgotten = self._forgotten
+            if forgotten and verdict is Lookup.HIT:
+                if load:
+                    names = [name for name in names if name not in forgotten]
+                else:
+                    for name in names:
+                        forgotten.pop(name, None)
             for name in names:
                 known[name] = verdict
                 known.move_to_end(name)
             if len(known) > self.limit:
                 self._forget_oldest()
 
+    def forget(self, names: Sequence[str]) -> None:
+        """The caller's blocks under ``names`` hold other bytes than the tier's copy: MISS, a
+        probe's HIT included, until a store of them succeeds (the last :attr:`limit` names
+        forgotten)."""
+        with self._lock:
+            forgotten, known = self._forgotten, self._names
+            for name in names:
+                known[name] = Lookup.MISS
+                known.move_to_end(name)
+                forgotten[name] = None
+                forgotten.move_to_end(name)
+            while len(forgotten) > self.limit:
+                forgotten.popitem(last=False)
+            if len(known) > self.limit:
+                self._forget_oldest()
+
     def offer(self, name: str, verdict: Lookup, miss_for: float | None = None) -> None:
         """A probe's answer: kept unless a verdict on ``name`` is known already; a MISS only
-        for ``miss_for`` seconds when that is given."""
+        for ``miss_for`` seconds when that is given; a HIT on a forgotten name is none."""
         with self._lock:
+            if verdict is Lookup.HIT and name in self._forgotten:
+                return
             self._names.setdefault(name, verdict if verdict is not Lookup.MISS
                                    or miss_for is None else time.monotonic() + miss_for)
             if len(self._names) > self.limit:
@@ -224,7 +260,8 @@ class SecondaryTier(JobSide):
     drained and shut down, waiting for NIXL to end them, within :data:`EXIT_WAIT_SECONDS`.
 
     Bounded memory: the lookup cache keeps the verdicts on the last :attr:`known_names`
-    names, and :meth:`stats` lists the last :attr:`leak_record` leaks (and counts them all).
+    names (and, apart, the last :attr:`known_names` names :meth:`forget` was told), and
+    :meth:`stats` lists the last :attr:`leak_record` leaks (and counts them all).
     Set either on the class or a subclass before a tier is made.
     """
 
@@ -573,15 +610,17 @@ class SecondaryTier(JobSide):
         after a failed store, until a store of them succeeds. For a caller whose blocks under
         those keys now hold other bytes that this tier did not store (the tiering manager
         skipped it, saturated or busy): a load from here would bring the old ones back. The
-        old copy stays where it is until a store replaces it or the capacity removes it; what
-        the tier knows is its lookup cache, so a verdict the cache has since forgotten is
-        probed again (name blocks by their content, as vLLM does, and there is nothing to
-        forget).
+        old copy stays where it is until a store replaces it or the capacity removes it, and
+        a probe that finds it answers MISS all the same; a load of them that succeeds (it
+        reads the old copy) leaves them MISS. The tier keeps the last :attr:`known_names`
+        keys forgotten so, apart from its lookup cache: a key forgotten before those is
+        probed again as any (name blocks by their content, as vLLM does, and there is
+        nothing to forget).
 
         Raises:
             ValueError: a key is not a non-empty str or bytes; nothing was forgotten.
         """
-        self._known.record(self._remote_names(keys), Lookup.MISS)
+        self._known.forget(self._remote_names(keys))
 
     def take_events(self) -> list[HoldingEvent]:
         """What the tier stored and removed since the last call, oldest first (kept only when
@@ -1103,7 +1142,8 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
     """A finished store or load shows the blocks are there; after a failed one (a job
     quarantined after NIXL finished it included: it publishes a failure) the tier cannot vouch
     for them, and a failed load is not made again and again (F11). The holdings unpin them."""
-    known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS)
+    known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
+                 load=transfer.job.is_promotion)
     if transfer.doomed and result.success:  # read before their removal: gone by now,
         # unless a store took one back meanwhile (the tier holds it again)
         gone = [name for name in transfer.doomed
