@@ -944,11 +944,12 @@ class SecondaryTier(JobSide):
                                   "submit it with submit_load (a store has "
                                   "is_promotion=False)")
         keys, raw_ids = job.keys, job.block_ids
-        for field, value in (("keys", keys), ("block_ids", raw_ids)):
-            if type(value) is not tuple and type(value) is not list and (
-                    isinstance(value, str | bytes) or not isinstance(value, Sequence)):
-                raise InvalidJobError(f"job {job_id}: {field} must be a list or tuple, got "
-                                      f"{type(value).__name__} {value!r}")
+        if ((type(keys) is not list and type(keys) is not tuple)
+                or (type(raw_ids) is not list and type(raw_ids) is not tuple)):
+            for field, value in (("keys", keys), ("block_ids", raw_ids)):  # (other sequences)
+                if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+                    raise InvalidJobError(f"job {job_id}: {field} must be a list or tuple, "
+                                          f"got {type(value).__name__} {value!r}")
         if len(keys) != len(raw_ids):
             raise InvalidJobError(f"job {job_id} has {len(keys)} keys but "
                                   f"{len(raw_ids)} block ids")
@@ -956,7 +957,7 @@ class SecondaryTier(JobSide):
             names = self._remote_names(keys)
         except ValueError:
             names = ()
-        if len(names) != len(keys) or len(set(names)) != len(names):
+        if len(names) != len(keys) or (len(names) > 1 and len(set(names)) != len(names)):
             self._explain_keys(job_id, tuple(keys))
         block_ids = tuple(raw_ids)
         limit = self.num_blocks
