@@ -123,10 +123,6 @@ class Runner(Books):
             keys hold here); more may be appended to :attr:`on_final`.
     """
 
-    #: those a poll found no longer running and has not filed yet, while it takes them on
-    #: (:meth:`take_ended`): a poll made meanwhile (a listener's) files them first
-    unfiled: Sequence[Transfer] = ()
-
     def __init__(self, machine: CompiledMachine[Any, Any], policy: RetryPolicy,
                  on_final: Callable[[Transfer, JobResult], None] | None = None) -> None:
         super().__init__()
@@ -634,61 +630,6 @@ class Runner(Books):
                 if interrupt is not None:
                     raise interrupt
         finally:  # an interrupt or an action that raised: the transfer is filed all the same
-            self._file(transfer)
-
-    def fire_polled(self, transfer: Transfer, outcome: Outcome) -> bool:
-        """Fire what a running transfer's state check answered. One it leaves running is
-        taken out of the rounds and returned True, unfiled: :meth:`take_ended` files it, once,
-        where its release and cleanup leave it (or :meth:`file`, if they are not made), rather
-        than first among the waiting, then taken out again. One still running is filed, as
-        one that raised or was interrupted is (the exception goes on)."""
-        try:
-            answer, detail = outcome.answer, outcome.detail
-            if answer is not None:
-                self._fire(transfer, TransferEvent.POLL, answer, detail)
-            if detail is COMMITTING:
-                self._committing.add(transfer.job_id)
-            if outcome.interrupt is not None:
-                raise outcome.interrupt
-        except BaseException:
-            self._file(transfer)
-            raise
-        if transfer.state in self.running_states:
-            self._file(transfer)  # (its handle may have changed: a job made per block)
-            return False
-        self.running.discard(transfer)
-        if self._committing:  # (as filing it would)
-            self._committing.discard(transfer.job_id)
-        return True
-
-    def take_ended(self, transfer: Transfer,
-                   end: Callable[[Transfer], Outcome | tuple[Outcome, Outcome]]) -> Any:
-        """A transfer :meth:`fire_polled` took out of the rounds: when it waits on its release
-        (:attr:`ending`, no retry backing off), ``end``'s calls (the release and cleanup) are
-        made and taken as :meth:`take` takes :data:`END`; it is filed where that leaves it.
-        Returns the state it was in when they were made, else None."""
-        try:
-            state = transfer.state
-            if state not in self._ending or transfer.retry_at:
-                return None
-            released, cleaned = end(transfer)  # type: ignore[misc]  # (END's maker's)
-            if (released.answer is not Answer.OK or cleaned.answer is not Answer.OK
-                    or cleaned.interrupt is not None):  # not the chain: each answer is taken
-                self._file(transfer)  # by a filed transfer (a retry counts, backs off, there)
-            self._take_end(transfer, released, cleaned)
-            return state
-        finally:  # an interrupt or an action that raised: the transfer is filed all the same
-            self._file(transfer)
-
-    def file(self, transfer: Transfer) -> None:
-        """File ``transfer`` where its state says (publish it, if final)."""
-        self._file(transfer)
-
-    def file_unfiled(self) -> None:
-        """File every transfer of :attr:`unfiled` (a poll made from inside another's listener:
-        it finds them where their state says, as waiting, and may take them on)."""
-        unfiled, self.unfiled = self.unfiled, ()
-        for transfer in unfiled:
             self._file(transfer)
 
     def give_up(self, transfer: Transfer, why: str) -> None:

@@ -856,8 +856,6 @@ class SecondaryTier(JobSide):
         bounds the schedule's state checks (the progress thread's :data:`PROGRESS_SLICE`).
         """
         runner, driver = self._runner, self._driver
-        if runner.unfiled:  # a listener polls again while a poll takes what it found over:
-            runner.file_unfiled()  # those it has not taken yet are filed, as waiting
         waiting = runner.waiting_now()  # those in it now, not backing off: one round each
         answered = runner.check_round(driver.check, everything, limit, driver.check_all)
         if answered:
@@ -872,54 +870,38 @@ class SecondaryTier(JobSide):
             _live_tiers.discard(self)
 
     def _take_polls(self, answered: list[tuple[Transfer, Any]]) -> None:
-        """Fire each state check's answer; then take each transfer that left the running
-        states as far as it goes, in order: one over and waiting on its release (the common
-        case: NIXL answered DONE or ERR) has its release and cleanup made at once
-        (:meth:`~kvfsm.runner.Runner.take_ended`), :meth:`_advance` going on with it only when
-        they moved it on without publishing it; any other has every call due made by
-        :meth:`_advance`. Every answer is fired before any release is made: a listener of the
-        first result published (which may call back into the tier) finds the others over
-        already. An interrupt leaves each transfer filed where it is, and the next round goes
-        on with it."""
+        """Fire each state check's answer, then take the transfer as far as it goes."""
         runner, driver = self._runner, self._driver
         records, running = runner.records, runner.running_states
-        fire, polled = runner.fire_polled, driver.polled
-        over: list[Transfer] = []  # those no longer running, not filed yet
+        take, polled = runner.take, driver.polled
+        over = []  # those no longer running: their calls are due this round (an interrupt
+        # leaves them filed as waiting, and the next round goes on with them)
         for transfer, status in answered:
             if records.get(transfer.job_id) is not transfer or transfer.state not in running:
                 continue  # moved meanwhile (a listener polled again)
-            try:
-                if fire(transfer, polled(transfer, status)):
-                    over.append(transfer)
-            except BaseException:
-                for left in over:
-                    runner.file(left)
-                raise
+            take(transfer, TransferEvent.POLL, polled(transfer, status))
+            if transfer.slot < 0:
+                over.append(transfer)
         if over:
-            self._take_over(over)
+            self._end(over)
 
-    def _take_over(self, over: list[Transfer]) -> None:
-        """The release and cleanup of the transfers :meth:`_take_polls` found no longer
-        running (:meth:`~kvfsm.runner.Runner.take_ended`), in order; each filed once."""
+    def _end(self, transfers: Sequence[Transfer]) -> None:
+        """Make every call due for ``transfers`` now, as :meth:`_advance` does, one at a time
+        and in order; one waiting on its release (the common case: NIXL answered DONE or
+        ERR) has its release and cleanup made at once, :meth:`_advance` going on with it only
+        when they moved it on without publishing it."""
         runner = self._runner
-        records, take, end = runner.records, runner.take_ended, self._makers[END]
-        taken = 0
-        runner.unfiled = over  # a listener that polls again files them first (_poll)
-        try:
-            for transfer in over:
-                taken += 1
-                if records.get(transfer.job_id) is not transfer:
-                    continue  # published meanwhile (a listener polled again)
-                ended = take(transfer, end)
-                if records.get(transfer.job_id) is transfer:
-                    if ended is None:
-                        self._advance((transfer,))
-                    elif transfer.state is not ended:
-                        self._advance((transfer,), moved=True)
-        finally:  # those not taken yet (an interrupt, an action that raised) are filed
-            runner.unfiled = ()
-            for transfer in over[taken:]:
-                runner.file(transfer)
+        records, ending, take, end = runner.records, runner.ending, runner.take, self._makers[END]
+        for transfer in transfers:
+            state = transfer.state
+            if records.get(transfer.job_id) is not transfer:
+                continue  # published meanwhile (a listener polled again)
+            if state in ending and not transfer.retry_at:
+                take(transfer, END, end(transfer))
+                if transfer.state is not state and records.get(transfer.job_id) is transfer:
+                    self._advance((transfer,), moved=True)
+            else:
+                self._advance((transfer,))
 
     def _advance(self, transfers: Sequence[Transfer], moved: bool = False) -> None:
         """Make every call due for ``transfers`` now, as far as each goes this round (``moved``:
