@@ -12,7 +12,8 @@ each block it wrote (the bytes NIXL copied are the primary block's, pinned until
 result), under the block's remote name; a load compares the CRC-32 of each block it filled with
 the one recorded. A block changed in the store since (bit rot, another writer, a truncated
 file) fails its load instead of handing the engine wrong KV values. Keep the record where the
-block index lives; here it is a dict.
+block index lives; here it is a dict in the process's memory, so a block stored by another
+process (or before a restart) has no checksum, and its load fails.
 
 Run it in a tier::
 

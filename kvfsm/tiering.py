@@ -732,6 +732,8 @@ class TieringManager:
     def store(self, block_ids: Sequence[int]) -> list[int]:
         """Copy ready primary blocks to every secondary tier: one job per tier.
 
+        A tier that only loads (its ``read_only`` is True: a :class:`~kvfsm.tiers.FileTier`
+        over a directory other engines store to) gets no job, and is not counted as skipped.
         A tier that says it is saturated (its ``saturated(nbytes)``, when it has one, answers
         True: kvfsm's tiers past their :class:`~kvfsm.policy.InFlightLimit`) is skipped: no
         job, no pin, counted in :meth:`stats` as ``stores_skipped``; so is a tier whose submit
@@ -762,6 +764,8 @@ class TieringManager:
         refusals: list[tuple[str, int, BaseException]] = []
         nbytes = len(blocks) * self._block_bytes
         for name, tier in self._tiers.items():
+            if getattr(tier, "read_only", False) is True:
+                continue  # it only loads what others store: no job, nothing to forget
             saturated = getattr(tier, "saturated", None)
             if saturated is not None and saturated(nbytes):  # back-pressure: no job, no pin
                 self._skipped[name] += 1

@@ -196,12 +196,20 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         except ValueError:
             raise ValueError(f"{tier_type}: shutdown_timeout must be a number of seconds or "
                              f"None, got {shutdown_timeout!r}") from None
+        where = None
+        if locality is not None:
+            try:
+                where = Locality(locality)
+            except ValueError:
+                raise ValueError(f"{tier_type}: locality must be one of "
+                                 f"{', '.join(repr(place.value) for place in Locality)} or "
+                                 f"None, got {locality!r}") from None
         limit = _limit(in_flight)
         if backpressure_detector is None and (limit is not None
                                               or settings.get("read_only") is True):
             backpressure_detector = _Saturation(self)  # (a read-only tier: always declines)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.locality = Locality(locality) if locality is not None else None
+        self.locality = where
         if label is not None and (not isinstance(label, str) or not label):
             raise ValueError(f"{tier_type}: label must be a non-empty str, got {label!r}")
         #: what the tier's metrics and events are labelled with: ``label``, else its type (two

@@ -37,9 +37,11 @@ from kvfsm import JobResult, TransferJob, TransferState
 from kvfsm.nixl_agents import make_agent
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, FaultyAgent, Raise, StayProc
-from kvfsm.tiers import DrainTimeout, FileTier, InvalidJobError, Lookup
+from kvfsm.tiering import CPUPrimaryTier, TieringManager
+from kvfsm.tiers import DrainTimeout, FileTier, InvalidJobError, Lookup, ObjectStoreTier
 from kvfsm.tiers import file as file_tier
 
+from . import test_tiering as tiering
 from .real_nixl import require_nixl
 
 BLOCKS, BLOCK_BYTES = 8, 4096
@@ -1013,3 +1015,29 @@ def test_remove_stale_keeps_the_files_of_a_writer_it_cannot_tell_is_gone(
         assert kept.exists() and not stale.exists()
     finally:
         cleaning.shutdown()
+
+
+def test_a_manager_stores_nothing_to_a_read_only_tier_and_loads_from_it(tmp_path: Path) -> None:
+    """Engine A stores a block into a directory it shares. Engine B's manager has an object
+    store of its own and that directory read-only: B's stores go to its object store alone
+    (each raised TierSubmitError, the read-only tier refusing its job, though the other tier
+    took its own), and B loads A's block from the shared directory, A's bytes."""
+    engine_a = CPUPrimaryTier(4, tiering.BLOCK_BYTES, torch.uint8)
+    a = TieringManager(engine_a, {"shared": FileTier(engine_a.cache, tmp_path, agent=posix(),
+                                                     durable=False)})
+    a.store(tiering.write(engine_a, "seq0/blk0"))
+    assert [done.success for done in a.drain(timeout=10)] == [True]
+    engine_b = CPUPrimaryTier(4, tiering.BLOCK_BYTES, torch.uint8)
+    b = TieringManager(engine_b, {
+        "objects": ObjectStoreTier(engine_b.cache, agent=FakeNixlAgent("engine-b")),
+        "shared": FileTier(engine_b.cache, tmp_path, agent=posix(), read_only=True)})
+
+    assert len(b.store(tiering.write(engine_b, "seq1/blk0"))) == 1
+    assert b.stats()["stores_skipped"] == {"objects": 0, "shared": 0}
+    assert [(done.tier, done.success) for done in b.drain(timeout=10)] == [("objects", True)]
+    assert b.load(["seq0/blk0"]) is not None
+    [loaded] = b.drain(timeout=10)
+    assert (loaded.tier, loaded.success) == ("shared", True)
+    assert torch.equal(engine_b.cache[loaded.job.block_ids[0]], tiering.content("seq0/blk0"))
+    b.shutdown(timeout=10)
+    a.shutdown(timeout=10)

@@ -728,6 +728,8 @@ def test_kvfsm_imports_without_vllm() -> None:
      "'examples.verify_lifecycle:STEPS' is not a kvfsm Declaration (found dict)"),
     ("steps", "examples.verify_lifecycle", "FileTier: steps: 'examples.verify_lifecycle': name "
      "steps as module:ATTRIBUTE, e.g. examples.verify_lifecycle:STEPS"),
+    ("locality", "nearby", "FileTier: locality must be one of 'LOCAL', 'REMOTE' or None, got "
+     "'nearby'"),  # (was: 'nearby' is not a valid Locality)
 ])
 def test_a_bad_setting_is_refused_with_an_error_naming_it(
     tmp_path: Path, engines: Callable[..., Engine], setting: str, value: Any, message: str
@@ -854,3 +856,12 @@ def test_a_job_id_reused_while_its_job_runs_is_refused_and_the_running_job_keeps
     ]
     adapter.shutdown()
 
+
+
+def test_a_tier_takes_the_locality_its_entry_names(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    from vllm.v1.kv_offload.tiering.base import Locality  # noqa: PLC0415 - (vLLM on demand)
+
+    engine = engines(file_entry(tmp_path, locality="REMOTE"))
+    assert the_tier(engine).locality is Locality.REMOTE
