@@ -733,8 +733,10 @@ class TieringManager:
         """Copy ready primary blocks to every secondary tier: one job per tier.
 
         A tier that only loads (its ``read_only`` is True: a :class:`~kvfsm.tiers.FileTier`
-        over a directory other engines store to) gets no job, and is not counted as skipped.
-        A tier that says it is saturated (its ``saturated(nbytes)``, when it has one, answers
+        over a directory other engines store to) gets no job, and is not counted as skipped;
+        it forgets the keys, as a tier skipped does (an engine that wrote new bytes under a
+        key another engine stored there must not load that engine's copy as them). A tier
+        that says it is saturated (its ``saturated(nbytes)``, when it has one, answers
         True: kvfsm's tiers past their :class:`~kvfsm.policy.InFlightLimit`) is skipped: no
         job, no pin, counted in :meth:`stats` as ``stores_skipped``; so is a tier whose submit
         refuses the job as busy (:class:`~kvfsm.tiers.TierBusyError`: saturated since it was
@@ -744,7 +746,7 @@ class TieringManager:
 
         Returns:
             the job ids, one per tier that took the job, in tier order (empty when every tier
-            was saturated or busy).
+            was saturated, busy or read-only).
 
         Raises:
             ManagerClosedError: after :meth:`shutdown`.
@@ -764,8 +766,9 @@ class TieringManager:
         refusals: list[tuple[str, int, BaseException]] = []
         nbytes = len(blocks) * self._block_bytes
         for name, tier in self._tiers.items():
-            if getattr(tier, "read_only", False) is True:
-                continue  # it only loads what others store: no job, nothing to forget
+            if getattr(tier, "read_only", False) is True:  # it only loads what others store:
+                _forget(tier, name, keys)  # no job; what it holds is not these blocks' bytes
+                continue
             saturated = getattr(tier, "saturated", None)
             if saturated is not None and saturated(nbytes):  # back-pressure: no job, no pin
                 self._skipped[name] += 1
@@ -838,6 +841,8 @@ class TieringManager:
             keys: the blocks to load; none may be held by the primary tier, and the tier loaded
                 from (every tier, when ``tier`` is None) must name each one, no two alike.
             tier: the tier to load from; by default the first that answers HIT for every key.
+                One named here is not asked: it loads what it holds under the keys, even a
+                copy it was made to forget (an override, for a caller that knows better).
 
         Returns:
             the job id; or None, with nothing changed, when no tier answers HIT for every key

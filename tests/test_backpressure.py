@@ -15,7 +15,7 @@ import torch
 
 from kvfsm import TransferJob
 from kvfsm.policy import InFlightLimit
-from kvfsm.testing import FakeNixlAgent
+from kvfsm.testing import FakeNixlAgent, ReturnErr
 from kvfsm.tiering import CPUPrimaryTier, TieringManager
 from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, TierSaturatedError
 from kvfsm.tiers.base import KnownNames
@@ -394,3 +394,34 @@ def test_a_probe_answering_after_its_key_was_forgotten_does_not_bring_the_copy_b
     assert known.get("a") is Lookup.MISS
     known.record(["a"], Lookup.HIT)  # a store of it succeeded
     assert known.get("a") is Lookup.HIT
+
+
+@pytest.mark.parametrize("kind", ["objects", "files"])
+def test_a_key_whose_store_failed_stays_a_miss_after_its_verdict_left_the_lookup_cache(
+        kind: str, tmp_path: Any) -> None:
+    """The engine stored "k", then wrote other bytes under it, and their store failed (NIXL
+    answered ERR): the tier still holds the first copy. Stores of other keys push the failed
+    store's MISS out of a lookup cache of four names; a probe finds the first copy, and must
+    not make it a HIT (a load would publish the first bytes as the second's)."""
+    agent = FakeNixlAgent(f"failed-store-{kind}")
+    primary = torch.zeros((16, 64), dtype=torch.uint8)
+    tier = (SmallCache(primary, agent=agent) if kind == "objects"
+            else SmallFileCache(primary, str(tmp_path), agent=agent))
+    job_ids = itertools.count()
+
+    def stored(keys: list[str], blocks: list[int]) -> bool:
+        tier.submit_store(TransferJob(next(job_ids), keys, blocks))
+        tier.drain_jobs(timeout=5)
+        return all(result.success for result in tier.get_finished_jobs())
+
+    primary[0] = 1
+    assert stored(["k"], [0])
+    primary[1] = 2  # the engine's new bytes under "k"
+    agent.inject("check_xfer_state", ReturnErr(), times=1)
+    assert not stored(["k"], [1])
+    for index in range(2, 10):
+        assert stored([f"other{index}"], [index])
+    assert settled(tier, "k") is Lookup.MISS, "the first copy was found and vouched for"
+    assert stored(["k"], [1])
+    assert settled(tier, "k") is Lookup.HIT
+    tier.shutdown(timeout=5)

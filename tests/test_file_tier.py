@@ -1021,7 +1021,9 @@ def test_a_manager_stores_nothing_to_a_read_only_tier_and_loads_from_it(tmp_path
     """Engine A stores a block into a directory it shares. Engine B's manager has an object
     store of its own and that directory read-only: B's stores go to its object store alone
     (each raised TierSubmitError, the read-only tier refusing its job, though the other tier
-    took its own), and B loads A's block from the shared directory, A's bytes."""
+    took its own), and B loads A's block from the shared directory, A's bytes. Once B writes
+    bytes of its own under that key and stores them, the shared directory forgets it: B loads
+    its own bytes, never A's copy."""
     engine_a = CPUPrimaryTier(4, tiering.BLOCK_BYTES, torch.uint8)
     a = TieringManager(engine_a, {"shared": FileTier(engine_a.cache, tmp_path, agent=posix(),
                                                      durable=False)})
@@ -1039,5 +1041,21 @@ def test_a_manager_stores_nothing_to_a_read_only_tier_and_loads_from_it(tmp_path
     [loaded] = b.drain(timeout=10)
     assert (loaded.tier, loaded.success) == ("shared", True)
     assert torch.equal(engine_b.cache[loaded.job.block_ids[0]], tiering.content("seq0/blk0"))
+
+    # B writes other bytes under a key A stored there (its keys do not name their content):
+    # the shared directory's copy is not B's, so B never loads it as B's block
+    engine_b.free(loaded.job.block_ids)
+    (mine,) = engine_b.allocate(["seq0/blk0"])
+    engine_b.cache[mine] = tiering.content("engine B's own bytes")
+    engine_b.complete_write([mine], success=True)
+    assert len(b.store([mine])) == 1
+    assert [(done.tier, done.success) for done in b.drain(timeout=10)] == [("objects", True)]
+    engine_b.free([mine])
+    assert b.tiers["shared"].lookup("seq0/blk0") is Lookup.MISS
+    assert b.load(["seq0/blk0"]) is not None
+    [loaded] = b.drain(timeout=10)
+    assert (loaded.tier, loaded.success) == ("objects", True)
+    assert torch.equal(engine_b.cache[loaded.job.block_ids[0]],
+                       tiering.content("engine B's own bytes"))
     b.shutdown(timeout=10)
     a.shutdown(timeout=10)

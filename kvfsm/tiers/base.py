@@ -543,7 +543,8 @@ class SecondaryTier(JobSide):
         A finished store makes its keys HIT; a failed job, store or load, makes them MISS: the
         tier cannot vouch for what it holds under a name whose transfer failed (a store NIXL
         reported as failed may have landed anyway), and a failed load is not retried again and
-        again (F11). A later successful store makes them HIT again.
+        again (F11). A later successful store makes them HIT again. After a failed store they
+        stay MISS until then, whatever a probe finds (:meth:`forget`).
 
         Raises:
             TierClosedError: the tier was shut down (it knows nothing any more).
@@ -1124,9 +1125,15 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
                      result: JobResult) -> None:
     """A finished store or load shows the blocks are there; after a failed one (a job
     quarantined after NIXL finished it included: it publishes a failure) the tier cannot vouch
-    for them, and a failed load is not made again and again (F11). The holdings unpin them."""
-    known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
-                 load=transfer.job.is_promotion)
+    for them, and a failed load is not made again and again (F11). A failed store forgets its
+    names (:meth:`KnownNames.forget`): the engine's blocks under those keys may hold other
+    bytes than whatever copy the store left, so a probe finding that copy is not taken, until
+    a store of them succeeds. The holdings unpin them."""
+    if result.success or transfer.job.is_promotion:
+        known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
+                     load=transfer.job.is_promotion)
+    else:  # whatever the store left (the old copy, most likely), it is not these blocks':
+        known.forget(transfer.names)  # MISS until a store of them succeeds
     if transfer.doomed and result.success:  # read before their removal: gone by now,
         # unless a store took one back meanwhile (the tier holds it again)
         gone = [name for name in transfer.doomed
