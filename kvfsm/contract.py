@@ -105,15 +105,20 @@ class Books:
         """The results published since the last call, handed out once (safe without a lock
         beside a publishing thread, and beside another caller: each result goes to one)."""
         results, taken = self.results, []
-        for _ in range(len(results)):
-            try:
-                taken.append(results.popleft())
-            except IndexError:  # another thread took it (two callers at once)
-                break
-        discard = self.unreported.discard
-        for result in taken:
-            discard(result.job_id)
-        return taken
+        try:
+            for _ in range(len(results)):
+                try:
+                    taken.append(results.popleft())
+                except IndexError:  # another thread took it (two callers at once)
+                    break
+            discard = self.unreported.discard
+            for result in taken:
+                discard(result.job_id)
+            return taken
+        except BaseException:  # an interrupt: what was taken is handed out by the next call
+            self.unreported.update(result.job_id for result in taken)
+            results.extendleft(reversed(taken))
+            raise
 
 
 class JobSide:

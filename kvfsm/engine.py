@@ -855,8 +855,8 @@ class CompiledMachine(Generic[S, A]):
         try:  # free while nothing raises (3.11's zero-cost exceptions): the hot path pays nothing
             for action in step.actions:
                 action(record, answer, detail)
-        except BaseException as error:
-            _blame(error, self.name, step, action, record)
+        except BaseException as error:  # (an interrupt may land before an action is bound)
+            _blame(error, self.name, step, locals().get("action"), record)
             raise
         return step.dest
 
@@ -906,8 +906,9 @@ class CompiledMachine(Generic[S, A]):
                 record.state = step.dest
                 for action in step.actions:
                     action(record, step.answer, detail)
-        except BaseException as error:
-            _blame(error, self.name, step, action, record)
+        except BaseException as error:  # (an interrupt may land before a step is bound)
+            _blame(error, self.name, locals().get("step", chain.steps[0]),
+                   locals().get("action"), record)
             raise
         record.state = chain.dest
         if self.trace and chain.traced:

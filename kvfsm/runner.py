@@ -123,6 +123,10 @@ class Runner(Books):
             keys hold here); more may be appended to :attr:`on_final`.
     """
 
+    #: an interrupt (a signal handler's exception, raised between any two statements) may
+    #: have cut the filing of a transfer short: :meth:`mend` files them all afresh
+    damaged = False
+
     def __init__(self, machine: CompiledMachine[Any, Any], policy: RetryPolicy,
                  on_final: Callable[[Transfer, JobResult], None] | None = None) -> None:
         super().__init__()
@@ -766,15 +770,17 @@ class Runner(Books):
             self.waiting[transfer.job_id] = transfer
             self._ready[transfer.job_id] = transfer  # a move starts afresh: none backs off
 
-    def _finish(self, transfer: Transfer) -> None:
-        """A transfer reached a final state: its one result, and the books, then listeners."""
+    def _finish(self, transfer: Transfer, published: bool = False) -> None:
+        """A transfer reached a final state: its one result (unless ``published`` already: a
+        finish an interrupt cut short, :meth:`mend`), and the books, then listeners."""
         job_id = transfer.job_id
         held = transfer.state in self.failed_final and self._settle_failed(transfer)
         result = transfer.result()
         # the result is queued before the record goes: a progress thread publishes while the
         # caller may be taking results (Books) or asking has_pending_work, which must never
         # see neither the record nor the result
-        self.publish(result)
+        if not published:
+            self.publish(result)
         del self.records[job_id]
         self.bytes_in_flight -= transfer.nbytes
         if transfer.slot >= 0:
@@ -838,6 +844,58 @@ class Runner(Books):
             except Exception:
                 logger.exception("job %d: an on_published listener raised", job_id,
                                  extra=transfer.log_fields())
+
+    def mend(self) -> None:
+        """File every unpublished transfer afresh from its state, and count the books again.
+
+        An interrupt raised between two statements of the runner's filing (a signal handler's
+        ``KeyboardInterrupt`` lands at any line) can leave a transfer in no list a round reads,
+        in the wrong one, in a final state unpublished, or counted where it no longer is: a
+        drain then waits for it for ever, and a shutdown refuses it. The tier calls this before
+        its next poll or shutdown once an interrupt went through it. A transfer in a final
+        state is finished (its result published, unless it is already, its books written,
+        its listeners told); every other goes where its state says, its turns in the poll
+        schedule kept (one the interrupt left out of the schedule's queues is queued, its
+        turn due a ``max_unpolled`` from now). (An interrupt inside this is an interrupt too:
+        it is called again.) What the books had written of a transfer published meanwhile (its
+        record gone) stays as it is.
+        """
+        now = time.monotonic()
+        transfers = list(self.records.values())
+        running, waiting, ready = _Running(), {}, {}
+        backing: list[tuple[float, int, Transfer]] = []
+        in_state = dict.fromkeys(self.in_state, 0)
+        over = []
+        for transfer in transfers:
+            transfer.slot = -1
+            state = transfer.state
+            if state in self.final:
+                transfer.filed = None
+                over.append(transfer)
+                continue
+            transfer.filed = state
+            in_state[state] += 1
+            if state in self.running_states:
+                running.add(transfer)
+            else:
+                waiting[transfer.job_id] = transfer
+                if transfer.retry_at > now:
+                    backing.append((transfer.retry_at, next(self._entries), transfer))
+                else:
+                    ready[transfer.job_id] = transfer
+        heapq.heapify(backing)
+        self.running, self.waiting, self._ready, self._backing_off = (
+            running, waiting, ready, backing)
+        self.in_state = in_state
+        for transfer in running.transfers:  # the poll schedule's turns kept: its queues skip
+            self._schedule(transfer)  # those not running, and take those it lost
+        self._committing.intersection_update(t.job_id for t in running.transfers)
+        self.bytes_in_flight = sum(transfer.nbytes for transfer in transfers)
+        queued = {result.job_id for result in self.results}  # (published, not yet taken)
+        for transfer in over:
+            if transfer.job_id in self.records:  # (not published by a listener meanwhile)
+                self._finish(transfer, published=transfer.job_id in queued)
+        self.damaged = False
 
     def _compact(self) -> None:
         """Keep in the submit-order queue only the transfers the running bound may still

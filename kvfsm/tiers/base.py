@@ -382,11 +382,19 @@ class SecondaryTier(JobSide):
             UnknownJobError: no unpublished job has that id; nothing changed.
         """
         with self._lock:
-            transfer = self._runner.records.get(_job_id(job_id))
+            runner = self._runner
+            if runner.damaged:
+                runner.mend()
+            transfer = runner.records.get(_job_id(job_id))
             if transfer is None:
                 raise UnknownJobError(f"job {job_id} is not in flight on this tier "
                                       "(never submitted, or already published)")
-            self._runner.cancel(transfer)
+            try:
+                runner.cancel(transfer)
+            except BaseException as error:
+                if not isinstance(error, Exception):
+                    runner.damaged = True
+                raise
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Cancel every unfinished job, wait for NIXL, release everything. Idempotent.
@@ -428,8 +436,7 @@ class SecondaryTier(JobSide):
                 self._closing = True  # the progress thread ends now, not after its pause
                 self._progress_wake.set()
                 progress = self._progress_last
-                for transfer in self.unpublished():
-                    self._runner.cancel(transfer, "cancelled by shutdown()")
+                self._cancel_all()
         finally:
             self._lock.release()
         if closed:  # (an earlier shutdown's wait for the background work may be under way, or
@@ -454,6 +461,21 @@ class SecondaryTier(JobSide):
             self._lock.release()
         # waited for without the tier's lock: its calls on other threads are refused at once
         self._stop_background(deadline)
+
+    def _cancel_all(self) -> None:
+        """Shutdown's cancel of every unfinished job (under the tier's lock), once the books
+        are mended if an interrupt went through a call before."""
+        runner = self._runner
+        try:
+            if runner.damaged:
+                runner.mend()
+            for transfer in self.unpublished():
+                if transfer.job_id in runner.records:  # (not published by a listener meanwhile)
+                    runner.cancel(transfer, "cancelled by shutdown()")
+        except BaseException as error:
+            if not isinstance(error, Exception):
+                runner.damaged = True
+            raise
 
     def _stop_background(self, deadline: float | None) -> None:
         """Wait for the tier's background work (:meth:`_stop_probes`) until ``deadline``, once:
@@ -484,6 +506,8 @@ class SecondaryTier(JobSide):
                                self.unpublished()) from None
         runner = self._runner
         try:
+            if runner.damaged:
+                runner.mend()
             for transfer in self.unpublished():
                 for _ in range(len(runner.in_state)):  # (a give-up may lead to another wait)
                     if not self._waits(transfer):
@@ -496,6 +520,10 @@ class SecondaryTier(JobSide):
             if running:
                 raise DrainTimeout("shutdown (NIXL still runs these; call shutdown again "
                                    "to wait longer)", running) from None
+        except BaseException as error:
+            if not isinstance(error, Exception):
+                runner.damaged = True
+            raise
         finally:
             self._lock.release()
 
@@ -746,6 +774,10 @@ class SecondaryTier(JobSide):
         with self._lock:
             try:
                 self._submit(job, load=load)
+            except BaseException as error:
+                if not isinstance(error, Exception):  # an interrupt: it may have cut the
+                    self._runner.damaged = True  # filing of its transfer short
+                raise
             finally:
                 if self._on_nixl and not self._kept and self._runner.records:
                     self._kept = True  # dropped now, it would tear its NIXL agent down
@@ -855,7 +887,24 @@ class SecondaryTier(JobSide):
         release to retry, a step of the user's), but those backing off whose try is not due
         (:meth:`~kvfsm.runner.Runner.waiting_now`: they cost nothing until then). ``limit``
         bounds the schedule's state checks (the progress thread's :data:`PROGRESS_SLICE`).
+
+        An interrupt (a signal handler's, which may land between any two statements) that went
+        through a call of the tier marks its runner damaged: the next poll first files every
+        unpublished transfer afresh (:meth:`~kvfsm.runner.Runner.mend`), so none is lost to a
+        filing it cut short.
         """
+        runner = self._runner
+        if runner.damaged:  # an interrupt went through a call before: everything filed again
+            runner.mend()
+        try:
+            self._round(everything, limit)
+        except BaseException as error:
+            if not isinstance(error, Exception):  # an interrupt: it may have cut a filing short
+                runner.damaged = True
+            raise
+
+    def _round(self, everything: bool, limit: int | None) -> None:
+        """The poll's round (:meth:`_poll`)."""
         runner, driver = self._runner, self._driver
         waiting = runner.waiting_now()  # those in it now, not backing off: one round each
         answered = runner.check_round(driver.check, everything, limit, driver.check_all)

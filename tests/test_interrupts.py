@@ -1,0 +1,162 @@
+"""A Ctrl-C lands wherever the interpreter is: a signal handler's ``KeyboardInterrupt`` is
+raised between two lines, inside kvfsm's own bookkeeping too. Raised at each line of it a
+poll runs (the runner's filing, the engine, the books, the tier's rounds), in turn, it must
+lose nothing: afterwards a drain publishes every job once, a shutdown succeeds, NIXL is never
+misused, and a parent's pins all come back. (Before the runner mended its books after an
+interrupt, 134 of 413 such lines left a job that no drain finished, or a result lost.)
+
+A trace function raises it at the start of each line, which reaches two places no signal
+does in CPython 3.11 (it runs a handler on entering a function, on a loop's jump back and
+after a call returns): a ``try:`` line, whose instruction no handler covers, and a ``with``
+line as the block ends, before its exit is called. Those are left out. The NIXL calls' own
+interrupts are the driver's and the fake agent's tests'."""
+
+from __future__ import annotations
+
+import collections
+import linecache
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import pytest
+import torch
+
+import kvfsm
+from kvfsm import TransferJob
+from kvfsm.testing import FakeNixlAgent, Raise
+from kvfsm.tiering import CPUPrimaryTier, TieringManager
+from kvfsm.tiers import ObjectStoreTier
+
+from .test_tiering import BLOCK_BYTES, write
+
+pytestmark = pytest.mark.timeout(300)
+
+KVFSM = os.path.dirname(kvfsm.__file__)
+#: the files whose lines are interrupted
+BOOKKEEPING = tuple(os.path.join(KVFSM, *name.split("/")) for name in (
+    "runner.py", "engine.py", "contract.py", "tiers/base.py"))
+
+
+def interruptible(frame: Any) -> bool:
+    """Whether a signal could land at ``frame``'s line (see the module's notes)."""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()
+    return not line.startswith(("try:", "with "))
+
+
+@contextmanager
+def interrupted_at(line: int | None) -> Iterator[list[int]]:
+    """Count the lines kvfsm runs (returned, in a list of one); with ``line``, raise a
+    KeyboardInterrupt at that one, as a signal handler would."""
+    count = [0]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and interruptible(frame):
+            count[0] += 1
+            if count[0] == line:
+                raise KeyboardInterrupt
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename in BOOKKEEPING else None
+
+    sys.settrace(calls)
+    try:
+        yield count
+    finally:
+        sys.settrace(None)
+
+
+def tier_with_stores_over(blocks: int, failing_release: bool
+                          ) -> tuple[ObjectStoreTier, FakeNixlAgent]:
+    """Three stores NIXL finishes by the next state check (a first release raising once)."""
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(16, 8), agent=agent)
+    for job_id in range(3):
+        tier.submit_store(TransferJob(job_id, [f"k{job_id}-{b}" for b in range(blocks)],
+                                      [job_id * blocks + b for b in range(blocks)]))
+    if failing_release:
+        agent.inject("release_xfer_handle", Raise(), times=1)
+    return tier, agent
+
+
+def sweep(run: Callable[[int | None], list[str]]) -> dict[tuple[str, ...], list[int]]:
+    """``run`` with its interrupt at each line of an uninterrupted run's, in turn: the lines
+    after which something was wrong, by what was."""
+    with interrupted_at(None) as count:
+        assert run(-1) == []  # (-1: no interrupt, and the lines are counted)
+    lines = count[0]
+    assert lines > 100
+    wrong: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
+    for line in range(1, lines + 1):
+        problems = run(line)
+        if problems:
+            wrong[tuple(problems)].append(line)
+    return dict(wrong)
+
+
+@pytest.mark.parametrize(("blocks", "failing_release"), [(1, False), (1, True), (2, False)],
+                         ids=["stores", "a-release-raising", "a-transfer-per-block"])
+def test_an_interrupt_at_any_line_of_a_poll_loses_no_job(blocks: int,
+                                                           failing_release: bool) -> None:
+    def run(line: int | None) -> list[str]:
+        tier, agent = tier_with_stores_over(blocks, failing_release)
+        results = []
+        with interrupted_at(line if line != -1 else None), suppress(KeyboardInterrupt):
+            results += tier.get_finished_jobs()
+        problems = []
+        try:
+            tier.drain_jobs(timeout=0.5)
+        except Exception as error:
+            problems.append(f"drain: {type(error).__name__}")
+        results += tier.get_finished_jobs()
+        try:
+            tier.shutdown(timeout=0.5)
+        except Exception as error:
+            problems.append(f"shutdown: {type(error).__name__}")
+        results += tier.get_finished_jobs()
+        published = collections.Counter(result.job_id for result in results)
+        if published != collections.Counter(range(3)):
+            problems.append(f"results: {dict(published)}")
+        if agent.misuses:
+            problems.append(f"NIXL misused: {agent.misuses[0]}")
+        return problems
+
+    assert sweep(run) == {}
+
+
+def test_an_interrupt_at_any_line_of_a_step_loses_no_pin() -> None:
+    """The same through a tiering manager's step: afterwards every job is finalized once and
+    every block's pins are back to zero."""
+    def run(line: int | None) -> list[str]:
+        agent = FakeNixlAgent(complete_after_polls=1)
+        primary = CPUPrimaryTier(8, BLOCK_BYTES, torch.uint8)
+        manager = TieringManager(primary, {"objects": ObjectStoreTier(primary.cache,
+                                                                      agent=agent)})
+        submitted = [job for block in write(primary, "a", "b", "c")
+                     for job in manager.store([block])]
+        done = []
+        with interrupted_at(line if line != -1 else None), suppress(KeyboardInterrupt):
+            done += manager.step()
+        problems = []
+        try:
+            done += manager.drain(timeout=0.5)
+        except Exception as error:
+            problems.append(f"drain: {type(error).__name__}")
+        try:
+            done += manager.shutdown(timeout=0.5)
+        except Exception as error:
+            problems.append(f"shutdown: {type(error).__name__}")
+        finalized = collections.Counter(finished.job_id for finished in done)
+        if finalized != collections.Counter(submitted):
+            problems.append(f"finalized: {dict(finalized)}")
+        pins = [primary.pin_count(block) for block in range(8)]
+        if any(pins):
+            problems.append(f"pins: {pins}")
+        if agent.misuses:
+            problems.append(f"NIXL misused: {agent.misuses[0]}")
+        return problems
+
+    assert sweep(run) == {}
