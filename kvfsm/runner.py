@@ -90,6 +90,9 @@ class Outcome:
 
 #: the outcome of a store NIXL finished whose commit (a flush) is not over: PROC for the machine
 COMMITTING = "committing"
+
+#: what a transfer is filed under while :meth:`Runner._finish` writes its books
+_FINISHING = "finishing"
 #: the oldest running transfers are checked in batches of this many, for as long as a batch
 #: finds one that ended
 FRONT_BATCH = 16
@@ -781,7 +784,6 @@ class Runner(Books):
         # see neither the record nor the result
         if not published:
             self.publish(result)
-        del self.records[job_id]
         self.bytes_in_flight -= transfer.nbytes
         if transfer.slot >= 0:
             self.running.discard(transfer)
@@ -791,26 +793,29 @@ class Runner(Books):
                 del self.waiting[job_id]
                 self._ready.pop(job_id, None)
             self.in_state[filed] -= 1
-            transfer.filed = None
-        if self._committing:
-            self._committing.discard(job_id)
-        if self._by_start is not None and len(self._by_start) > 2 * len(self.records) + 64:
-            self._compact()
-        if self._backing_off and len(self._backing_off) > 2 * len(self.waiting) + 64:
-            self._compact_backoffs()
-        # every change to the books first, then what runs code of others (logging handlers,
-        # listeners): an interrupt there must not leave a quarantined transfer uncounted
-        # (shutdown would release the registration its handles use) or a verdict unrecorded
-        self.published += 1
-        self.latencies.append(result.transfer_time)
+        # from here each book is written once, and the record goes last: an interrupt before
+        # it leaves the record, and mend() takes it out without writing them again. The books
+        # that must not be lost first: a quarantined transfer uncounted would have shutdown
+        # release the registration its handles use; the tier's verdicts and holdings next
+        transfer.filed = _FINISHING
         if held:
             self.quarantined.append(transfer)
+        for book in self.on_final:
+            book(transfer, result)
+        self.published += 1
+        self.latencies.append(result.transfer_time)
         if transfer.leaks:
             self.record_leaks(job_id, transfer.leaks)
         if not result.success:
             self.failed += 1
-        for book in self.on_final:
-            book(transfer, result)
+        if self._committing:
+            self._committing.discard(job_id)
+        del self.records[job_id]
+        transfer.filed = None
+        if self._by_start is not None and len(self._by_start) > 2 * len(self.records) + 64:
+            self._compact()
+        if self._backing_off and len(self._backing_off) > 2 * len(self.waiting) + 64:
+            self._compact_backoffs()
         if not result.success or transfer.leaks or self.on_published:
             self._announce(transfer, result)
 
@@ -854,24 +859,24 @@ class Runner(Books):
         drain then waits for it for ever, and a shutdown refuses it. The tier calls this before
         its next poll or shutdown once an interrupt went through it. A transfer in a final
         state is finished (its result published, unless it is already, its books written,
-        its listeners told); every other goes where its state says, its turns in the poll
-        schedule kept (one the interrupt left out of the schedule's queues is queued, its
-        turn due a ``max_unpolled`` from now). (An interrupt inside this is an interrupt too:
-        it is called again.) What the books had written of a transfer published meanwhile (its
-        record gone) stays as it is.
+        its listeners told; one whose books the interrupt found being written has its record
+        taken out, each book written at most once); every other goes where its state says,
+        its turns in the poll schedule kept (one the interrupt left out of the schedule's
+        queues is queued, its turn due a ``max_unpolled`` from now). An interrupt inside this
+        is an interrupt too: it is called again.
         """
         now = time.monotonic()
         transfers = list(self.records.values())
         running, waiting, ready = _Running(), {}, {}
         backing: list[tuple[float, int, Transfer]] = []
         in_state = dict.fromkeys(self.in_state, 0)
-        over = []
+        over: list[tuple[Transfer, bool]] = []
         for transfer in transfers:
             transfer.slot = -1
             state = transfer.state
-            if state in self.final:
+            if state in self.final:  # (its books being written already, or not)
+                over.append((transfer, transfer.filed is _FINISHING))
                 transfer.filed = None
-                over.append(transfer)
                 continue
             transfer.filed = state
             in_state[state] += 1
@@ -891,9 +896,14 @@ class Runner(Books):
             self._schedule(transfer)  # those not running, and take those it lost
         self._committing.intersection_update(t.job_id for t in running.transfers)
         self.bytes_in_flight = sum(transfer.nbytes for transfer in transfers)
-        queued = {result.job_id for result in self.results}  # (published, not yet taken)
-        for transfer in over:
-            if transfer.job_id in self.records:  # (not published by a listener meanwhile)
+        queued = {result.job_id for result in tuple(self.results)}  # (published, not taken)
+        for transfer, finishing in over:
+            if transfer.job_id not in self.records:
+                continue  # (published by a listener meanwhile)
+            if finishing:  # its result and books written, at most once: the record goes
+                self.bytes_in_flight -= transfer.nbytes
+                del self.records[transfer.job_id]
+            else:
                 self._finish(transfer, published=transfer.job_id in queued)
         self.damaged = False
 
