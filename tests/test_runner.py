@@ -505,16 +505,22 @@ def test_a_poll_takes_each_transfer_it_finds_over_as_far_as_it_goes_in_that_roun
     tier.shutdown()
 
 
+def three_stores_done_at_the_next_check() -> tuple[FakeNixlAgent, ObjectStoreTier]:
+    """Jobs 1, 2 and 3, one-block stores NIXL says are DONE at their next state check."""
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent)
+    for job_id in (1, 2, 3):
+        tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id]))
+    return agent, tier
+
+
 def test_a_listener_that_cancels_a_job_found_done_in_the_same_round_leaves_it_its_success(
 ) -> None:
     """Every answer of a round's state checks is fired before any release is made: a listener
     of the first job published (which may call back into the tier) finds the others already
     over, so cancelling one of them keeps the success NIXL reported, and nothing is asked of
     NIXL twice."""
-    agent = FakeNixlAgent(complete_after_polls=1)
-    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent)
-    for job_id in (1, 2, 3):
-        tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id]))
+    agent, tier = three_stores_done_at_the_next_check()
     seen: list[str] = []
 
     def listener(transfer: Transfer) -> None:
@@ -536,10 +542,7 @@ def test_a_listener_that_drains_finishes_the_jobs_found_done_with_its_own() -> N
     drains the tier from inside that round: the other two, found DONE but not yet taken on by
     the round, are released and published by the drain (it does not wait for them until its
     deadline), each once, and the round that found them makes no call for them again."""
-    agent = FakeNixlAgent(complete_after_polls=1)
-    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent)
-    for job_id in (1, 2, 3):
-        tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id]))
+    agent, tier = three_stores_done_at_the_next_check()
     drained: list[bool] = []
 
     def listener(transfer: Transfer) -> None:
