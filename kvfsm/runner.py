@@ -38,6 +38,7 @@ What the runner decides itself, each once and from the table:
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import logging
@@ -129,6 +130,12 @@ class Runner(Books):
     #: an interrupt (a signal handler's exception, raised between any two statements) may
     #: have cut the filing of a transfer short: :meth:`mend` files them all afresh
     damaged = False
+
+    @functools.cached_property
+    def guarded(self) -> _Guarded:
+        """``with runner.guarded:`` around a call over the books: :meth:`mend` first if an
+        interrupt went through a call before, and this one's noted (:attr:`damaged`)."""
+        return _Guarded(self)
 
     def __init__(self, machine: CompiledMachine[Any, Any], policy: RetryPolicy,
                  on_final: Callable[[Transfer, JobResult], None] | None = None) -> None:
@@ -963,6 +970,24 @@ class Runner(Books):
         if at not in self.final:
             return None
         return self.machine.chain(state, [(event, Answer.OK, detail) for event, detail in moves])
+
+
+class _Guarded:
+    """:attr:`Runner.guarded`."""
+
+    __slots__ = ("runner",)
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def __enter__(self) -> None:
+        if self.runner.damaged:
+            self.runner.mend()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: Any) -> None:
+        if kind is not None and not issubclass(kind, Exception):  # an interrupt: it may
+            self.runner.damaged = True  # have cut a filing short
 
 
 class _Running:

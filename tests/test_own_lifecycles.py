@@ -133,22 +133,30 @@ NOTIFY = TRANSFER_MACHINE.extend(
     ],
     effects={"NOTIFYING": "notify"})
 
+def checked(name: str, mismatch_to: str, **more: Any) -> Any:
+    """The transfer lifecycle with a check made as soon as NIXL finished, before the release:
+    a match goes on to DONE (success latched), a mismatch to ``mismatch_to`` (failure
+    latched)."""
+    return TRANSFER_MACHINE.extend(
+        name, states=["CHECKING", *more.pop("states", [])],
+        replace={("PROCESSING", "poll", "finished"): {"dest": "CHECKING", "after": []},
+                 ("SUBMITTED", "post", "finished"): {"dest": "CHECKING", "after": []}},
+        answers={"check": (Checked.MATCH, Checked.MISMATCH, Answer.RAISED)},
+        guards={"matched": (Checked.MATCH,), "unmatched": (Checked.MISMATCH, Answer.RAISED)},
+        transitions=[
+            {"trigger": "check", "source": "CHECKING", "dest": "DONE", "conditions": "matched",
+             "after": "latch_success"},
+            {"trigger": "check", "source": "CHECKING", "dest": mismatch_to,
+             "conditions": "unmatched", "after": "latch_failure"},
+            {"trigger": "cancel", "source": "CHECKING", "dest": "CHECKING"},
+        ],
+        effects={"CHECKING": "check"}, **more)
+
+
 #: a check made as soon as NIXL finished, before the release, whose mismatch ends the job in
 #: REJECTED: a final state, but no failure state
-CHECK_THEN_PUBLISH = TRANSFER_MACHINE.extend(
-    "check_then_publish", states=["CHECKING", "REJECTED"],
-    replace={("PROCESSING", "poll", "finished"): {"dest": "CHECKING", "after": []},
-             ("SUBMITTED", "post", "finished"): {"dest": "CHECKING", "after": []}},
-    answers={"check": (Checked.MATCH, Checked.MISMATCH, Answer.RAISED)},
-    guards={"matched": (Checked.MATCH,), "unmatched": (Checked.MISMATCH, Answer.RAISED)},
-    transitions=[
-        {"trigger": "check", "source": "CHECKING", "dest": "DONE", "conditions": "matched",
-         "after": "latch_success"},
-        {"trigger": "check", "source": "CHECKING", "dest": "REJECTED", "conditions": "unmatched",
-         "after": "latch_failure"},
-        {"trigger": "cancel", "source": "CHECKING", "dest": "CHECKING"},
-    ],
-    effects={"CHECKING": "check"}, final=["REJECTED"])
+CHECK_THEN_PUBLISH = checked("check_then_publish", "REJECTED", states=["REJECTED"],
+                             final=["REJECTED"])
 
 #: a wait written as a circle of two states: not yet, wait, check again
 CHECK_IN_A_CIRCLE = TRANSFER_MACHINE.extend(
@@ -349,19 +357,7 @@ def test_a_step_answering_what_is_no_failure_alone_hands_its_actions_no_detail(
 
 #: a check made as NIXL finished whose mismatch latches failure on its way to DONE (no failure
 #: state: the job waits on its release as a success does)
-CHECK_INTO_DONE = TRANSFER_MACHINE.extend(
-    "check_into_done", states=["CHECKING"],
-    replace={("PROCESSING", "poll", "finished"): {"dest": "CHECKING", "after": []},
-             ("SUBMITTED", "post", "finished"): {"dest": "CHECKING", "after": []}},
-    answers={"check": (Checked.MATCH, Checked.MISMATCH, Answer.RAISED)},
-    guards={"matched": (Checked.MATCH,), "unmatched": (Checked.MISMATCH, Answer.RAISED)},
-    transitions=[
-        {"trigger": "check", "source": "CHECKING", "dest": "DONE", "conditions": "matched",
-         "after": "latch_success"},
-        {"trigger": "check", "source": "CHECKING", "dest": "DONE", "conditions": "unmatched",
-         "after": "latch_failure"},
-        {"trigger": "cancel", "source": "CHECKING", "dest": "CHECKING"}],
-    effects={"CHECKING": "check"})
+CHECK_INTO_DONE = checked("check_into_done", "DONE")
 
 
 def test_a_mismatch_latched_on_the_way_to_done_names_the_step(tmp_path: Path) -> None:

@@ -381,20 +381,13 @@ class SecondaryTier(JobSide):
                 nothing changed.
             UnknownJobError: no unpublished job has that id; nothing changed.
         """
-        with self._lock:
-            runner = self._runner
-            if runner.damaged:
-                runner.mend()
+        runner = self._runner
+        with self._lock, runner.guarded:
             transfer = runner.records.get(_job_id(job_id))
             if transfer is None:
                 raise UnknownJobError(f"job {job_id} is not in flight on this tier "
                                       "(never submitted, or already published)")
-            try:
-                runner.cancel(transfer)
-            except BaseException as error:
-                if not isinstance(error, Exception):
-                    runner.damaged = True
-                raise
+            runner.cancel(transfer)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Cancel every unfinished job, wait for NIXL, release everything. Idempotent.
@@ -466,16 +459,10 @@ class SecondaryTier(JobSide):
         """Shutdown's cancel of every unfinished job (under the tier's lock), once the books
         are mended if an interrupt went through a call before."""
         runner = self._runner
-        try:
-            if runner.damaged:
-                runner.mend()
+        with runner.guarded:
             for transfer in self.unpublished():
                 if transfer.job_id in runner.records:  # (not published by a listener meanwhile)
                     runner.cancel(transfer, "cancelled by shutdown()")
-        except BaseException as error:
-            if not isinstance(error, Exception):
-                runner.damaged = True
-            raise
 
     def _stop_background(self, deadline: float | None) -> None:
         """Wait for the tier's background work (:meth:`_stop_probes`) until ``deadline``, once:
@@ -506,24 +493,20 @@ class SecondaryTier(JobSide):
                                self.unpublished()) from None
         runner = self._runner
         try:
-            if runner.damaged:
-                runner.mend()
-            for transfer in self.unpublished():
-                for _ in range(len(runner.in_state)):  # (a give-up may lead to another wait)
-                    if not self._waits(transfer):
-                        break  # published, or NIXL runs it
-                    runner.retry_now(transfer)  # in the rounds, if interrupted
-                    self._advance((transfer,))
-                    if self._waits(transfer):
-                        runner.give_up(transfer, "shutdown deadline passed")
+            with runner.guarded:
+                for transfer in self.unpublished():
+                    # (a give-up may lead to another wait: as many rounds as states)
+                    for _ in range(len(runner.in_state)):
+                        if not self._waits(transfer):
+                            break  # published, or NIXL runs it
+                        runner.retry_now(transfer)  # in the rounds, if interrupted
+                        self._advance((transfer,))
+                        if self._waits(transfer):
+                            runner.give_up(transfer, "shutdown deadline passed")
             running = self.unpublished()
             if running:
                 raise DrainTimeout("shutdown (NIXL still runs these; call shutdown again "
                                    "to wait longer)", running) from None
-        except BaseException as error:
-            if not isinstance(error, Exception):
-                runner.damaged = True
-            raise
         finally:
             self._lock.release()
 
@@ -774,7 +757,7 @@ class SecondaryTier(JobSide):
         with self._lock:
             try:
                 self._submit(job, load=load)
-            except BaseException as error:
+            except BaseException as error:  # (Runner.guarded, inline on this hot path)
                 if not isinstance(error, Exception):  # an interrupt: it may have cut the
                     self._runner.damaged = True  # filing of its transfer short
                 raise
@@ -893,28 +876,17 @@ class SecondaryTier(JobSide):
         unpublished transfer afresh (:meth:`~kvfsm.runner.Runner.mend`), so none is lost to a
         filing it cut short.
         """
-        runner = self._runner
-        if runner.damaged:  # an interrupt went through a call before: everything filed again
-            runner.mend()
-        try:
-            self._round(everything, limit)
-        except BaseException as error:
-            if not isinstance(error, Exception):  # an interrupt: it may have cut a filing short
-                runner.damaged = True
-            raise
-
-    def _round(self, everything: bool, limit: int | None) -> None:
-        """The poll's round (:meth:`_poll`)."""
         runner, driver = self._runner, self._driver
-        waiting = runner.waiting_now()  # those in it now, not backing off: one round each
-        answered = runner.check_round(driver.check, everything, limit, driver.check_all)
-        if answered:
-            self._take_polls(answered)
-        overdue = runner.overdue()
-        if overdue:
-            self._advance(overdue)
-        if waiting:
-            self._advance(waiting)
+        with runner.guarded:
+            waiting = runner.waiting_now()  # those in it now, not backing off: one round each
+            answered = runner.check_round(driver.check, everything, limit, driver.check_all)
+            if answered:
+                self._take_polls(answered)
+            overdue = runner.overdue()
+            if overdue:
+                self._advance(overdue)
+            if waiting:
+                self._advance(waiting)
         if self._kept and not runner.records and not runner.may_run:  # nothing unpublished:
             self._kept = False  # it may be dropped
             _live_tiers.discard(self)
