@@ -11,7 +11,8 @@ It does what kvfsm's :class:`~kvfsm.tiers.ObjectStoreTier` does, without a state
   and is tried again on the next poll; the result is never published before the release;
 * cleans up best effort, recording each failed call as a :class:`~kvfsm.transfer.Leak`;
 * publishes exactly one :class:`~kvfsm.transfer.JobResult` (same fields and values) and tells
-  the lookup cache (a store's keys HIT; a failed load's keys MISS);
+  the lookup cache (a store's keys HIT; a failed load's keys MISS; a failed store's keys MISS,
+  and a load of them failed without a NIXL call, until a store of them succeeds);
 * like the tier, holds one lock around each call of the contract, keeps the latency of the last
   4096 transfers and a count of failures, and logs each failure and leak on the "kvfsm" logger.
 
@@ -150,6 +151,7 @@ class HandTier:
         self._unreported: set[int] = set()        # published, not handed out yet
         self._results: list[JobResult] = []
         self._known: dict[str, Lookup] = {}
+        self._forgotten: set[str] = set()         # names whose store failed, not stored since
         self._published = 0
         self._failed = 0
         self._latencies: collections.deque[float] = collections.deque(maxlen=4096)
@@ -259,6 +261,10 @@ class HandTier:
         self._in_flight.add(job_id)
         record = [job_id, names, len(block_ids) * self.block_bytes, time.monotonic(), load,
                   None, None, None, None, 0.0, 0, None, None]
+        if load and self._forgotten and not self._forgotten.isdisjoint(names):
+            self._latch(record, False, "open raised ForgottenKeyError")  # no NIXL call
+            self._release(record)
+            return
         if not block_ids:
             self._latch(record, True, None)
             self._release(record)
@@ -351,11 +357,20 @@ class HandTier:
             for leak in leaks:
                 logger.warning("job %d leaked: %s raised %s", job_id, leak.call, leak.error)
             self._leaks.extend((job_id, leak) for leak in leaks)
+        names, known, forgotten = record[_NAMES], self._known, self._forgotten
         if success or record[_LOAD]:
             verdict = Lookup.HIT if success else Lookup.MISS
-            known = self._known
-            for name in record[_NAMES]:
+            if forgotten and success:  # a store makes them the tier's again; a load does not
+                if record[_LOAD]:
+                    names = [name for name in names if name not in forgotten]
+                else:
+                    forgotten.difference_update(names)
+            for name in names:
                 known[name] = verdict
+        else:  # a failed store: MISS, and no load of them, until a store of them succeeds
+            forgotten.update(names)
+            for name in names:
+                known[name] = Lookup.MISS
 
     def _validate(self, job: Any, load: bool) -> tuple[tuple[str, ...], tuple[int, ...]]:
         if type(job) is not TransferJob and not isinstance(job, TransferJob):

@@ -107,7 +107,9 @@ class TransitionsTier(HandTier):
             self._machine.add_model(model)
         self._models[job.job_id] = model
         answer, detail = Answer.DONE, None
-        if block_ids:
+        if load and self._forgotten and not self._forgotten.isdisjoint(names):
+            answer, detail = Answer.RAISED, "open raised ForgottenKeyError"  # no NIXL call
+        elif block_ids:
             agent = self.agent
             try:
                 size = self.block_bytes

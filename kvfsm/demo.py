@@ -576,9 +576,9 @@ def _failures(stores: dict[int, JobResult], loads: dict[int, JobResult],
               stored_of: dict[int, list[int]], loads_of: dict[int, list[int]],
               faults: Sequence[FaultSpec]) -> list[_Failure]:
     """Every failed job, in job order, with its cause: a load of blocks whose store failed,
-    that failed moving its bytes (a call raised or answered an error: its object or file is
-    missing, or not whole), failed because of that store (injected when the store's failure
-    was). A load cancelled or quarantined (its release kept failing, NIXL ran it past the
+    refused (the tier forgot them: ``ForgottenKeyError``) or failed moving its bytes (a call
+    raised or answered an error), failed because of that store (injected when the store's
+    failure was). A load cancelled or quarantined (its release kept failing, NIXL ran it past the
     bound) failed for its own reason, whatever its store did: its own reason is its cause."""
     failed_store: dict[int, _Failure] = {}
     failures: list[_Failure] = []

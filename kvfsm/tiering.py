@@ -841,8 +841,9 @@ class TieringManager:
             keys: the blocks to load; none may be held by the primary tier, and the tier loaded
                 from (every tier, when ``tier`` is None) must name each one, no two alike.
             tier: the tier to load from; by default the first that answers HIT for every key.
-                One named here is not asked: it loads what it holds under the keys, even a
-                copy it was made to forget (an override, for a caller that knows better).
+                One named here is not asked: it loads what it holds under the keys, but for
+                a key it was made to forget (a store the manager skipped or that failed): the
+                job then fails, its result's reason a :class:`~kvfsm.tiers.ForgottenKeyError`.
 
         Returns:
             the job id; or None, with nothing changed, when no tier answers HIT for every key

@@ -260,6 +260,12 @@ def test_a_key_written_again_is_not_loaded_with_the_bytes_a_skipped_tier_still_h
     settle()
     primary.free([second])
     assert manager.load(["seq0/blk0"]) is None  # (it loaded the first bytes as a success)
+    named = manager.load(["seq0/blk0"], tier="objects")  # no lookup asked: still not loaded
+    [refused] = settle()
+    assert (refused.job_id, refused.success) == (named, False)
+    assert refused.reason is not None and refused.reason.error_type == "ForgottenKeyError"
+    assert "forgot 'seq0/blk0'" in refused.reason.error
+    assert primary.stats()["pinned"] == 0 and primary.block_of("seq0/blk0") is None
 
     again = write_as("seq0/blk0", "second bytes")  # stored once there is room: found again
     assert len(manager.store([again])) == 1
@@ -345,9 +351,9 @@ def test_a_forgotten_key_stays_a_miss_after_its_verdict_left_the_lookup_cache(
     """The engine made a tier forget key "a" (it holds other bytes now than the tier's copy).
     Stores of other keys then push the MISS out of the lookup cache, which keeps four names:
     a probe finds the old copy all the same, and it must not bring it back as a HIT (a load
-    would publish the old bytes as a success). A load of "a" that succeeds reads the old
-    copy and leaves it forgotten; the next store of "a" makes it a HIT again. Only the last
-    four keys forgotten are kept so: the tier's memory stays bounded."""
+    would publish the old bytes as a success). A load of "a" submitted all the same fails
+    without a NIXL call, saying why; the next store of "a" makes it a HIT again, and loadable.
+    Only the last four keys forgotten are kept so: the tier's memory stays bounded."""
     agent = FakeNixlAgent(f"forgotten-{kind}")
     primary = torch.zeros((16, 64), dtype=torch.uint8)
     tier = (SmallCache(primary, agent=agent) if kind == "objects"
@@ -358,7 +364,11 @@ def test_a_forgotten_key_stays_a_miss_after_its_verdict_left_the_lookup_cache(
         job = TransferJob(next(job_ids), keys, blocks, is_promotion=load)
         (tier.submit_load if load else tier.submit_store)(job)
         tier.drain_jobs(timeout=5)
-        return all(result.success for result in tier.get_finished_jobs())
+        results = tier.get_finished_jobs()
+        failed.extend(result for result in results if not result.success)
+        return all(result.success for result in results)
+
+    failed: list[Any] = []
 
     primary[0] = 1
     assert run(["a"], [0])
@@ -368,7 +378,13 @@ def test_a_forgotten_key_stays_a_miss_after_its_verdict_left_the_lookup_cache(
         assert run([f"other{index}"], [index])
     assert settled(tier, "a") is Lookup.MISS, "the old copy was found and vouched for"
     assert tier.verdict("a") is Lookup.MISS
-    assert run(["a"], [9], load=True)  # it reads the old copy: not the engine's bytes
+    made = len(agent.calls)
+    assert not run(["a", "other8"], [9, 8], load=True)  # the old copy: not the engine's bytes
+    assert agent.calls[made:] == [], "no NIXL call for a load of a forgotten key"
+    (reason,) = [result.reason for result in failed]
+    assert (reason.call, reason.error_type) == ("open", "ForgottenKeyError")
+    assert "the tier forgot 'a' (a store failed, or it was told to forget)" in reason.error
+    assert not torch.equal(primary[9], primary[0]), "nothing was read into the block"
     assert settled(tier, "a") is Lookup.MISS
     primary[10] = 2
     assert run(["a"], [10])

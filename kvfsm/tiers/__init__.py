@@ -2,6 +2,7 @@
 
 from kvfsm.tiers.base import (
     DrainTimeout,
+    ForgottenKeyError,
     HoldingEvent,
     InvalidJobError,
     Lookup,
@@ -19,6 +20,7 @@ from kvfsm.tiers.object_store import ObjectStoreTier
 __all__ = [
     "DrainTimeout",
     "FileTier",
+    "ForgottenKeyError",
     "HoldingEvent",
     "InvalidJobError",
     "Lookup",

@@ -53,6 +53,7 @@ from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
     "DrainTimeout",
+    "ForgottenKeyError",
     "HoldingEvent",
     "InvalidJobError",
     "Lookup",
@@ -77,6 +78,23 @@ PROGRESS_SLICE = 1024
 #: did not take are due (or ``progress_interval``, if shorter): a submit waiting on the lock
 #: then has the chance to take it (Python's locks are not handed over in order, so a chance)
 BEHIND_PAUSE = 0.00005
+
+
+class ForgottenKeyError(Exception):
+    """Why a load of keys the tier forgot fails: a store of them failed, or the tier was told
+    to forget them (:meth:`SecondaryTier.forget`), so whatever it holds under them is not the
+    caller's bytes. The load is not made (no NIXL call); its job fails with this as the
+    reason's error, the call being ``open``. A store of them that succeeds makes them
+    loadable again."""
+
+    def __init__(self, keys: Sequence[bytes | str]) -> None:
+        shown = ", ".join(repr(key) for key in keys[:3])
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        super().__init__(f"the tier forgot {shown}{more} (a store failed, or it was told to "
+                         "forget): what it holds there, if anything, is not the caller's "
+                         "bytes; a store that succeeds makes a key loadable again")
+        #: the job's keys the tier forgot
+        self.keys = tuple(keys)
 
 
 class Lookup(enum.Enum):
@@ -203,6 +221,11 @@ class KnownNames:
                 forgotten.popitem(last=False)
             if len(known) > self.limit:
                 self._forget_oldest()
+
+    def stale(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` forgotten (:meth:`forget`) and not stored since."""
+        forgotten = self._forgotten
+        return [name for name in names if name in forgotten] if forgotten else []
 
     def offer(self, name: str, verdict: Lookup, miss_for: float | None = None) -> None:
         """A probe's answer: kept unless a verdict on ``name`` is known already; a MISS only
@@ -623,11 +646,12 @@ class SecondaryTier(JobSide):
         those keys now hold other bytes that this tier did not store (the tiering manager
         skipped it, saturated or busy): a load from here would bring the old ones back. The
         old copy stays where it is until a store replaces it or the capacity removes it, and
-        a probe that finds it answers MISS all the same; a load of them that succeeds (it
-        reads the old copy) leaves them MISS. The tier keeps the last :attr:`known_names`
-        keys forgotten so, apart from its lookup cache: a key forgotten before those is
-        probed again as any (name blocks by their content, as vLLM does, and there is
-        nothing to forget).
+        a probe that finds it answers MISS all the same; a load of them submitted from now on
+        fails without a NIXL call (:class:`ForgottenKeyError`), and one already in flight that
+        succeeds (it read the old copy) leaves them MISS. The tier keeps the last
+        :attr:`known_names` keys forgotten so, apart from its lookup cache: a key forgotten
+        before those is probed again as any (name blocks by their content, as vLLM does,
+        and there is nothing to forget).
 
         Raises:
             ValueError: a key is not a non-empty str or bytes; nothing was forgotten.
@@ -846,7 +870,9 @@ class SecondaryTier(JobSide):
         outcome: Outcome | None = None
         try:
             runner.add(transfer)
-            outcome = self._driver.post(transfer, self._local, block_ids)
+            stale = load and self._known.stale(names)
+            outcome = (self._driver.post(transfer, self._local, block_ids) if not stale
+                       else _stale(job, names, stale))
         finally:
             if outcome is None:  # an interrupt before the post answered: once it has a
                 # handle NIXL may run it (a poll says), else nothing runs
@@ -1128,6 +1154,14 @@ def _may_run(tier: SecondaryTier) -> list[tuple[int, Any]]:
              if t.state in runner.running_states for handle in _handles(t)]
             + [(t.job_id, handle) for t in runner.quarantined if t.job_id in runner.may_run
                for handle in _handles(t)])
+
+
+def _stale(job: TransferJob, names: Sequence[str], stale: Sequence[str]) -> Outcome:
+    """The post's answer for a load of names the tier forgot: it raised, at ``open``, naming
+    the job's keys."""
+    forgotten = set(stale)
+    keys = [key for key, name in zip(job.keys, names, strict=True) if name in forgotten]
+    return Outcome(Answer.RAISED, CallFailed("open", ForgottenKeyError(keys)))
 
 
 def _handles(transfer: Transfer) -> list[Any]:
