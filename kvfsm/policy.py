@@ -36,21 +36,21 @@ step costs the results it takes and nothing else, whatever is in flight. The thr
 tier's lock for each poll, as every call of the tier does, so one thread at a time drives the
 NIXL agent; a submit waits for one poll of it at most (the lock is not handed over in order, so
 that is the rule, not a promise). A poll of the thread makes at most ``PROGRESS_SLICE`` (1,024)
-state checks of the schedule (half of them at most for the commits over and the oldest while a
-turn of the sweep is a bound late): the sweep's turns due past them are the first its next poll
-takes, which it makes after letting go of the lock for 50 us. So however many run and however
-tight ``max_unpolled`` is, the poll a submit waits for is that many checks, the endings of what
-they found and the retries due; when the turns due outrun the thread, the bound above stretches
-to the time the thread needs to go round them. It runs while jobs are unpublished and ends when
-none are (it is started again by the next submit); it is not a daemon, so a process that
-forgot ``shutdown`` waits for it, once the main thread has returned, for
-``kvfsm.tiers.base.EXIT_WAIT_SECONDS`` at most; what is left then is the interpreter's exit's,
-which drains a tier not shut down and waits for NIXL to end its transfers within the same
-bound. Its work still takes the
-interpreter's lock, so the scheduler's own Python work shares a core with it
-(``docs/performance.md`` measures what that costs). Should a poll raise, the thread logs it and
-stops, and ``get_finished_jobs`` polls on the caller's thread again, as without it (the tier's
-``stats()["progress"]`` says why).
+state checks of the schedule, one a job (a job made a NIXL transfer per block adds one for each
+next transfer of it while they are found over), half of them at most for the commits over and
+the oldest while a turn of the sweep is a bound late: the sweep's turns due past them are the
+first its next poll takes, which it makes after letting go of the lock for 50 us. So however
+many run and however tight ``max_unpolled`` is, the poll a submit waits for is that many checks,
+the endings of what they found and the retries due; when the turns due outrun the thread, the
+bound above stretches to the time the thread needs to go round them. It runs while jobs are
+unpublished and ends when none are (it is started again by the next submit); it is not a daemon,
+so a process that forgot ``shutdown`` waits for it, once the main thread has returned, and then
+for the interpreter's exit to drain a tier not shut down and wait for NIXL to end its transfers,
+both within one ``kvfsm.tiers.base.EXIT_WAIT_SECONDS``, counted from when the thread found the
+main thread returned. Its work still takes the interpreter's lock, so the scheduler's own Python
+work shares a core with it (``docs/performance.md`` measures what that costs). Should a poll
+raise, the thread logs it and stops, and ``get_finished_jobs`` polls on the caller's thread
+again, as without it (the tier's ``stats()["progress"]`` says why).
 """
 
 from __future__ import annotations

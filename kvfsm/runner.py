@@ -130,6 +130,12 @@ class Runner(Books):
     #: an interrupt (a signal handler's exception, raised between any two statements) may
     #: have cut the filing of a transfer short: :meth:`mend` files them all afresh
     damaged = False
+    #: books that may be written twice: called again by :meth:`mend` for a transfer whose
+    #: books an interrupt cut short (the tier forgets a failed store's keys again: a key left
+    #: vouched for would let a load read an old copy as the new bytes)
+    on_final_again: list[Callable[[Transfer], None]]
+    #: called with each transfer as it is published, after the books (best effort)
+    on_published: list[Callable[[Transfer], None]]
 
     @functools.cached_property
     def guarded(self) -> _Guarded:
@@ -187,8 +193,7 @@ class Runner(Books):
         #: called with each transfer that reached a final state, once the books are written
         self.on_final: list[Callable[[Transfer, JobResult], None]] = (
             [] if on_final is None else [on_final])
-        #: called with each transfer as it is published, after the books (best effort)
-        self.on_published: list[Callable[[Transfer], None]] = []
+        self.on_final_again, self.on_published = [], []
         self.running = _Running()  # those in a running state, and their handles
         #: the poll schedule (check_round): the running transfers oldest first; the sweep's
         #: batches (due, transfers) in the order of their turn; those that started running
@@ -867,7 +872,8 @@ class Runner(Books):
         its next poll or shutdown once an interrupt went through it. A transfer in a final
         state is finished (its result published, unless it is already, its books written,
         its listeners told; one whose books the interrupt found being written has its record
-        taken out, each book written at most once); every other goes where its state says,
+        taken out, each book written at most once, but those of :attr:`on_final_again`);
+        every other goes where its state says,
         its turns in the poll schedule kept (one the interrupt left out of the schedule's
         queues is queued, its turn due a ``max_unpolled`` from now). An interrupt inside this
         is an interrupt too: it is called again.
@@ -908,6 +914,8 @@ class Runner(Books):
             if transfer.job_id not in self.records:
                 continue  # (published by a listener meanwhile)
             if finishing:  # its result and books written, at most once: the record goes
+                for book in self.on_final_again:  # (but those that may be written twice)
+                    book(transfer)
                 self.bytes_in_flight -= transfer.nbytes
                 del self.records[transfer.job_id]
             else:

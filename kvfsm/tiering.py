@@ -764,6 +764,25 @@ class TieringManager:
         blocks = [operator.index(block) for block in listed]
         submitted: list[int] = []
         refusals: list[tuple[str, int, BaseException]] = []
+        took: set[str] = set()  # the tiers that took their job
+        try:
+            self._cascade(blocks, keys, kinds, submitted, refusals, took)
+        except BaseException:  # an interrupt, or a tier's call that raised, left the cascade:
+            # every tier without its job forgets the keys, as a tier skipped does (the ones
+            # not reached yet would otherwise vouch for an older copy of them)
+            for name, tier in self._tiers.items():
+                if name not in took:
+                    _forget(tier, name, keys)
+            raise
+        if refusals:
+            raise _refused(refusals, submitted) from refusals[0][2]
+        return submitted
+
+    def _cascade(self, blocks: list[int], keys: Sequence[Key], kinds: dict[tuple[type, int], int],
+                 submitted: list[int], refusals: list[tuple[str, int, BaseException]],
+                 took: set[str]) -> None:
+        """:meth:`store`'s job for each tier in turn, noting each job taken (``submitted``,
+        ``took``) and each refusal as it comes."""
         nbytes = len(blocks) * self._block_bytes
         for name, tier in self._tiers.items():
             if getattr(tier, "read_only", False) is True:  # it only loads what others store:
@@ -783,6 +802,7 @@ class TieringManager:
                 tier.submit_store(job)
             except BaseException as error:
                 if pinned and not isinstance(error, Exception) and _took(tier, job.job_id):
+                    took.add(name)
                     self._took_kinds(kinds)
                     raise  # an interrupt once the tier took the job: it keeps its pin
                 del self._jobs[job.job_id]
@@ -799,10 +819,8 @@ class TieringManager:
                 refusals.append((name, job.job_id, error))
                 continue
             submitted.append(job.job_id)
+            took.add(name)
             self._took_kinds(kinds)  # (at once: an interrupt may follow)
-        if refusals:
-            raise _refused(refusals, submitted) from refusals[0][2]
-        return submitted
 
     def find(self, keys: Sequence[Key]) -> str | None:
         """The first tier whose ``lookup`` answers HIT for every key, or None (yet).
@@ -979,10 +997,11 @@ class TieringManager:
     def drain(self, timeout: float | None = None) -> list[Finalized]:
         """Step until nothing is pending; never aborts a transfer.
 
-        Returns or raises by the deadline, or after the polls under way at it: waiting for
-        another thread's call to let go of a kvfsm tier's lock counts against the deadline
-        (past it, that tier hands out only what it had published). A tier of the user's own
-        is stepped as it is: its ``get_finished_jobs`` keeps whatever bound it keeps.
+        Returns or raises by the deadline, or after the one tier's poll under way at it: no
+        kvfsm tier's poll is begun past it (each hands out only what it had published), and
+        waiting for another thread's call to let go of a kvfsm tier's lock counts against
+        it. A tier of the user's own is stepped as it is: its ``get_finished_jobs`` keeps
+        whatever bound it keeps.
 
         Returns:
             every job finalized meanwhile.

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kvfsm import TransferJob
-from kvfsm.policy import InFlightLimit
-from kvfsm.testing import FakeNixlAgent, ReturnErr
-from kvfsm.tiering import CPUPrimaryTier, TieringManager
+from kvfsm.policy import InFlightLimit, RetryPolicy
+from kvfsm.testing import FakeNixlAgent, FakeNixlError, ReturnErr
+from kvfsm.tiering import CPUPrimaryTier, TieringDrainTimeout, TieringManager
 from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, TierSaturatedError
 from kvfsm.tiers.base import KnownNames
 
@@ -276,6 +276,101 @@ def test_a_key_written_again_is_not_loaded_with_the_bytes_a_skipped_tier_still_h
     assert loaded.success
     assert torch.equal(primary.cache[loaded.job.block_ids[0]], content("second bytes"))
     manager.shutdown(timeout=5)
+
+
+class CtrlCAfterRegister(FakeNixlAgent):
+    """A Ctrl-C whose handler runs as a store's files are registered with NIXL (once, armed)."""
+
+    armed = False
+
+    def register_memory(self, *args: Any, **kwargs: Any) -> Any:
+        registered = super().register_memory(*args, **kwargs)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return registered
+
+
+@pytest.mark.parametrize("took", [True, False], ids=["first tier took it", "before its pin"])
+def test_a_store_interrupted_in_its_cascade_leaves_no_tier_vouching_for_the_old_bytes(
+        took: bool, tmp_path: Any) -> None:
+    """The engine stored "k" to both tiers, then wrote new bytes under it and stored them;
+    a Ctrl-C landed in the first tier's submit (or before its pin), and store() raised it
+    before the second tier was reached: that tier got no job and was not told to forget, so
+    it still answered HIT, and the next load published the first bytes as a success. Every
+    tier without its job now forgets the keys before the interrupt goes on."""
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    first_agent = CtrlCAfterRegister("first")
+    tiers = {"first": FileTier(primary.cache, str(tmp_path / "a"), agent=first_agent,
+                               durable=False),
+             "second": FileTier(primary.cache, str(tmp_path / "b"),
+                                agent=FakeNixlAgent("second"), durable=False)}
+    manager = TieringManager(primary, tiers)
+    (block,) = write(primary, "k")  # the first bytes
+    manager.store([block])
+    assert all(done.success for done in manager.drain(timeout=5))
+    primary.free([block])
+    (block,) = primary.allocate(["k"])
+    primary.cache[block] = content("the second bytes")
+    primary.complete_write([block], success=True)
+    if took:
+        first_agent.armed = True
+    else:
+        def interrupted(blocks: Any) -> None:
+            raise KeyboardInterrupt
+        primary.pin = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        manager.store([block])
+    if not took:
+        del primary.pin
+    manager.drain(timeout=5)
+    assert [tier.lookup("k") for tier in tiers.values()] == [Lookup.MISS, Lookup.MISS]
+    primary.free([block])
+    assert manager.load(["k"]) is None, "no tier may load the first bytes as the second"
+    manager.shutdown(timeout=5)
+
+
+class StallingRelease(FakeNixlAgent):
+    """Each release stalls 0.3 s, then raises (a retry is due at the next poll): a poll of a
+    tier with a transfer over takes that long."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, complete_after_polls=0)
+        self.releases = 0
+        self.mended = False
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        if self.mended:
+            return super().release_xfer_handle(handle)
+        self.releases += 1
+        time.sleep(0.3)
+        raise FakeNixlError("NIXL_ERR_BACKEND")
+
+
+def test_a_manager_drain_begins_no_tier_poll_past_its_deadline() -> None:
+    """Three tiers, each with a store over whose release stalls and raises: drain(0.1) went
+    on polling every tier after the deadline (1.2 s, three polls). The poll under way at the
+    deadline is now the last; the manager's shutdown, which drains first, keeps it too."""
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    agents = [StallingRelease(f"stalling-{index}") for index in range(3)]
+    manager = TieringManager(primary, {
+        f"t{index}": ObjectStoreTier(primary.cache, agent=agent,
+                                     policy=RetryPolicy(max_seconds=None))
+        for index, agent in enumerate(agents)})
+    (block,) = write(primary, "k")
+    assert len(manager.store([block])) == 3  # each release raised once at its submit
+    before = [agent.releases for agent in agents]
+    with pytest.raises(TieringDrainTimeout):
+        manager.drain(timeout=0.1)
+    assert sum(agent.releases for agent in agents) - sum(before) == 1, "one poll, at most"
+    before = [agent.releases for agent in agents]
+    with pytest.raises(TieringDrainTimeout):
+        manager.shutdown(timeout=0.1)
+    assert sum(agent.releases for agent in agents) - sum(before) == 1
+    for agent in agents:  # releases work again: the jobs end, the manager shuts down
+        agent.mended = True
+    assert len(manager.shutdown(timeout=5)) == 3
+    assert primary.stats()["pinned"] == 0
 
 
 class SaturatedForgetting(DictTier):

@@ -326,6 +326,7 @@ class SecondaryTier(JobSide):
             self.machine, self.policy,
             on_final=functools.partial(_record_verdicts, self._known, self._holdings))
         self._runner.leaks = collections.deque(maxlen=self.leak_record)
+        self._runner.on_final_again.append(functools.partial(_forget_failed_store, self._known))
         #: the calls, and what they answered (:class:`~kvfsm.driver.TransferDriver`)
         self._driver = TransferDriver(agent, remote, declaration, _bind(steps or {}, primary))
         if hasattr(remote, "commit_over"):  # a commit it says is over is checked at once
@@ -426,9 +427,11 @@ class SecondaryTier(JobSide):
         failure is published and only its handles (and the primary cache's registration they
         refer to) stay held.
 
-        Returns by the deadline, plus one poll for each transfer that is over (its last
-        tries, one for each state its give-ups lead it through); waiting for another thread's
-        call to let go of the tier's lock counts against it. The tier's background threads (a
+        Returns by the deadline, plus the poll under way at it, one last try for each
+        transfer that is over (one for each state its give-ups lead it through), and the
+        release of the tier's own registration of the primary cache (two NIXL calls, made
+        once every job is published); waiting for another thread's call to let go of the
+        tier's lock counts against it. The tier's background threads (a
         lookup probe, the deletes of evicted objects, a flush of a store already published) are
         waited for until the deadline too, once the tier is closed and its lock let go: calls
         on other threads are refused at once meanwhile.
@@ -820,8 +823,8 @@ class SecondaryTier(JobSide):
                 wake.wait(pause if runner.behind else interval)
                 with lock:
                     if until == math.inf and not main.is_alive():  # the main thread returned:
-                        # the interpreter waits for this thread, EXIT_WAIT_SECONDS at most
-                        until = time.monotonic() + EXIT_WAIT_SECONDS
+                        # the interpreter waits for this thread, and for what the tiers
+                        until = _exit_deadline()  # still run after it, within one bound
                     if not records or self._closing or time.monotonic() >= until:
                         self._progress_thread = None  # (past its bound, what is left is the
                         return  # exit's, and threads still running poll on their own)
@@ -1074,6 +1077,19 @@ def _runs_nixl(agent: Any) -> bool:
     return False
 
 
+#: when the interpreter's exit stops waiting for NIXL: set by the first to see the exit begin
+#: (a progress thread finding the main thread returned, or :func:`_wait_at_exit`), so that the
+#: wait for the progress threads and the wait for the tiers after them share one bound
+_exit_by: list[float] = []
+
+
+def _exit_deadline() -> float:
+    """The exit's deadline: :data:`EXIT_WAIT_SECONDS` from the first call."""
+    if not _exit_by:
+        _exit_by.append(time.monotonic() + EXIT_WAIT_SECONDS)
+    return _exit_by[0]
+
+
 def _wait_at_exit() -> None:
     """At the interpreter's exit, once it joined its threads (an ``atexit`` handler): a process
     must not exit with a NIXL transfer in flight (with an object store's requests under way
@@ -1086,8 +1102,10 @@ def _wait_at_exit() -> None:
     within :data:`EXIT_WAIT_SECONDS`: past it (a transfer NIXL never ends, a peer's write whose
     receiver in this process no one polls any more), an error names what still runs, and the
     exit goes on. Threads still running when the main thread returned are not disturbed: the
-    interpreter joins them first, and their tiers keep working until then."""
-    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    interpreter joins them first, and their tiers keep working until then (a progress thread
+    until the same deadline: the bound counts from when the first of them saw the main thread
+    return)."""
+    deadline = _exit_deadline()
     for tier in list(_nixl_tiers):
         tier._closing = True  # submits refused from now on (read before the lock is taken)
         tier._progress_wake.set()
@@ -1110,6 +1128,7 @@ def _forget_after_fork() -> None:
     global _live_tiers, _nixl_tiers
     _inherited.append((_live_tiers, list(_nixl_tiers)))
     _live_tiers, _nixl_tiers = set(), weakref.WeakSet()
+    _exit_by.clear()
 
 
 def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
@@ -1119,8 +1138,8 @@ def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
     name = type(tier).__name__
     if not tier.closed and tier.unpublished():
         logger.warning("interpreter exit: %s was not shut down, with %d job(s) unpublished; "
-                       "waiting up to %g s for NIXL to end their transfers",
-                       name, len(tier.unpublished()), EXIT_WAIT_SECONDS)
+                       "waiting up to %.3g s for NIXL to end their transfers",
+                       name, len(tier.unpublished()), _left(deadline))
         for end in (tier.drain_jobs, tier.shutdown):
             try:
                 end(_left(deadline))
@@ -1141,9 +1160,10 @@ def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
             break
         time.sleep(0.01)
     if running:
-        logger.error("interpreter exit: %s: NIXL still runs %d transfer(s) (jobs %s) after "
-                     "%g s; exiting with them in flight", name, len(running),
-                     sorted({job_id for job_id, _ in running}), EXIT_WAIT_SECONDS)
+        logger.error("interpreter exit: %s: NIXL still runs %d transfer(s) (jobs %s) at the "
+                     "exit's deadline (EXIT_WAIT_SECONDS, %g s); exiting with them in flight",
+                     name, len(running), sorted({job_id for job_id, _ in running}),
+                     EXIT_WAIT_SECONDS)
 
 
 def _may_run(tier: SecondaryTier) -> list[tuple[int, Any]]:
@@ -1197,6 +1217,13 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
     if holdings is not None:
         holdings.finished(transfer.names, transfer.job.keys, load=transfer.job.is_promotion,
                           success=result.success, landed=transfer.landed)
+
+
+def _forget_failed_store(known: KnownNames, transfer: Transfer) -> None:
+    """A store that failed forgets its names (:func:`_record_verdicts`), again: for one whose
+    books an interrupt cut short (forgetting twice is forgetting once)."""
+    if not transfer.success and not transfer.job.is_promotion:
+        known.forget(transfer.names)
 
 
 def check_capacity_options(capacity_bytes: object, block_bytes: int,
