@@ -21,7 +21,7 @@ from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, TierSaturatedError
 from kvfsm.tiers.base import KnownNames
 
 from .test_poll_schedule import Held
-from .test_tiering import BLOCK_BYTES, DictTier, content, write
+from .test_tiering import BLOCK_BYTES, DictTier, InterruptedAfterPost, content, write
 
 BLOCKS = 16
 
@@ -278,29 +278,17 @@ def test_a_key_written_again_is_not_loaded_with_the_bytes_a_skipped_tier_still_h
     manager.shutdown(timeout=5)
 
 
-class CtrlCAfterRegister(FakeNixlAgent):
-    """A Ctrl-C whose handler runs as a store's files are registered with NIXL (once, armed)."""
-
-    armed = False
-
-    def register_memory(self, *args: Any, **kwargs: Any) -> Any:
-        registered = super().register_memory(*args, **kwargs)
-        if self.armed:
-            self.armed = False
-            raise KeyboardInterrupt
-        return registered
-
-
 @pytest.mark.parametrize("took", [True, False], ids=["first tier took it", "before its pin"])
 def test_a_store_interrupted_in_its_cascade_leaves_no_tier_vouching_for_the_old_bytes(
         took: bool, tmp_path: Any) -> None:
     """The engine stored "k" to both tiers, then wrote new bytes under it and stored them;
-    a Ctrl-C landed in the first tier's submit (or before its pin), and store() raised it
-    before the second tier was reached: that tier got no job and was not told to forget, so
-    it still answered HIT, and the next load published the first bytes as a success. Every
-    tier without its job now forgets the keys before the interrupt goes on."""
+    a Ctrl-C landed in the first tier's submit, once NIXL had the transfer (or before its
+    pin), and store() raised it before the second tier was reached: that tier got no job and
+    was not told to forget, so it still answered HIT, and the next load published the first
+    bytes as a success. Every tier without its job now forgets the keys before the interrupt
+    goes on; the first tier's store, which NIXL went on with, is the one a load finds."""
     primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
-    first_agent = CtrlCAfterRegister("first")
+    first_agent = InterruptedAfterPost("first")
     tiers = {"first": FileTier(primary.cache, str(tmp_path / "a"), agent=first_agent,
                                durable=False),
              "second": FileTier(primary.cache, str(tmp_path / "b"),
@@ -323,10 +311,17 @@ def test_a_store_interrupted_in_its_cascade_leaves_no_tier_vouching_for_the_old_
         manager.store([block])
     if not took:
         del primary.pin
-    manager.drain(timeout=5)
-    assert [tier.lookup("k") for tier in tiers.values()] == [Lookup.MISS, Lookup.MISS]
+    assert [done.success for done in manager.drain(timeout=5)] == ([True] if took else [])
+    assert [tier.lookup("k") for tier in tiers.values()] == [
+        Lookup.HIT if took else Lookup.MISS, Lookup.MISS]
     primary.free([block])
-    assert manager.load(["k"]) is None, "no tier may load the first bytes as the second"
+    job = manager.load(["k"])
+    if took:  # from the first tier: the second bytes
+        [loaded] = manager.drain(timeout=5)
+        assert (loaded.job_id, loaded.tier, loaded.success) == (job, "first", True)
+        assert torch.equal(primary.cache[loaded.job.block_ids[0]], content("the second bytes"))
+    else:
+        assert job is None, "no tier may load the first bytes as the second"
     manager.shutdown(timeout=5)
 
 
