@@ -22,7 +22,9 @@ found ended, then the sweep's share; every transfer checked at least once every
 every millisecond (``RetryPolicy(progress_interval=0.001)``), ``get_finished_jobs()`` only
 handing out what it published. A fourth, run with transfers ending out of order only, is the
 progress thread with every running transfer checked at least once a step
-(``max_unpolled`` = 20 ms): what the latency goal costs when the oldest do not end first. Per
+(``max_unpolled`` = 20 ms): what the latency goal costs when the oldest do not end first; and
+a fifth, the progress thread checking every running transfer on every poll
+(``check_all_below`` above N). Per
 N, after a warm-up of 60 steps (past ``max_unpolled``), it
 records for 100 steps the caller-thread time of ``get_finished_jobs()``, of the submits that
 follow it (they take the tier's lock, so they wait for a poll the progress thread is making),
@@ -185,8 +187,15 @@ PROGRESS_INTERVAL = 0.001
 #: every running transfer checked at least once a step (``max_unpolled`` = the step period),
 #: which is what the latency goal asks for when the oldest are not the first to end
 TIGHT = "progress thread, max_unpolled 20 ms"
-POLICIES = {**CONTENDERS, TIGHT: lambda n: RetryPolicy(progress_interval=PROGRESS_INTERVAL,
-                                                        max_unpolled=STEP_PERIOD)}
+#: a fifth, run with transfers ending out of order only: the progress thread checking every
+#: running transfer on every poll (``check_all_below`` above N), as "every step" does on the
+#: caller's thread: what the latency goal costs when each round must see every transfer
+EVERYTHING = "progress thread, every transfer every poll"
+POLICIES = {**CONTENDERS,
+            TIGHT: lambda n: RetryPolicy(progress_interval=PROGRESS_INTERVAL,
+                                         max_unpolled=STEP_PERIOD),
+            EVERYTHING: lambda n: RetryPolicy(progress_interval=PROGRESS_INTERVAL,
+                                              check_all_below=n + 1)}
 #: the engine's own Python work between two steps (its scheduling, its model step's host side),
 #: a fixed loop timed alone at about 5 ms: how long it takes beside each contender shows what a
 #: progress thread's share of the interpreter's lock costs the engine
@@ -441,7 +450,8 @@ def plot(info: dict[str, str], rows: list[dict[str, Any]], path: Path) -> None:
               ("schedule", "random"): ("C0", "o", ":"),
               ("progress thread", "oldest"): ("C2", "^", "-"),
               ("progress thread", "random"): ("C2", "^", ":"),
-              (TIGHT, "random"): ("C1", "v", ":")}
+              (TIGHT, "random"): ("C1", "v", ":"),
+              (EVERYTHING, "random"): ("C4", "D", ":")}
     sizes = sorted({row["n"] for row in rows})
     for (contender, order), (color, marker, line) in styles.items():
         mine = sorted((row for row in rows if row["contender"] == contender
@@ -500,10 +510,11 @@ def main() -> int:
                 rows.append(run(real, contender, n, steps, order, ends=ends))
                 print(f"  {order} {ends} {n:,} {contender}: "
                       f"{rows[-1]['step_ms']['median']:.3f} ms a step", flush=True)
-    for n in sizes:  # every transfer checked once a step, on the progress thread
-        rows.append(run(real, TIGHT, n, steps, "random"))
-        print(f"  random before {n:,} {TIGHT}: {rows[-1]['step_ms']['median']:.3f} ms a step",
-              flush=True)
+    for contender in (TIGHT, EVERYTHING):  # out of order, every transfer checked on the
+        for n in sizes:  # progress thread once a step, or on every poll
+            rows.append(run(real, contender, n, steps, "random"))
+            print(f"  random before {n:,} {contender}: "
+                  f"{rows[-1]['step_ms']['median']:.3f} ms a step", flush=True)
     if not args.quick:  # what the collector's pauses cost the sweep's bound
         rows.append(run(real, "schedule", sizes[-1], steps, "random", collector=False))
     real.close()
