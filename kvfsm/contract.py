@@ -145,13 +145,10 @@ class JobSide:
 
     def _finished_by(self, deadline: float | None) -> list[JobResult]:
         """:meth:`get_finished_jobs` waiting for the lock until ``deadline`` at most (None: as
-        long as it takes): past it, no poll is begun, and only the results already published
-        are handed out (a drain over several sides that keeps its bound: the poll under way
-        at the deadline is the last)."""
-        if deadline is not None and time.monotonic() >= deadline:
-            return self._books.take_results()  # (safe without the lock: Books)
+        long as it takes): past it, with another thread's call holding the lock, no poll, and
+        only the results already published are handed out (a drain that keeps its bound)."""
         if not self._lock.acquire(timeout=-1 if deadline is None else seconds_left(deadline)):
-            return self._books.take_results()
+            return self._books.take_results()  # (safe without the lock: Books)
         try:  # (the lock is reentrant: a side's own get_finished_jobs takes it again)
             return self.get_finished_jobs()
         finally:

@@ -130,10 +130,11 @@ class Runner(Books):
     #: an interrupt (a signal handler's exception, raised between any two statements) may
     #: have cut the filing of a transfer short: :meth:`mend` files them all afresh
     damaged = False
-    #: books that may be written twice: called again by :meth:`mend` for a transfer whose
-    #: books an interrupt cut short (the tier forgets a failed store's keys again: a key left
-    #: vouched for would let a load read an old copy as the new bytes)
-    on_final_again: list[Callable[[Transfer], None]]
+    #: called with each transfer that failed, before its result is queued: what a caller who
+    #: reads the failure must find done (the tier forgets a failed store's keys: a key left
+    #: vouched for would let a load read an old copy as the new bytes). An interrupt in them
+    #: leaves the transfer unpublished, and :meth:`mend` finishes it, calling them again
+    on_failed: list[Callable[[Transfer], None]]
     #: called with each transfer as it is published, after the books (best effort)
     on_published: list[Callable[[Transfer], None]]
 
@@ -193,7 +194,7 @@ class Runner(Books):
         #: called with each transfer that reached a final state, once the books are written
         self.on_final: list[Callable[[Transfer, JobResult], None]] = (
             [] if on_final is None else [on_final])
-        self.on_final_again, self.on_published = [], []
+        self.on_failed, self.on_published = [], []
         self.running = _Running()  # those in a running state, and their handles
         #: the poll schedule (check_round): the running transfers oldest first; the sweep's
         #: batches (due, transfers) in the order of their turn; those that started running
@@ -790,6 +791,8 @@ class Runner(Books):
         finish an interrupt cut short, :meth:`mend`), and the books, then listeners."""
         job_id = transfer.job_id
         held = transfer.state in self.failed_final and self._settle_failed(transfer)
+        if not transfer.success:
+            self._failing(transfer)
         result = transfer.result()
         # the result is queued before the record goes: a progress thread publishes while the
         # caller may be taking results (Books) or asking has_pending_work, which must never
@@ -820,8 +823,7 @@ class Runner(Books):
             self.record_leaks(job_id, transfer.leaks)
         if not result.success:
             self.failed += 1
-        if self._committing:
-            self._committing.discard(job_id)
+        self._committing.discard(job_id)
         del self.records[job_id]
         transfer.filed = None
         if self._by_start is not None and len(self._by_start) > 2 * len(self.records) + 64:
@@ -830,6 +832,11 @@ class Runner(Books):
             self._compact_backoffs()
         if not result.success or transfer.leaks or self.on_published:
             self._announce(transfer, result)
+
+    def _failing(self, transfer: Transfer) -> None:
+        """A transfer that failed, before its result is queued: :attr:`on_failed`."""
+        for book in self.on_failed:
+            book(transfer)
 
     @staticmethod
     def _settle_failed(transfer: Transfer) -> bool:
@@ -872,8 +879,7 @@ class Runner(Books):
         its next poll or shutdown once an interrupt went through it. A transfer in a final
         state is finished (its result published, unless it is already, its books written,
         its listeners told; one whose books the interrupt found being written has its record
-        taken out, each book written at most once, but those of :attr:`on_final_again`);
-        every other goes where its state says,
+        taken out, each book written at most once); every other goes where its state says,
         its turns in the poll schedule kept (one the interrupt left out of the schedule's
         queues is queued, its turn due a ``max_unpolled`` from now). An interrupt inside this
         is an interrupt too: it is called again.
@@ -914,8 +920,6 @@ class Runner(Books):
             if transfer.job_id not in self.records:
                 continue  # (published by a listener meanwhile)
             if finishing:  # its result and books written, at most once: the record goes
-                for book in self.on_final_again:  # (but those that may be written twice)
-                    book(transfer)
                 self.bytes_in_flight -= transfer.nbytes
                 del self.records[transfer.job_id]
             else:

@@ -38,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import inspect
 import itertools
@@ -769,10 +770,12 @@ class TieringManager:
             self._cascade(blocks, keys, kinds, submitted, refusals, took)
         except BaseException:  # an interrupt, or a tier's call that raised, left the cascade:
             # every tier without its job forgets the keys, as a tier skipped does (the ones
-            # not reached yet would otherwise vouch for an older copy of them)
+            # not reached yet would otherwise vouch for an older copy of them); what goes on
+            # is what left the cascade, whatever a tier's forget raises meanwhile
             for name, tier in self._tiers.items():
                 if name not in took:
-                    _forget(tier, name, keys)
+                    with contextlib.suppress(BaseException):
+                        _forget(tier, name, keys)
             raise
         if refusals:
             raise _refused(refusals, submitted) from refusals[0][2]
@@ -997,11 +1000,12 @@ class TieringManager:
     def drain(self, timeout: float | None = None) -> list[Finalized]:
         """Step until nothing is pending; never aborts a transfer.
 
-        Returns or raises by the deadline, or after the one tier's poll under way at it: no
-        kvfsm tier's poll is begun past it (each hands out only what it had published), and
-        waiting for another thread's call to let go of a kvfsm tier's lock counts against
-        it. A tier of the user's own is stepped as it is: its ``get_finished_jobs`` keeps
-        whatever bound it keeps.
+        Returns or raises by the deadline, or once the step under way at it is over: at most
+        one poll of each tier past it (``drain(0)`` is one step), so a tier's finished jobs
+        are found however short the bound. Waiting for another thread's call to let go of a
+        kvfsm tier's lock counts against the deadline (past it, that tier hands out only what
+        it had published). A tier of the user's own is stepped as it is: its
+        ``get_finished_jobs`` keeps whatever bound it keeps.
 
         Returns:
             every job finalized meanwhile.

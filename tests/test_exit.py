@@ -197,6 +197,47 @@ def test_an_exit_that_cannot_see_a_transfer_end_waits_its_bound_and_says_so(
     assert 2000 <= gave_up - returned < 3500, "one bound of 2 s, not two"
 
 
+WORKER_OUTLIVES_THE_PROGRESS_THREAD = """
+import logging, threading, time
+import torch
+import kvfsm.tiers.base
+from kvfsm import TransferJob
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent
+from kvfsm.tiers import ObjectStoreTier
+logging.basicConfig(format="%(relativeCreated)d ms: %(message)s")
+kvfsm.tiers.base.EXIT_WAIT_SECONDS = 1.0
+
+class NixlLike(FakeNixlAgent):  # taken for NIXL's own agent: the exit waits for its transfers
+    pass
+NixlLike.__module__ = "nixl.fake"
+
+polled = ObjectStoreTier(torch.zeros(4, 8), agent=NixlLike("a", complete_after_polls=10**9),
+                         policy=RetryPolicy(progress_interval=0.01))
+polled.submit_store(TransferJob(1, ["x"], [0]))  # never ends: its thread polls 1 s, gives up
+worker_tier = ObjectStoreTier(torch.zeros(4, 8), agent=NixlLike("b", complete_after_polls=5))
+
+def worker():
+    time.sleep(2.0)  # past the progress thread's bound
+    worker_tier.submit_store(TransferJob(2, ["y"], [0]))  # over after 5 state checks
+    print("worker returns", flush=True)
+
+threading.Thread(target=worker).start()
+"""
+
+
+def test_a_worker_thread_outliving_a_progress_threads_bound_still_gets_the_exit_wait() -> None:
+    """The exit's wait for a tier counts from when that tier's progress thread found the main
+    thread returned: it waited then. A tier a worker thread left a store in after the other
+    tier's thread had given up still gets its own wait, and its store ends (one shared
+    deadline left it none: the process exited with the store in flight)."""
+    child = run_child(WORKER_OUTLIVES_THE_PROGRESS_THREAD, timeout=60)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert "worker returns" in child.stdout
+    assert "NIXL still runs 1 transfer(s) (jobs [1])" in child.stderr, "the first tier's"
+    assert "(jobs [2])" not in child.stderr, child.stderr
+
+
 IDLE_POOL = """
 from concurrent.futures import ThreadPoolExecutor
 import torch

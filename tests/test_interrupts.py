@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import kvfsm
+import kvfsm.tiers
 from kvfsm import TransferJob
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr
 from kvfsm.tiering import CPUPrimaryTier, TieringManager
@@ -151,6 +152,40 @@ def test_an_interrupt_at_any_line_of_a_poll_leaves_no_failed_store_vouched_for()
                 if why != "ForgottenKeyError"]
 
     assert sweep(run) == {}
+
+
+def test_a_failed_stores_books_cut_short_do_not_undo_a_later_store_of_its_keys() -> None:
+    """Store 1 of "k" fails; a Ctrl-C lands in its books, once its result is queued. Store 2
+    of "k", which NIXL finishes at its post, is published before the next poll mends the
+    books. The mend forgot the failed store's keys again, undoing store 2's HIT: the key was
+    refused to every load though the tier held its newest bytes. The forget is made before
+    the failure is queued now, and the mend writes no book of a published job again."""
+    agent = FakeNixlAgent(complete_after_polls=1)
+    primary = torch.zeros(16, 8)
+    tier = ObjectStoreTier(primary, agent=agent)
+    tier.submit_store(TransferJob(1, ["k"], [0]))
+    agent.inject("check_xfer_state", ReturnErr(), times=1)
+    armed = [True]
+
+    def ctrl_c(transfer: Any, result: Any) -> None:  # a signal, landing among the books
+        if armed:
+            armed.pop()
+            raise KeyboardInterrupt
+
+    tier._runner.on_final.append(ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        tier.get_finished_jobs()
+    primary[1] = 2
+    agent.complete_after_polls = 0  # over at its post: published without a poll
+    tier.submit_store(TransferJob(2, ["k"], [1]))
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False), (2, True)]
+    assert tier.lookup("k") is kvfsm.tiers.Lookup.HIT
+    tier.submit_load(TransferJob(3, ["k"], [5], is_promotion=True))
+    tier.drain_jobs(timeout=5)
+    [loaded] = tier.get_finished_jobs()
+    assert loaded.success, loaded.reason
+    assert torch.equal(primary[5], primary[1])
+    tier.shutdown(timeout=5)
 
 
 def test_an_interrupt_at_any_line_of_a_step_loses_no_pin() -> None:

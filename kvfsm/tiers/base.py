@@ -326,7 +326,7 @@ class SecondaryTier(JobSide):
             self.machine, self.policy,
             on_final=functools.partial(_record_verdicts, self._known, self._holdings))
         self._runner.leaks = collections.deque(maxlen=self.leak_record)
-        self._runner.on_final_again.append(functools.partial(_forget_failed_store, self._known))
+        self._runner.on_failed.append(functools.partial(_forget_failed_store, self._known))
         #: the calls, and what they answered (:class:`~kvfsm.driver.TransferDriver`)
         self._driver = TransferDriver(agent, remote, declaration, _bind(steps or {}, primary))
         if hasattr(remote, "commit_over"):  # a commit it says is over is checked at once
@@ -348,6 +348,9 @@ class SecondaryTier(JobSide):
         self._progress_error: str | None = None
         #: set by shutdown: the progress thread's pause ends at once
         self._progress_wake = threading.Event()
+        #: when the interpreter's exit stops waiting for this tier's transfers: set by its
+        #: progress thread as it finds the main thread returned (it polls until then)
+        self._exit_until = math.inf
         #: shutdown's wait for the background work: one at a time, and once it is done
         self._stop_lock = threading.Lock()
         self._background_stopped = False
@@ -823,8 +826,9 @@ class SecondaryTier(JobSide):
                 wake.wait(pause if runner.behind else interval)
                 with lock:
                     if until == math.inf and not main.is_alive():  # the main thread returned:
-                        # the interpreter waits for this thread, and for what the tiers
-                        until = _exit_deadline()  # still run after it, within one bound
+                        # the interpreter waits for this thread, EXIT_WAIT_SECONDS at most,
+                        until = self._exit_until = (  # and the exit's wait for this tier
+                            time.monotonic() + EXIT_WAIT_SECONDS)  # after it ends then too
                     if not records or self._closing or time.monotonic() >= until:
                         self._progress_thread = None  # (past its bound, what is left is the
                         return  # exit's, and threads still running poll on their own)
@@ -1077,19 +1081,6 @@ def _runs_nixl(agent: Any) -> bool:
     return False
 
 
-#: when the interpreter's exit stops waiting for NIXL: set by the first to see the exit begin
-#: (a progress thread finding the main thread returned, or :func:`_wait_at_exit`), so that the
-#: wait for the progress threads and the wait for the tiers after them share one bound
-_exit_by: list[float] = []
-
-
-def _exit_deadline() -> float:
-    """The exit's deadline: :data:`EXIT_WAIT_SECONDS` from the first call."""
-    if not _exit_by:
-        _exit_by.append(time.monotonic() + EXIT_WAIT_SECONDS)
-    return _exit_by[0]
-
-
 def _wait_at_exit() -> None:
     """At the interpreter's exit, once it joined its threads (an ``atexit`` handler): a process
     must not exit with a NIXL transfer in flight (with an object store's requests under way
@@ -1102,16 +1093,16 @@ def _wait_at_exit() -> None:
     within :data:`EXIT_WAIT_SECONDS`: past it (a transfer NIXL never ends, a peer's write whose
     receiver in this process no one polls any more), an error names what still runs, and the
     exit goes on. Threads still running when the main thread returned are not disturbed: the
-    interpreter joins them first, and their tiers keep working until then (a progress thread
-    until the same deadline: the bound counts from when the first of them saw the main thread
-    return)."""
-    deadline = _exit_deadline()
+    interpreter joins them first, and their tiers keep working until then. A tier whose
+    progress thread went on polling once the main thread had returned waited for NIXL then:
+    its bound counts from then (:attr:`SecondaryTier._exit_until`), not twice."""
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
     for tier in list(_nixl_tiers):
         tier._closing = True  # submits refused from now on (read before the lock is taken)
         tier._progress_wake.set()
     for tier in list(_live_tiers):
         try:
-            _finish_at_exit(tier, deadline)
+            _finish_at_exit(tier, min(deadline, tier._exit_until))
         except Exception:
             logger.exception("interpreter exit: %s raised while its transfers were waited for",
                              type(tier).__name__)
@@ -1128,7 +1119,6 @@ def _forget_after_fork() -> None:
     global _live_tiers, _nixl_tiers
     _inherited.append((_live_tiers, list(_nixl_tiers)))
     _live_tiers, _nixl_tiers = set(), weakref.WeakSet()
-    _exit_by.clear()
 
 
 def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
@@ -1198,17 +1188,13 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 
 def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Transfer,
                      result: JobResult) -> None:
-    """A finished store or load shows the blocks are there; after a failed one (a job
-    quarantined after NIXL finished it included: it publishes a failure) the tier cannot vouch
-    for them, and a failed load is not made again and again (F11). A failed store forgets its
-    names (:meth:`KnownNames.forget`): the engine's blocks under those keys may hold other
-    bytes than whatever copy the store left, so a probe finding that copy is not taken, until
-    a store of them succeeds. The holdings unpin them."""
+    """A finished store or load shows the blocks are there; after a failed load the tier
+    cannot vouch for them, and a failed load is not made again and again (F11). (A failed
+    store forgot its names before its result was queued: :func:`_forget_failed_store`.) The
+    holdings unpin them."""
     if result.success or transfer.job.is_promotion:
         known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
                      load=transfer.job.is_promotion)
-    else:  # whatever the store left (the old copy, most likely), it is not these blocks':
-        known.forget(transfer.names)  # MISS until a store of them succeeds
     if transfer.doomed and result.success:  # read before their removal: gone by now,
         # unless a store took one back meanwhile (the tier holds it again)
         gone = [name for name in transfer.doomed
@@ -1220,9 +1206,11 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
 
 
 def _forget_failed_store(known: KnownNames, transfer: Transfer) -> None:
-    """A store that failed forgets its names (:func:`_record_verdicts`), again: for one whose
-    books an interrupt cut short (forgetting twice is forgetting once)."""
-    if not transfer.success and not transfer.job.is_promotion:
+    """A store that failed forgets its names (:meth:`KnownNames.forget`), before its result
+    is queued: the engine's blocks under those keys may hold other bytes than whatever copy
+    the store left, so a probe finding that copy is not taken, and a load of them is refused,
+    until a store of them succeeds. (Made again if an interrupt cut the first short.)"""
+    if not transfer.job.is_promotion:
         known.forget(transfer.names)
 
 
