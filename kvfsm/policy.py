@@ -46,11 +46,12 @@ bound above stretches to the time the thread needs to go round them. It runs whi
 unpublished and ends when none are (it is started again by the next submit); it is not a daemon,
 so a process that forgot ``shutdown`` waits for it, once the main thread has returned, and then
 for the interpreter's exit to drain a tier not shut down and wait for NIXL to end its transfers,
-both within one ``kvfsm.tiers.base.EXIT_WAIT_SECONDS``, counted from when the thread found the
-main thread returned. Its work still takes the interpreter's lock, so the scheduler's own Python
-work shares a core with it (``docs/performance.md`` measures what that costs). Should a poll
-raise, the thread logs it and stops, and ``get_finished_jobs`` polls on the caller's thread
-again, as without it (the tier's ``stats()["progress"]`` says why).
+both within one ``kvfsm.tiers.base.EXIT_WAIT_SECONDS``, counted from when no thread of the
+caller's runs any more (the main thread returned, the others ended). Its work still takes the
+interpreter's lock, so the scheduler's own Python work shares a core with it
+(``docs/performance.md`` measures what that costs). Should a poll raise, the thread logs it and
+stops, and ``get_finished_jobs`` polls on the caller's thread again, as without it (the tier's
+``stats()["progress"]`` says why).
 """
 
 from __future__ import annotations

@@ -791,7 +791,7 @@ class Runner(Books):
         finish an interrupt cut short, :meth:`mend`), and the books, then listeners."""
         job_id = transfer.job_id
         held = transfer.state in self.failed_final and self._settle_failed(transfer)
-        if not transfer.success:
+        if not transfer.success and not published:  # (published: they were, before it)
             self._failing(transfer)
         result = transfer.result()
         # the result is queued before the record goes: a progress thread publishes while the

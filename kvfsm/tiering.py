@@ -38,7 +38,6 @@ Example::
 from __future__ import annotations
 
 import collections
-import contextlib
 import heapq
 import inspect
 import itertools
@@ -768,15 +767,20 @@ class TieringManager:
         took: set[str] = set()  # the tiers that took their job
         try:
             self._cascade(blocks, keys, kinds, submitted, refusals, took)
-        except BaseException:  # an interrupt, or a tier's call that raised, left the cascade:
-            # every tier without its job forgets the keys, as a tier skipped does (the ones
-            # not reached yet would otherwise vouch for an older copy of them); what goes on
-            # is what left the cascade, whatever a tier's forget raises meanwhile
+        except BaseException as error:  # an interrupt, or a tier's call that raised, left
+            # the cascade: every tier without its job forgets the keys, as a tier skipped does
+            # (the ones not reached yet would otherwise vouch for an older copy of them)
+            going: BaseException = error
             for name, tier in self._tiers.items():
                 if name not in took:
-                    with contextlib.suppress(BaseException):
+                    try:  # (_forget logs an Exception: what comes here is an interrupt)
                         _forget(tier, name, keys)
-            raise
+                    except BaseException as late:  # it goes on after the others forgot, if
+                        if isinstance(going, Exception):  # what left was an error; an
+                            going = late  # interrupt that left stays the one that goes on
+            if going is error:
+                raise
+            raise going from error
         if refusals:
             raise _refused(refusals, submitted) from refusals[0][2]
         return submitted

@@ -325,6 +325,39 @@ def test_a_store_interrupted_in_its_cascade_leaves_no_tier_vouching_for_the_old_
     manager.shutdown(timeout=5)
 
 
+class BrokenSaturated(ObjectStoreTier):
+    """A tier whose saturated() raises an ordinary error."""
+
+    def saturated(self, nbytes: int = 0) -> bool:
+        raise RuntimeError("saturated() raised")
+
+
+class InterruptedInForget(ObjectStoreTier):
+    """A tier whose forget is where a Ctrl-C lands."""
+
+    def forget(self, keys: Any) -> None:
+        super().forget(keys)
+        raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_landing_in_a_forget_after_a_tier_raised_is_not_swallowed() -> None:
+    """A tier's saturated() raised, so every tier without its job is told to forget the keys;
+    a Ctrl-C lands in one of those forgets. It goes on (the error it replaced is its cause):
+    it was dropped, and the caller carried on as if no Ctrl-C had come."""
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    last = ObjectStoreTier(primary.cache, agent=FakeNixlAgent("last"))
+    manager = TieringManager(primary, {
+        "broken": BrokenSaturated(primary.cache, agent=FakeNixlAgent("broken")),
+        "interrupted": InterruptedInForget(primary.cache, agent=FakeNixlAgent("interrupted")),
+        "last": last})
+    (block,) = write(primary, "k")
+    with pytest.raises(KeyboardInterrupt) as raised:
+        manager.store([block])
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert last.verdict("k") is Lookup.MISS, "the tiers after it forgot all the same"
+    manager.shutdown(timeout=5)
+
+
 class StallingRelease(FakeNixlAgent):
     """Each release stalls 0.3 s, then raises (a retry is due at the next poll): a poll of a
     tier with a transfer over takes that long."""

@@ -209,29 +209,45 @@ logging.basicConfig(format="%(relativeCreated)d ms: %(message)s")
 kvfsm.tiers.base.EXIT_WAIT_SECONDS = 1.0
 
 class NixlLike(FakeNixlAgent):  # taken for NIXL's own agent: the exit waits for its transfers
-    pass
+    takes = float("inf")  # how long a transfer runs once posted, polled or not, as NIXL's do
+
+    def transfer(self, handle, notif_msg=b""):
+        self.__dict__.setdefault("ends", {})[id(handle)] = time.monotonic() + self.takes
+        return super().transfer(handle, notif_msg)
+
+    def check_xfer_state(self, handle):
+        if time.monotonic() < self.ends.get(id(handle), 0.0):
+            return "PROC"
+        return super().check_xfer_state(handle)
 NixlLike.__module__ = "nixl.fake"
 
-polled = ObjectStoreTier(torch.zeros(4, 8), agent=NixlLike("a", complete_after_polls=10**9),
+polled_agent = NixlLike("a", complete_after_polls=1)
+polled = ObjectStoreTier(torch.zeros(4, 8), agent=polled_agent,
                          policy=RetryPolicy(progress_interval=0.01))
-polled.submit_store(TransferJob(1, ["x"], [0]))  # never ends: its thread polls 1 s, gives up
-worker_tier = ObjectStoreTier(torch.zeros(4, 8), agent=NixlLike("b", complete_after_polls=5))
+polled.submit_store(TransferJob(1, ["x"], [0]))  # never ends
+worker_agent = NixlLike("b", complete_after_polls=1)
+worker_tier = ObjectStoreTier(torch.zeros(4, 8), agent=worker_agent)
 
 def worker():
-    time.sleep(2.0)  # past the progress thread's bound
-    worker_tier.submit_store(TransferJob(2, ["y"], [0]))  # over after 5 state checks
+    time.sleep(0.7 if SAME else 2.0)  # near or past the bound, from the main thread's return
+    agent, tier = (polled_agent, polled) if SAME else (worker_agent, worker_tier)
+    agent.takes = 0.5
+    tier.submit_store(TransferJob(2, ["y"], [1]))  # NIXL ends it 0.5 s after its post
     print("worker returns", flush=True)
 
 threading.Thread(target=worker).start()
 """
 
 
-def test_a_worker_thread_outliving_a_progress_threads_bound_still_gets_the_exit_wait() -> None:
-    """The exit's wait for a tier counts from when that tier's progress thread found the main
-    thread returned: it waited then. A tier a worker thread left a store in after the other
-    tier's thread had given up still gets its own wait, and its store ends (one shared
-    deadline left it none: the process exited with the store in flight)."""
-    child = run_child(WORKER_OUTLIVES_THE_PROGRESS_THREAD, timeout=60)
+@pytest.mark.parametrize("same", [False, True], ids=["another-tier", "the-polled-tier"])
+def test_a_worker_thread_outliving_the_exit_bound_still_gets_the_exit_wait(same: bool) -> None:
+    """The exit's bound counts from when no thread of the caller's runs any more (the main
+    thread returned, and the others ended: they may still use a tier). A worker thread's
+    store, 2 s after the main thread returned in a tier of its own, or 0.7 s after it in the
+    one a progress thread polls, is waited for within a bound of 1 s (counted from the main
+    thread's return, the bound passed before it ended: the process exited with it in flight)."""
+    child = run_child(WORKER_OUTLIVES_THE_PROGRESS_THREAD.replace(
+        "import logging,", f"SAME = {same}\nimport logging,"), timeout=60)
     assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
     assert "worker returns" in child.stdout
     assert "NIXL still runs 1 transfer(s) (jobs [1])" in child.stderr, "the first tier's"

@@ -27,6 +27,7 @@ import torch
 import kvfsm
 import kvfsm.tiers
 from kvfsm import TransferJob
+from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr
 from kvfsm.tiering import CPUPrimaryTier, TieringManager
 from kvfsm.tiers import ObjectStoreTier
@@ -186,6 +187,48 @@ def test_a_failed_stores_books_cut_short_do_not_undo_a_later_store_of_its_keys()
     assert loaded.success, loaded.reason
     assert torch.equal(primary[5], primary[1])
     tier.shutdown(timeout=5)
+
+
+def test_a_result_an_interrupt_left_queued_is_handed_out_once_with_a_progress_thread() -> None:
+    """A store fails at its post; a Ctrl-C lands in its finish once its failure is queued. With
+    a progress thread running, get_finished_jobs() handed the result out without mending the
+    books, and the thread's next poll, mending them, found no result queued and published the
+    job again. A damaged runner is now mended first, under the lock, by that call too."""
+    import inspect  # noqa: PLC0415
+
+    import kvfsm.runner  # noqa: PLC0415
+
+    lines, start = inspect.getsourcelines(kvfsm.runner.Runner._finish)
+    target = start + next(index for index, line in enumerate(lines)
+                          if "self.bytes_in_flight -= transfer.nbytes" in line)
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is not kvfsm.runner.Runner._finish.__code__:
+            return None
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and frame.f_lineno == target:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return local
+        return local
+
+    agent = FakeNixlAgent(complete_after_polls=0)
+    tier = ObjectStoreTier(torch.zeros(16, 8), agent=agent,
+                           policy=RetryPolicy(progress_interval=0.05))
+    agent.inject("transfer", ReturnErr(), times=1)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tier.submit_store(TransferJob(1, ["k"], [0]))
+    finally:
+        sys.settrace(None)
+    results = tier.get_finished_jobs()
+    tier.drain_jobs(timeout=5)
+    results += tier.get_finished_jobs()
+    tier.shutdown(timeout=5)
+    results += tier.get_finished_jobs()
+    assert [(result.job_id, result.success) for result in results] == [(1, False)]
 
 
 def test_an_interrupt_at_any_line_of_a_step_loses_no_pin() -> None:

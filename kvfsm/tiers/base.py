@@ -348,9 +348,6 @@ class SecondaryTier(JobSide):
         self._progress_error: str | None = None
         #: set by shutdown: the progress thread's pause ends at once
         self._progress_wake = threading.Event()
-        #: when the interpreter's exit stops waiting for this tier's transfers: set by its
-        #: progress thread as it finds the main thread returned (it polls until then)
-        self._exit_until = math.inf
         #: shutdown's wait for the background work: one at a time, and once it is done
         self._stop_lock = threading.Lock()
         self._background_stopped = False
@@ -389,12 +386,12 @@ class SecondaryTier(JobSide):
         While a progress thread runs (``RetryPolicy.progress_interval``) that thread polls, and
         this only hands out what it published: no NIXL call, no wait for the tier's lock.
         """
-        if self._progress_thread is not None:
-            return self._books.take_results()
+        if self._progress_thread is not None and not self._runner.damaged:
+            return self._books.take_results()  # (damaged: mended first, under the lock)
         return super().get_finished_jobs()
 
     def _finished_by(self, deadline: float | None) -> list[JobResult]:
-        if self._progress_thread is not None:
+        if self._progress_thread is not None and not self._runner.damaged:
             return self._books.take_results()
         return super()._finished_by(deadline)
 
@@ -825,10 +822,9 @@ class SecondaryTier(JobSide):
             while True:
                 wake.wait(pause if runner.behind else interval)
                 with lock:
-                    if until == math.inf and not main.is_alive():  # the main thread returned:
-                        # the interpreter waits for this thread, EXIT_WAIT_SECONDS at most,
-                        until = self._exit_until = (  # and the exit's wait for this tier
-                            time.monotonic() + EXIT_WAIT_SECONDS)  # after it ends then too
+                    if until == math.inf and not main.is_alive() and _only_ours_left(main):
+                        # the process exits: the interpreter waits for this thread, and the
+                        until = _exit_deadline()  # exit's wait after it, within one bound
                     if not records or self._closing or time.monotonic() >= until:
                         self._progress_thread = None  # (past its bound, what is left is the
                         return  # exit's, and threads still running poll on their own)
@@ -1081,6 +1077,27 @@ def _runs_nixl(agent: Any) -> bool:
     return False
 
 
+#: when the interpreter's exit stops waiting for NIXL: :data:`EXIT_WAIT_SECONDS` from when the
+#: first to see the process exit (the main thread returned, and no thread still runs but
+#: daemons and kvfsm's own) looked: a progress thread then, else :func:`_wait_at_exit`. The
+#: progress threads' polls and the exit's wait after them share it
+_exit_by: list[float] = []
+
+
+def _exit_deadline() -> float:
+    """The exit's deadline: :data:`EXIT_WAIT_SECONDS` from the first call."""
+    if not _exit_by:
+        _exit_by.append(time.monotonic() + EXIT_WAIT_SECONDS)
+    return _exit_by[0]
+
+
+def _only_ours_left(main: threading.Thread) -> bool:
+    """Whether every thread still running but ``main`` (which returned) is a daemon or kvfsm's
+    own (named ``kvfsm-...``): none of the caller's threads may still use a tier."""
+    return all(thread.daemon or thread.name.startswith("kvfsm-")
+               for thread in threading.enumerate() if thread is not main)
+
+
 def _wait_at_exit() -> None:
     """At the interpreter's exit, once it joined its threads (an ``atexit`` handler): a process
     must not exit with a NIXL transfer in flight (with an object store's requests under way
@@ -1093,16 +1110,15 @@ def _wait_at_exit() -> None:
     within :data:`EXIT_WAIT_SECONDS`: past it (a transfer NIXL never ends, a peer's write whose
     receiver in this process no one polls any more), an error names what still runs, and the
     exit goes on. Threads still running when the main thread returned are not disturbed: the
-    interpreter joins them first, and their tiers keep working until then. A tier whose
-    progress thread went on polling once the main thread had returned waited for NIXL then:
-    its bound counts from then (:attr:`SecondaryTier._exit_until`), not twice."""
-    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    interpreter joins them first, and their tiers keep working until then; the bound counts
+    from when they had all ended, and covers the progress threads' polls after that too."""
+    deadline = _exit_deadline()
     for tier in list(_nixl_tiers):
         tier._closing = True  # submits refused from now on (read before the lock is taken)
         tier._progress_wake.set()
     for tier in list(_live_tiers):
         try:
-            _finish_at_exit(tier, min(deadline, tier._exit_until))
+            _finish_at_exit(tier, deadline)
         except Exception:
             logger.exception("interpreter exit: %s raised while its transfers were waited for",
                              type(tier).__name__)
@@ -1119,6 +1135,7 @@ def _forget_after_fork() -> None:
     global _live_tiers, _nixl_tiers
     _inherited.append((_live_tiers, list(_nixl_tiers)))
     _live_tiers, _nixl_tiers = set(), weakref.WeakSet()
+    _exit_by.clear()  # (a child forked as the parent exits has its own exit)
 
 
 def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
