@@ -764,12 +764,12 @@ class TieringManager:
         blocks = [operator.index(block) for block in listed]
         submitted: list[int] = []
         refusals: list[tuple[str, int, BaseException]] = []
-        took: set[str] = set()  # the tiers that took their job
         try:
-            self._cascade(blocks, keys, kinds, submitted, refusals, took)
+            self._cascade(blocks, keys, kinds, submitted, refusals)
         except BaseException as error:  # an interrupt, or a tier's call that raised, left
             # the cascade: every tier without its job forgets the keys, as a tier skipped does
             # (the ones not reached yet would otherwise vouch for an older copy of them)
+            took = {job.tier for job in map(self._jobs.get, submitted) if job is not None}
             going: BaseException = error
             for name, tier in self._tiers.items():
                 if name not in took:
@@ -786,10 +786,9 @@ class TieringManager:
         return submitted
 
     def _cascade(self, blocks: list[int], keys: Sequence[Key], kinds: dict[tuple[type, int], int],
-                 submitted: list[int], refusals: list[tuple[str, int, BaseException]],
-                 took: set[str]) -> None:
+                 submitted: list[int], refusals: list[tuple[str, int, BaseException]]) -> None:
         """:meth:`store`'s job for each tier in turn, noting each job taken (``submitted``,
-        ``took``) and each refusal as it comes."""
+        the one an interrupt cut short included) and each refusal as it comes."""
         nbytes = len(blocks) * self._block_bytes
         for name, tier in self._tiers.items():
             if getattr(tier, "read_only", False) is True:  # it only loads what others store:
@@ -809,7 +808,7 @@ class TieringManager:
                 tier.submit_store(job)
             except BaseException as error:
                 if pinned and not isinstance(error, Exception) and _took(tier, job.job_id):
-                    took.add(name)
+                    submitted.append(job.job_id)
                     self._took_kinds(kinds)
                     raise  # an interrupt once the tier took the job: it keeps its pin
                 del self._jobs[job.job_id]
@@ -826,7 +825,6 @@ class TieringManager:
                 refusals.append((name, job.job_id, error))
                 continue
             submitted.append(job.job_id)
-            took.add(name)
             self._took_kinds(kinds)  # (at once: an interrupt may follow)
 
     def find(self, keys: Sequence[Key]) -> str | None:
