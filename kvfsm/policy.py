@@ -2,9 +2,9 @@
 
 A release that raises is retried on later polls (the transfer stays in DONE or FAILED, F1). Kept
 up forever, one stuck release keeps the engine stepping forever and ``drain_jobs`` waiting
-forever (F9). A :class:`RetryPolicy` bounds it: past ``max_attempts`` failed releases, or
-``max_seconds`` after the transfer ended, the next failed release answers EXHAUSTED and the
-transfer moves to QUARANTINED, publishing a failure.
+forever (F9). A :class:`RetryPolicy` bounds it: the release that fails for the
+``max_attempts``-th time, or the first to fail ``max_seconds`` or more after the transfer ended,
+answers EXHAUSTED and the transfer moves to QUARANTINED, publishing a failure.
 
 What the bound means for memory: a quarantined transfer *had ended* (NIXL answered DONE or an
 error) before its release was retried, so the memory it read or wrote is no longer in use and
@@ -69,7 +69,8 @@ class RetryPolicy:
     """Bounds on retrying a failed release, and on waiting for a running transfer.
 
     Args:
-        max_attempts: failed releases after which the next failure quarantines (None: no bound).
+        max_attempts: release calls at most: the ``max_attempts``-th to fail quarantines
+            (1: the first failure does; None: no bound).
         max_seconds: seconds after the transfer ended after which a failed release quarantines
             (None: no bound); the backoff never puts a try past it, so one comes at that bound.
         backoff: seconds to wait before retrying the first failed release; doubled after each

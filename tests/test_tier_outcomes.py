@@ -130,8 +130,8 @@ def test_a_finished_transfer_whose_release_keeps_raising_is_quarantined_not_reco
     The success latched at DONE is never recomputed: the state is not checked again, and the
     job fails only because its handle is held for good, saying so (QUARANTINED, naming the
     release and its last error). The engine goes idle, and shutdown keeps the primary cache
-    registered under the held handle. (Its keys must be MISS from then on, as after any
-    failure: the next test, which shows they are not.)"""
+    registered under the held handle. (Its keys are MISS from then on, as after any failure:
+    the next test.)"""
     caplog.set_level(logging.WARNING, logger="kvfsm")
     tier = ObjectStoreTier(primary, agent=fake, policy=RetryPolicy(max_attempts=3))
     job = job_for(tier, direction, job_id=2)
@@ -154,7 +154,7 @@ def test_a_finished_transfer_whose_release_keeps_raising_is_quarantined_not_reco
                                           f"retry bound spent; last error: {BACKEND}")
     assert fake.call_count("check_xfer_state") == checks + XFERS, \
         "DONE was latched once (each block's), never polled again"
-    # its keys should now be MISS: the next test, marked as a known bug, shows they are not
+    # its keys are MISS now: the next test
     stats = tier.stats()
     assert stats["in_flight"] == {}
     assert (stats["quarantined"], stats["quarantined_running"]) == (1, 0)

@@ -41,9 +41,11 @@ Every event is one NIXL call, and carries what NIXL answered (an :class:`Answer`
   DONE or an error before FAILED lets the handle go (F10). A transfer already over (DONE,
   FAILED, XFER_RELEASED, CLEANED) keeps its outcome: cancel is declared there as a stay, so a
   cancel may arrive between any two steps and the table says what it means.
-* ``EXHAUSTED`` (the tier's :class:`~kvfsm.policy.RetryPolicy` says a bound is spent) moves a
-  release that keeps raising, or a transfer still running at the shutdown deadline, to
-  QUARANTINED: its handles are never released, and its result is a failure (F9).
+* ``EXHAUSTED`` (the tier's :class:`~kvfsm.policy.RetryPolicy` says a bound is spent, or a
+  shutdown's deadline passed while a release kept raising) moves a release that keeps raising,
+  or a transfer NIXL still runs past ``max_running_seconds``, to QUARANTINED: its handles are
+  never released, and its result is a failure (F9). A shutdown never gives up a transfer NIXL
+  still runs.
 
 Why a job failed is latched with its outcome, as a :class:`FailureReason` (the call that failed
 and what it raised or answered, or the declared reason: cancelled, quarantined), and handed out
