@@ -376,6 +376,10 @@ class PeerReceiver(JobSide):
                 raise TierClosedError(f"PeerReceiver is shut down; job "
                                       f"{getattr(job, 'job_id', job)!r} refused")
             self._check_expected(job)
+            # kept as it is now: the caller's lists may change after this call returns
+            job = TransferJob(job.job_id, tuple(job.keys),
+                              tuple(block.__index__() for block in job.block_ids),
+                              job.is_promotion)
             link = self.links.get(sender)
             if link is None or link.state is not LinkState.CONNECTED:
                 state = "unknown; connect() it first" if link is None else link.state.name
@@ -747,10 +751,10 @@ class _PeerMemory:
         receiver = self._receiver
         if receiver.peer is None:
             raise ConnectionError("no receiver is connected")
-        return [(*receiver.blocks[receiver.index(key)], "") for key in transfer.job.keys]
+        return [(*receiver.blocks[receiver.index(key)], "") for key in transfer.keys]
 
     def notification(self, transfer: Transfer) -> bytes:
-        receiver, keys = self._receiver, transfer.job.keys
+        receiver, keys = self._receiver, transfer.keys
         if receiver.link is None:
             raise ConnectionError("no receiver is connected")
         return notification_for(receiver.link.nonce, transfer.job.job_id,

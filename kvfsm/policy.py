@@ -61,6 +61,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from kvfsm.contract import MAX_INTERVAL
+
 __all__ = ["InFlightLimit", "RetryPolicy"]
 
 
@@ -98,9 +100,9 @@ class RetryPolicy:
             ``max_seconds`` or ``max_running_seconds`` means no bound and is kept as None (one
             spelling, and the tier's fast path); an infinite ``backoff`` or ``max_backoff`` is
             refused (a release would never be tried again, so no bound would be reached);
-            ``max_unpolled`` is a positive, finite number of seconds, ``check_all_below`` an
-            int of at least 0, ``progress_interval`` a positive, finite number of seconds or
-            None.
+            ``max_unpolled`` is a positive number of seconds of at most 1e9 (a wait longer
+            than that fails), ``check_all_below`` an int of at least 0, ``progress_interval``
+            a positive number of seconds of at most 1e9 or None.
     """
 
     max_attempts: int | None = None
@@ -222,11 +224,12 @@ def _check_seconds(name: str, value: Any, alternative: str) -> None:
 
 
 def _check_period(name: str, value: Any, alternative: str) -> None:
-    """``value`` is a positive, finite number of seconds."""
+    """``value`` is a positive number of seconds, at most :data:`~kvfsm.contract.MAX_INTERVAL`
+    (a thread's wait of more fails: past what the clock counts in)."""
     _check_seconds(name, value, alternative.strip())
-    if not 0 < value < math.inf:
-        raise ValueError(f"RetryPolicy.{name} must be a positive, finite number of seconds"
-                         f"{alternative}, got {value!r}")
+    if not 0 < value <= MAX_INTERVAL:
+        raise ValueError(f"RetryPolicy.{name} must be a positive number of seconds, at most "
+                         f"{MAX_INTERVAL:.0e}{alternative}, got {value!r}")
 
 
 def _shown(value: Any) -> str:

@@ -124,7 +124,8 @@ class Runner(Books):
         policy: the retry and running bounds.
         on_final: called with each transfer that reached a final state and its result, after
             the runner's books and before logging and listeners (the tier records what its
-            keys hold here); more may be appended to :attr:`on_final`.
+            keys hold here); more may be appended to :attr:`on_final`. An ordinary exception
+            one raises is logged, and the others and the filing go on: the job's record goes.
     """
 
     #: an interrupt (a signal handler's exception, raised between any two statements) may
@@ -133,7 +134,8 @@ class Runner(Books):
     #: called with each transfer that failed, before its result is queued: what a caller who
     #: reads the failure must find done (the tier forgets a failed store's keys: a key left
     #: vouched for would let a load read an old copy as the new bytes). An interrupt in them
-    #: leaves the transfer unpublished, and :meth:`mend` finishes it, calling them again
+    #: leaves the transfer unpublished, and :meth:`mend` finishes it, calling them again; an
+    #: ordinary exception one raises is logged, and the others and the filing go on
     on_failed: list[Callable[[Transfer], None]]
     #: called with each transfer as it is published, after the books (best effort)
     on_published: list[Callable[[Transfer], None]]
@@ -816,13 +818,15 @@ class Runner(Books):
         if held:
             self.quarantined.append(transfer)
         for book in self.on_final:
-            book(transfer, result)
+            try:
+                book(transfer, result)
+            except Exception:  # the filing goes on: its record must go, its result stands
+                self._book_raised(transfer, book)
         self.published += 1
         self.latencies.append(result.transfer_time)
         if transfer.leaks:
             self.record_leaks(job_id, transfer.leaks)
-        if not result.success:
-            self.failed += 1
+        self.failed += not result.success
         self._committing.discard(job_id)
         del self.records[job_id]
         transfer.filed = None
@@ -836,7 +840,21 @@ class Runner(Books):
     def _failing(self, transfer: Transfer) -> None:
         """A transfer that failed, before its result is queued: :attr:`on_failed`."""
         for book in self.on_failed:
-            book(transfer)
+            try:
+                book(transfer)
+            except Exception:
+                self._book_raised(transfer, book)
+
+    @staticmethod
+    def _book_raised(transfer: Transfer, book: Callable[..., None]) -> None:
+        """A book (:attr:`on_final`, :attr:`on_failed`) raised an ordinary exception: logged
+        with its traceback; the filing goes on, so the job is still published once and its
+        record goes (a book left half-written cannot hold the tier's drain or shutdown)."""
+        name = getattr(book, "__qualname__", None) or getattr(
+            getattr(book, "func", None), "__qualname__", repr(book))
+        logger.exception("job %d: the tier's book %s raised; the job's result stands, and what "
+                         "that book keeps for its keys may be out of date", transfer.job_id,
+                         name, extra=transfer.log_fields())
 
     @staticmethod
     def _settle_failed(transfer: Transfer) -> bool:

@@ -234,9 +234,10 @@ class CPUPrimaryTier:
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
-        shape = (block_shape,) if isinstance(block_shape, int) else tuple(block_shape)
-        if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1
-                            for d in shape):
+        shape = ((block_shape,) if isinstance(block_shape, int)
+                 else tuple(block_shape) if isinstance(block_shape, Sequence) else ())
+        if not shape or isinstance(block_shape, str | bytes) or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
             raise ValueError(f"block_shape must be ints >= 1, got {block_shape!r}")
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()

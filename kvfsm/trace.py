@@ -134,8 +134,9 @@ def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
     """The traces of a file written by :class:`TraceRecorder`.
 
     Raises:
-        ValueError: a line is not a trace, or its reason is not one (the message names the
-            line).
+        ValueError: a line is not a trace (no steps, a step that is not one, a success that
+            is not true or false; one written before outcomes were has none, and is read),
+            or its reason is not one (the message names the line).
     """
     with Path(path).open(encoding="utf-8", errors="surrogateescape") as lines:
         for number, line in enumerate(lines, start=1):
@@ -152,6 +153,10 @@ def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
                             or not all(isinstance(part, str) for part in row[:4])):
                         raise ValueError(f"step {index} is not [event, answer, from, to, "
                                          f"seconds]: {row!r}")
+                if "success" in trace and type(trace["success"]) is not bool:  # (checked
+                    # against the steps; a trace written before outcomes were has none)
+                    raise ValueError(f"success must be true or false, got "
+                                     f"{json.dumps(trace['success'])}")
                 trace_reason(trace)
             except (ValueError, AttributeError) as error:
                 raise ValueError(f"{path}:{number}: not a trace ({error})") from None

@@ -7,6 +7,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -208,14 +209,18 @@ def test_capacity_needs_a_way_to_remove_and_at_least_one_block(
                         remove=agent.remove_objects)
     with pytest.raises(ValueError, match="record_events=True needs capacity_bytes"):
         ObjectStoreTier(primary, agent=agent, record_events=True)
+    with pytest.raises(ValueError, match=r"remove must be a function .* got 5"):
+        ObjectStoreTier(primary, agent=agent, capacity_bytes=4 * BLOCK, remove=5)
+    with pytest.raises(ValueError, match="remove= is given without capacity_bytes"):
+        ObjectStoreTier(primary, agent=agent, remove=agent.remove_objects)
     assert agent.live_registrations() == 0  # refused before any NIXL call
 
 
-def test_a_removal_that_fails_is_counted_and_the_block_forgotten(
-    primary: torch.Tensor, agent: FakeNixlAgent
+def test_a_removal_that_fails_is_counted_logged_and_the_block_forgotten(
+    primary: torch.Tensor, agent: FakeNixlAgent, caplog: pytest.LogCaptureFixture,
 ) -> None:
     def refuse(names: list[str]) -> int:
-        raise OSError("the store refused the delete")
+        raise PermissionError("AccessDenied: s3:DeleteObject")
 
     tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=refuse)
     try:
@@ -229,6 +234,36 @@ def test_a_removal_that_fails_is_counted_and_the_block_forgotten(
         # a stays in the store, unknown to the tier
         assert sorted(agent.objects) == object_names(tier, "a", "b")
         assert tier.stats()["holdings"]["held_blocks"] == 1
+        assert [r.getMessage() for r in caplog.records if "not removed" in r.getMessage()] == [
+            "1 block(s) not removed, left where they are: the remove raised PermissionError: "
+            "AccessDenied: s3:DeleteObject"]
+    finally:
+        tier.shutdown(timeout=5)
+
+
+def test_a_removal_answering_no_count_is_logged_and_later_removals_go_on(
+    primary: torch.Tensor, agent: FakeNixlAgent, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ``remove=`` that answers with the names it could not delete, not their number: what
+    it removed cannot be told, so all count as not removed, saying what it returned; its
+    thread goes on (a list answer used to end it, and the counts with it)."""
+    answers: list[object] = [["x"], None]
+
+    def remove(names: list[str]) -> object:
+        agent.remove_objects(names)
+        return answers.pop(0)
+
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=remove)
+    try:
+        for job_id, key in enumerate("abc"):
+            tier.submit_store(store(job_id, (key, job_id)))
+            assert [r.success for r in settle(tier)] == [True]
+        holdings = tier.stats()["holdings"]
+        assert (holdings["removed"], holdings["remove_errors"]) == (1, 1)
+        assert sorted(agent.objects) == object_names(tier, "c")
+        assert [r.getMessage() for r in caplog.records if "counted as not" in r.getMessage()] == [
+            "1 block(s) counted as not removed: the remove returned ['x'], not how many of "
+            "them it could not remove (an int from 0 to 1, or None)"]
     finally:
         tier.shutdown(timeout=5)
 
@@ -318,6 +353,30 @@ def test_a_file_tier_deletes_its_least_recently_used_files(
         tier.submit_load(load(99, ("k7", 0)))
         assert [r.success for r in settle(tier)] == [True]
         assert torch.equal(primary[0], torch.arange(7 * 64, 8 * 64, dtype=torch.float32))
+    finally:
+        tier.shutdown(timeout=5)
+
+
+def test_a_block_file_that_cannot_be_removed_is_logged_and_counted(
+    tmp_path: Path, primary: torch.Tensor, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The least recently used block's file is evicted, but what is under its name cannot be
+    unlinked (a directory put there): the tier forgets it, counts it, and logs why."""
+    require_nixl()
+    tier = FileTier(primary, tmp_path, capacity_bytes=BLOCK, durable=False)
+    try:
+        tier.submit_store(store(1, ("a", 0)))
+        assert [r.success for r in settle(tier)] == [True]
+        tier.path_of("a").unlink()
+        (tier.path_of("a") / "in the way").mkdir(parents=True)
+        tier.submit_store(store(2, ("b", 1)))
+        assert [r.success for r in settle(tier)] == [True]
+        holdings = tier.stats()["holdings"]
+        assert (holdings["removed"], holdings["remove_errors"]) == (0, 1)
+        (message,) = [r.getMessage() for r in caplog.records
+                      if "not deleted" in r.getMessage()]
+        assert message.startswith(f"1 of 1 evicted block file(s) in {tmp_path}/ not deleted, "
+                                  "left there; the first: [Errno 21] Is a directory")
     finally:
         tier.shutdown(timeout=5)
 

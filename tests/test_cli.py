@@ -678,6 +678,10 @@ def test_a_replayed_path_whose_fault_never_fires_fails_saying_so(
                  "examples.verify_lifecycle:STEPS", "--replay", "mode=1;verify:err@1"]) == 2
     assert ("--replay: verify:err@1: a step of the machine's own takes raise only"
             in capsys.readouterr().err)
+    assert main(["explore", "--replay", "mode=38"]) == 2  # no transfer ends in a replay's polls
+    assert capsys.readouterr().err == (
+        "kvfsm explore: ValueError: a path's mode is 0 (transfers complete at once) or 1 (on "
+        "their first poll), the two the explorer runs; got mode=38\n")
 
 
 def test_kvfsm_explore_shows_progress_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
@@ -724,6 +728,25 @@ def test_kvfsm_replay_help_says_what_each_exit_status_means(
     assert "exit status:\n  0  every trace in the file replays clean\n" in out
     assert "\n  1  a trace diverges from its declaration" in out
     assert "\n  2  bad input: the file cannot be read (missing, a directory, no permission)" in out
+
+
+@pytest.mark.parametrize("success", ['"false"', "null", "0"])
+def test_kvfsm_replay_of_a_trace_whose_outcome_is_no_bool_is_bad_input_naming_it(
+    success: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The outcome is checked against the steps only when it is true or false: one written
+    otherwise was skipped, and the trace replayed clean. (A trace written before outcomes
+    were recorded has none, and still replays: tests/test_reasons.py.)"""
+    traces = tmp_path / "t.jsonl"
+    assert main(["demo", "--fake", *SMALL, "--trace", str(traces)]) == 0
+    capsys.readouterr()
+    first, *rest = traces.read_text().splitlines()
+    changed = first.replace('"success":false', '"success":true').replace(
+        '"success":true', f'"success":{success}')
+    traces.write_text("\n".join([changed, *rest]) + "\n")
+    assert main(["replay", str(traces)]) == 2
+    assert capsys.readouterr().err == (f"kvfsm replay: ValueError: {traces}:1: not a trace "
+                                       f"(success must be true or false, got {success})\n")
 
 
 def test_kvfsm_replay_of_a_file_with_no_trace_is_an_error_naming_it(

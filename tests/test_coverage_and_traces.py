@@ -176,7 +176,8 @@ def test_a_trace_that_departs_from_the_declaration_is_reported_at_its_first_dive
              ["poll", "RAISED", "PROCESSING", "DONE", 0.2],  # a raise never means DONE
              ["release", "OK", "DONE", "XFER_RELEASED", 0.3]]
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"machine": "transfer", "job_id": 4, "steps": steps}) + "\n")
+    path.write_text(json.dumps({"machine": "transfer", "job_id": 4, "success": True,
+                                "steps": steps}) + "\n")
     (trace,) = read_traces(path)
     divergence = replay(TRANSFER_MACHINE, trace)
     assert divergence is not None
@@ -242,7 +243,8 @@ def test_a_trace_naming_a_machine_that_does_not_exist_is_refused_by_line(
 
 def test_a_file_that_is_not_traces_is_refused_by_line(tmp_path: Path) -> None:
     path = tmp_path / "junk.jsonl"
-    path.write_text('{"machine": "transfer", "job_id": 1, "steps": []}\nnot json\n')
+    path.write_text('{"machine": "transfer", "job_id": 1, "success": true, "steps": []}\n'
+                    'not json\n')
     with pytest.raises(ValueError, match=r"junk.jsonl:2: not a trace"):
         list(read_traces(path))
     path.write_text("[1, 2]\n")  # (was: "'list' object has no attribute 'get'")

@@ -1278,3 +1278,36 @@ def test_the_fake_agent_fails_calls_at_random_the_same_way_for_a_seed() -> None:
     first = run(7)
     assert first == run(7), "one seed, one run"
     assert not all(success for _, success in first), "some calls failed"
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"max_stall": 0}, r"chaos: max_stall must be an int >= 1 \(polls\), got 0"),
+    ({"max_stall": 2.5}, "chaos: max_stall must be an int >= 1"),
+    ({"rate": "0.5"}, r"rates must be numbers in \[0, 1\] .* got \{.*'transfer': '0.5'"),
+    ({"rate": {"check_xfer_state": "0.5"}}, r"got \{'check_xfer_state': '0.5'\}"),
+    ({"rate": {"check_xfer_state": float("nan")}}, r"got \{'check_xfer_state': nan\}"),
+    ({"rate": True}, "rates must be numbers"),
+    ({"rate": {"no_such_call": 0.5}}, r"got \{'no_such_call': 0.5\}"),
+])
+def test_chaos_refuses_a_bad_rate_or_stall_at_once_naming_it(
+    options: dict[str, Any], message: str,
+) -> None:
+    """A stall of 0 polls used to be taken, and to raise inside a later state check (a
+    FaultyAgent then had the tier release a transfer that may still run); a rate given as text
+    failed with a TypeError naming nothing. Both are refused when chaos is asked for, and the
+    agent goes on without chaos."""
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(torch.zeros(4, 16), agent=agent)
+    with pytest.raises(ValueError, match=message):
+        agent.chaos(options.pop("rate", 0.5), seed=1, **options)
+    tier.submit_store(TransferJob(1, ["k"], [0]))
+    tier.drain_jobs(timeout=5)
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    tier.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("objects", [[], "bucket", 5])
+def test_a_fake_agent_refuses_objects_that_are_no_store_of_named_bytes(objects: Any) -> None:
+    with pytest.raises(ValueError, match=f"objects must be a dict of object names to bytes .* "
+                                         f"got {type(objects).__name__}"):
+        FakeNixlAgent(objects=objects)

@@ -177,6 +177,33 @@ def test_a_file_of_another_size_than_a_block_is_a_miss(cache: torch.Tensor, tmp_
     tier.shutdown()
 
 
+@real_nixl
+def test_a_relative_root_stays_where_it_was_when_the_process_changes_directory(
+    cache: torch.Tensor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiers: list[FileTier],
+) -> None:
+    """An engine given ``root="kv"`` that later changes its working directory still stores and
+    loads in the directory it named then (with the root kept relative, every store failed
+    with FileNotFoundError while lookups answered HIT from the old directory's files)."""
+    monkeypatch.chdir(tmp_path)
+    tier = FileTier(cache, "kv", agent=posix(), durable=False)
+    tiers.append(tier)
+    assert tier.root == tmp_path / "kv"
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    assert results_of(tier)[1].success
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    tier.submit_store(TransferJob(2, ["b"], [1]))
+    assert results_of(tier)[2].success
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()
+                  if not p.name.startswith(".")) == ["a", "b"]
+    target = cache.clone()
+    cache.zero_()
+    tier.submit_load(TransferJob(3, ["a", "b"], [2, 3], is_promotion=True))
+    assert results_of(tier)[3].success
+    assert torch.equal(cache[2], target[0]) and torch.equal(cache[3], target[1])
+    assert not any((tmp_path / "elsewhere").iterdir())
+
+
 # -- two tiers, one directory ---------------------------------------------------------------------
 
 @real_nixl

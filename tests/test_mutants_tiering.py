@@ -352,6 +352,10 @@ def test_a_drain_steps_again_at_once_by_default() -> None:
     ((2, (4, True)), "block_shape must be ints >= 1, got (4, True)"),
     ((2, (4, 2.0)), "block_shape must be ints >= 1, got (4, 2.0)"),
     ((2, (4, 0)), "block_shape must be ints >= 1, got (4, 0)"),
+    ((2, 16.0), "block_shape must be ints >= 1, got 16.0"),  # (was: 'float' is not iterable)
+    ((2, None), "block_shape must be ints >= 1, got None"),
+    ((2, "16"), "block_shape must be ints >= 1, got '16'"),
+    ((2, {4: 4}), "block_shape must be ints >= 1, got {4: 4}"),
 ])
 def test_a_primary_tier_of_no_blocks_or_of_empty_blocks_is_refused(
         args: tuple[object, object], message: str) -> None:

@@ -282,9 +282,10 @@ def test_the_schedule_keeps_no_more_than_what_runs(held: Held, clock: Clock) -> 
 
 
 @pytest.mark.parametrize(("field", "value", "words"), [
-    ("max_unpolled", 0, "positive, finite"),
-    ("max_unpolled", -1.0, "positive, finite"),
-    ("max_unpolled", math.inf, "positive, finite"),
+    ("max_unpolled", 0, "a positive number of seconds, at most 1e"),
+    ("max_unpolled", -1.0, "a positive number of seconds, at most 1e"),
+    ("max_unpolled", math.inf, "a positive number of seconds, at most 1e"),
+    ("max_unpolled", 1e10, "at most 1e+09, got 10000000000.0"),
     ("max_unpolled", math.nan, "a number of seconds"),
     ("max_unpolled", True, "a number of seconds"),
     ("max_unpolled", "1", "a number of seconds"),

@@ -374,7 +374,7 @@ def test_a_process_that_forgets_shutdown_exits_only_once_every_transfer_is_publi
     assert done.stdout.splitlines() == ["main ends with 8 running", "at exit: 0 0 0"]
 
 
-@pytest.mark.parametrize("bad", [0, -0.5, float("inf"), float("nan"), True, "0.001"])
+@pytest.mark.parametrize("bad", [0, -0.5, float("inf"), 1e10, float("nan"), True, "0.001"])
 def test_a_bad_progress_interval_is_refused_by_name(bad: object) -> None:
     with pytest.raises(ValueError, match=r"RetryPolicy\.progress_interval must be"):
         RetryPolicy(progress_interval=bad)  # type: ignore[arg-type]

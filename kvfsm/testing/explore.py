@@ -937,6 +937,10 @@ def parse_path(text: str) -> Path:
     mode, _, spec = text.partition(";")
     if not mode.startswith("mode=") or not mode[5:].isdigit():
         raise ValueError(f"a path starts with mode=N; got {text!r}")
+    if int(mode[5:]) not in (0, 1):  # (a transfer that takes longer may not end in a replay's
+        # polls, and would be reported as a liveness violation it is not)
+        raise ValueError(f"a path's mode is 0 (transfers complete at once) or 1 (on their "
+                         f"first poll), the two the explorer runs; got {mode}")
     choices = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
         if re.match(r"\w+:late\b", item):

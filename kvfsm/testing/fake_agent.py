@@ -75,7 +75,7 @@ import fcntl
 import itertools
 import operator
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from types import TracebackType
@@ -501,6 +501,9 @@ class FakeNixlAgent:
             raise ValueError(
                 f"complete_after_polls must be an int >= 0, got {complete_after_polls!r}"
             )
+        if objects is not None and not isinstance(objects, MutableMapping):
+            raise ValueError(f"objects must be a dict of object names to bytes (another "
+                             f"agent's objects, say), got {type(objects).__name__} {objects!r}")
         self.name = name
         self.complete_after_polls = complete_after_polls
         #: the object store: object key -> bytes

@@ -8,6 +8,7 @@ included. :meth:`FaultPlan.inject` arms a :data:`Fault` for numbered calls, and 
 
 from __future__ import annotations
 
+import numbers
 import random
 from collections import Counter
 from collections.abc import Mapping
@@ -164,13 +165,22 @@ class FaultPlan:
         """Fail calls at random, reproducibly from ``seed``: each call with probability ``rate``
         (one rate for every call, or a rate per call name). Status calls raise, answer "ERR"
         or stall for up to ``max_stall`` polls; other calls raise. Armed faults come first.
-        A rate of 0 (or an empty mapping) turns chaos off."""
+        A rate of 0 (or an empty mapping) turns chaos off.
+
+        Raises:
+            ValueError: a rate that is not a number in [0, 1], a name that is not a NIXL call
+                of the agent, or a ``max_stall`` that is not an int >= 1; nothing changed.
+        """
+        if type(max_stall) is not int or max_stall < 1:
+            raise ValueError(f"chaos: max_stall must be an int >= 1 (polls), got {max_stall!r}")
         rates = (dict(rate) if isinstance(rate, Mapping)
-                 else dict.fromkeys(self.faultable, float(rate)))
+                 else dict.fromkeys(self.faultable, rate))
         bad = {call: r for call, r in rates.items()
-               if call not in self.faultable or not 0 <= r <= 1}
+               if call not in self.faultable or isinstance(r, bool)
+               or not isinstance(r, numbers.Real) or not 0 <= r <= 1}
         if bad:
-            raise ValueError(f"chaos: rates must be in [0, 1] for NIXL calls; got {bad}")
+            raise ValueError(f"chaos: rates must be numbers in [0, 1] for NIXL calls of "
+                             f"{self.owner}; got {bad}")
         rates = {call: r for call, r in rates.items() if r}
         self._chaos = (rates, random.Random(seed), max_stall) if rates else None
 

@@ -372,11 +372,15 @@ class SecondaryTier(JobSide):
     # -- the contract -----------------------------------------------------------------------
 
     def submit_store(self, job: TransferJob) -> None:
-        """Copy the job's primary blocks out to the tier; the result comes later."""
+        """Copy the job's primary blocks out to the tier; the result comes later.
+
+        The job's keys and block ids are read during this call only: the caller may reuse
+        its lists as soon as it returns."""
         self._submit_locked(job, load=False)
 
     def submit_load(self, job: TransferJob) -> None:
-        """Fill the job's (allocated) primary blocks from the tier; the result comes later."""
+        """Fill the job's (allocated) primary blocks from the tier; the result comes later
+        (its lists are read during this call only, as :meth:`submit_store`'s are)."""
         self._submit_locked(job, load=True)
 
     def get_finished_jobs(self) -> list[JobResult]:
@@ -866,7 +870,7 @@ class SecondaryTier(JobSide):
                 taken: Sequence[str] = ()
                 try:
                     taken = self._take_back(names)
-                    holdings.reserve(names, job.keys)
+                    holdings.reserve(names, transfer.keys)
                 except BaseException:
                     self._give_back(taken)
                     raise
@@ -1218,7 +1222,7 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
                 if holdings is None or not holdings.holds(name)]
         known.record(gone, Lookup.MISS)
     if holdings is not None:
-        holdings.finished(transfer.names, transfer.job.keys, load=transfer.job.is_promotion,
+        holdings.finished(transfer.names, transfer.keys, load=transfer.job.is_promotion,
                           success=result.success, landed=transfer.landed)
 
 

@@ -536,7 +536,9 @@ class FileTier(SecondaryTier):
 
     Args:
         primary: the primary KV cache (contiguous CPU tensor, blocks on the first dimension).
-        root: the directory holding the block files (created if missing).
+        root: the directory holding the block files (created if missing); a relative one
+            is taken from the working directory now (:attr:`root` is absolute), so a
+            later ``os.chdir`` moves nothing.
         read_only: only load from ``root`` (stores are refused); a root that cannot be
             written to must say so, so a tier that could never store is refused at once
             rather than failing every store later. A read-only root need not exist yet if
@@ -589,7 +591,7 @@ class FileTier(SecondaryTier):
             from kvfsm.nixl_agents import _api  # noqa: PLC0415
 
             _api()  # raises NixlUnavailable, saying how to install it
-        self.root = Path(root)
+        self.root = Path(os.path.abspath(root))
         self.read_only = _check_root(self.root, read_only)
         #: the root as text, ending in a separator: a block's path is this and its name
         self.directory = os.path.join(self.root, "")
@@ -736,15 +738,20 @@ def _check_block(fd: int, path: str, size: int) -> None:
 
 def _unlink(directory: str, names: Sequence[str]) -> int:
     """Delete the block files ``names``; returns how many could not be deleted (one already
-    gone counts as deleted)."""
+    gone counts as deleted), logging the first failure."""
     failed = 0
+    first: OSError | None = None
     for name in names:
         try:
             os.unlink(directory + name)
         except FileNotFoundError:
             pass
-        except OSError:
+        except OSError as error:
             failed += 1
+            first = first or error
+    if first is not None:
+        logger.warning("%d of %d evicted block file(s) in %s not deleted, left there; the "
+                       "first: %s", failed, len(names), directory, first)
     return failed
 
 

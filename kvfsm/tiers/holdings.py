@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,12 +26,46 @@ from typing import Any
 
 __all__ = ["HoldingEvent", "Holdings", "TierFullError"]
 
+logger = logging.getLogger("kvfsm")
+
 #: lookups' uses noted between two calls under the tier's lock (older ones are dropped)
 USES_NOTED = 4096
 
 #: removes stored blocks by their remote names (a file tier unlinks, an object store deletes);
 #: returns how many it could not remove (None: all removed)
 Remove = Callable[[Sequence[str]], "int | None"]
+
+
+def check_remove(remove: object, capacity_bytes: object) -> None:
+    """Refuse a ``remove=`` that cannot be called, or one given without a capacity (it would
+    never be called), naming it."""
+    if remove is None:
+        return
+    if not callable(remove):
+        raise ValueError(f"remove must be a function taking a list of names and returning "
+                         f"how many it could not remove (or None), got {remove!r}")
+    if capacity_bytes is None:
+        raise ValueError("remove= is given without capacity_bytes: only a tier with a "
+                         "capacity removes blocks")
+
+
+def removal_failures(remove: Callable[[list[str]], int | None], names: list[str]) -> int:
+    """Call ``remove`` with ``names``; how many it could not remove. What it raises, or an
+    answer that is no count of them, counts them all, and is logged saying what it was."""
+    try:
+        answer = remove(names)
+    except Exception as error:
+        logger.warning("%d block(s) not removed, left where they are: the remove raised "
+                       "%s: %s", len(names), type(error).__name__, error)
+        return len(names)
+    if answer is None:
+        return 0
+    if type(answer) is int and 0 <= answer <= len(names):
+        return answer
+    logger.error("%d block(s) counted as not removed: the remove returned %r, not how many "
+                 "of them it could not remove (an int from 0 to %d, or None)", len(names),
+                 answer, len(names))
+    return len(names)
 
 
 def check_capacity(capacity_bytes: object, block_bytes: int) -> None:
@@ -66,8 +101,8 @@ class Holdings:
         capacity_bytes: the most bytes of blocks the tier keeps (at least one block).
         block_bytes: the size of one block.
         remove: removes blocks by name; called with the blocks evicted, never with one a
-            transfer uses. An error it raises is counted (``remove_errors``), never raised to
-            the caller: the block is forgotten either way.
+            transfer uses. An error it raises is logged and counted (``remove_errors``),
+            never raised to the caller: the block is forgotten either way.
         record_events: keep :class:`HoldingEvent` records for :meth:`take_events`.
         event_limit: the most events kept between two :meth:`take_events` calls (the oldest
             are dropped past it, and counted).
@@ -266,10 +301,8 @@ class Holdings:
         self._call_remove(names)
 
     def _call_remove(self, names: list[str]) -> None:
-        try:
-            failed = self._remove(names) or 0
-        except Exception:  # the blocks stay where they are; the tier forgot them all the same
-            failed = len(names)
+        # (one not removed stays where it is; the tier forgot it all the same)
+        failed = removal_failures(self._remove, names)
         self.remove_errors += failed
         self.removed += len(names) - failed
 

@@ -30,6 +30,7 @@ from kvfsm.tiers.base import (
     key_text,
     logger,
 )
+from kvfsm.tiers.holdings import check_remove, removal_failures
 from kvfsm.transfer import Transfer
 
 __all__ = ["ObjectStoreTier", "s3_deleter"]
@@ -394,9 +395,7 @@ class _Remover:
                     self._sending = frozenset(names)
                 failed = len(names)  # unless the delete answers
                 try:
-                    failed = self._delete(names) or 0
-                except Exception:
-                    pass
+                    failed = removal_failures(self._delete, names)
                 finally:
                     with self._lock:  # answered (or given up): the names may be stored again
                         self._sending = frozenset()
@@ -438,7 +437,13 @@ def s3_deleter(store: Any) -> Callable[[list[str]], int]:
     def delete(names: list[str]) -> int:
         answer = client.delete_objects(
             Bucket=bucket, Delete={"Objects": [{"Key": name} for name in names], "Quiet": True})
-        return len(answer.get("Errors", ()))
+        errors = answer.get("Errors", ())
+        if errors:
+            first = errors[0]
+            logger.warning("%d of %d evicted object(s) not deleted from bucket %s, left there; "
+                           "the first: %s: %s %s", len(errors), len(names), bucket,
+                           first.get("Key"), first.get("Code"), first.get("Message"))
+        return len(errors)
 
     return delete
 
@@ -594,6 +599,7 @@ class ObjectStoreTier(SecondaryTier):
             raise ValueError("ObjectStoreTier needs agent= (a NIXL agent) or store= "
                              "(a kvfsm.nixl_agents.StoreConfig)")
         self._remover: _Remover | None = None
+        check_remove(remove, capacity_bytes)
         if capacity_bytes is not None:
             if remove is None:
                 if store is None:
