@@ -751,10 +751,10 @@ class _PeerMemory:
         receiver = self._receiver
         if receiver.peer is None:
             raise ConnectionError("no receiver is connected")
-        return [(*receiver.blocks[receiver.index(key)], "") for key in transfer.keys]
+        return [(*receiver.blocks[receiver.index(key)], "") for key in transfer.job.keys]
 
     def notification(self, transfer: Transfer) -> bytes:
-        receiver, keys = self._receiver, transfer.keys
+        receiver, keys = self._receiver, transfer.job.keys
         if receiver.link is None:
             raise ConnectionError("no receiver is connected")
         return notification_for(receiver.link.nonce, transfer.job.job_id,

@@ -42,6 +42,7 @@ import heapq
 import inspect
 import itertools
 import logging
+import numbers
 import operator
 import re
 import time
@@ -234,11 +235,13 @@ class CPUPrimaryTier:
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
-        shape = ((block_shape,) if isinstance(block_shape, int)
+        shape = ((block_shape,) if isinstance(block_shape, numbers.Integral)
                  else tuple(block_shape) if isinstance(block_shape, Sequence) else ())
         if not shape or isinstance(block_shape, str | bytes) or any(
-                isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+                isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 1
+                for d in shape):  # (numpy's ints are ints: torch takes them)
             raise ValueError(f"block_shape must be ints >= 1, got {block_shape!r}")
+        shape = tuple(map(int, shape))
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         #: the KV cache; block ``b`` is ``cache[b]``

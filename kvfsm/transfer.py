@@ -72,7 +72,6 @@ class Transfer:
         "finished_at",
         "job",
         "job_id",
-        "keys",
         "landed",
         "leaks",
         "names",
@@ -97,9 +96,6 @@ class Transfer:
         self.job = job
         #: the job this transfer carries
         self.job_id: int = job.job_id
-        #: the job's keys as they were at submit: the caller's list may change after it, and
-        #: what the tier records (and a peer's notification names) must not
-        self.keys: tuple[Key, ...] = tuple(job.keys)
         #: where its lifecycle has it (its machine's initial state to begin with: the tier
         #: passes its machine's; by default the transfer machine's)
         self.state = TRANSFER_MACHINE.initial if initial is None else initial

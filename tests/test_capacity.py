@@ -26,6 +26,7 @@ from kvfsm.tiers import (
     TierFullError,
 )
 from kvfsm.tiers.holdings import Holdings
+from kvfsm.tiers.object_store import _Objects
 
 from .conftest import NUM_BLOCKS
 from .real_nixl import require_nixl
@@ -213,6 +214,13 @@ def test_capacity_needs_a_way_to_remove_and_at_least_one_block(
         ObjectStoreTier(primary, agent=agent, capacity_bytes=4 * BLOCK, remove=5)
     with pytest.raises(ValueError, match="remove= is given without capacity_bytes"):
         ObjectStoreTier(primary, agent=agent, remove=agent.remove_objects)
+
+    class OwnTier(SecondaryTier):  # a tier of the user's own, on kvfsm's base
+        def remote_name(self, key: bytes | str) -> str:
+            return str(key)
+
+    with pytest.raises(ValueError, match=r"remove must be a function .* got 42"):
+        OwnTier(primary, agent=agent, remote=_Objects(BLOCK), capacity_bytes=BLOCK, remove=42)
     assert agent.live_registrations() == 0  # refused before any NIXL call
 
 

@@ -678,6 +678,9 @@ def test_a_replayed_path_whose_fault_never_fires_fails_saying_so(
                  "examples.verify_lifecycle:STEPS", "--replay", "mode=1;verify:err@1"]) == 2
     assert ("--replay: verify:err@1: a step of the machine's own takes raise only"
             in capsys.readouterr().err)
+    assert main(["explore", "--replay", "mode=1;check_xfer_state:proc=100@1"]) == 0, \
+        "a stall longer than a run's polls is waited out, not taken for a job that never ends"
+    assert "0 violations" in capsys.readouterr().out
     assert main(["explore", "--replay", "mode=38"]) == 2  # no transfer ends in a replay's polls
     assert capsys.readouterr().err == (
         "kvfsm explore: ValueError: a path's mode is 0 (transfers complete at once) or 1 (on "

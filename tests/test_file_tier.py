@@ -203,6 +203,16 @@ def test_a_relative_root_stays_where_it_was_when_the_process_changes_directory(
     assert torch.equal(cache[2], target[0]) and torch.equal(cache[3], target[1])
     assert not any((tmp_path / "elsewhere").iterdir())
 
+    # a ".." after a symlink is the OS's to follow, as any path's: mnt/shared, not ./shared
+    (tmp_path / "mnt" / "kv").mkdir(parents=True)
+    (tmp_path / "elsewhere" / "link").symlink_to(tmp_path / "mnt" / "kv")
+    linked = FileTier(cache, "link/../shared", agent=posix(), durable=False)
+    tiers.append(linked)
+    linked.submit_store(TransferJob(4, ["c"], [2]))
+    assert results_of(linked)[4].success
+    assert (tmp_path / "mnt" / "shared" / "c").is_file()
+    assert not (tmp_path / "elsewhere" / "shared").exists()
+
 
 # -- two tiers, one directory ---------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ with regular expressions or look at one figure; these state each one exactly.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -362,6 +363,12 @@ def test_a_primary_tier_of_no_blocks_or_of_empty_blocks_is_refused(
     with pytest.raises(ValueError) as refused:
         CPUPrimaryTier(*args)  # type: ignore[arg-type]
     assert str(refused.value) == message
+
+
+def test_a_primary_tier_takes_numpys_ints_as_torch_does() -> None:
+    primary = CPUPrimaryTier(2, (np.int64(4), np.int32(2)), torch.uint8)
+    assert tuple(primary.cache.shape) == (2, 4, 2) and primary.block_bytes == 8
+    assert CPUPrimaryTier(2, np.int64(16), torch.uint8).block_bytes == 16
 
 
 def test_the_smallest_primary_tier_has_one_block_of_one_element() -> None:

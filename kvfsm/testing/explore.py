@@ -370,11 +370,20 @@ _SCENARIO: tuple[tuple[int, tuple[str, ...], tuple[int, ...], bool], ...] = (
 )
 
 
+def _with_stalls(path: Path, max_polls: int) -> int:
+    """The polls a run of ``path`` gets before a job without a result is a liveness violation:
+    ``max_polls``, and as many more as its stalls hold answers (a stall of more polls than a
+    run has is no violation: the transfer still runs)."""
+    return max_polls + sum(choice.fault.polls for choice in path.choices
+                           if isinstance(choice.fault, StayProc))
+
+
 def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
          steps: dict[str, StepFunction] | None = None,
          ) -> tuple[list[str], list[Violation], SecondaryTier, dict[int, _Job]]:
     """Run the scenario on ``path``; returns the calls made, the violations seen, the tier,
     and what the explorer saw of each job."""
+    max_polls = _with_stalls(path, max_polls)
     agent = _WatchedAgent(path.polls)
     watched = _inject(agent, path, machine, steps or {})
     cache = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
@@ -621,6 +630,7 @@ def _run_with_parent(path: Path, machine: Declaration[Any, Any], max_polls: int,
     """
     from kvfsm.tiering import BookkeepingError, CPUPrimaryTier, TieringManager  # noqa: PLC0415
 
+    max_polls = _with_stalls(path, max_polls)
     agent = _WatchedAgent(path.polls)
     watched = _inject(agent, path, machine, steps or {})
     primary = CPUPrimaryTier(4, 8, torch.float32)
@@ -855,7 +865,8 @@ def explore(
         max_stall: the most extra "PROC" answers one stall fault adds.
         max_calls: calls past this position in a run get no faults (bounds the depth).
         max_polls: polls after the last submit before a job without a result is a liveness
-            violation; far more than any path with ``max_faults`` faults needs.
+            violation, and as many more as the path's stalls hold answers; far more than any
+            path with ``max_faults`` faults needs.
         stop_at_first: stop at the first violating path (a shortest one).
         spec: how ``kvfsm explore --machine`` names ``machine`` (``module:ATTRIBUTE``), for the
             replay command of :meth:`Exploration.report`; not needed for kvfsm's own machines.

@@ -48,7 +48,14 @@ from kvfsm.machines.transfer import (
 )
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.runner import END, NIXL_RUNNING, Outcome, Runner
-from kvfsm.tiers.holdings import HoldingEvent, Holdings, Remove, TierFullError, check_capacity
+from kvfsm.tiers.holdings import (
+    HoldingEvent,
+    Holdings,
+    Remove,
+    TierFullError,
+    check_capacity,
+    check_remove,
+)
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
 __all__ = [
@@ -484,6 +491,8 @@ class SecondaryTier(JobSide):
             self._lock.release()
         # waited for without the tier's lock: its calls on other threads are refused at once
         self._stop_background(deadline)
+        if self._runner.book_errors:  # (a book that raised in the last tries)
+            raise self._runner.book_errors.popleft()
 
     def _cancel_all(self) -> None:
         """Shutdown's cancel of every unfinished job (under the tier's lock), once the books
@@ -848,6 +857,9 @@ class SecondaryTier(JobSide):
         if self._closed or self._closing:
             raise TierClosedError(f"{type(self).__name__} is shut down; job {job.job_id} refused")
         names, block_ids = self._validate(job, load=load)
+        if type(job.keys) is not tuple or job.block_ids is not block_ids:  # the job as it is
+            # now, for the transfer: the caller may reuse its lists once this call returns
+            job = TransferJob(job.job_id, tuple(job.keys), block_ids, job.is_promotion)
         runner = self._runner
         nbytes = len(block_ids) * self.block_bytes
         limit = self.in_flight
@@ -870,7 +882,7 @@ class SecondaryTier(JobSide):
                 taken: Sequence[str] = ()
                 try:
                     taken = self._take_back(names)
-                    holdings.reserve(names, transfer.keys)
+                    holdings.reserve(names, job.keys)
                 except BaseException:
                     self._give_back(taken)
                     raise
@@ -923,6 +935,8 @@ class SecondaryTier(JobSide):
         if self._kept and not runner.records and not runner.may_run:  # nothing unpublished:
             self._kept = False  # it may be dropped
             _live_tiers.discard(self)
+        if runner.book_errors:  # (the jobs are published: the results wait for the next call)
+            raise runner.book_errors.popleft()
 
     def _take_polls(self, answered: list[tuple[Transfer, Any]]) -> None:
         """Fire each state check's answer, then take the transfer as far as it goes."""
@@ -1212,18 +1226,22 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
     """A finished store or load shows the blocks are there; after a failed load the tier
     cannot vouch for them, and a failed load is not made again and again (F11). (A failed
     store forgot its names before its result was queued: :func:`_forget_failed_store`.) The
-    holdings unpin them."""
-    if result.success or transfer.job.is_promotion:
-        known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
-                     load=transfer.job.is_promotion)
-    if transfer.doomed and result.success:  # read before their removal: gone by now,
-        # unless a store took one back meanwhile (the tier holds it again)
-        gone = [name for name in transfer.doomed
-                if holdings is None or not holdings.holds(name)]
-        known.record(gone, Lookup.MISS)
-    if holdings is not None:
-        holdings.finished(transfer.names, transfer.keys, load=transfer.job.is_promotion,
-                          success=result.success, landed=transfer.landed)
+    holdings unpin them, whatever the verdicts' recording raised (an unpin skipped would hold
+    the blocks' room for good)."""
+    try:
+        if result.success or transfer.job.is_promotion:
+            known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
+                         load=transfer.job.is_promotion)
+        if transfer.doomed and result.success:  # read before their removal: gone by now,
+            # unless a store took one back meanwhile (the tier holds it again)
+            gone = [name for name in transfer.doomed
+                    if holdings is None or not holdings.holds(name)]
+            known.record(gone, Lookup.MISS)
+    finally:
+        if holdings is not None:
+            holdings.finished(transfer.names, transfer.job.keys,
+                              load=transfer.job.is_promotion, success=result.success,
+                              landed=transfer.landed)
 
 
 def _forget_failed_store(known: KnownNames, transfer: Transfer) -> None:
@@ -1254,6 +1272,7 @@ def _holdings(known: KnownNames, block_bytes: int, capacity_bytes: int | None,
         return None
     if remove is None:
         raise ValueError("capacity_bytes needs a way to remove blocks (remove=)")
+    check_remove(remove, capacity_bytes)
     return Holdings(capacity_bytes, block_bytes, functools.partial(_forget, known, remove),
                     record_events=record_events)
 

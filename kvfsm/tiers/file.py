@@ -591,7 +591,7 @@ class FileTier(SecondaryTier):
             from kvfsm.nixl_agents import _api  # noqa: PLC0415
 
             _api()  # raises NixlUnavailable, saying how to install it
-        self.root = Path(os.path.abspath(root))
+        self.root = Path(root).absolute()  # (its '..' left to the OS: a symlink's parent)
         self.read_only = _check_root(self.root, read_only)
         #: the root as text, ending in a separator: a block's path is this and its name
         self.directory = os.path.join(self.root, "")
