@@ -362,6 +362,63 @@ class DeadStore(FakeNixlAgent):
         raise FakeNixlError("NIXL_ERR_BACKEND")
 
 
+class TornDown(FakeNixlAgent):
+    """A probe agent whose store gives up each query after ``hold`` seconds (as NIXL does
+    against a frozen store, its HTTP request still running), noting on which thread and when
+    the last reference to it went (its teardown, which for a real agent waits for that request
+    holding the interpreter's lock)."""
+
+    def __init__(self, torn: list[tuple[str, float]], hold: float = 0.0) -> None:
+        super().__init__(name="torn-down-probe")
+        self.torn, self.hold = torn, hold
+        self.asked = threading.Event()
+
+    def query_memory(self, *args: object, **kwargs: object) -> list[dict[str, str] | None]:
+        self.asked.set()
+        time.sleep(self.hold)
+        raise FakeNixlError("NIXL_ERR_BACKEND")
+
+    def __del__(self) -> None:
+        self.torn.append((threading.current_thread().name, time.monotonic()))
+
+
+@pytest.mark.parametrize("asking", [False, True])
+def test_a_probe_agent_whose_query_was_given_up_is_let_go_of_only_once_it_settled(
+    primary: torch.Tensor, agent: FakeNixlAgent, asking: bool,
+) -> None:
+    """Tearing down a real probe agent whose query NIXL gave up waits, holding the
+    interpreter's lock, for the HTTP request still running: no thread ran for 28.6 s after a
+    shutdown that had returned. A tier that made its probe agent lets go of it only
+    SETTLE_SECONDS after the give-up, on a thread that sleeps meanwhile: the probe's own when
+    shutdown found it asking (``asking``), else one of its own; shutdown waits for neither."""
+    torn: list[tuple[str, float]] = []
+    probe = TornDown(torn, hold=0.3 if asking else 0.0)
+    tier = ObjectStoreTier(primary, agent=agent, probe_agent=probe)
+    tier._prober.settle_seconds = 0.5  # (SETTLE_SECONDS, 45 s, for an agent the tier made)
+    asked = probe.asked
+    del probe
+    tier.lookup("k")
+    assert asked.wait(5)
+    if not asking:
+        for _ in range(1000):  # the query was given up, and the probe thread ended
+            if not tier._prober.busy and tier._prober.errors:
+                break
+            time.sleep(0.005)
+    started = time.monotonic()
+    tier.shutdown(timeout=0.1)
+    assert time.monotonic() - started < 0.3, "shutdown waits for no settling"
+    assert torn == [], "not let go of before it settled"
+    gave_up = tier._prober._gave_up_at
+    for _ in range(400):
+        if torn:
+            break
+        time.sleep(0.01)
+        gave_up = gave_up or tier._prober._gave_up_at
+    ((thread, when),) = torn
+    assert thread == ("kvfsm-object-probe" if asking else "kvfsm-probe-agent-settle")
+    assert gave_up is not None and when >= gave_up + 0.5
+
+
 def test_the_names_whose_probe_failed_stay_bounded_while_the_store_is_down(
     primary: torch.Tensor, agent: FakeNixlAgent
 ) -> None:

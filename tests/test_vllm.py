@@ -414,10 +414,11 @@ def test_a_failed_promotion_is_a_miss_afterwards_and_never_loaded_again(
 
 
 def test_a_promotion_of_blocks_removed_since_the_lookup_names_what_did_load(
-    tmp_path: Path
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Straight through the factory and vLLM's own job types: the tier evicts a block between
-    the lookup's HIT and the load."""
+    the lookup's HIT and the load. vLLM's result has no reason: the log says which keys were
+    missing."""
     import numpy as np  # noqa: PLC0415
     import torch  # noqa: PLC0415
     from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: PLC0415
@@ -449,6 +450,10 @@ def test_a_promotion_of_blocks_removed_since_the_lookup_names_what_did_load(
         assert results[2].success and results[2].transfer_bytes == CHUNK_BYTES
         load = results[3]
         assert (load.success, load.successful_keys) == (False, [key(1)])
+        assert [r.getMessage() for r in caplog.records if "no longer in the tier" in
+                r.getMessage()] == [
+            f"{tier.label}: load job 3 fails: 1 of its keys are no longer in the tier "
+            f"(removed, or a transfer of them failed, since vLLM looked them up): {key(2)!r}"]
         assert bytes(view.cast("B")[:CHUNK_BYTES]) == block(1)
         assert tier.lookup(key(2), context) is LookupResult.MISS
     finally:

@@ -44,6 +44,12 @@ _dev_ids = itertools.count()
 #: the most names a prober keeps waiting to be asked about
 MAX_WANTED = 4096
 
+#: seconds a probe agent is kept after NIXL gave up a query of it, before it is let go of:
+#: the query's HTTP request may still run, and tearing the agent down waits for it holding the
+#: interpreter's lock (measured against a frozen store: some 29 s after NIXL's 30 s give-up,
+#: during which no thread of the process ran)
+SETTLE_SECONDS = 45.0
+
 #: probers and removers whose thread may still run; told to stop when the interpreter exits
 _live_probers: weakref.WeakSet[_Prober] = weakref.WeakSet()
 _live_removers: weakref.WeakSet[_Remover] = weakref.WeakSet()
@@ -60,6 +66,32 @@ def _stop_all_probers() -> None:
 
 # runs before the interpreter joins its non-daemon threads (atexit handlers run after that)
 getattr(threading, "_register_atexit", lambda _: None)(_stop_all_probers)
+
+
+def _let_go(agent: Any, gave_up_at: float | None, settle: float, *, here: bool) -> None:
+    """Let go of a probe ``agent`` (the caller drops its own reference once this returns):
+    at once, unless NIXL gave up a query of it less than ``settle`` seconds ago
+    (:data:`SETTLE_SECONDS` for an agent the tier made); then only once that much time
+    passed, waited for on this thread (``here``: the probe's own) or on one of its own that
+    holds the agent meanwhile, not a daemon (an exit waits for it, as for a query in flight).
+    The wait releases the interpreter's lock, as the agent's teardown would not."""
+    wait = 0.0 if gave_up_at is None else gave_up_at + settle - time.monotonic()
+    if wait <= 0:
+        return
+    if not here:
+        try:
+            threading.Thread(target=_hold, args=(agent, wait),
+                             name="kvfsm-probe-agent-settle").start()
+        except RuntimeError:  # no thread to be had (the interpreter exits): waited here
+            pass
+        else:
+            return
+    time.sleep(wait)
+
+
+def _hold(agent: Any, wait: float) -> None:
+    """A settle thread: holds ``agent`` (its arguments) ``wait`` seconds, then lets go of it."""
+    time.sleep(wait)
 
 
 class _Objects(StorageSide):
@@ -113,6 +145,11 @@ class _Prober:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.errors = 0
+        #: when NIXL last gave up a query (None: never), and how long the agent is kept after
+        #: it before it is let go of (:data:`SETTLE_SECONDS` for an agent the tier made, whose
+        #: last reference is the tier's; 0 for one it was given)
+        self._gave_up_at: float | None = None
+        self.settle_seconds = 0.0
         _live_probers.add(self)
 
     def want(self, name: str) -> None:
@@ -149,10 +186,13 @@ class _Prober:
         if os.getpid() != self._pid:
             return True
         self.signal_stop()
+        agent = None
         with self._lock:
             thread = self._thread
             if thread is None:
-                self._agent = None
+                agent, self._agent = self._agent, None
+        _let_go(agent, self._gave_up_at, self.settle_seconds, here=False)
+        del agent  # (let go of here, unless a settle thread holds it)
         _live_probers.discard(self)
         if thread is None or thread is threading.current_thread():
             return True
@@ -180,24 +220,27 @@ class _Prober:
         return thread is not None and thread.is_alive()
 
     def _run(self) -> None:
+        agent = None
         try:
             while True:
                 with self._lock:  # the check for work and the thread's end are one step
                     if self._stopping or not self._wanted:
                         self._thread = None
-                        if self._stopping:
-                            self._agent = None  # stopped: the agent goes with the tier
-                        return
+                        if self._stopping:  # stopped: the agent goes with the tier
+                            agent, self._agent = self._agent, None
+                        break
                     names = list(itertools.islice(self._wanted, self._batch))
                 if not self._query(names):
                     with self._lock:
                         self._thread = None
-                        self._agent = None
-                        return
+                        agent, self._agent = self._agent, None
+                        break
         except BaseException:  # an unforeseen error: a later want() starts a thread again
             with self._lock:
                 self._thread = None
             raise
+        if agent is not None:  # let go of on this thread, once a query it gave up on is over
+            _let_go(agent, self._gave_up_at, self.settle_seconds, here=True)
 
     def _query(self, names: list[str]) -> bool:
         """Ask for ``names``; False when stopped while waiting for the tier's lock."""
@@ -216,12 +259,15 @@ class _Prober:
             answers = self._agent.query_memory([(0, 1, 0, name) for name in names],
                                                "OBJ", "OBJ")
         except Exception as error:  # the store did not answer: MISS for now (below)
+            self._gave_up_at = time.monotonic()  # (its request may still run: _let_go)
             self.errors += 1
             answers = None
             if self.errors & (self.errors - 1) == 0:  # the 1st, 2nd, 4th... not every batch
                 logger.warning("lookup probe failed (%d so far): %s: %s; its %d name(s) "
                                "answer MISS for %s s, then are asked again", self.errors,
-                               type(error).__name__, error, len(names), self.miss_for)
+                               type(error).__name__, str(error), len(names), self.miss_for)
+                # (as text: a record a handler keeps would keep the error, its traceback,
+                # and through it the agent, whose teardown must wait: _let_go)
         finally:
             if shared is not None:
                 shared.release()
@@ -494,8 +540,9 @@ class ObjectStoreTier(SecondaryTier):
     is looked for again once the MISS is :attr:`probed_miss_seconds` old, so a block another
     process (or tier) stores into the same bucket is found; a name whose query failed answers
     MISS until a query about it is answered, so an engine is told RETRY for a store that is
-    down only until its first query about a name gives up (NIXL: at once for a refused
-    connection, 30 s against a frozen server); one whose load failed stays a MISS (F11) until newer
+    down only until its first query about a name gives up (NIXL: some 25 s a name against a
+    server that refuses connections, its HTTP client retrying, 30 s against a frozen one); one
+    whose load failed stays a MISS (F11) until newer
     names push it out of the lookup cache. A process sees an object only once its upload
     completed: S3 makes a PUT visible whole or not at all.
 
@@ -607,6 +654,7 @@ class ObjectStoreTier(SecondaryTier):
                                      "needs remove= (NIXL cannot delete objects)")
                 remove = s3_deleter(store)
             self._remover = _Remover(remove)
+        made_probe = agent is None and probe_agent is None  # (its last reference the tier's)
         if agent is None:
             agent, probe_agent = _agents_for(store, probe_agent)
         super().__init__(primary, agent=agent, remote=_Objects(int(primary[0].nbytes)),
@@ -618,6 +666,7 @@ class ObjectStoreTier(SecondaryTier):
                                probe_batch, None if probe_agent is not None else self._lock,
                                self.probed_miss_seconds,
                                None if self._remover is None else self._remover.removing)
+        self._prober.settle_seconds = SETTLE_SECONDS if made_probe else 0.0
         # a tier dropped without shutdown() stops its prober (never waiting for it)
         weakref.finalize(self, self._prober.stop, 0.0)
 
