@@ -125,8 +125,8 @@ class Runner(Books):
         on_final: called with each transfer that reached a final state and its result, after
             the runner's books and before logging and listeners (the tier records what its
             keys hold here); more may be appended to :attr:`on_final`. An ordinary exception
-            one raises is kept (:attr:`book_errors`), once the others and the filing went on:
-            the job is published and its record gone.
+            one raises is logged, and the others and the filing go on: the job is published
+            and its record goes.
     """
 
     #: an interrupt (a signal handler's exception, raised between any two statements) may
@@ -136,14 +136,11 @@ class Runner(Books):
     #: reads the failure must find done (the tier forgets a failed store's keys: a key left
     #: vouched for would let a load read an old copy as the new bytes). An interrupt in them
     #: leaves the transfer unpublished, and :meth:`mend` finishes it, calling them again; an
-    #: ordinary exception one raises is raised by the tier's next poll, once the others and
-    #: the filing went on (:attr:`book_errors`)
+    #: ordinary exception one raises is logged, and the others and the filing go on (the
+    #: tier's own books leave it safe: a forget that raised makes the tier vouch for nothing)
     on_failed: list[Callable[[Transfer], None]]
     #: called with each transfer as it is published, after the books (best effort)
     on_published: list[Callable[[Transfer], None]]
-    #: what books raised (:func:`_book_raised`), for the tier's next poll to raise: a submit,
-    #: which may end a job at once, never raises for a job it took
-    book_errors: collections.deque[Exception]
 
     @functools.cached_property
     def guarded(self) -> _Guarded:
@@ -201,7 +198,7 @@ class Runner(Books):
         #: called with each transfer that reached a final state, once the books are written
         self.on_final: list[Callable[[Transfer, JobResult], None]] = (
             [] if on_final is None else [on_final])
-        self.on_failed, self.on_published, self.book_errors = [], [], collections.deque()
+        self.on_failed, self.on_published = [], []
         self.running = _Running()  # those in a running state, and their handles
         #: the poll schedule (check_round): the running transfers oldest first; the sweep's
         #: batches (due, transfers) in the order of their turn; those that started running
@@ -798,8 +795,8 @@ class Runner(Books):
         finish an interrupt cut short, :meth:`mend`), and the books, then listeners."""
         job_id = transfer.job_id
         held = transfer.state in self.failed_final and self._settle_failed(transfer)
-        # (published: they were, before it)
-        error = self._failing(transfer) if not transfer.success and not published else None
+        if not transfer.success and not published:  # (published: they were, before it)
+            self._failing(transfer)
         result = transfer.result()
         # the result is queued before the record goes: a progress thread publishes while the
         # caller may be taking results (Books) or asking has_pending_work, which must never
@@ -825,8 +822,8 @@ class Runner(Books):
         for book in self.on_final:
             try:
                 book(transfer, result)
-            except Exception as raised:  # the filing goes on: its record must go, its result
-                error = error or _book_raised(transfer, book, raised)  # stands; raised after
+            except Exception:  # the filing goes on: its record must go, its result stands
+                _book_raised(transfer, book)
         self.published += 1
         self.latencies.append(result.transfer_time)
         if transfer.leaks:
@@ -839,20 +836,17 @@ class Runner(Books):
             self._compact()
         if self._backing_off and len(self._backing_off) > 2 * len(self.waiting) + 64:
             self._compact_backoffs()
-        if not result.success or transfer.leaks or self.on_published or error:
-            self._announce(transfer, result, error)
+        if not result.success or transfer.leaks or self.on_published:
+            self._announce(transfer, result)
 
-    def _failing(self, transfer: Transfer) -> Exception | None:
-        """A transfer that failed, before its result is queued: :attr:`on_failed`; the first
-        ordinary exception one raised (the others and the filing go on), to be raised once the
-        job is published."""
-        error = None
+    def _failing(self, transfer: Transfer) -> None:
+        """A transfer that failed, before its result is queued: :attr:`on_failed` (one that
+        raises an ordinary exception is logged, and the others and the filing go on)."""
         for book in self.on_failed:
             try:
                 book(transfer)
-            except Exception as raised:
-                error = error or _book_raised(transfer, book, raised)
-        return error
+            except Exception:
+                _book_raised(transfer, book)
 
     @staticmethod
     def _settle_failed(transfer: Transfer) -> bool:
@@ -869,11 +863,9 @@ class Runner(Books):
                 f"{ended}; last error: {transfer.error}" if transfer.error else ended)
         return held
 
-    def _announce(self, transfer: Transfer, result: JobResult,
-                  error: Exception | None = None) -> None:
+    def _announce(self, transfer: Transfer, result: JobResult) -> None:
         """Once the books are written: the log lines of a failure and its leaks, then the
-        listeners (best effort: a listener never costs a result, F7); then ``error``, what a
-        book raised, is kept for the tier's next poll to raise (:attr:`book_errors`)."""
+        listeners (best effort: a listener never costs a result, F7)."""
         job_id = transfer.job_id
         if not result.success:
             _log_failure(transfer)
@@ -886,8 +878,6 @@ class Runner(Books):
             except Exception:
                 logger.exception("job %d: an on_published listener raised", job_id,
                                  extra=transfer.log_fields())
-        if error is not None:
-            self.book_errors.append(error)
 
     def mend(self) -> None:
         """File every unpublished transfer afresh from its state, and count the books again.
@@ -1004,20 +994,19 @@ class Runner(Books):
         return self.machine.chain(state, [(event, Answer.OK, detail) for event, detail in moves])
 
 
-def _book_raised(transfer: Transfer, book: Callable[..., None], error: Exception
-                 ) -> Exception:
-    """A book (:attr:`Runner.on_final`, :attr:`Runner.on_failed`) raised ``error``, an ordinary
-    exception: a bug, or the interpreter out of memory. It is noted, and raised by the tier's
-    next poll (:meth:`get_finished_jobs`, a drain, shutdown), once the job is published and
-    its record gone: a book left half-written must neither hold the tier's drain or shutdown
-    for ever, nor go unseen (a failed store whose forget raised may leave its keys vouched
-    for)."""
+def _book_raised(transfer: Transfer, book: Callable[..., None]) -> None:
+    """A book (:attr:`Runner.on_final`, :attr:`Runner.on_failed`) raised an ordinary exception
+    (a bug, or the interpreter out of memory): logged at ERROR with its traceback, naming the
+    book and the job, whose filing goes on, so that it is published once and its record goes
+    (a book left half-written held the tier's drain and shutdown for ever). Raising it instead
+    would reach the caller from a submit that ended a job at once, or kill a progress thread;
+    the tier's own books leave it safe when they raise (:func:`kvfsm.tiers.base.
+    _forget_failed_store`)."""
     name = getattr(book, "__qualname__", None) or getattr(
         getattr(book, "func", None), "__qualname__", repr(book))
-    error.add_note(f"kvfsm: raised by the tier's book {name} as job {transfer.job_id} ended; "
-                   "the job was published, its result as it was, and its record is gone; what "
-                   "that book keeps for the job's keys may be out of date")
-    return error
+    logger.exception("job %d: the tier's book %s raised as the job ended; the job is published "
+                     "with its result as it was, and what that book keeps for its keys may be "
+                     "out of date", transfer.job_id, name, extra=transfer.log_fields())
 
 
 class _Guarded:

@@ -377,11 +377,10 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                                       transfer_time=0.0, transfer_bytes=0))
 
     def get_finished_jobs(self) -> Iterable[VllmResult]:
-        results, self._ready = self._ready, []
         tier = self._tier
-        if tier is None:
-            return results
-        for done in tier.get_finished_jobs():
+        finished = tier.get_finished_jobs() if tier is not None else []  # (should it raise,
+        results, self._ready = self._ready, []  # the results ready wait for the next call)
+        for done in finished:
             job = self._jobs.pop(done.job_id)
             kind = "load" if job.load else "store"
             success = done.success and not job.missing

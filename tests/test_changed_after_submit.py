@@ -1,14 +1,17 @@
 """What the caller hands a tier is read while it submits: lists it changes after the call
 returns change nothing the tier records or checks; and a book of the tier's that raises never
-holds a job unpublished, nor goes unseen."""
+holds a job unpublished, nor leaves the tier vouching for a copy it should have forgotten."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 
 from examples.verify_lifecycle import VERIFY_MACHINE, Checksums
-from kvfsm import JobResult, TransferJob
+from kvfsm import TransferJob
+from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, Raise
 from kvfsm.tiers import HoldingEvent, Lookup, ObjectStoreTier, SecondaryTier
 from kvfsm.tiers.base import KnownNames
@@ -100,63 +103,73 @@ def raise_once(calls: list[int]) -> object:
 
 
 @pytest.mark.parametrize("books", ["on_final", "on_failed"])
-def test_a_book_of_the_tier_that_raises_is_raised_once_its_job_is_published(
-    books: str, primary: torch.Tensor, agent: FakeNixlAgent,
+def test_a_book_of_the_tier_that_raises_is_logged_and_its_job_published(
+    books: str, primary: torch.Tensor, agent: FakeNixlAgent, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A book the runner calls as a job ends that raises an ordinary exception (a bug, or no
-    memory left) is raised from the call that ended the job, once the job is published and
-    its record gone: the job's result is handed out by the next call, the next job is not
-    touched, and the tier drains and shuts down (the job's record used to stay half-written,
-    so drain and shutdown never ended)."""
-    tier: SecondaryTier = ObjectStoreTier(primary, agent=agent)
+    memory left) is logged with the job's id and its traceback; the job is published once,
+    the next job is not touched, and the tier drains and shuts down (the job's record used to
+    stay half-written, so drain and shutdown never ended). A progress thread goes on."""
+    tier: SecondaryTier = ObjectStoreTier(primary, agent=agent,
+                                          policy=RetryPolicy(progress_interval=0.001))
     calls: list[int] = []
     getattr(tier._runner, books).append(raise_once(calls))
     if books == "on_failed":
         agent.inject("check_xfer_state", Raise(), times=2)  # both jobs fail
     tier.submit_store(TransferJob(1, ["a"], [0]))
     tier.submit_store(TransferJob(2, ["b"], [1]))
-    with pytest.raises(RuntimeError, match="a book that broke") as raised:
-        tier.get_finished_jobs()
-    assert raised.value.__notes__ == [
-        "kvfsm: raised by the tier's book raise_once.<locals>.book as job 1 ended; the job was "
-        "published, its result as it was, and its record is gone; what that book keeps for "
-        "the job's keys may be out of date"]
-    assert tier.state_of(1) is None
-    results: list[JobResult] = []
-    for _ in range(20):
-        results += tier.get_finished_jobs()
+    tier.drain_jobs(timeout=5)
+    results = tier.get_finished_jobs()
     assert sorted((r.job_id, r.success) for r in results) == [
         (1, books == "on_final"), (2, books == "on_final")]
     assert calls == [1, 2]
-    assert not tier.has_pending_work()
+    assert not tier.has_pending_work() and tier.state_of(1) is None
+    (record,) = [r for r in caplog.records if "book" in r.getMessage()]
+    assert (record.levelno, record.getMessage()) == (
+        logging.ERROR, "job 1: the tier's book raise_once.<locals>.book raised as the job "
+        "ended; the job is published with its result as it was, and what that book keeps for "
+        "its keys may be out of date")
+    assert record.exc_info is not None and "a book that broke" in str(record.exc_info[1])
+    assert tier.stats()["progress"]["error"] is None, "the progress thread goes on"
+    tier.submit_store(TransferJob(3, ["c"], [2]))
+    tier.drain_jobs(timeout=5)
+    assert [r.job_id for r in tier.get_finished_jobs()] == [3]
     tier.shutdown(timeout=5)
     assert tier.closed
 
 
-def test_a_failed_store_whose_forget_raises_is_never_silent(
+def test_a_tier_whose_forget_raised_vouches_for_no_key_any_more(
     primary: torch.Tensor, agent: FakeNixlAgent, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A failed store forgets its keys, so that a load does not read the copy an older store
-    left as the new bytes. When that forget raises, the engine hears it from the call that
-    ended the store's next poll (it was logged and the tier went on, still answering HIT),
-    never from the submit that took the job (a caller would take that for a refusal)."""
+    left as the new bytes. A forget that raises (no memory left) may leave some vouched for,
+    and which cannot be told: the tier then answers MISS for every key and refuses every
+    load, saying why, rather than go on answering HIT for the old copy (it logged the error
+    and did, before)."""
     tier = ObjectStoreTier(primary, agent=agent)
     tier.submit_store(TransferJob(1, ["k"], [0]))
+    tier.submit_store(TransferJob(2, ["j"], [1]))
     tier.drain_jobs(timeout=5)
-    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    assert [r.success for r in tier.get_finished_jobs()] == [True, True]
 
     def broken(self: KnownNames, names: object) -> None:
         raise MemoryError("no memory to forget with")
 
-    monkeypatch.setattr(KnownNames, "forget", broken)
+    monkeypatch.setattr(KnownNames, "_forget", broken)
     agent.inject("transfer", Raise())
-    tier.submit_store(TransferJob(2, ["k"], [1]))  # it failed at once: never raised here
-    assert tier.state_of(2) is None  # published
-    with pytest.raises(MemoryError, match="no memory to forget with"):
-        tier.get_finished_jobs()
+    tier.submit_store(TransferJob(3, ["k"], [2]))  # the engine's block k holds new bytes
     monkeypatch.undo()
-    (result,) = tier.get_finished_jobs()
-    assert (result.job_id, result.success) == (2, False)
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(3, False)]
+    assert tier.lookup("k") is tier.lookup("j") is Lookup.MISS
+    tier.submit_load(TransferJob(4, ["j"], [3], is_promotion=True))
+    tier.drain_jobs(timeout=5)
+    (load,) = tier.get_finished_jobs()
+    assert not load.success
+    assert str(load.reason) == (
+        "open raised ForgottenKeyError: the tier vouches for no key any more (forgetting 1 "
+        "name(s) raised MemoryError: no memory to forget with): what it holds under 'j', if "
+        "anything, may not be the caller's bytes; a new tier (a restart) trusts its store "
+        "again")
     tier.shutdown(timeout=5)
 
 
@@ -174,11 +187,35 @@ def test_a_verdict_that_cannot_be_recorded_still_unpins_the_blocks(
 
     monkeypatch.setattr(KnownNames, "record", broken)
     tier.submit_store(TransferJob(1, ["a", "b"], [0, 1]))
-    with pytest.raises(MemoryError):
-        tier.drain_jobs(timeout=5)
+    tier.drain_jobs(timeout=5)
     monkeypatch.undo()
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
     assert tier.stats()["holdings"]["writing_blocks"] == 0
     tier.submit_store(TransferJob(2, ["c"], [2]))  # room is made: one of a and b goes
     assert [(r.job_id, r.success) for r in settle(tier)] == [(2, True)]
+    tier.shutdown(timeout=5)
+
+
+class EngineJob(TransferJob):
+    """A TransferJob of an engine's own, with a field of its own."""
+
+    request = "r-7"
+
+
+def test_a_job_of_the_engines_own_class_is_kept_whole_as_its_lists_are_copied(
+    primary: torch.Tensor, agent: FakeNixlAgent,
+) -> None:
+    """Listeners and steps see the engine's job: its class, its own fields, and its lists as
+    they were at submit (the copy was a plain TransferJob, when the lists were lists)."""
+    tier = ObjectStoreTier(primary, agent=agent)
+    seen: list[TransferJob] = []
+    tier.on_published.append(lambda transfer: seen.append(transfer.job))
+    keys, blocks = ["a", "b"], [0, 1]
+    tier.submit_store(EngineJob(1, keys, blocks))
+    keys[:], blocks[:] = ["x", "y"], [5, 6]
+    tier.drain_jobs(timeout=5)
+    assert [r.success for r in tier.get_finished_jobs()] == [True]
+    (kept,) = seen
+    assert type(kept) is EngineJob and kept.request == "r-7"
+    assert (kept.job_id, kept.keys, kept.block_ids) == (1, ("a", "b"), (0, 1))
     tier.shutdown(timeout=5)

@@ -228,6 +228,40 @@ def test_a_job_for_a_closed_or_confused_tier_is_a_failed_result(tmp_path: Path) 
     assert not tier.has_pending_work()
 
 
+def test_results_ready_without_the_tier_wait_out_a_poll_of_the_tier_that_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job the adapter answers itself (refused, skipped, missing keys) has its result ready
+    before the tier is polled: a poll of the tier that raises must leave it for vLLM's next
+    call (it was taken first, and lost with the raise: its blocks pinned for good)."""
+    import numpy as np  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from vllm.v1.kv_offload.base import ReqContext  # noqa: PLC0415
+    from vllm.v1.kv_offload.tiering.base import TransferJob  # noqa: PLC0415
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory  # noqa: PLC0415
+
+    view = memoryview(torch.zeros((4, CHUNK_BYTES), dtype=torch.int8).numpy())
+    tier = SecondaryTierFactory.create_secondary_tier(file_entry(tmp_path), view,
+                                                      offloading_spec())
+    try:
+        context = ReqContext(req_id="r")
+        tier.submit_store(TransferJob(1, [key(1), key(2)], np.array([0], np.int32), False,
+                                      context))  # refused: a result ready at once
+        inner = tier.tier
+
+        def raise_once() -> list[Any]:
+            monkeypatch.undo()
+            raise RuntimeError("the tier's poll broke")
+
+        monkeypatch.setattr(inner, "get_finished_jobs", raise_once)
+        with pytest.raises(RuntimeError, match="the tier's poll broke"):
+            tier.get_finished_jobs()
+        assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False)]
+        assert not tier.has_pending_work()
+    finally:
+        tier.shutdown()
+
+
 def test_blocks_an_earlier_engine_stored_are_found_and_loaded(
     tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import copy
 import enum
 import functools
 import logging
@@ -94,12 +95,18 @@ class ForgottenKeyError(Exception):
     reason's error, the call being ``open``. A store of them that succeeds makes them
     loadable again."""
 
-    def __init__(self, keys: Sequence[bytes | str]) -> None:
+    def __init__(self, keys: Sequence[bytes | str], distrusted: str | None = None) -> None:
         shown = ", ".join(repr(key) for key in keys[:3])
         more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
-        super().__init__(f"the tier forgot {shown}{more} (a store failed, or it was told to "
-                         "forget): what it holds there, if anything, is not the caller's "
-                         "bytes; a store that succeeds makes a key loadable again")
+        if distrusted is not None:  # (KnownNames.distrusted: it vouches for no key any more)
+            super().__init__(f"the tier vouches for no key any more ({distrusted}): what it "
+                             f"holds under {shown}{more}, if anything, may not be the "
+                             "caller's bytes; a new tier (a restart) trusts its store again")
+        else:
+            super().__init__(f"the tier forgot {shown}{more} (a store failed, or it was told "
+                             "to forget): what it holds there, if anything, is not the "
+                             "caller's bytes; a store that succeeds makes a key loadable "
+                             "again")
         #: the job's keys the tier forgot
         self.keys = tuple(keys)
 
@@ -166,7 +173,7 @@ class KnownNames:
     own, so none of them can undo another's newer verdict; a read of a live verdict takes none.
     """
 
-    __slots__ = ("_forgotten", "_lock", "_names", "limit")
+    __slots__ = ("_forgotten", "_lock", "_names", "distrusted", "limit")
 
     def __init__(self, limit: int) -> None:
         if type(limit) is not int or limit < 1:
@@ -179,9 +186,15 @@ class KnownNames:
         self._names: collections.OrderedDict[str, Lookup | float] = collections.OrderedDict()
         #: the names forgotten (:meth:`forget`) and not stored since, oldest first
         self._forgotten: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: why the cache vouches for no name any more (None: it does): a forget that raised
+        #: may have left a name vouched for whose copy is not the caller's bytes, and which
+        #: it is cannot be told, so every name answers MISS and every load is refused
+        self.distrusted: str | None = None
 
     def get(self, name: str) -> Lookup | None:
         """The verdict on ``name``, or None when it is not known (any more)."""
+        if self.distrusted is not None:
+            return Lookup.MISS
         verdict = self._names.get(name)
         if type(verdict) is not float:
             if verdict is None and name in self._forgotten:
@@ -216,7 +229,16 @@ class KnownNames:
     def forget(self, names: Sequence[str]) -> None:
         """The caller's blocks under ``names`` hold other bytes than the tier's copy: MISS, a
         probe's HIT included, until a store of them succeeds (the last :attr:`limit` names
-        forgotten)."""
+        forgotten). An ordinary exception raised meanwhile (no memory left) may leave some
+        vouched for: the cache then vouches for none (:attr:`distrusted`), and it goes on."""
+        try:
+            self._forget(names)
+        except Exception as error:
+            self.distrusted = (f"forgetting {len(names)} name(s) raised "
+                               f"{type(error).__name__}: {error}")
+            raise
+
+    def _forget(self, names: Sequence[str]) -> None:
         with self._lock:
             forgotten, known = self._forgotten, self._names
             for name in names:
@@ -230,8 +252,11 @@ class KnownNames:
                 self._forget_oldest()
 
     def stale(self, names: Sequence[str]) -> list[str]:
-        """Those of ``names`` forgotten (:meth:`forget`) and not stored since."""
+        """Those of ``names`` forgotten (:meth:`forget`) and not stored since (all of them once
+        the cache vouches for none: :attr:`distrusted`)."""
         forgotten = self._forgotten
+        if self.distrusted is not None:
+            return list(names)
         return [name for name in names if name in forgotten] if forgotten else []
 
     def offer(self, name: str, verdict: Lookup, miss_for: float | None = None) -> None:
@@ -491,8 +516,6 @@ class SecondaryTier(JobSide):
             self._lock.release()
         # waited for without the tier's lock: its calls on other threads are refused at once
         self._stop_background(deadline)
-        if self._runner.book_errors:  # (a book that raised in the last tries)
-            raise self._runner.book_errors.popleft()
 
     def _cancel_all(self) -> None:
         """Shutdown's cancel of every unfinished job (under the tier's lock), once the books
@@ -859,7 +882,8 @@ class SecondaryTier(JobSide):
         names, block_ids = self._validate(job, load=load)
         if type(job.keys) is not tuple or job.block_ids is not block_ids:  # the job as it is
             # now, for the transfer: the caller may reuse its lists once this call returns
-            job = TransferJob(job.job_id, tuple(job.keys), block_ids, job.is_promotion)
+            job = (TransferJob(job.job_id, tuple(job.keys), block_ids, job.is_promotion)
+                   if type(job) is TransferJob else _job_copy(job, block_ids))
         runner = self._runner
         nbytes = len(block_ids) * self.block_bytes
         limit = self.in_flight
@@ -891,7 +915,7 @@ class SecondaryTier(JobSide):
             runner.add(transfer)
             stale = load and self._known.stale(names)
             outcome = (self._driver.post(transfer, self._local, block_ids) if not stale
-                       else _stale(job, names, stale))
+                       else _stale(job, names, stale, self._known.distrusted))
         finally:
             if outcome is None:  # an interrupt before the post answered: once it has a
                 # handle NIXL may run it (a poll says), else nothing runs
@@ -935,8 +959,6 @@ class SecondaryTier(JobSide):
         if self._kept and not runner.records and not runner.may_run:  # nothing unpublished:
             self._kept = False  # it may be dropped
             _live_tiers.discard(self)
-        if runner.book_errors:  # (the jobs are published: the results wait for the next call)
-            raise runner.book_errors.popleft()
 
     def _take_polls(self, answered: list[tuple[Transfer, Any]]) -> None:
         """Fire each state check's answer, then take the transfer as far as it goes."""
@@ -1201,12 +1223,22 @@ def _may_run(tier: SecondaryTier) -> list[tuple[int, Any]]:
                for handle in _handles(t)])
 
 
-def _stale(job: TransferJob, names: Sequence[str], stale: Sequence[str]) -> Outcome:
-    """The post's answer for a load of names the tier forgot: it raised, at ``open``, naming
-    the job's keys."""
+def _job_copy(job: TransferJob, block_ids: tuple[int, ...]) -> TransferJob:
+    """A job of a subclass of TransferJob (an engine's own), copied whole with its keys and
+    ``block_ids`` as tuples: its class and fields of its own kept."""
+    copied = copy.copy(job)
+    object.__setattr__(copied, "keys", tuple(job.keys))  # (frozen: as its __init__ sets them)
+    object.__setattr__(copied, "block_ids", block_ids)
+    return copied
+
+
+def _stale(job: TransferJob, names: Sequence[str], stale: Sequence[str],
+           distrusted: str | None) -> Outcome:
+    """The post's answer for a load of names the tier forgot (or of any, once it vouches for
+    none: ``distrusted`` says why): it raised, at ``open``, naming the job's keys."""
     forgotten = set(stale)
     keys = [key for key, name in zip(job.keys, names, strict=True) if name in forgotten]
-    return Outcome(Answer.RAISED, CallFailed("open", ForgottenKeyError(keys)))
+    return Outcome(Answer.RAISED, CallFailed("open", ForgottenKeyError(keys, distrusted)))
 
 
 def _handles(transfer: Transfer) -> list[Any]:
