@@ -5,6 +5,8 @@ holds a job unpublished, nor leaves the tier vouching for a copy it should have 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -94,9 +96,9 @@ def test_a_step_sees_the_job_as_it_was_submitted_whatever_the_list_holds_later(
     tier.shutdown(timeout=5)
 
 
-def raise_once(calls: list[int]) -> object:
+def raise_once(calls: list[tuple[int, str]]) -> object:
     def book(transfer: object, *_: object) -> None:
-        calls.append(transfer.job_id)  # type: ignore[attr-defined]
+        calls.append((transfer.job_id, threading.current_thread().name))  # type: ignore[attr-defined]
         if len(calls) == 1:
             raise RuntimeError("a book that broke")
     return book
@@ -109,20 +111,25 @@ def test_a_book_of_the_tier_that_raises_is_logged_and_its_job_published(
     """A book the runner calls as a job ends that raises an ordinary exception (a bug, or no
     memory left) is logged with the job's id and its traceback; the job is published once,
     the next job is not touched, and the tier drains and shuts down (the job's record used to
-    stay half-written, so drain and shutdown never ended). A progress thread goes on."""
+    stay half-written, so drain and shutdown never ended). The progress thread, whose poll
+    ended the job, goes on."""
     tier: SecondaryTier = ObjectStoreTier(primary, agent=agent,
                                           policy=RetryPolicy(progress_interval=0.001))
-    calls: list[int] = []
+    calls: list[tuple[int, str]] = []
     getattr(tier._runner, books).append(raise_once(calls))
     if books == "on_failed":
         agent.inject("check_xfer_state", Raise(), times=2)  # both jobs fail
     tier.submit_store(TransferJob(1, ["a"], [0]))
     tier.submit_store(TransferJob(2, ["b"], [1]))
-    tier.drain_jobs(timeout=5)
+    for _ in range(1000):  # published by the progress thread (the caller does not poll)
+        if not tier._runner.records:
+            break
+        time.sleep(0.005)
     results = tier.get_finished_jobs()
     assert sorted((r.job_id, r.success) for r in results) == [
         (1, books == "on_final"), (2, books == "on_final")]
-    assert calls == [1, 2]
+    assert [job for job, _ in calls] == [1, 2]
+    assert {thread for _, thread in calls} == {"kvfsm-progress-ObjectStoreTier"}
     assert not tier.has_pending_work() and tier.state_of(1) is None
     (record,) = [r for r in caplog.records if "book" in r.getMessage()]
     assert (record.levelno, record.getMessage()) == (
@@ -197,25 +204,70 @@ def test_a_verdict_that_cannot_be_recorded_still_unpins_the_blocks(
 
 
 class EngineJob(TransferJob):
-    """A TransferJob of an engine's own, with a field of its own."""
+    """A TransferJob of an engine's own, with what its instances hold of their own."""
 
-    request = "r-7"
+    def __init__(self, job_id: int, keys: list[str], block_ids: list[int],
+                 request: str) -> None:
+        super().__init__(job_id, keys, block_ids)
+        object.__setattr__(self, "request", request)  # (frozen, as its fields are)
 
 
+class SlotJob(EngineJob):
+    """The same, in a slot of its own."""
+
+    __slots__ = ("request",)
+
+
+@pytest.mark.parametrize("kind", [EngineJob, SlotJob])
 def test_a_job_of_the_engines_own_class_is_kept_whole_as_its_lists_are_copied(
-    primary: torch.Tensor, agent: FakeNixlAgent,
+    kind: type[EngineJob], primary: torch.Tensor, agent: FakeNixlAgent,
 ) -> None:
-    """Listeners and steps see the engine's job: its class, its own fields, and its lists as
-    they were at submit (the copy was a plain TransferJob, when the lists were lists)."""
+    """Listeners and steps see the engine's job: its class, what it holds of its own, and its
+    lists as they were at submit (the copy was a plain TransferJob, and then one without what
+    the instance held, when the lists were lists)."""
     tier = ObjectStoreTier(primary, agent=agent)
     seen: list[TransferJob] = []
     tier.on_published.append(lambda transfer: seen.append(transfer.job))
     keys, blocks = ["a", "b"], [0, 1]
-    tier.submit_store(EngineJob(1, keys, blocks))
+    tier.submit_store(kind(1, keys, blocks, request="r-7"))
     keys[:], blocks[:] = ["x", "y"], [5, 6]
     tier.drain_jobs(timeout=5)
     assert [r.success for r in tier.get_finished_jobs()] == [True]
     (kept,) = seen
-    assert type(kept) is EngineJob and kept.request == "r-7"
+    assert type(kept) is kind and kept.request == "r-7"  # type: ignore[attr-defined]
     assert (kept.job_id, kept.keys, kept.block_ids) == (1, ("a", "b"), (0, 1))
+    tier.shutdown(timeout=5)
+
+
+class Unsayable(MemoryError):
+    """No memory left even to say so: its text cannot be made."""
+
+    def __str__(self) -> str:
+        raise MemoryError
+
+
+def test_a_forget_whose_error_cannot_even_be_told_still_leaves_the_tier_vouching_for_none(
+    primary: torch.Tensor, agent: FakeNixlAgent, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The distrust is noted before its reason is put in words (that needs memory too): the
+    tier stayed trusted when the words failed, and loaded the old copy as the new bytes."""
+    tier = ObjectStoreTier(primary, agent=agent)
+    tier.submit_store(TransferJob(1, ["k"], [0]))
+    tier.drain_jobs(timeout=5)
+    tier.get_finished_jobs()
+
+    def broken(self: KnownNames, names: object) -> None:
+        raise Unsayable
+
+    monkeypatch.setattr(KnownNames, "_forget", broken)
+    agent.inject("transfer", Raise())
+    tier.submit_store(TransferJob(2, ["k"], [1]))
+    monkeypatch.undo()
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(2, False)]
+    assert tier.lookup("k") is Lookup.MISS
+    tier.submit_load(TransferJob(3, ["k"], [2], is_promotion=True))
+    tier.drain_jobs(timeout=5)
+    (load,) = tier.get_finished_jobs()
+    assert not load.success and "vouches for no key any more (a forget raised)" in str(
+        load.reason)
     tier.shutdown(timeout=5)

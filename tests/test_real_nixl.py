@@ -116,6 +116,23 @@ def test_a_missing_object_fails_its_load_and_the_lookup_then_says_miss(
     assert tier.lookup("present") is Lookup.MISS, "F11: a failed load is not retried as a HIT"
 
 
+def test_only_a_probe_agent_the_tier_made_waits_out_its_query_before_it_is_let_go_of(
+    s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
+) -> None:
+    """Its last reference is the tier's, so its teardown, which waits for a query's HTTP
+    request holding the interpreter's lock, would come as the tier lets go of it; one the
+    caller gave is the caller's to tear down (tests/test_bounds.py shows the wait itself)."""
+    from kvfsm.tiers.object_store import SETTLE_SECONDS  # noqa: PLC0415
+
+    made = ObjectStoreTier(cache, store=s3_server.config(s3_server.new_bucket()))
+    tiers.append(made)
+    config = s3_server.config(s3_server.new_bucket())
+    given = ObjectStoreTier(cache, store=config,
+                            probe_agent=make_agent("probe-given", "OBJ", config.backend_params()))
+    tiers.append(given)
+    assert (made._prober.settle_seconds, given._prober.settle_seconds) == (SETTLE_SECONDS, 0.0)
+
+
 #: keys NIXL's S3 client would send as one object (it collapses a leading "/", "//", "/./" and
 #: "x/../"), keys that only look alike, and a key that reads as another's quoted name
 LOOKALIKE_KEYS = ["k", "/k", "a/b", "a//b", "a/./b", "x/../a/b", "k/", "..", "%2Fk", "%%2Fk",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import atexit
 import collections
-import copy
+import contextlib
 import enum
 import functools
 import logging
@@ -234,8 +234,10 @@ class KnownNames:
         try:
             self._forget(names)
         except Exception as error:
-            self.distrusted = (f"forgetting {len(names)} name(s) raised "
-                               f"{type(error).__name__}: {error}")
+            self.distrusted = "a forget raised"  # first: the text below needs memory too
+            with contextlib.suppress(Exception):
+                self.distrusted = (f"forgetting {len(names)} name(s) raised "
+                                   f"{type(error).__name__}: {error}")
             raise
 
     def _forget(self, names: Sequence[str]) -> None:
@@ -1225,8 +1227,18 @@ def _may_run(tier: SecondaryTier) -> list[tuple[int, Any]]:
 
 def _job_copy(job: TransferJob, block_ids: tuple[int, ...]) -> TransferJob:
     """A job of a subclass of TransferJob (an engine's own), copied whole with its keys and
-    ``block_ids`` as tuples: its class and fields of its own kept."""
-    copied = copy.copy(job)
+    ``block_ids`` as tuples: its class, and what its instances hold of their own (in slots of
+    its classes, or in its ``__dict__``) kept. (``copy.copy`` keeps only the dataclass's
+    fields: the frozen dataclass's ``__getstate__`` says no more.)"""
+    cls = type(job)
+    copied = object.__new__(cls)
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(job, slot):
+                object.__setattr__(copied, slot, object.__getattribute__(job, slot))
+    if hasattr(job, "__dict__"):
+        copied.__dict__.update(job.__dict__)
     object.__setattr__(copied, "keys", tuple(job.keys))  # (frozen: as its __init__ sets them)
     object.__setattr__(copied, "block_ids", block_ids)
     return copied

@@ -73,20 +73,24 @@ def _let_go(agent: Any, gave_up_at: float | None, settle: float, *, here: bool) 
     at once, unless NIXL gave up a query of it less than ``settle`` seconds ago
     (:data:`SETTLE_SECONDS` for an agent the tier made); then only once that much time
     passed, waited for on this thread (``here``: the probe's own) or on one of its own that
-    holds the agent meanwhile, not a daemon (an exit waits for it, as for a query in flight).
-    The wait releases the interpreter's lock, as the agent's teardown would not."""
+    holds the agent meanwhile, not a daemon (an exit waits for it, as for a query in flight;
+    with no thread to be had, it is kept for the process's life: the caller, a shutdown, does
+    not wait). The wait releases the interpreter's lock, as the agent's teardown would not."""
     wait = 0.0 if gave_up_at is None else gave_up_at + settle - time.monotonic()
     if wait <= 0:
         return
-    if not here:
-        try:
-            threading.Thread(target=_hold, args=(agent, wait),
-                             name="kvfsm-probe-agent-settle").start()
-        except RuntimeError:  # no thread to be had (the interpreter exits): waited here
-            pass
-        else:
-            return
-    time.sleep(wait)
+    if here:
+        time.sleep(wait)
+        return
+    try:
+        threading.Thread(target=_hold, args=(agent, wait),
+                         name="kvfsm-probe-agent-settle").start()
+    except RuntimeError:  # no thread to be had: kept for the process's life rather than
+        _unsettled.append(agent)  # waited for here (a shutdown, a collection: their caller's)
+
+
+#: the probe agents no settle thread could be started for: never let go of in this process
+_unsettled: list[Any] = []
 
 
 def _hold(agent: Any, wait: float) -> None:
