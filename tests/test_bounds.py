@@ -388,13 +388,14 @@ def test_a_probe_agent_whose_query_was_given_up_is_let_go_of_only_once_it_settle
 ) -> None:
     """Tearing down a real probe agent whose query NIXL gave up waits, holding the
     interpreter's lock, for the HTTP request still running: no thread ran for 28.6 s after a
-    shutdown that had returned. A tier that made its probe agent lets go of it only
-    SETTLE_SECONDS after the give-up, on a thread that sleeps meanwhile: the probe's own when
-    shutdown found it asking (``asking``), else one of its own; shutdown waits for neither."""
+    shutdown that had returned. Such an agent is let go of only its settle time after the
+    give-up (SETTLE_SECONDS, 45 s, for an agent the tier made: tests/test_real_nixl.py), by a
+    thread that sleeps meanwhile. Shutdown waits for the query in flight when it finds one
+    (``asking``), not for the settle."""
     torn: list[tuple[str, float]] = []
     probe = TornDown(torn, hold=0.3 if asking else 0.0)
     tier = ObjectStoreTier(primary, agent=agent, probe_agent=probe)
-    tier._prober.settle_seconds = 0.5  # (SETTLE_SECONDS, 45 s, for an agent the tier made)
+    tier._prober.settle_seconds = 2.0
     asked = probe.asked
     del probe
     tier.lookup("k")
@@ -405,18 +406,18 @@ def test_a_probe_agent_whose_query_was_given_up_is_let_go_of_only_once_it_settle
                 break
             time.sleep(0.005)
     started = time.monotonic()
-    tier.shutdown(timeout=0.1)
-    assert time.monotonic() - started < 0.3, "shutdown waits for no settling"
+    tier.shutdown(timeout=10)
+    assert time.monotonic() - started < 1.5, "shutdown waited for the settle"
+    assert not tier._prober.busy
     assert torn == [], "not let go of before it settled"
     gave_up = tier._prober._gave_up_at
-    for _ in range(400):
+    for _ in range(800):
         if torn:
             break
         time.sleep(0.01)
-        gave_up = gave_up or tier._prober._gave_up_at
     ((thread, when),) = torn
-    assert thread == ("kvfsm-object-probe" if asking else "kvfsm-probe-agent-settle")
-    assert gave_up is not None and when >= gave_up + 0.5
+    assert thread == "kvfsm-probe-agent-settle"
+    assert gave_up is not None and when >= gave_up + 2.0
 
 
 def test_the_names_whose_probe_failed_stay_bounded_while_the_store_is_down(

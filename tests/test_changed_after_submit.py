@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -218,9 +219,24 @@ class SlotJob(EngineJob):
     __slots__ = ("request",)
 
 
-@pytest.mark.parametrize("kind", [EngineJob, SlotJob])
+class PrivateSlotJob(TransferJob):
+    """The same, in a private slot (its name mangled with the class's)."""
+
+    __slots__ = ("__request",)
+
+    def __init__(self, job_id: int, keys: list[str], block_ids: list[int],
+                 request: str) -> None:
+        super().__init__(job_id, keys, block_ids)
+        object.__setattr__(self, "_PrivateSlotJob__request", request)
+
+    @property
+    def request(self) -> str:
+        return self.__request
+
+
+@pytest.mark.parametrize("kind", [EngineJob, SlotJob, PrivateSlotJob])
 def test_a_job_of_the_engines_own_class_is_kept_whole_as_its_lists_are_copied(
-    kind: type[EngineJob], primary: torch.Tensor, agent: FakeNixlAgent,
+    kind: Any, primary: torch.Tensor, agent: FakeNixlAgent,
 ) -> None:
     """Listeners and steps see the engine's job: its class, what it holds of its own, and its
     lists as they were at submit (the copy was a plain TransferJob, and then one without what

@@ -1234,7 +1234,9 @@ def _job_copy(job: TransferJob, block_ids: tuple[int, ...]) -> TransferJob:
     copied = object.__new__(cls)
     for klass in cls.__mro__:
         slots = klass.__dict__.get("__slots__", ())
-        for slot in (slots,) if isinstance(slots, str) else slots:
+        for declared in (slots,) if isinstance(slots, str) else slots:
+            slot = (f"_{klass.__name__.lstrip('_')}{declared}"  # a private one's name
+                    if declared.startswith("__") and not declared.endswith("__") else declared)
             if slot not in ("__dict__", "__weakref__") and hasattr(job, slot):
                 object.__setattr__(copied, slot, object.__getattribute__(job, slot))
     if hasattr(job, "__dict__"):

@@ -68,25 +68,22 @@ def _stop_all_probers() -> None:
 getattr(threading, "_register_atexit", lambda _: None)(_stop_all_probers)
 
 
-def _let_go(agent: Any, gave_up_at: float | None, settle: float, *, here: bool) -> None:
+def _let_go(agent: Any, gave_up_at: float | None, settle: float) -> None:
     """Let go of a probe ``agent`` (the caller drops its own reference once this returns):
     at once, unless NIXL gave up a query of it less than ``settle`` seconds ago
-    (:data:`SETTLE_SECONDS` for an agent the tier made); then only once that much time
-    passed, waited for on this thread (``here``: the probe's own) or on one of its own that
-    holds the agent meanwhile, not a daemon (an exit waits for it, as for a query in flight;
-    with no thread to be had, it is kept for the process's life: the caller, a shutdown, does
-    not wait). The wait releases the interpreter's lock, as the agent's teardown would not."""
+    (:data:`SETTLE_SECONDS` for an agent the tier made); then a thread of its own holds it
+    until that much time passed, sleeping, not a daemon (an exit waits for it, as for a query
+    in flight; a shutdown does not: the probe's thread, which it joins, ends at once). With no
+    thread to be had, it is kept for the process's life. The wait releases the interpreter's
+    lock, as the agent's teardown would not."""
     wait = 0.0 if gave_up_at is None else gave_up_at + settle - time.monotonic()
     if wait <= 0:
-        return
-    if here:
-        time.sleep(wait)
         return
     try:
         threading.Thread(target=_hold, args=(agent, wait),
                          name="kvfsm-probe-agent-settle").start()
-    except RuntimeError:  # no thread to be had: kept for the process's life rather than
-        _unsettled.append(agent)  # waited for here (a shutdown, a collection: their caller's)
+    except RuntimeError:  # no thread to be had: kept rather than waited for here (a
+        _unsettled.append(agent)  # shutdown's thread, a collection's: their caller's)
 
 
 #: the probe agents no settle thread could be started for: never let go of in this process
@@ -195,7 +192,7 @@ class _Prober:
             thread = self._thread
             if thread is None:
                 agent, self._agent = self._agent, None
-        _let_go(agent, self._gave_up_at, self.settle_seconds, here=False)
+        _let_go(agent, self._gave_up_at, self.settle_seconds)
         del agent  # (let go of here, unless a settle thread holds it)
         _live_probers.discard(self)
         if thread is None or thread is threading.current_thread():
@@ -243,8 +240,8 @@ class _Prober:
             with self._lock:
                 self._thread = None
             raise
-        if agent is not None:  # let go of on this thread, once a query it gave up on is over
-            _let_go(agent, self._gave_up_at, self.settle_seconds, here=True)
+        if agent is not None:  # (a settle thread holds it while a query given up may run)
+            _let_go(agent, self._gave_up_at, self.settle_seconds)
 
     def _query(self, names: list[str]) -> bool:
         """Ask for ``names``; False when stopped while waiting for the tier's lock."""
