@@ -550,7 +550,8 @@ def _forget(tier: OffloadTier, name: str, keys: Sequence[Key]) -> None:
         forget(keys)
     except Exception:
         logger.exception("tier %s: forget() raised after its store was skipped; a copy it held "
-                         "under these keys may be loaded as theirs", name)
+                         "under these keys may be loaded as theirs, unless the tier then vouches "
+                         "for no key (kvfsm's tiers do: stats()['distrusted'])", name)
 
 
 def _took(tier: OffloadTier, job_id: int) -> bool:

@@ -148,6 +148,7 @@ def test_a_book_of_the_tier_that_raises_is_logged_and_its_job_published(
 
 def test_a_tier_whose_forget_raised_vouches_for_no_key_any_more(
     primary: torch.Tensor, agent: FakeNixlAgent, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A failed store forgets its keys, so that a load does not read the copy an older store
     left as the new bytes. A forget that raises (no memory left) may leave some vouched for,
@@ -159,6 +160,7 @@ def test_a_tier_whose_forget_raised_vouches_for_no_key_any_more(
     tier.submit_store(TransferJob(2, ["j"], [1]))
     tier.drain_jobs(timeout=5)
     assert [r.success for r in tier.get_finished_jobs()] == [True, True]
+    assert tier.stats()["distrusted"] is None
 
     def broken(self: KnownNames, names: object) -> None:
         raise MemoryError("no memory to forget with")
@@ -169,6 +171,10 @@ def test_a_tier_whose_forget_raised_vouches_for_no_key_any_more(
     monkeypatch.undo()
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(3, False)]
     assert tier.lookup("k") is tier.lookup("j") is Lookup.MISS
+    why = "forgetting 1 name(s) raised MemoryError: no memory to forget with"
+    assert tier.stats()["distrusted"] == why  # what an operator sees, and the log
+    assert (f"the tier vouches for no key any more ({why}): every lookup answers MISS and "
+            "every load is refused until a new tier is made") in caplog.messages
     tier.submit_load(TransferJob(4, ["j"], [3], is_promotion=True))
     tier.drain_jobs(timeout=5)
     (load,) = tier.get_finished_jobs()

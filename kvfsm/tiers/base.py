@@ -238,6 +238,9 @@ class KnownNames:
             with contextlib.suppress(Exception):
                 self.distrusted = (f"forgetting {len(names)} name(s) raised "
                                    f"{type(error).__name__}: {error}")
+                logger.error("the tier vouches for no key any more (%s): every lookup answers "
+                             "MISS and every load is refused until a new tier is made",
+                             self.distrusted)
             raise
 
     def _forget(self, names: Sequence[str]) -> None:
@@ -738,7 +741,8 @@ class SecondaryTier(JobSide):
         """What the tier did: transfers in flight per state, results published (and how many
         failed), release retries, leaks (all counted, the last :attr:`leak_record` kept), and
         the latency of recent transfers (seconds from submit to finished, percentiles over the
-        last 4096).
+        last 4096); ``distrusted``, why the tier vouches for no key any more (a forget raised:
+        every lookup answers MISS and every load is refused until a new tier is made), or None.
 
         Its cost does not grow with the transfers in flight or the jobs ever run: the counts
         are kept as transfers move, and what is listed is bounded. It never waits for the
@@ -747,6 +751,8 @@ class SecondaryTier(JobSide):
         """
         stats = self._runner.counts()
         stats["lookup_cache"] = len(self._known)
+        #: why the tier vouches for no key any more (None: it does): :class:`KnownNames`
+        stats["distrusted"] = self._known.distrusted
         if self.policy.progress_interval is not None:
             stats["progress"] = {"running": self._progress_thread is not None,
                                  "polls": self._progress_polls, "error": self._progress_error}
