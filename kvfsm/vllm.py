@@ -56,7 +56,7 @@ import re
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -93,7 +93,7 @@ from kvfsm.contract import DrainTimeout, check_timeout
 from kvfsm.machines import load_machine, load_steps
 from kvfsm.nixl_agents import StoreConfig
 from kvfsm.policy import InFlightLimit, RetryPolicy
-from kvfsm.tiers.base import Lookup, SecondaryTier
+from kvfsm.tiers.base import Lookup, SecondaryTier, shown_keys
 from kvfsm.transfer import TransferJob
 
 __all__ = ["FileTier", "HandlesHeld", "ObjectStoreTier", "namespace"]
@@ -349,7 +349,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                 logger.warning("%s: load job %d fails: %d of its keys are no longer in the "
                                "tier (removed, or a transfer of them failed, since vLLM looked "
                                "them up): %s", self.label, job.job_id, len(missing),
-                               _shown_keys(missing))
+                               shown_keys(missing))
             if not pairs:
                 self._ready_result(job.job_id, kind, success=not load, outcome=(
                     "missing" if load else "skipped"))
@@ -681,12 +681,6 @@ class _Saturation(BackpressureDetector):  # type: ignore[misc]
             return {}
         figures: dict[str, float] = {**tier.in_flight_figures()}
         return figures
-
-
-def _shown_keys(keys: Sequence[Any]) -> str:
-    """The first three of ``keys``, and how many more."""
-    shown = ", ".join(map(repr, keys[:3]))
-    return shown + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 def _limit(in_flight: Mapping[str, Any] | None) -> InFlightLimit | None:

@@ -88,6 +88,12 @@ PROGRESS_SLICE = 1024
 BEHIND_PAUSE = 0.00005
 
 
+def shown_keys(keys: Sequence[Any]) -> str:
+    """The first three of ``keys``, and how many more: keys as a message names them."""
+    shown = ", ".join(map(repr, keys[:3]))
+    return shown + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
 class ForgottenKeyError(Exception):
     """Why a load of keys the tier forgot fails: a store of them failed, or the tier was told
     to forget them (:meth:`SecondaryTier.forget`), so whatever it holds under them is not the
@@ -96,14 +102,13 @@ class ForgottenKeyError(Exception):
     loadable again."""
 
     def __init__(self, keys: Sequence[bytes | str], distrusted: str | None = None) -> None:
-        shown = ", ".join(repr(key) for key in keys[:3])
-        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        shown = shown_keys(keys)
         if distrusted is not None:  # (KnownNames.distrusted: it vouches for no key any more)
             super().__init__(f"the tier vouches for no key any more ({distrusted}): what it "
-                             f"holds under {shown}{more}, if anything, may not be the "
+                             f"holds under {shown}, if anything, may not be the "
                              "caller's bytes; a new tier (a restart) trusts its store again")
         else:
-            super().__init__(f"the tier forgot {shown}{more} (a store failed, or it was told "
+            super().__init__(f"the tier forgot {shown} (a store failed, or it was told "
                              "to forget): what it holds there, if anything, is not the "
                              "caller's bytes; a store that succeeds makes a key loadable "
                              "again")

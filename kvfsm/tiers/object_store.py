@@ -77,7 +77,7 @@ def _let_go(agent: Any, gave_up_at: float | None, settle: float) -> None:
     thread to be had, it is kept for the process's life. The wait releases the interpreter's
     lock, as the agent's teardown would not."""
     wait = 0.0 if gave_up_at is None else gave_up_at + settle - time.monotonic()
-    if wait <= 0:
+    if agent is None or wait <= 0:  # (none: the probe's thread has it, and lets go of it)
         return
     try:
         threading.Thread(target=_hold, args=(agent, wait),
