@@ -39,8 +39,8 @@ from kvfsm.policy import RetryPolicy
 from kvfsm.runner import COMMITTING, END, NIXL_RUNNING, Outcome
 from kvfsm.transfer import Leak, Transfer
 
-__all__ = ["MachineRefused", "RemoteSide", "StepFunction", "StorageSide", "TransferDriver",
-           "check_runnable"]
+__all__ = ["CLEANED", "DONE", "RELEASED", "MachineRefused", "RemoteSide", "StepFunction",
+           "StorageSide", "TransferDriver", "check_runnable"]
 
 _DONE = Outcome(Answer.DONE)
 #: what NIXL's status strings mean to the machine (any other string is an error status)
@@ -571,6 +571,9 @@ def _misanswered(answer: Any, carried: Collection[Any]) -> str:
 
 _NONE = Outcome(None)
 _CLEAN = Outcome(Answer.OK, ())
+#: the outcomes of a transfer's common path, each one object a tier may take by identity:
+#: NIXL's DONE (a store's commit made), the release's OK, the cleanup's OK with no leak
+DONE, RELEASED, CLEANED = _DONE, _OK, _CLEAN
 
 
 def _publish(transfer: Transfer) -> Outcome:

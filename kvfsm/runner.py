@@ -141,6 +141,11 @@ class Runner(Books):
     on_failed: list[Callable[[Transfer], None]]
     #: called with each transfer as it is published, after the books (best effort)
     on_published: list[Callable[[Transfer], None]]
+    #: transfers a round fired out of the running states and files as it makes their calls
+    #: (the tier's ``_take_polls``): a call into the books that comes in between (a
+    #: listener's) files them first (:attr:`guarded`), so that it finds each where its state
+    #: says; none between rounds
+    unfiled: Sequence[Transfer] = ()
 
     @functools.cached_property
     def guarded(self) -> _Guarded:
@@ -654,7 +659,7 @@ class Runner(Books):
                 if interrupt is not None:
                     raise interrupt
         finally:  # an interrupt or an action that raised: the transfer is filed all the same
-            self._file(transfer)
+            self.file(transfer)
 
     def give_up(self, transfer: Transfer, why: str) -> None:
         """The policy's bound is spent for a transfer waiting on its effect (the shutdown
@@ -669,7 +674,7 @@ class Runner(Books):
             logger.error("job %d %s in %s: %s", transfer.job_id, self._gave_up(transfer),
                          was.name, why, extra=transfer.log_fields())
         finally:
-            self._file(transfer)
+            self.file(transfer)
 
     def cancel(self, transfer: Transfer, why: str | None = None) -> None:
         """The caller cancelled the job: fire ``cancel`` (with ``why``, what cancelled it, as
@@ -684,7 +689,7 @@ class Runner(Books):
                                   CallFailed("post", PostInterrupted()))
             self.machine.fire(transfer, TransferEvent.CANCEL, Answer.OK, why)
         finally:
-            self._file(transfer)
+            self.file(transfer)
 
     def _fire(self, transfer: Transfer, effect: str, answer: Any, detail: Any) -> None:
         """Fire one answer (a retry bounded by the policy, as :meth:`_retry` says)."""
@@ -753,7 +758,15 @@ class Runner(Books):
 
     # -- filing ------------------------------------------------------------------------------
 
-    def _file(self, transfer: Transfer) -> None:
+    def file_unfiled(self) -> None:
+        """File each of :attr:`unfiled` not filed where its state says yet (the list stays:
+        the round that made it goes on appending to it)."""
+        final = self.final  # (one final and unfiled is an interrupted finish: mend's)
+        for transfer in self.unfiled:
+            if transfer.filed is not transfer.state and transfer.state not in final:
+                self.file(transfer)
+
+    def file(self, transfer: Transfer) -> None:
         """Keep a transfer in the list its state says, counted under its state; hand its one
         result out once it is final."""
         if self.records.get(transfer.job_id) is not transfer:
@@ -1018,8 +1031,11 @@ class _Guarded:
         self.runner = runner
 
     def __enter__(self) -> None:
-        if self.runner.damaged:
-            self.runner.mend()
+        runner = self.runner
+        if runner.damaged:
+            runner.mend()
+        if runner.unfiled:  # a call from inside a round (a listener's): see Runner.unfiled
+            runner.file_unfiled()
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: Any) -> None:

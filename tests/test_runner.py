@@ -561,6 +561,39 @@ def test_a_listener_that_drains_finishes_the_jobs_found_done_with_its_own() -> N
     tier.shutdown()
 
 
+def test_an_action_that_raises_at_one_jobs_done_leaves_no_job_of_its_round_behind() -> None:
+    """A round's state checks find three stores over. An action of the user's on NIXL's DONE
+    raises for the second one, once: the round raises it, and each job it had taken out of the
+    running states is filed where its state says, so the next round releases and publishes
+    all three, each once, asking NIXL about none of the first two again."""
+    raised: list[int] = []
+
+    def audit(transfer: Transfer, answer: Any, detail: Any) -> None:
+        if transfer.job_id == 2 and not raised:
+            raised.append(2)
+            raise RuntimeError("audit log unavailable")
+
+    machine = TRANSFER_MACHINE.extend(
+        "audited", replace={("PROCESSING", "poll", "finished"): {
+            "after": ["latch_success", "audit"]}}, actions={"audit": audit})
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent, machine=machine)
+    for job_id in (1, 2, 3):
+        tier.submit_store(TransferJob(job_id, [f"k{job_id}"], [job_id]))
+
+    with pytest.raises(RuntimeError, match="audit log unavailable"):
+        tier.get_finished_jobs()
+
+    assert [tier.state_of(job_id).name for job_id in (1, 2, 3)] == ["DONE", "DONE", "PROCESSING"]
+    assert tier.stats()["in_flight"] == {"DONE": 2, "PROCESSING": 1}, "each counted where it is"
+    results = tier.get_finished_jobs()
+    assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True), (3, True)]
+    assert agent.call_count("check_xfer_state") == 4, "jobs 1 and 2 were not asked again"
+    assert agent.call_count("release_xfer_handle") == 3, "each handle released once"
+    assert not tier.has_pending_work() and agent.misuses == []
+    tier.shutdown()
+
+
 class CleanupInterruptedOnce(FakeNixlAgent):
     """The fake agent, with its next ``deregister_memory`` cut short by a KeyboardInterrupt
     (armed by the test), as a Ctrl-C landing in NIXL's call would."""

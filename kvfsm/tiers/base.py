@@ -38,7 +38,15 @@ from kvfsm.contract import (
     check_timeout,
     seconds_left,
 )
-from kvfsm.driver import RemoteSide, StepFunction, TransferDriver, check_runnable
+from kvfsm.driver import (
+    CLEANED,
+    DONE,
+    RELEASED,
+    RemoteSide,
+    StepFunction,
+    TransferDriver,
+    check_runnable,
+)
 from kvfsm.engine import CompiledMachine, Declaration
 from kvfsm.machines.transfer import (
     TRANSFER_MACHINE,
@@ -974,37 +982,80 @@ class SecondaryTier(JobSide):
             _live_tiers.discard(self)
 
     def _take_polls(self, answered: list[tuple[Transfer, Any]]) -> None:
-        """Fire each state check's answer, then take the transfer as far as it goes."""
+        """Fire each state check's answer; then take each transfer that is no longer running
+        as far as it goes, in order (every answer is fired before any release is made: a
+        listener of the first job published finds the others over already).
+
+        A transfer NIXL's DONE took out of the running states is filed as its calls are made,
+        not before: in the common case, a state whose ending is declared (release, clean,
+        publish) and calls that answer OK, it is then filed once, as final, instead of among
+        those waiting first and then again (what the first filing writes, the second undoes).
+        Until then it stays where it was filed, in :attr:`~kvfsm.runner.Runner.unfiled`,
+        which a call into the books that comes in between (a listener's) files first. An
+        interrupt leaves the runner damaged, and the next round files every transfer afresh
+        from its state."""
         runner, driver = self._runner, self._driver
         records, running = runner.records, runner.running_states
-        take, polled = runner.take, driver.polled
-        over = []  # those no longer running: their calls are due this round (an interrupt
-        # leaves them filed as waiting, and the next round goes on with them)
-        for transfer, status in answered:
-            if records.get(transfer.job_id) is not transfer or transfer.state not in running:
-                continue  # moved meanwhile (a listener polled again)
-            take(transfer, TransferEvent.POLL, polled(transfer, status))
-            if transfer.slot < 0:
-                over.append(transfer)
-        if over:
-            self._end(over)
+        take, polled, file = runner.take, driver.polled, runner.file
+        fire, poll, done = runner.machine.fire, TransferEvent.POLL, Answer.DONE
+        outer = runner.unfiled  # (a listener's round inside this one: its own, then this's)
+        over: list[Transfer] = []  # no longer running: their calls are due this round
+        runner.unfiled = over
+        try:
+            for transfer, status in answered:
+                if records.get(transfer.job_id) is not transfer or transfer.state not in running:
+                    continue  # moved meanwhile (a listener polled again)
+                outcome = polled(transfer, status)
+                if outcome is DONE:  # (a state check's answer is never a retry: fired as is)
+                    fire(transfer, poll, done)
+                    if transfer.state not in running:
+                        over.append(transfer)  # filed as its calls are made (_end)
+                        continue
+                    file(transfer)
+                else:
+                    take(transfer, poll, outcome)
+                if transfer.slot < 0:
+                    over.append(transfer)
+            if over:
+                self._end(over)
+        except Exception:  # an action that raised: each transfer this round left unfiled
+            # is filed where its state says, and the next round goes on with it (after an
+            # interrupt, the next round files every transfer afresh: Runner.mend)
+            runner.file_unfiled()
+            for transfer, _ in answered:  # (the one whose action raised)
+                if transfer.filed is not transfer.state and transfer.state not in runner.final:
+                    file(transfer)
+            raise
+        finally:
+            runner.unfiled = outer
 
     def _end(self, transfers: Sequence[Transfer]) -> None:
         """Make every call due for ``transfers`` now, as :meth:`_advance` does, one at a time
         and in order; one waiting on its release (the common case: NIXL answered DONE or
-        ERR) has its release and cleanup made at once, :meth:`_advance` going on with it only
-        when they moved it on without publishing it."""
+        ERR) has its release and cleanup made at once, the ending run as one chain when both
+        answered OK (and the transfer filed, as final), :meth:`_advance` going on with it
+        only when they moved it on without publishing it."""
         runner = self._runner
-        records, ending, take, end = runner.records, runner.ending, runner.take, self._makers[END]
+        records, ending, take, end = runner.records, runner.ending, runner.take, self._driver.end
+        run, file = runner.machine.run, runner.file
         for transfer in transfers:
             state = transfer.state
             if records.get(transfer.job_id) is not transfer:
                 continue  # published meanwhile (a listener polled again)
             if state in ending and not transfer.retry_at:
-                take(transfer, END, end(transfer))
+                released, cleaned = outcome = end(transfer)
+                if released is RELEASED and cleaned is CLEANED:
+                    try:
+                        run(transfer, ending[state])
+                    finally:  # final, and published (an action that raised: where it is)
+                        file(transfer)
+                    continue
+                file(transfer)  # (unfiled: among those waiting, before the answers fire)
+                take(transfer, END, outcome)
                 if transfer.state is not state and records.get(transfer.job_id) is transfer:
                     self._advance((transfer,), moved=True)
             else:
+                file(transfer)  # (unfiled: among those waiting, before their calls are made)
                 self._advance((transfer,))
 
     def _advance(self, transfers: Sequence[Transfer], moved: bool = False) -> None:
