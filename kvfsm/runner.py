@@ -134,13 +134,18 @@ class Runner(Books):
     damaged = False
     #: called with each transfer that failed, before its result is queued: what a caller who
     #: reads the failure must find done (the tier forgets a failed store's keys: a key left
-    #: vouched for would let a load read an old copy as the new bytes). An interrupt in them
+    #: vouched for would let a load read an old copy as the new bytes, or the failed store's
+    #: bytes as a success). A transfer whose failure is latched while it has calls to make
+    #: still (cancelled while NIXL runs it, a release to retry) has them called then too,
+    #: once, so that none of that waits for its result. An interrupt in them
     #: leaves the transfer unpublished, and :meth:`mend` finishes it, calling them again; an
     #: ordinary exception one raises is logged, and the others and the filing go on (the
     #: tier's own books leave it safe: a forget that raised makes the tier vouch for nothing)
     on_failed: list[Callable[[Transfer], None]]
     #: called with each transfer as it is published, after the books (best effort)
     on_published: list[Callable[[Transfer], None]]
+    _committing: set[int]
+    _failing_told: set[int]
     #: transfers a round fired out of the running states and files as it makes their calls
     #: (the tier's ``_take_polls``): a call into the books that comes in between (a
     #: listener's) files them first (:attr:`guarded`), so that it finds each where its state
@@ -226,7 +231,9 @@ class Runner(Books):
         self._entries = itertools.count()
         #: how many unpublished transfers are in each state
         self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
-        self._committing: set[int] = set()  # stores NIXL finished whose commit is not over
+        #: stores NIXL finished whose commit is not over; the failed transfers whose
+        #: on_failed books ran when their failure was latched (file)
+        self._committing, self._failing_told = set(), set()
         #: those of them whose remote side said their commit is over, appended from any thread
         #: (the tier wires a remote side's ``commit_over`` to its ``append``): the next round
         #: checks them first. A store told twice is checked once; one told after it was
@@ -780,6 +787,8 @@ class Runner(Books):
         if state in self.final:
             self._finish(transfer)
             return
+        if transfer.success is False and transfer.job_id not in self._failing_told:
+            self._failing(transfer, latched=True)  # before its calls are over
         if transfer.attempts or transfer.retry_at:  # moved on (however: an answer, a cancel,
             # a give-up): the next effect's count is fresh, and it is tried at once
             transfer.attempts, transfer.retry_at = 0, 0.0
@@ -798,8 +807,7 @@ class Runner(Books):
         else:
             if transfer.slot >= 0:
                 self.running.discard(transfer)
-                if self._committing:
-                    self._committing.discard(transfer.job_id)
+                self._committing.discard(transfer.job_id)
             self.waiting[transfer.job_id] = transfer
             self._ready[transfer.job_id] = transfer  # a move starts afresh: none backs off
 
@@ -852,9 +860,14 @@ class Runner(Books):
         if not result.success or transfer.leaks or self.on_published:
             self._announce(transfer, result)
 
-    def _failing(self, transfer: Transfer) -> None:
-        """A transfer that failed, before its result is queued: :attr:`on_failed` (one that
+    def _failing(self, transfer: Transfer, latched: bool = False) -> None:
+        """A transfer that failed, before its result is queued, or (``latched``) once its
+        failure is latched while it has calls to make still: :attr:`on_failed` (one that
         raises an ordinary exception is logged, and the others and the filing go on)."""
+        if latched:
+            self._failing_told.add(transfer.job_id)
+        else:
+            self._failing_told.discard(transfer.job_id)
         for book in self.on_failed:
             try:
                 book(transfer)
@@ -947,6 +960,7 @@ class Runner(Books):
                 del self.records[transfer.job_id]
             else:
                 self._finish(transfer, published=transfer.job_id in queued)
+        self._failing_told.intersection_update(self.records)
         self.damaged = False
 
     def _compact(self) -> None:
@@ -976,6 +990,11 @@ class Runner(Books):
     def counts(self) -> dict[str, Any]:
         """The books as figures (no lock: each read is one operation CPython does whole)."""
         in_state = dict(self.in_state)
+        for transfer in tuple(self.unfiled):  # (asked from inside a round: a listener)
+            filed = transfer.filed  # counted where it is, not where it was filed
+            if filed is not transfer.state and filed in in_state:
+                in_state[filed] -= 1
+                in_state[transfer.state] += 1
         latencies = sorted(self.latencies.copy())
         return {
             "in_flight": {state.name: count for state, count in in_state.items() if count},

@@ -99,6 +99,32 @@ def test_object_store_round_trip_on_real_nixl(
         assert torch.equal(cache[slot], original[block]), f"block {block} in slot {slot}"
 
 
+def test_a_store_cancelled_while_its_put_runs_is_never_loaded_as_a_success(
+    s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
+) -> None:
+    """A second store of a key is cancelled while NIXL's PUT runs; NIXL cannot stop it, and its
+    object lands whole. A load of the key submitted after the cancel returned fails: it would
+    have read the cancelled store's bytes and published them as a success. The store's own
+    result is a failure, and the key stays MISS until a store of it succeeds."""
+    tier = ObjectStoreTier(cache, store=s3_server.config(s3_server.new_bucket()))
+    tiers.append(tier)
+    tier.submit_store(TransferJob(1, ["k"], [0]))
+    assert collect(tier, 1)[1].success and tier.lookup("k") is Lookup.HIT
+    tier.submit_store(TransferJob(2, ["k"], [1]))  # block 1's bytes differ from block 0's
+    tier.cancel(2)
+    assert tier.lookup("k") is Lookup.MISS, "the failure is latched: the key is not vouched for"
+    time.sleep(0.5)  # (the PUT lands meanwhile)
+    before = cache[2].clone()
+    tier.submit_load(TransferJob(3, ["k"], [2], is_promotion=True))
+    results = collect(tier, 2)
+    assert results[2].success is False
+    assert results[3].success is False and results[3].reason is not None
+    assert "forgot" in results[3].reason.error
+    assert torch.equal(cache[2], before), "nothing was read into the engine's block"
+    tier.submit_store(TransferJob(4, ["k"], [0]))
+    assert collect(tier, 1)[4].success and tier.lookup("k") is Lookup.HIT
+
+
 def test_a_missing_object_fails_its_load_and_the_lookup_then_says_miss(
     s3_server: S3Server, cache: torch.Tensor, tiers: list[SecondaryTier]
 ) -> None:

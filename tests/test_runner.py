@@ -522,16 +522,19 @@ def test_a_listener_that_cancels_a_job_found_done_in_the_same_round_leaves_it_it
     NIXL twice."""
     agent, tier = three_stores_done_at_the_next_check()
     seen: list[str] = []
+    counted: list[dict[str, int]] = []
 
     def listener(transfer: Transfer) -> None:
         if transfer.job_id == 1:
             seen.append(tier.state_of(2).name)
+            counted.append(tier.stats()["in_flight"])
             tier.cancel(2)
 
     tier.on_published.append(listener)
     results = tier.get_finished_jobs()
 
     assert seen == ["DONE"], "job 2's DONE was taken before job 1 was published"
+    assert counted == [{"DONE": 2}], "stats count each job where it is"
     assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True), (3, True)]
     assert agent.call_count("check_xfer_state") == 3
     tier.shutdown()

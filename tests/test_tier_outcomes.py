@@ -310,6 +310,38 @@ def test_a_failed_transfer_whose_release_keeps_raising_is_quarantined_with_its_f
     assert_primary_kept_registered(tier, fake, held=1)
 
 
+@pytest.mark.parametrize("fail", [_cancelled_while_running, _err_on_check],
+                         ids=["cancelled-while-running", "check-answered-ERR"])
+def test_a_store_whose_failure_is_latched_makes_its_keys_miss_before_its_result(
+    fail: Callable[[Tier, FakeNixlAgent, TransferJob], None],
+    primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    """The keys were stored once (HIT). A second store of them latched its failure but is not
+    published yet: cancelled while NIXL still runs it (its bytes may land whole all the same),
+    or answered ERR with its release raising. From that moment the keys are MISS, and a load
+    of them submitted meanwhile fails, instead of publishing whatever the failed store left
+    as a success; the store's own result comes later, a failure."""
+    tier = ObjectStoreTier(primary, agent=fake, policy=RetryPolicy(max_attempts=5))
+    stored(tier, 1, KEYS, [0, 1])
+    primary[2:4] = 7.0  # the failed store's bytes
+    fake.inject("release_xfer_handle", Raise(), times=2)
+    fail(tier, fake, TransferJob(2, KEYS, [2, 3]))
+    if tier.state_of(2) is TransferState.PROCESSING:  # (ERR comes with the next check)
+        assert tier.get_finished_jobs() == [], "its release raised: not published yet"
+    assert tier.state_of(2) in (TransferState.CANCELLING, TransferState.FAILED)
+
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS, Lookup.MISS]
+    before = primary[4:6].clone()
+    tier.submit_load(TransferJob(3, KEYS, [4, 5], is_promotion=True))
+    results = results_of(tier, 2)
+    assert not results[2].success
+    load = results[3]
+    assert not load.success and load.reason is not None
+    assert "forgot" in load.reason.error, load.reason
+    assert torch.equal(primary[4:6], before), "the load wrote nothing into the engine's blocks"
+    tier.shutdown(timeout=1)
+
+
 # -- (c) a transfer still running past max_running_seconds ----------------------------------------
 
 @pytest.mark.parametrize("direction", ["store", "load"])

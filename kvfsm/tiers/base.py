@@ -452,7 +452,9 @@ class SecondaryTier(JobSide):
     def cancel(self, job_id: int) -> None:
         """Cancel a job: it publishes a failure. A transfer NIXL still runs is waited for (to
         DONE or its error, in CANCELLING) before its handles are released; one that already
-        ended keeps its outcome (it is never recomputed, F3) and is released as usual.
+        ended keeps its outcome (it is never recomputed, F3) and is released as usual. A
+        store's keys are MISS from this call on (NIXL may still land its bytes whole): a load
+        of them fails until a store of them succeeds.
 
         Raises:
             InvalidJobError: ``job_id`` is not an int (``cancel(True)`` does not cancel job 1);
@@ -1353,10 +1355,12 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
 
 
 def _forget_failed_store(known: KnownNames, transfer: Transfer) -> None:
-    """A store that failed forgets its names (:meth:`KnownNames.forget`), before its result
-    is queued: the engine's blocks under those keys may hold other bytes than whatever copy
-    the store left, so a probe finding that copy is not taken, and a load of them is refused,
-    until a store of them succeeds. (Made again if an interrupt cut the first short.)"""
+    """A store that failed forgets its names (:meth:`KnownNames.forget`), as soon as its
+    failure is latched and again before its result is queued: the engine's blocks under those
+    keys may hold other bytes than whatever copy the store left (a store cancelled while NIXL
+    runs it may still land whole), so a probe finding that copy is not taken, and a load of
+    them is refused, until a store of them succeeds. (Made again if an interrupt cut the
+    first short.)"""
     if not transfer.job.is_promotion:
         known.forget(transfer.names)
 
