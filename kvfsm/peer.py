@@ -109,7 +109,14 @@ from typing import Any
 
 import torch
 
-from kvfsm.contract import Books, DrainTimeout, JobSide, check_interval, check_timeout
+from kvfsm.contract import (
+    Books,
+    DrainTimeout,
+    JobSide,
+    check_interval,
+    check_timeout,
+    held_by,
+)
 from kvfsm.machines.peer_link import PEER_LINK, LinkState, loses_link
 from kvfsm.machines.peer_receive import (
     PEER_RECEIVE,
@@ -642,10 +649,11 @@ class PeerReceiver(JobSide):
             ValueError: ``timeout`` is not None nor a number of seconds.
         """
         timeout = check_timeout(timeout)
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise DrainTimeout("shutdown (another thread held the receiver past the deadline; "
-                               "call shutdown again)", [], self._noun)
-        try:
+        with held_by(self._lock, None if timeout is None else time.monotonic() + timeout
+                     ) as taken:
+            if not taken:
+                raise DrainTimeout("shutdown (another thread held the receiver past the "
+                                   "deadline; call shutdown again)", [], self._noun)
             if self._closed:
                 return
             for link in self.links.open_links():
@@ -658,8 +666,6 @@ class PeerReceiver(JobSide):
                 logger.warning("shutdown: deregister_memory of the receiver's cache raised: "
                                "%s: %s", type(error).__name__, error)
             self._closed = True
-        finally:
-            self._lock.release()
 
     def state_of(self, job_id: int) -> ReceiveState | None:
         """The state of an expected job, or None once published."""
@@ -907,18 +913,16 @@ class PeerSender(SecondaryTier):
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         super().shutdown(timeout)  # raises DrainTimeout while NIXL still runs a transfer
-        if not self._lock_by(deadline):
-            raise DrainTimeout("shutdown (every job is published, but another thread held the "
-                               "tier's lock past the deadline before the link was closed; "
-                               "call shutdown again)", [])
-        try:
+        with self._held_by(deadline) as taken:
+            if not taken:
+                raise DrainTimeout("shutdown (every job is published, but another thread held "
+                                   "the tier's lock past the deadline before the link was "
+                                   "closed; call shutdown again)", [])
             link = self.link
             if link is not None and link.state not in PEER_LINK.final and not self._held():
                 self._close_link(link)
             else:
                 self._progress()
-        finally:
-            self._lock.release()
 
     def stats(self) -> dict[str, Any]:
         """The tier's stats, with the link's state and its leaks counted among the leaks."""

@@ -273,6 +273,39 @@ def test_an_exit_with_idle_worker_threads_and_no_tier_is_not_held_up() -> None:
     assert child.stdout.split() == ["task", "ran", "main", "done"]
 
 
+LONG_PAUSE = """
+import logging
+import torch
+from kvfsm import TransferJob
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent, StayProc
+from kvfsm.tiers import ObjectStoreTier
+logging.basicConfig(format="%(message)s")
+agent = FakeNixlAgent()
+if NEVER_ENDS:
+    agent.inject("check_xfer_state", StayProc(10**9))
+tier = ObjectStoreTier(torch.zeros(4, 16), agent=agent,
+                       policy=RetryPolicy(progress_interval=1000))
+tier.submit_store(TransferJob(1, ["k"], [0]))  # the thread polls once, then pauses 1000 s
+print("main done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("never_ends", [False, True], ids=["a-job-that-ends", "nixl-never-ends"])
+def test_an_exit_does_not_wait_out_the_progress_threads_pause(never_ends: bool) -> None:
+    """The main thread returns while the progress thread pauses between polls (a
+    ``progress_interval`` of 1000 s). The exit wakes it: the job that ends is finished and the
+    process exits; a transfer that never ends is polled within the exit's bound, set to 3 s
+    here, and the process exits (the exit used to wait out the whole pause first: past 60 s,
+    the bound, with a pause of 35 s, and for ever with one of 1000 s)."""
+    script = f"NEVER_ENDS = {never_ends}\n" + textwrap.dedent(LONG_PAUSE)
+    script = script.replace("import logging\n", "import logging\nimport kvfsm.tiers.base\n"
+                            "kvfsm.tiers.base.EXIT_WAIT_SECONDS = 3.0\n", 1)
+    child = run_child(script, timeout=60)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert child.stdout.split() == ["main", "done"]
+
+
 FORKED_WORKER = """
 import gc, logging, multiprocessing, tempfile, weakref
 import torch

@@ -13,10 +13,12 @@ interrupts are the driver's and the fake agent's tests'."""
 
 from __future__ import annotations
 
+import _thread
 import collections
 import linecache
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -264,3 +266,47 @@ def test_an_interrupt_at_any_line_of_a_step_loses_no_pin() -> None:
         return problems
 
     assert sweep(run) == {}
+
+
+
+class InterruptedAcquire(_thread.RLock):  # type: ignore[misc]
+    """The tier's lock, whose next ``acquire`` (armed by the test) takes it and then raises
+    KeyboardInterrupt: a Ctrl-C landing as the call returns, which is where CPython runs a
+    signal handler. (A ``with`` block's entry does not call this ``acquire``.)"""
+
+    armed = False
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        taken = super().acquire(blocking, timeout)
+        if self.armed and taken:
+            self.armed = False
+            raise KeyboardInterrupt
+        return taken
+
+
+@pytest.mark.parametrize("call", ["drain_jobs", "shutdown"])
+def test_a_ctrl_c_as_the_tiers_lock_is_taken_leaves_it_free(call: str) -> None:
+    """A drain's or a shutdown's wait for the tier's lock is bounded, so it takes the lock
+    with a timed ``acquire``; a Ctrl-C lands as that returns. The call raises
+    KeyboardInterrupt, and the lock is free: another thread's submit returns, the jobs'
+    results come, and shutdown ends. (The caller's thread used to keep the lock for good,
+    without knowing it: every other thread's call, the progress thread's polls and the
+    interpreter's exit waited for ever, and shutdown waited out its whole timeout.)"""
+    tier = ObjectStoreTier(torch.zeros(8, 16), agent=FakeNixlAgent(complete_after_polls=2))
+    tier._lock = lock = InterruptedAcquire()
+    tier.submit_store(TransferJob(1, ["k1"], [1]))
+    lock.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        getattr(tier, call)(timeout=5)
+    assert not lock.armed, "the interrupt came as the lock was taken"
+
+    other = threading.Thread(target=tier.submit_store, args=(TransferJob(2, ["k2"], [2]),),
+                             daemon=True)
+    other.start()
+    other.join(5)
+    assert not other.is_alive(), "another thread's submit waited for the tier's lock"
+    tier.drain_jobs(timeout=5)  # (the interrupted shutdown changed nothing yet: open)
+    assert sorted((r.job_id, r.success) for r in tier.get_finished_jobs()) == [
+        (1, True), (2, True)]
+    tier.shutdown(timeout=5)
+    assert tier.closed

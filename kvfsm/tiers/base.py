@@ -22,6 +22,7 @@ import logging
 import math
 import operator
 import os
+import queue
 import threading
 import time
 import weakref
@@ -36,6 +37,7 @@ from kvfsm.contract import (
     JobSide,
     check_interval,
     check_timeout,
+    held_by,
     seconds_left,
 )
 from kvfsm.driver import (
@@ -396,10 +398,12 @@ class SecondaryTier(JobSide):
         self._progress_last: threading.Thread | None = None  # shutdown joins it
         self._progress_polls = 0
         self._progress_error: str | None = None
-        #: set by shutdown: the progress thread's pause ends at once
-        self._progress_wake = threading.Event()
+        #: shutdown's and the exit's wake of the progress thread (:meth:`_wake_progress`):
+        #: a queue, whose put takes no lock an interrupt could leave held (an Event's does)
+        self._progress_wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._progress_woken = False  # woken for good: it pauses no more
         #: shutdown's wait for the background work: one at a time, and once it is done
-        self._stop_lock = threading.Lock()
+        self._stop_lock = threading.RLock()
         self._background_stopped = False
         base = primary.data_ptr()
         self._dram = agent.register_memory(
@@ -502,18 +506,16 @@ class SecondaryTier(JobSide):
         """
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._lock_by(deadline):
-            raise DrainTimeout("shutdown (another thread held the tier's lock past the "
-                               "deadline; call shutdown again)", self.unpublished())
-        try:
+        with self._held_by(deadline) as taken:
+            if not taken:
+                raise DrainTimeout("shutdown (another thread held the tier's lock past the "
+                                   "deadline; call shutdown again)", self.unpublished())
             closed = self._closed
             if not closed:
                 self._closing = True  # the progress thread ends now, not after its pause
-                self._progress_wake.set()
+                self._wake_progress()
                 progress = self._progress_last
                 self._cancel_all()
-        finally:
-            self._lock.release()
         if closed:  # (an earlier shutdown's wait for the background work may be under way, or
             self._stop_background(deadline)  # cut short by an interrupt: it is finished here)
             return
@@ -525,15 +527,14 @@ class SecondaryTier(JobSide):
                 progress.join(_left(deadline))
         except DrainTimeout:
             self._last_tries(deadline)
-        if not self._lock_by(deadline):
-            raise DrainTimeout("shutdown (every job is published, but another thread held the "
-                               "tier's lock past the deadline; call shutdown again)", [])
-        try:
+        with self._held_by(deadline) as taken:
+            if not taken:
+                raise DrainTimeout("shutdown (every job is published, but another thread "
+                                   "held the tier's lock past the deadline; call shutdown "
+                                   "again)", [])
             if not self._closed:
                 self._signal_stop()  # no background call starts from now on
                 self._close()
-        finally:
-            self._lock.release()
         # waited for without the tier's lock: its calls on other threads are refused at once
         self._stop_background(deadline)
 
@@ -552,16 +553,13 @@ class SecondaryTier(JobSide):
         finds it cut short (an interrupt) does it again."""
         if self._background_stopped:
             return
-        if not self._stop_lock.acquire(
-                timeout=-1 if deadline is None else seconds_left(deadline)):
-            return  # another shutdown is waiting for it, past this one's deadline
-        try:
+        with held_by(self._stop_lock, deadline) as taken:
+            if not taken:
+                return  # another shutdown is waiting for it, past this one's deadline
             if not self._background_stopped:
                 self._stop_by = deadline
                 self._stop_probes()
                 self._background_stopped = True
-        finally:
-            self._stop_lock.release()
 
     def _last_tries(self, deadline: float | None) -> None:
         """Shutdown's deadline passed with jobs unpublished: a transfer that is over gets one
@@ -569,12 +567,12 @@ class SecondaryTier(JobSide):
         (the give-up edge: quarantined, or wherever the lifecycle's leads, and from there on
         the same way, as far as the lifecycle has states); raise DrainTimeout naming those
         NIXL still runs (and all of them if another thread's call holds the tier's lock)."""
-        if not self._lock_by(deadline):  # past it: only if no other call holds the lock
-            raise DrainTimeout("shutdown (NIXL still runs these, or another thread held the "
-                               "tier's lock; call shutdown again to wait longer)",
-                               self.unpublished()) from None
         runner = self._runner
-        try:
+        with self._held_by(deadline) as taken:  # past it: only if no other call holds it
+            if not taken:
+                raise DrainTimeout("shutdown (NIXL still runs these, or another thread held "
+                                   "the tier's lock; call shutdown again to wait longer)",
+                                   self.unpublished()) from None
             with runner.guarded:
                 for transfer in self.unpublished():
                     # (a give-up may lead to another wait: as many rounds as states)
@@ -589,8 +587,6 @@ class SecondaryTier(JobSide):
             if running:
                 raise DrainTimeout("shutdown (NIXL still runs these; call shutdown again "
                                    "to wait longer)", running) from None
-        finally:
-            self._lock.release()
 
     def _waits(self, transfer: Transfer) -> bool:
         """Whether ``transfer`` is unpublished and waits on a call or a step (not on NIXL)."""
@@ -598,10 +594,12 @@ class SecondaryTier(JobSide):
         return (runner.records.get(transfer.job_id) is transfer
                 and transfer.state not in runner.running_states)
 
-    def _lock_by(self, deadline: float | None) -> bool:
-        """Take the tier's lock, waiting until ``deadline`` at most (None: as long as it
-        takes; past it: only if it is free); True when taken."""
-        return self._lock.acquire(timeout=-1 if deadline is None else seconds_left(deadline))
+    def _held_by(self, deadline: float | None) -> held_by:
+        """``with tier._held_by(deadline) as taken:`` the tier's lock, waiting until
+        ``deadline`` at most (None: as long as it takes; past it: only if it is free), held
+        for the block when taken (:class:`~kvfsm.contract.held_by`: an interrupt never leaves
+        it held)."""
+        return held_by(self._lock, deadline)
 
     def _close(self) -> None:
         """Close the tier (under its lock; shutdown then stops its background work)."""
@@ -689,15 +687,12 @@ class SecondaryTier(JobSide):
         holdings = self._holdings
         if holdings is not None:
             names = self._remote_names(keys)
-            lock = self._lock
-            if not lock.acquire(blocking=False):
-                for name in names:
-                    holdings.use(name)
-                return
-            try:
-                holdings.touch(names)
-            finally:
-                lock.release()
+            with held_by(self._lock, 0.0) as taken:  # (deadline 0: passed, only if free)
+                if taken:
+                    holdings.touch(names)
+                    return
+            for name in names:
+                holdings.use(name)
 
     def forget(self, keys: Sequence[bytes | str]) -> None:
         """The tier no longer vouches for what it holds under ``keys``: they answer MISS, as
@@ -870,6 +865,13 @@ class SecondaryTier(JobSide):
                          "polls on the caller's thread", type(self).__name__, error)
             return
         self._progress_thread = self._progress_last = thread
+        _progress_tiers.add(self)
+
+    def _wake_progress(self) -> None:
+        """End the progress thread's pause, and every later one: it polls at once, then ends
+        if the tier is closing (or goes on polling while the process exits)."""
+        self._progress_woken = True
+        self._progress_wake.put(None)
 
     def _progress_loop(self, interval: float) -> None:
         """Poll every ``interval`` seconds while jobs are unpublished and the tier is open (at
@@ -879,7 +881,10 @@ class SecondaryTier(JobSide):
         try:
             runner, pause = self._runner, min(interval, BEHIND_PAUSE)
             while True:
-                wake.wait(pause if runner.behind else interval)
+                if not self._progress_woken:
+                    with contextlib.suppress(queue.Empty):  # (the pause ran out)
+                        wake.get(timeout=min(interval, EXIT_SLICE) if _exiting
+                                 else pause if runner.behind else interval)
                 with lock:
                     if until == math.inf and not main.is_alive() and _only_ours_left(main):
                         # the process exits: the interpreter waits for this thread, and the
@@ -1197,6 +1202,29 @@ def _exit_deadline() -> float:
     return _exit_by[0]
 
 
+#: the tiers that started a progress thread: the interpreter's exit wakes them
+_progress_tiers: weakref.WeakSet[SecondaryTier] = weakref.WeakSet()
+#: the longest a progress thread pauses once the process exits, to see whether the caller's
+#: threads have all ended (it may then have to wait for NIXL, within EXIT_WAIT_SECONDS)
+EXIT_SLICE = 0.1
+#: not empty once the interpreter's exit began (the main thread returned): _wake_at_exit
+_exiting: list[bool] = []
+
+
+def _wake_at_exit() -> None:
+    """As the main thread returns, before the interpreter joins the other threads: every
+    progress thread ends its pause, and pauses at most :data:`EXIT_SLICE` from now on, so that
+    it sees the exit at once (once the caller's threads ended) instead of after a whole
+    ``progress_interval``, and the exit keeps its bound (:data:`EXIT_WAIT_SECONDS`)."""
+    _exiting.append(True)
+    for tier in list(_progress_tiers):
+        tier._progress_wake.put(None)
+
+
+# (run by the threading module before it joins the threads; an atexit handler runs after)
+getattr(threading, "_register_atexit", lambda _: None)(_wake_at_exit)
+
+
 def _only_ours_left(main: threading.Thread) -> bool:
     """Whether every thread still running but ``main`` (which returned) is a daemon or kvfsm's
     own (named ``kvfsm-...``): none of the caller's threads may still use a tier."""
@@ -1221,7 +1249,7 @@ def _wait_at_exit() -> None:
     deadline = _exit_deadline()
     for tier in list(_nixl_tiers):
         tier._closing = True  # submits refused from now on (read before the lock is taken)
-        tier._progress_wake.set()
+        tier._wake_progress()
     for tier in list(_live_tiers):
         try:
             _finish_at_exit(tier, deadline)
@@ -1242,6 +1270,7 @@ def _forget_after_fork() -> None:
     _inherited.append((_live_tiers, list(_nixl_tiers)))
     _live_tiers, _nixl_tiers = set(), weakref.WeakSet()
     _exit_by.clear()  # (a child forked as the parent exits has its own exit)
+    _exiting.clear()
 
 
 def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
@@ -1261,14 +1290,14 @@ def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
             except Exception:
                 logger.exception("interpreter exit: %s: %s raised", name, end.__name__)
     running: list[tuple[int, Any]] = []
-    while tier._lock_by(deadline):  # (past the deadline: once more, if the lock is free; a
-        try:  # daemon thread may still poll: the handles are read, and asked about, under it)
+    while True:  # (past the deadline: once more, if the lock is free; a daemon thread may
+        with tier._held_by(deadline) as taken:  # still poll: the handles are read, and
+            if not taken:  # asked about, under it)
+                break
             running = _may_run(tier)
             answers = tier._driver.check([handle for _, handle in running])  # (never raises:
             running = [entry for entry, answer in zip(running, answers, strict=True)  # one
                        if answer == NIXL_RUNNING]  # that raised answers what it raised)
-        finally:
-            tier._lock.release()
         if not running or time.monotonic() >= deadline:
             break
         time.sleep(0.01)
