@@ -7,6 +7,7 @@ bytes runs on real NIXL (skipped without it, failing under ``CI=true``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import hashlib
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.parse
 import weakref
 from collections.abc import Callable, Iterator
@@ -1096,3 +1098,48 @@ def test_a_manager_stores_nothing_to_a_read_only_tier_and_loads_from_it(tmp_path
                        tiering.content("engine B's own bytes"))
     b.shutdown(timeout=10)
     a.shutdown(timeout=10)
+
+
+class InterruptedEnter(threading.Condition):
+    """The flusher's condition, whose next ``with`` (armed by the test) takes its lock and then
+    raises KeyboardInterrupt: a Ctrl-C landing inside ``Condition.__enter__``, Python code,
+    once the lock is taken."""
+
+    armed = False
+
+    def __enter__(self) -> bool:
+        entered = super().__enter__()
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return entered
+
+
+@real_nixl
+def test_a_ctrl_c_as_a_durable_store_is_handed_to_the_flusher_leaves_it_flushing(
+    cache: torch.Tensor, tmp_path: Path
+) -> None:
+    """A durable store's commit is handed to the flusher under the flusher's own lock, and a
+    Ctrl-C may land as the caller's thread takes it. The lock is taken by a ``with`` on the
+    lock itself, whose entry runs no Python code once it holds it, so there is no such
+    place: the store and the next one are published, and shutdown ends. (Taken through the
+    condition, whose ``__enter__`` is Python code, an interrupt there left the lock held by
+    the caller's thread for good, and the flusher waiting for it: no durable store was
+    published again.)"""
+    tier = FileTier(cache, tmp_path, agent=posix(), durable=True)
+    flusher = tier._flusher
+    lock = getattr(flusher, "_lock", None) or threading.RLock()
+    flusher._ready = ready = InterruptedEnter(lock)
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    ready.armed = True
+    results: list[JobResult] = []
+    with contextlib.suppress(KeyboardInterrupt):  # (where the condition's entry is used)
+        while tier.state_of(1) is not None:
+            results += tier.get_finished_jobs()
+            time.sleep(0.001)
+    tier.submit_store(TransferJob(2, ["b"], [1]))
+    tier.drain_jobs(timeout=10)
+    results += tier.get_finished_jobs()
+    assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
+    tier.shutdown(timeout=10)
+    assert tier.closed

@@ -275,7 +275,11 @@ class _Flusher:
     def __init__(self, root: str) -> None:
         self._root = root
         self._queue: list[_Flush] = []
-        self._ready = threading.Condition()  # its own lock: never the tier's
+        #: its own lock, never the tier's; taken as it is (``with self._lock``), not through
+        #: the condition, whose ``__enter__`` is Python code an interrupt may land in once
+        #: the lock is taken, leaving it held for good (the flusher then waits for ever)
+        self._lock = threading.RLock()
+        self._ready = threading.Condition(self._lock)
         #: the thread, once started (None before, and once it ended)
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -297,7 +301,7 @@ class _Flusher:
             for fd in fds:
                 copies.append(os.dup(fd))
             flush = _Flush(copies, list(renames), wake)
-            with self._ready:
+            with self._lock:
                 if self._stopping:  # (shutdown waits for every store first: never the case)
                     raise RuntimeError("the file tier is shut down: it commits no more stores")
                 if self._thread is None or not self._thread.is_alive():
@@ -326,11 +330,11 @@ class _Flusher:
             True when the thread ended (or never ran); False when it was left running.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._ready:
+        with self._lock:
             self._stopping = True
             self._ready.notify()
         while True:
-            with self._ready:  # the thread takes _at_end under this lock as it ends: one call
+            with self._lock:  # the thread takes _at_end under this lock as it ends: one call
                 thread = self._thread
                 if thread is None or not thread.is_alive():
                     break
@@ -345,7 +349,7 @@ class _Flusher:
     def _run(self) -> None:
         try:
             while True:
-                with self._ready:
+                with self._lock:
                     while not self._queue and not self._stopping:
                         self._ready.wait()
                     if not self._queue:
@@ -355,7 +359,7 @@ class _Flusher:
         finally:
             abandoned: list[_Flush] = []
             at_end = None
-            with self._ready:
+            with self._lock:
                 if self._thread is threading.current_thread():
                     self._thread = None
                 if self._queue:  # died (only a bug, or an exit, does that): another thread
