@@ -45,6 +45,7 @@ import logging
 import math
 import operator
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -151,6 +152,8 @@ class Runner(Books):
     #: listener's) files them first (:attr:`guarded`), so that it finds each where its state
     #: says; none between rounds
     unfiled: Sequence[Transfer] = ()
+    #: the thread of the round :attr:`unfiled` is of (other threads read the books as filed)
+    round_thread = 0
 
     @functools.cached_property
     def guarded(self) -> _Guarded:
@@ -768,9 +771,9 @@ class Runner(Books):
     def file_unfiled(self) -> None:
         """File each of :attr:`unfiled` not filed where its state says yet (the list stays:
         the round that made it goes on appending to it)."""
-        final = self.final  # (one final and unfiled is an interrupted finish: mend's)
+        running = self.running_states  # (filed elsewhere: an interrupted finish, mend's)
         for transfer in self.unfiled:
-            if transfer.filed is not transfer.state and transfer.state not in final:
+            if transfer.filed is not transfer.state and transfer.filed in running:
                 self.file(transfer)
 
     def file(self, transfer: Transfer) -> None:
@@ -864,15 +867,15 @@ class Runner(Books):
         """A transfer that failed, before its result is queued, or (``latched``) once its
         failure is latched while it has calls to make still: :attr:`on_failed` (one that
         raises an ordinary exception is logged, and the others and the filing go on)."""
-        if latched:
-            self._failing_told.add(transfer.job_id)
-        else:
+        if not latched:
             self._failing_told.discard(transfer.job_id)
         for book in self.on_failed:
             try:
                 book(transfer)
             except Exception:
                 _book_raised(transfer, book)
+        if latched:  # (after them: an interrupt before has mend call them again)
+            self._failing_told.add(transfer.job_id)
 
     @staticmethod
     def _settle_failed(transfer: Transfer) -> bool:
@@ -926,6 +929,7 @@ class Runner(Books):
         backing: list[tuple[float, int, Transfer]] = []
         in_state = dict.fromkeys(self.in_state, 0)
         over: list[tuple[Transfer, bool]] = []
+        self._mend_posts(transfers)
         for transfer in transfers:
             transfer.slot = -1
             state = transfer.state
@@ -960,8 +964,26 @@ class Runner(Books):
                 del self.records[transfer.job_id]
             else:
                 self._finish(transfer, published=transfer.job_id in queued)
-        self._failing_told.intersection_update(self.records)
+        self._mend_failing()
         self.damaged = False
+
+    def _mend_failing(self) -> None:
+        """(mend) Call the books of each failure latched whose call :meth:`file` made an
+        interrupt cut short (a failed store that vouched for its keys until it ended)."""
+        told = self._failing_told
+        told.intersection_update(self.records)
+        for transfer in list(self.records.values()):
+            if transfer.success is False and transfer.job_id not in told:
+                self._failing(transfer, latched=True)
+
+    def _mend_posts(self, transfers: Sequence[Transfer]) -> None:
+        """(mend) A transfer still in its initial state: its submit was cut short, before or
+        after its post answered; as :meth:`cancel` takes it, running if it has a handle."""
+        for transfer in transfers:
+            if transfer.state is self.initial:
+                self.machine.fire(transfer, TransferEvent.POST,
+                                  Answer.PROC if transfer.xfer is not None else Answer.RAISED,
+                                  CallFailed("post", PostInterrupted()))
 
     def _compact(self) -> None:
         """Keep in the submit-order queue only the transfers the running bound may still
@@ -990,11 +1012,13 @@ class Runner(Books):
     def counts(self) -> dict[str, Any]:
         """The books as figures (no lock: each read is one operation CPython does whole)."""
         in_state = dict(self.in_state)
-        for transfer in tuple(self.unfiled):  # (asked from inside a round: a listener)
-            filed = transfer.filed  # counted where it is, not where it was filed
-            if filed is not transfer.state and filed in in_state:
-                in_state[filed] -= 1
-                in_state[transfer.state] += 1
+        if self.unfiled and self.round_thread == threading.get_ident():  # asked from inside
+            running, final = self.running_states, self.final  # a round (a listener): each
+            for transfer in self.unfiled:  # counted where it is, not where it was filed
+                filed, state = transfer.filed, transfer.state
+                if filed is not state and filed in running and state not in final:
+                    in_state[filed] -= 1
+                    in_state[state] += 1
         latencies = sorted(self.latencies.copy())
         return {
             "in_flight": {state.name: count for state, count in in_state.items() if count},

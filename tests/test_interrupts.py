@@ -310,3 +310,31 @@ def test_a_ctrl_c_as_the_tiers_lock_is_taken_leaves_it_free(call: str) -> None:
         (1, True), (2, True)]
     tier.shutdown(timeout=5)
     assert tier.closed
+
+
+def test_a_ctrl_c_as_a_submit_files_its_posted_transfer_loses_it_not() -> None:
+    """A Ctrl-C lands as a submit, its post made, starts to file the transfer: the submit
+    raises, and the job is NIXL's (``owes``). The next call files it from where the
+    interrupt left it (posted: it has a handle), so a drain publishes it with NIXL's
+    answer, its success (it stayed in its initial state for good: the drain ran out, and
+    shutdown published it as cancelled)."""
+    from kvfsm.runner import Runner  # noqa: PLC0415
+
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=FakeNixlAgent(complete_after_polls=1))
+
+    def ctrl_c(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code is Runner.take.__code__:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return None
+
+    sys.settrace(ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tier.submit_store(TransferJob(1, ["k"], [0]))
+    finally:
+        sys.settrace(None)
+    assert tier.owes(1)
+    tier.drain_jobs(timeout=5)
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    tier.shutdown(timeout=1)

@@ -12,12 +12,15 @@ import ast
 import enum
 import itertools
 import pathlib
+import threading
 import time
 from typing import Any
 
 import pytest
 import torch
 
+import kvfsm.runner as kvfsm_runner
+import kvfsm.tiers.base as kvfsm_base
 from examples.verify_lifecycle import VERIFY_MACHINE, Verified, VerifyState
 from kvfsm import Declaration, TransferJob
 from kvfsm.driver import MachineRefused, StorageSide
@@ -595,6 +598,74 @@ def test_an_action_that_raises_at_one_jobs_done_leaves_no_job_of_its_round_behin
     assert agent.call_count("release_xfer_handle") == 3, "each handle released once"
     assert not tier.has_pending_work() and agent.misuses == []
     tier.shutdown()
+
+
+def test_an_action_that_raises_on_a_done_that_ends_the_job_leaves_it_published() -> None:
+    """A lifecycle of the user's whose DONE leads straight to a final state, with an action
+    there that raises once: the round raises it, and the job is filed where its state says,
+    final, so it is published (it stayed in the running list, in a final state, for good:
+    drain never ended, stats counted it as running, and shutdown raised)."""
+    raised: list[int] = []
+
+    def audit(transfer: Transfer, answer: Any, detail: Any) -> None:
+        if not raised:
+            raised.append(transfer.job_id)
+            raise RuntimeError("audit log unavailable")
+
+    machine = TRANSFER_MACHINE.extend(
+        "done-quarantines", replace={("PROCESSING", "poll", "finished"): {
+            "dest": "QUARANTINED", "after": ["latch_success", "audit"]}},
+        actions={"audit": audit})
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent, machine=machine)
+    tier.submit_store(TransferJob(1, ["k1"], [1]))
+
+    with pytest.raises(RuntimeError, match="audit log unavailable"):
+        tier.get_finished_jobs()
+
+    assert tier.state_of(1) is None and tier.stats()["in_flight"] == {}
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False)]
+    tier.shutdown(timeout=1)
+    assert tier.closed
+
+
+def test_stats_read_at_any_line_of_a_round_count_each_job_once_and_none_as_published() -> None:
+    """stats() takes no lock: a monitoring thread reads it at any moment of another thread's
+    round. Read at each line a round finding three stores over runs in kvfsm's books, on the
+    round's own thread (a listener would be) and on another thread at that moment, it never
+    counts a job under a final state or below zero, nor more jobs than are unpublished."""
+    import sys  # noqa: PLC0415
+    books = {pathlib.Path(module.__file__).resolve() for module in (kvfsm_runner, kvfsm_base)}
+    final = {state.name for state in TRANSFER_MACHINE.final}
+    wrong: list[tuple[int, str, dict[str, int]]] = []
+
+    _, tier = three_stores_done_at_the_next_check()
+    lines = [0]
+
+    def check(where: str) -> None:
+        counted = tier.stats()["in_flight"]
+        if (set(counted) & final or any(n < 0 for n in counted.values())
+                or sum(counted.values()) > 3):
+            wrong.append((lines[0], where, counted))
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            lines[0] += 1
+            check("the round's thread")
+            other = threading.Thread(target=check, args=("another thread",))
+            other.start()
+            other.join()
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if pathlib.Path(
+        frame.f_code.co_filename).resolve() in books else None)
+    try:
+        results = tier.get_finished_jobs()
+    finally:
+        sys.settrace(None)
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True), (3, True)]
+    tier.shutdown(timeout=1)
+    assert lines[0] > 100 and wrong == [], wrong[:3]
 
 
 class CleanupInterruptedOnce(FakeNixlAgent):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ import torch
 from kvfsm import FailureKind, FailureReason, JobResult, TransferJob, TransferState
 from kvfsm.nixl_agents import make_agent
 from kvfsm.policy import RetryPolicy
+from kvfsm.runner import Runner
 from kvfsm.testing import FakeNixlAgent, FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiering import CPUPrimaryTier, TieringManager
 from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, TierClosedError
@@ -339,6 +341,59 @@ def test_a_store_whose_failure_is_latched_makes_its_keys_miss_before_its_result(
     assert not load.success and load.reason is not None
     assert "forgot" in load.reason.error, load.reason
     assert torch.equal(primary[4:6], before), "the load wrote nothing into the engine's blocks"
+    tier.shutdown(timeout=1)
+
+
+def test_a_store_stored_again_while_a_cancelled_one_still_runs_does_not_vouch_for_its_keys(
+    primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    """A store of the keys is cancelled while NIXL runs it; another store of them succeeds
+    before NIXL ended the first, whose bytes may then land whole over the second's. The keys
+    stay MISS (a load of them fails) until the cancelled store is over; then a store of them
+    that succeeds makes them HIT again. (The second store's success vouched for them, and a
+    load read the cancelled store's bytes as a success.)"""
+    tier = ObjectStoreTier(primary, agent=fake)
+    fake.inject("check_xfer_state", StayProc(3))  # the first store's checks: still running
+    tier.submit_store(TransferJob(2, KEYS, [2, 3]))
+    tier.cancel(2)
+    tier.submit_store(TransferJob(3, KEYS, [0, 1]))
+    assert results_of(tier, 1)[3].success and tier.state_of(2) is TransferState.CANCELLING
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS, Lookup.MISS], "it may land"
+    tier.submit_load(TransferJob(4, KEYS, [4, 5], is_promotion=True))
+    results = results_of(tier, 2)
+    assert not results[2].success
+    assert not results[4].success and "forgot" in str(results[4].reason)
+    stored(tier, 5, KEYS, [0, 1])  # the cancelled store is over: HIT again
+    tier.shutdown(timeout=1)
+
+
+def test_a_ctrl_c_as_a_cancelled_store_forgets_its_keys_leaves_them_forgotten(
+    primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    """A Ctrl-C lands as a cancel's books start to forget the store's keys: the next call
+    into the tier forgets them first, so a load of them submitted then fails instead of
+    reading what the cancelled store may land."""
+    tier = ObjectStoreTier(primary, agent=fake)
+    stored(tier, 1, KEYS, [0, 1])
+    fake.inject("check_xfer_state", StayProc(2))
+    tier.submit_store(TransferJob(2, KEYS, [2, 3]))
+
+    def ctrl_c(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code is Runner._failing.__code__:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return None
+
+    sys.settrace(ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tier.cancel(2)
+    finally:
+        sys.settrace(None)
+    tier.submit_load(TransferJob(3, KEYS, [4, 5], is_promotion=True))
+    results = results_of(tier, 2)
+    assert not results[2].success
+    assert not results[3].success and "forgot" in str(results[3].reason)
     tier.shutdown(timeout=1)
 
 

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -188,7 +188,7 @@ class KnownNames:
     own, so none of them can undo another's newer verdict; a read of a live verdict takes none.
     """
 
-    __slots__ = ("_forgotten", "_lock", "_names", "distrusted", "limit")
+    __slots__ = ("_doubted", "_forgotten", "_lock", "_names", "distrusted", "doubting", "limit")
 
     def __init__(self, limit: int) -> None:
         if type(limit) is not int or limit < 1:
@@ -205,6 +205,10 @@ class KnownNames:
         #: may have left a name vouched for whose copy is not the caller's bytes, and which
         #: it is cannot be told, so every name answers MISS and every load is refused
         self.distrusted: str | None = None
+        #: the names of stores cancelled while NIXL ran them, by job (:meth:`doubt`), and
+        #: how many such stores hold each name
+        self.doubting: dict[int, tuple[str, ...]] = {}
+        self._doubted: dict[str, int] = {}
 
     def get(self, name: str) -> Lookup | None:
         """The verdict on ``name``, or None when it is not known (any more)."""
@@ -230,9 +234,11 @@ class KnownNames:
         with self._lock:
             forgotten = self._forgotten
             if forgotten and verdict is Lookup.HIT:
-                if load:
-                    names = [name for name in names if name not in forgotten]
-                else:
+                doubted = self._doubted
+                if load or doubted:  # (doubted: forgotten while a store of it may land)
+                    names = [name for name in names
+                             if name not in forgotten or (not load and name not in doubted)]
+                if not load:
                     for name in names:
                         forgotten.pop(name, None)
             for name in names:
@@ -270,6 +276,29 @@ class KnownNames:
                 forgotten.popitem(last=False)
             if len(known) > self.limit:
                 self._forget_oldest()
+
+    def doubt(self, job_id: int, names: Sequence[str]) -> None:
+        """A store of ``names`` failed (it was cancelled) while NIXL may still run it, and
+        land its bytes whole after a later store of them: until :meth:`undoubt` (it is over),
+        no store's HIT makes them the tier's again; they stay forgotten (MISS)."""
+        with self._lock:
+            if job_id in self.doubting:
+                return
+            self.doubting[job_id] = tuple(names)
+            doubted = self._doubted
+            for name in names:
+                doubted[name] = doubted.get(name, 0) + 1
+
+    def undoubt(self, job_id: int) -> None:
+        """The store :meth:`doubt` named is over: its names may be vouched for again (by the
+        next store of them that succeeds)."""
+        with self._lock:
+            names = self.doubting.pop(job_id, ())
+            doubted = self._doubted
+            for name in names:
+                left = doubted.pop(name, 1) - 1
+                if left:
+                    doubted[name] = left
 
     def stale(self, names: Sequence[str]) -> list[str]:
         """Those of ``names`` forgotten (:meth:`forget`) and not stored since (all of them once
@@ -378,7 +407,8 @@ class SecondaryTier(JobSide):
             self.machine, self.policy,
             on_final=functools.partial(_record_verdicts, self._known, self._holdings))
         self._runner.leaks = collections.deque(maxlen=self.leak_record)
-        self._runner.on_failed.append(functools.partial(_forget_failed_store, self._known))
+        self._runner.on_failed.append(functools.partial(
+            _forget_failed_store, self._known, self._runner.running_states))
         #: the calls, and what they answered (:class:`~kvfsm.driver.TransferDriver`)
         self._driver = TransferDriver(agent, remote, declaration, _bind(steps or {}, primary))
         if hasattr(remote, "commit_over"):  # a commit it says is over is checked at once
@@ -913,6 +943,8 @@ class SecondaryTier(JobSide):
             job = (TransferJob(job.job_id, tuple(job.keys), block_ids, job.is_promotion)
                    if type(job) is TransferJob else _job_copy(job, block_ids))
         runner = self._runner
+        if runner.damaged:  # (an interrupt went through a call: a failure it latched may not
+            runner.mend()  # have forgotten its keys yet, which this load must find forgotten)
         nbytes = len(block_ids) * self.block_bytes
         limit = self.in_flight
         if (not load and (limit.jobs is not None or limit.bytes is not None)
@@ -1007,7 +1039,7 @@ class SecondaryTier(JobSide):
         fire, poll, done = runner.machine.fire, TransferEvent.POLL, Answer.DONE
         outer = runner.unfiled  # (a listener's round inside this one: its own, then this's)
         over: list[Transfer] = []  # no longer running: their calls are due this round
-        runner.unfiled = over
+        runner.unfiled, runner.round_thread = over, threading.get_ident()
         try:
             for transfer, status in answered:
                 if records.get(transfer.job_id) is not transfer or transfer.state not in running:
@@ -1029,8 +1061,8 @@ class SecondaryTier(JobSide):
             # is filed where its state says, and the next round goes on with it (after an
             # interrupt, the next round files every transfer afresh: Runner.mend)
             runner.file_unfiled()
-            for transfer, _ in answered:  # (the one whose action raised)
-                if transfer.filed is not transfer.state and transfer.state not in runner.final:
+            for transfer, _ in answered:  # (the one whose action raised, final or not)
+                if transfer.filed is not transfer.state and transfer.filed in running:
                     file(transfer)
             raise
         finally:
@@ -1368,6 +1400,8 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
     holdings unpin them, whatever the verdicts' recording raised (an unpin skipped would hold
     the blocks' room for good)."""
     try:
+        if known.doubting:  # (a store cancelled while NIXL ran it is over: see doubt)
+            known.undoubt(transfer.job_id)
         if result.success or transfer.job.is_promotion:
             known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
                          load=transfer.job.is_promotion)
@@ -1383,7 +1417,8 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
                               landed=transfer.landed)
 
 
-def _forget_failed_store(known: KnownNames, transfer: Transfer) -> None:
+def _forget_failed_store(known: KnownNames, running: Collection[Any],
+                         transfer: Transfer) -> None:
     """A store that failed forgets its names (:meth:`KnownNames.forget`), as soon as its
     failure is latched and again before its result is queued: the engine's blocks under those
     keys may hold other bytes than whatever copy the store left (a store cancelled while NIXL
@@ -1392,6 +1427,8 @@ def _forget_failed_store(known: KnownNames, transfer: Transfer) -> None:
     first short.)"""
     if not transfer.job.is_promotion:
         known.forget(transfer.names)
+        if transfer.state in running:  # cancelled while NIXL runs it: no store that ends
+            known.doubt(transfer.job_id, transfer.names)  # meanwhile vouches for them
 
 
 def check_capacity_options(capacity_bytes: object, block_bytes: int,
