@@ -73,6 +73,24 @@ def interrupted_at(line: int | None) -> Iterator[list[int]]:
         sys.settrace(None)
 
 
+@contextmanager
+def ctrl_c_entering(function: Any) -> Iterator[None]:
+    """The block raises KeyboardInterrupt as ``function`` is entered (where a signal handler
+    runs), once; the block must raise it."""
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code is function.__code__:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return None
+
+    sys.settrace(trace)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        sys.settrace(None)
+
+
 def tier_with_stores_over(blocks: int, failing_release: bool
                           ) -> tuple[ObjectStoreTier, FakeNixlAgent]:
     """Three stores NIXL finishes by the next state check (a first release raising once)."""
@@ -322,18 +340,8 @@ def test_a_ctrl_c_as_a_submit_files_its_posted_transfer_loses_it_not() -> None:
 
     tier = ObjectStoreTier(torch.zeros(4, 8), agent=FakeNixlAgent(complete_after_polls=1))
 
-    def ctrl_c(frame: Any, event: str, arg: Any) -> Any:
-        if event == "call" and frame.f_code is Runner.take.__code__:
-            sys.settrace(None)
-            raise KeyboardInterrupt
-        return None
-
-    sys.settrace(ctrl_c)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            tier.submit_store(TransferJob(1, ["k"], [0]))
-    finally:
-        sys.settrace(None)
+    with ctrl_c_entering(Runner.take):
+        tier.submit_store(TransferJob(1, ["k"], [0]))
     assert tier.owes(1)
     tier.drain_jobs(timeout=5)
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +37,7 @@ from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, TierClosedError
 from kvfsm.transfer import Leak
 
 from .real_nixl import require_nixl
+from .test_interrupts import ctrl_c_entering
 
 #: what the fake agent's injected Raise() says, as a reason's error text
 BACKEND = "FakeNixlError: NIXL_ERR_BACKEND"
@@ -378,18 +378,8 @@ def test_a_ctrl_c_as_a_cancelled_store_forgets_its_keys_leaves_them_forgotten(
     fake.inject("check_xfer_state", StayProc(2))
     tier.submit_store(TransferJob(2, KEYS, [2, 3]))
 
-    def ctrl_c(frame: Any, event: str, arg: Any) -> Any:
-        if event == "call" and frame.f_code is Runner._failing.__code__:
-            sys.settrace(None)
-            raise KeyboardInterrupt
-        return None
-
-    sys.settrace(ctrl_c)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            tier.cancel(2)
-    finally:
-        sys.settrace(None)
+    with ctrl_c_entering(Runner._failing):
+        tier.cancel(2)
     tier.submit_load(TransferJob(3, KEYS, [4, 5], is_promotion=True))
     results = results_of(tier, 2)
     assert not results[2].success
