@@ -45,47 +45,28 @@ def seconds_left(deadline: float) -> float:
     return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
 
 
-class held_by:  # (named as the function it reads as: ``with held_by(lock, deadline)``)
-    """``with held_by(lock, deadline) as taken:`` an ``RLock`` taken, waiting until
-    ``deadline`` at most (monotonic time; None: as long as it takes; past it, or 0 seconds
-    left: only if it is free); ``taken`` says whether it was, and the block's end lets go of
-    it if so. A lock this thread holds already (a listener's call, inside one of the side's
-    own) counts as taken, and is neither taken nor let go of again.
+def take(lock: Any, deadline: float | None) -> bool:
+    """``lock.acquire`` waiting until ``deadline`` at most (monotonic time; None: as long as
+    it takes; past it: only if it is free): whether it was taken. Use it as
+    ``if take(lock, deadline):`` then ``try: ... finally: lock.release()``.
 
-    A signal handler's exception (a Ctrl-C's ``KeyboardInterrupt``) lands right after a call
-    returns, so one that lands as a timed ``acquire`` returns true would leave the lock held
-    for good, by a thread that does not know it: every other thread's call then waits for
-    it, and the interpreter's exit for ever. Here it is let go of before the interrupt goes
-    on; and the block's end lets go with its first call, where no interrupt lands before it.
+    A signal handler's exception (a Ctrl-C's ``KeyboardInterrupt``) lands where CPython
+    checks for one: as a call returns and as a Python function starts. One landing as the
+    acquire returns true would leave the lock held for good by a thread that does not know
+    it (every other thread's call, and the interpreter's exit, then wait for ever): here it
+    is let go of before the interrupt goes on. Between this function's return and the
+    caller's ``try`` there is no such check, and a ``finally`` whose first call is the
+    release has none before it either; a release in a context manager's ``__exit__``
+    would (it is a Python function starting).
     """
-
-    __slots__ = ("_lock", "_owned", "_timeout")
-
-    def __init__(self, lock: Any, deadline: float | None) -> None:
-        self._lock = lock
-        self._timeout = -1 if deadline is None else seconds_left(deadline)
-        self._owned = False
-
-    def __enter__(self) -> bool:
-        lock = self._lock
-        if lock._is_owned():  # (an RLock's: whether this thread holds it)
-            self._owned = True
-            return True
-        try:
-            return bool(lock.acquire(True, self._timeout))
-        except BaseException:  # an interrupt: during the wait (not taken), or as it returned
-            try:  # noqa: SIM105 (taken: let go of it; no call before the release's)
-                lock.release()
-            except RuntimeError:  # not taken
-                pass
-            raise
-
-    def __exit__(self, *_: object) -> None:
-        if not self._owned:
-            try:  # noqa: SIM105 (contextlib.suppress would make a call before the release)
-                self._lock.release()
-            except RuntimeError:  # not taken (the wait ran out)
-                pass
+    try:
+        return bool(lock.acquire(True, -1 if deadline is None else seconds_left(deadline)))
+    except BaseException:  # an interrupt: during the wait (not taken), or as it returned
+        try:  # noqa: SIM105 (taken: let go of it; contextlib.suppress would call first)
+            lock.release()
+        except RuntimeError:  # not taken
+            pass
+        raise
 
 
 #: the longest sleep between polls taken: a billion seconds (some 31 years)
@@ -190,10 +171,12 @@ class JobSide:
         """:meth:`get_finished_jobs` waiting for the lock until ``deadline`` at most (None: as
         long as it takes): past it, with another thread's call holding the lock, no poll, and
         only the results already published are handed out (a drain that keeps its bound)."""
-        with held_by(self._lock, deadline) as taken:
-            if not taken:
-                return self._books.take_results()  # (safe without the lock: Books)
-            return self.get_finished_jobs()  # (the lock is reentrant: taken again there)
+        if not take(self._lock, deadline):
+            return self._books.take_results()  # (safe without the lock: Books)
+        try:  # (the lock is reentrant: a side's own get_finished_jobs takes it again)
+            return self.get_finished_jobs()
+        finally:
+            self._lock.release()
 
     def has_pending_work(self) -> bool:
         """True while a job is unpublished or a result is not yet handed out."""
@@ -229,16 +212,18 @@ class JobSide:
                 step()
             # the lock is released while sleeping, so other threads can submit; waiting for it
             # (behind another thread's poll) never runs past the deadline
-            with held_by(lock, deadline) as taken:
-                if not taken:
-                    if not records:
-                        return  # another thread's poll published the last of them
-                    raise DrainTimeout("drain_jobs", self.unpublished(), self._noun)
+            if not take(lock, deadline):
+                if not records:
+                    return  # another thread's poll published the last of them
+                raise DrainTimeout("drain_jobs", self.unpublished(), self._noun)
+            try:
                 self._poll(everything=True)
                 if not records:
                     return
                 if deadline is not None and time.monotonic() >= deadline:
                     raise DrainTimeout("drain_jobs", self.unpublished(), self._noun)
+            finally:
+                lock.release()
             time.sleep(self.poll_interval if deadline is None else  # (never past the deadline)
                        min(self.poll_interval, max(0.0, deadline - time.monotonic())))
 

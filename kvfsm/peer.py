@@ -115,7 +115,7 @@ from kvfsm.contract import (
     JobSide,
     check_interval,
     check_timeout,
-    held_by,
+    take,
 )
 from kvfsm.machines.peer_link import PEER_LINK, LinkState, loses_link
 from kvfsm.machines.peer_receive import (
@@ -649,11 +649,10 @@ class PeerReceiver(JobSide):
             ValueError: ``timeout`` is not None nor a number of seconds.
         """
         timeout = check_timeout(timeout)
-        with held_by(self._lock, None if timeout is None else time.monotonic() + timeout
-                     ) as taken:
-            if not taken:
-                raise DrainTimeout("shutdown (another thread held the receiver past the "
-                                   "deadline; call shutdown again)", [], self._noun)
+        if not take(self._lock, None if timeout is None else time.monotonic() + timeout):
+            raise DrainTimeout("shutdown (another thread held the receiver past the deadline; "
+                               "call shutdown again)", [], self._noun)
+        try:
             if self._closed:
                 return
             for link in self.links.open_links():
@@ -666,6 +665,8 @@ class PeerReceiver(JobSide):
                 logger.warning("shutdown: deregister_memory of the receiver's cache raised: "
                                "%s: %s", type(error).__name__, error)
             self._closed = True
+        finally:
+            self._lock.release()
 
     def state_of(self, job_id: int) -> ReceiveState | None:
         """The state of an expected job, or None once published."""
@@ -913,16 +914,18 @@ class PeerSender(SecondaryTier):
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         super().shutdown(timeout)  # raises DrainTimeout while NIXL still runs a transfer
-        with self._held_by(deadline) as taken:
-            if not taken:
-                raise DrainTimeout("shutdown (every job is published, but another thread held "
-                                   "the tier's lock past the deadline before the link was "
-                                   "closed; call shutdown again)", [])
+        if not take(self._lock, deadline):
+            raise DrainTimeout("shutdown (every job is published, but another thread held the "
+                               "tier's lock past the deadline before the link was closed; "
+                               "call shutdown again)", [])
+        try:
             link = self.link
             if link is not None and link.state not in PEER_LINK.final and not self._held():
                 self._close_link(link)
             else:
                 self._progress()
+        finally:
+            self._lock.release()
 
     def stats(self) -> dict[str, Any]:
         """The tier's stats, with the link's state and its leaks counted among the leaks."""

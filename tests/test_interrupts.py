@@ -346,3 +346,99 @@ def test_a_ctrl_c_as_a_submit_files_its_posted_transfer_loses_it_not() -> None:
     tier.drain_jobs(timeout=5)
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
     tier.shutdown(timeout=1)
+
+
+@pytest.mark.parametrize("call", ["drain_jobs", "shutdown"])
+def test_a_ctrl_c_as_any_function_of_a_drain_or_a_shutdown_starts_leaves_the_lock_free(
+    call: str,
+) -> None:
+    """A signal handler also runs as a Python function starts: a Ctrl-C raised at the start of
+    each function kvfsm's books run in a drain or a shutdown, in turn, never leaves the tier's
+    lock held by the interrupted thread (a release made in a context manager's ``__exit__``,
+    a function starting, did, once the block was over)."""
+    def run(interrupt_at: int) -> tuple[int, bool]:
+        tier = ObjectStoreTier(torch.zeros(8, 16), agent=FakeNixlAgent(complete_after_polls=2))
+        tier.submit_store(TransferJob(1, ["k1"], [1]))
+        calls = [0]
+
+        def trace(frame: Any, event: str, arg: Any) -> Any:
+            if event == "call" and frame.f_code.co_filename in BOOKKEEPING:
+                calls[0] += 1
+                if calls[0] == interrupt_at:
+                    raise KeyboardInterrupt
+            return None
+
+        sys.settrace(trace)
+        try:
+            getattr(tier, call)(timeout=2)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        held = tier._lock._is_owned()
+        while tier._lock._is_owned():  # (so that the tier can be shut down)
+            tier._lock.release()
+        tier.shutdown(timeout=2)
+        return calls[0], held
+
+    calls, _ = run(0)
+    assert calls > 20
+    assert [at for at in range(1, calls + 1) if run(at)[1]] == []
+
+
+def _ctrl_c_in_thread_start() -> Any:
+    """A trace function raising KeyboardInterrupt once, in ``Thread.start``, once the thread
+    runs and ``start`` waits for it to say so (where a signal handler would run)."""
+    start, armed = threading.Thread.start.__code__, [True]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and armed[0] and "_started.wait" in linecache.getline(
+                frame.f_code.co_filename, frame.f_lineno):
+            armed[0] = False
+            raise KeyboardInterrupt
+        return local
+
+    return lambda frame, event, arg: local if frame.f_code is start else None
+
+
+def test_a_ctrl_c_as_the_progress_thread_starts_leaves_no_thread_shutdown_misses() -> None:
+    """A Ctrl-C lands in ``Thread.start`` as the progress thread starts, once the thread runs:
+    the tier knows of it all the same, so shutdown wakes it and it ends (a thread the tier
+    did not know of took shutdown's wake, and the one it knew slept out its whole pause)."""
+    tier = ObjectStoreTier(torch.zeros(8, 16), agent=FakeNixlAgent(complete_after_polls=1),
+                           policy=RetryPolicy(progress_interval=30))
+    sys.settrace(_ctrl_c_in_thread_start())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tier.submit_store(TransferJob(1, ["k1"], [1]))
+    finally:
+        sys.settrace(None)
+    tier.submit_store(TransferJob(2, ["k2"], [2]))
+    tier.drain_jobs(timeout=5)
+    assert sorted(r.job_id for r in tier.get_finished_jobs()) == [1, 2]
+    tier.shutdown(timeout=5)
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvfsm-progress")]
+
+
+def test_a_ctrl_c_as_the_flusher_starts_leaves_no_thread_its_stop_misses(
+    tmp_path: Any,
+) -> None:
+    """The same in the file tier's flusher, ten times: its stop ends the thread it knows of,
+    and lets the directory's writer claim go (the thread started under the interrupt, unknown
+    to it, took the stop's one wake in some of them, and the other waited for ever)."""
+    from kvfsm.tiers.file import _Flusher  # noqa: PLC0415
+
+    for trial in range(10):
+        flusher = _Flusher(str(tmp_path))
+        sys.settrace(_ctrl_c_in_thread_start())
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                flusher.hand([], [])
+        finally:
+            sys.settrace(None)
+        flushed = threading.Event()
+        flusher.hand([], [], flushed.set)
+        assert flushed.wait(5), f"trial {trial}: the next commit was flushed"
+        released = threading.Event()
+        assert flusher.stop(2.0, released.set), f"trial {trial}"
+        assert released.is_set(), "the writer's claim is let go of"

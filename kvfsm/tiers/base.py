@@ -37,8 +37,8 @@ from kvfsm.contract import (
     JobSide,
     check_interval,
     check_timeout,
-    held_by,
     seconds_left,
+    take,
 )
 from kvfsm.driver import (
     CLEANED,
@@ -536,16 +536,18 @@ class SecondaryTier(JobSide):
         """
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._held_by(deadline) as taken:
-            if not taken:
-                raise DrainTimeout("shutdown (another thread held the tier's lock past the "
-                                   "deadline; call shutdown again)", self.unpublished())
+        if not take(self._lock, deadline):
+            raise DrainTimeout("shutdown (another thread held the tier's lock past the "
+                               "deadline; call shutdown again)", self.unpublished())
+        try:
             closed = self._closed
             if not closed:
                 self._closing = True  # the progress thread ends now, not after its pause
                 self._wake_progress()
                 progress = self._progress_last
                 self._cancel_all()
+        finally:
+            self._lock.release()
         if closed:  # (an earlier shutdown's wait for the background work may be under way, or
             self._stop_background(deadline)  # cut short by an interrupt: it is finished here)
             return
@@ -557,14 +559,15 @@ class SecondaryTier(JobSide):
                 progress.join(_left(deadline))
         except DrainTimeout:
             self._last_tries(deadline)
-        with self._held_by(deadline) as taken:
-            if not taken:
-                raise DrainTimeout("shutdown (every job is published, but another thread "
-                                   "held the tier's lock past the deadline; call shutdown "
-                                   "again)", [])
+        if not take(self._lock, deadline):
+            raise DrainTimeout("shutdown (every job is published, but another thread held the "
+                               "tier's lock past the deadline; call shutdown again)", [])
+        try:
             if not self._closed:
                 self._signal_stop()  # no background call starts from now on
                 self._close()
+        finally:
+            self._lock.release()
         # waited for without the tier's lock: its calls on other threads are refused at once
         self._stop_background(deadline)
 
@@ -583,13 +586,15 @@ class SecondaryTier(JobSide):
         finds it cut short (an interrupt) does it again."""
         if self._background_stopped:
             return
-        with held_by(self._stop_lock, deadline) as taken:
-            if not taken:
-                return  # another shutdown is waiting for it, past this one's deadline
+        if not take(self._stop_lock, deadline):
+            return  # another shutdown is waiting for it, past this one's deadline
+        try:
             if not self._background_stopped:
                 self._stop_by = deadline
                 self._stop_probes()
                 self._background_stopped = True
+        finally:
+            self._stop_lock.release()
 
     def _last_tries(self, deadline: float | None) -> None:
         """Shutdown's deadline passed with jobs unpublished: a transfer that is over gets one
@@ -597,12 +602,12 @@ class SecondaryTier(JobSide):
         (the give-up edge: quarantined, or wherever the lifecycle's leads, and from there on
         the same way, as far as the lifecycle has states); raise DrainTimeout naming those
         NIXL still runs (and all of them if another thread's call holds the tier's lock)."""
+        if not take(self._lock, deadline):  # past it: only if no other call holds the lock
+            raise DrainTimeout("shutdown (NIXL still runs these, or another thread held the "
+                               "tier's lock; call shutdown again to wait longer)",
+                               self.unpublished()) from None
         runner = self._runner
-        with self._held_by(deadline) as taken:  # past it: only if no other call holds it
-            if not taken:
-                raise DrainTimeout("shutdown (NIXL still runs these, or another thread held "
-                                   "the tier's lock; call shutdown again to wait longer)",
-                                   self.unpublished()) from None
+        try:
             with runner.guarded:
                 for transfer in self.unpublished():
                     # (a give-up may lead to another wait: as many rounds as states)
@@ -617,19 +622,14 @@ class SecondaryTier(JobSide):
             if running:
                 raise DrainTimeout("shutdown (NIXL still runs these; call shutdown again "
                                    "to wait longer)", running) from None
+        finally:
+            self._lock.release()
 
     def _waits(self, transfer: Transfer) -> bool:
         """Whether ``transfer`` is unpublished and waits on a call or a step (not on NIXL)."""
         runner = self._runner
         return (runner.records.get(transfer.job_id) is transfer
                 and transfer.state not in runner.running_states)
-
-    def _held_by(self, deadline: float | None) -> held_by:
-        """``with tier._held_by(deadline) as taken:`` the tier's lock, waiting until
-        ``deadline`` at most (None: as long as it takes; past it: only if it is free), held
-        for the block when taken (:class:`~kvfsm.contract.held_by`: an interrupt never leaves
-        it held)."""
-        return held_by(self._lock, deadline)
 
     def _close(self) -> None:
         """Close the tier (under its lock; shutdown then stops its background work)."""
@@ -717,12 +717,15 @@ class SecondaryTier(JobSide):
         holdings = self._holdings
         if holdings is not None:
             names = self._remote_names(keys)
-            with held_by(self._lock, 0.0) as taken:  # (deadline 0: passed, only if free)
-                if taken:
-                    holdings.touch(names)
-                    return
-            for name in names:
-                holdings.use(name)
+            lock = self._lock
+            if not take(lock, 0.0):  # (a deadline passed: only if it is free)
+                for name in names:
+                    holdings.use(name)
+                return
+            try:
+                holdings.touch(names)
+            finally:
+                lock.release()
 
     def forget(self, keys: Sequence[bytes | str]) -> None:
         """The tier no longer vouches for what it holds under ``keys``: they answer MISS, as
@@ -887,15 +890,22 @@ class SecondaryTier(JobSide):
             return
         thread = threading.Thread(target=self._progress_loop, args=(interval,),
                                   name=f"kvfsm-progress-{type(self).__name__}")
+        last = self._progress_last
+        # recorded before it starts: an interrupt inside start() may leave it running, and a
+        # thread the tier does not know of would be woken by no shutdown, nor by the exit
+        self._progress_thread = self._progress_last = thread
+        _progress_tiers.add(self)
         try:
             thread.start()
-        except Exception as error:  # no thread to be had: the caller's steps poll, as without
+        except BaseException as error:
+            if not started(thread):
+                self._progress_thread, self._progress_last = None, last
+            if not isinstance(error, Exception):
+                raise
+            # no thread to be had: the caller's steps poll, as without
             self._progress_error = f"not started: {type(error).__name__}: {error}"
             logger.error("%s: the progress thread could not start (%s); get_finished_jobs "
                          "polls on the caller's thread", type(self).__name__, error)
-            return
-        self._progress_thread = self._progress_last = thread
-        _progress_tiers.add(self)
 
     def _wake_progress(self) -> None:
         """End the progress thread's pause, and every later one: it polls at once, then ends
@@ -913,8 +923,8 @@ class SecondaryTier(JobSide):
             while True:
                 if not self._progress_woken:
                     with contextlib.suppress(queue.Empty):  # (the pause ran out)
-                        wake.get(timeout=min(interval, EXIT_SLICE) if _exiting
-                                 else pause if runner.behind else interval)
+                        wake.get(timeout=pause if runner.behind
+                                 else min(interval, EXIT_SLICE) if _exiting else interval)
                 with lock:
                     if until == math.inf and not main.is_alive() and _only_ours_left(main):
                         # the process exits: the interpreter waits for this thread, and the
@@ -1257,6 +1267,16 @@ def _wake_at_exit() -> None:
 getattr(threading, "_register_atexit", lambda _: None)(_wake_at_exit)
 
 
+def started(thread: threading.Thread, wait: float = 0.5) -> bool:
+    """Whether ``thread``, whose ``start`` raised, runs all the same (an interrupt landed once
+    the thread was made, as ``start`` waited for it to say it runs): it says so within
+    ``wait`` seconds, or it was never made."""
+    deadline = time.monotonic() + wait
+    while not thread.is_alive() and thread.ident is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return thread.is_alive() or thread.ident is not None
+
+
 def _only_ours_left(main: threading.Thread) -> bool:
     """Whether every thread still running but ``main`` (which returned) is a daemon or kvfsm's
     own (named ``kvfsm-...``): none of the caller's threads may still use a tier."""
@@ -1322,14 +1342,14 @@ def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
             except Exception:
                 logger.exception("interpreter exit: %s: %s raised", name, end.__name__)
     running: list[tuple[int, Any]] = []
-    while True:  # (past the deadline: once more, if the lock is free; a daemon thread may
-        with tier._held_by(deadline) as taken:  # still poll: the handles are read, and
-            if not taken:  # asked about, under it)
-                break
+    while take(tier._lock, deadline):  # (past the deadline: once more, if the lock is free;
+        try:  # a daemon thread may still poll: the handles are read, and asked about, under it)
             running = _may_run(tier)
             answers = tier._driver.check([handle for _, handle in running])  # (never raises:
             running = [entry for entry, answer in zip(running, answers, strict=True)  # one
                        if answer == NIXL_RUNNING]  # that raised answers what it raised)
+        finally:
+            tier._lock.release()
         if not running or time.monotonic() >= deadline:
             break
         time.sleep(0.01)

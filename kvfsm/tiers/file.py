@@ -93,6 +93,7 @@ from kvfsm.tiers.base import (
     SecondaryTier,
     check_tier_options,
     key_text,
+    started,
 )
 from kvfsm.transfer import Leak, Transfer, TransferJob
 
@@ -315,11 +316,19 @@ class _Flusher:
         return flush
 
     def _start(self) -> None:
-        """Start a thread (with ``_ready`` held); it is recorded only once it started, so a
-        start that fails leaves no thread that never runs and no flush nobody takes."""
+        """Start a thread (with ``_ready`` held); it is recorded before it starts (an
+        interrupt inside ``start`` may leave it running: a thread nobody knows of would
+        take a flush, or a stop's wake, meant for another), and forgotten again if it never
+        started, so a start that fails leaves no thread that never runs and no flush nobody
+        takes."""
         thread = threading.Thread(target=self._run, name="kvfsm-file-flush", daemon=True)
-        thread.start()  # (its first step waits for the lock held here)
         self._thread = thread
+        try:
+            thread.start()  # (its first step waits for the lock held here)
+        except BaseException:
+            if not started(thread):
+                self._thread = None
+            raise
 
     def stop(self, timeout: float | None, at_end: Callable[[], None]) -> bool:
         """End the thread once the flushes handed over are done, waiting up to ``timeout``
@@ -332,7 +341,7 @@ class _Flusher:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._stopping = True
-            self._ready.notify()
+            self._ready.notify_all()  # (every thread that waits: one is all there should be)
         while True:
             with self._lock:  # the thread takes _at_end under this lock as it ends: one call
                 thread = self._thread
