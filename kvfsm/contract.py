@@ -59,8 +59,9 @@ def take(lock: Any, deadline: float | None) -> bool:
     release has none before it either; a release in a context manager's ``__exit__``
     would (it is a Python function starting).
     """
-    try:
-        return bool(lock.acquire(True, -1 if deadline is None else seconds_left(deadline)))
+    timeout = -1 if deadline is None else seconds_left(deadline)  # (outside the try: an
+    try:  # interrupt before the acquire must not let go of a hold this thread had already)
+        return bool(lock.acquire(True, timeout))
     except BaseException:  # an interrupt: during the wait (not taken), or as it returned
         try:  # noqa: SIM105 (taken: let go of it; contextlib.suppress would call first)
             lock.release()

@@ -19,6 +19,7 @@ import linecache
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -74,11 +75,13 @@ def interrupted_at(line: int | None) -> Iterator[list[int]]:
 
 
 @contextmanager
-def ctrl_c_entering(function: Any) -> Iterator[None]:
+def ctrl_c_entering(function: Any, called_from: str | None = None) -> Iterator[None]:
     """The block raises KeyboardInterrupt as ``function`` is entered (where a signal handler
-    runs), once; the block must raise it."""
+    runs; only from a function of that name, with ``called_from``), once; the block must
+    raise it."""
     def trace(frame: Any, event: str, arg: Any) -> Any:
-        if event == "call" and frame.f_code is function.__code__:
+        if event == "call" and frame.f_code is function.__code__ and (
+                called_from is None or frame.f_back.f_code.co_name == called_from):
             sys.settrace(None)
             raise KeyboardInterrupt
         return None
@@ -442,3 +445,58 @@ def test_a_ctrl_c_as_the_flusher_starts_leaves_no_thread_its_stop_misses(
         released = threading.Event()
         assert flusher.stop(2.0, released.set), f"trial {trial}"
         assert released.is_set(), "the writer's claim is let go of"
+
+
+def test_a_ctrl_c_before_a_listeners_call_takes_the_lock_leaves_the_rounds_hold() -> None:
+    """A listener, called inside a poll that holds the tier's lock, touches blocks; a Ctrl-C
+    lands before its call takes the lock again (as the deadline's arithmetic starts). The
+    poll's own hold stays: the poll lets go of the lock once, as it should, and the tier
+    goes on (the listener's call let go of the poll's hold, and the poll's own
+    release then raised RuntimeError in the interrupt's place)."""
+    from kvfsm import contract  # noqa: PLC0415
+
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(8, 16), agent=agent, capacity_bytes=8 * 16 * 4,
+                           remove=agent.remove_objects)
+    tier.submit_store(TransferJob(1, ["k1"], [1]))
+    held: list[bool] = []
+
+    def listener(transfer: Any) -> None:
+        try:
+            with ctrl_c_entering(contract.seconds_left):
+                tier.touch(["k1"])
+        finally:
+            held.append(tier._lock._is_owned())
+
+    tier.on_published.append(listener)
+    results = [r.job_id for r in tier.get_finished_jobs()]  # (the listener caught it)
+    assert held == [True], "the poll still held the lock after the listener's call"
+    assert not tier._lock._is_owned()
+    tier.on_published.remove(listener)
+    tier.submit_store(TransferJob(2, ["k2"], [2]))
+    tier.drain_jobs(timeout=5)
+    assert results + [r.job_id for r in tier.get_finished_jobs()] == [1, 2]
+    tier.shutdown(timeout=5)
+
+
+def test_a_ctrl_c_as_the_progress_thread_is_recorded_leaves_none_that_never_started() -> None:
+    """A Ctrl-C lands as the tier records its progress thread, before the thread starts: the
+    record goes again, so the next submit starts one, the jobs advance and shutdown ends (a
+    thread that never started stayed recorded: no poll was made again, and every shutdown
+    raised RuntimeError)."""
+    import weakref  # noqa: PLC0415
+
+    tier = ObjectStoreTier(torch.zeros(8, 16), agent=FakeNixlAgent(complete_after_polls=1),
+                           policy=RetryPolicy(progress_interval=0.01))
+    with ctrl_c_entering(weakref.WeakSet.add, called_from="_start_progress"):
+        tier.submit_store(TransferJob(1, ["k1"], [1]))
+    tier.submit_store(TransferJob(2, ["k2"], [2]))
+    results: list[int] = []
+    for _ in range(500):
+        results += [r.job_id for r in tier.get_finished_jobs()]
+        if len(results) == 2:
+            break
+        time.sleep(0.01)
+    assert sorted(results) == [1, 2]
+    tier.shutdown(timeout=5)
+    assert tier.closed

@@ -474,12 +474,14 @@ class SecondaryTier(JobSide):
         While a progress thread runs (``RetryPolicy.progress_interval``) that thread polls, and
         this only hands out what it published: no NIXL call, no wait for the tier's lock.
         """
-        if self._progress_thread is not None and not self._runner.damaged:
+        progress = self._progress_thread  # (one never started polls nothing: not it)
+        if progress is not None and progress.ident is not None and not self._runner.damaged:
             return self._books.take_results()  # (damaged: mended first, under the lock)
         return super().get_finished_jobs()
 
     def _finished_by(self, deadline: float | None) -> list[JobResult]:
-        if self._progress_thread is not None and not self._runner.damaged:
+        progress = self._progress_thread  # (one never started polls nothing: not it)
+        if progress is not None and progress.ident is not None and not self._runner.damaged:
             return self._books.take_results()
         return super()._finished_by(deadline)
 
@@ -553,7 +555,8 @@ class SecondaryTier(JobSide):
             return
         try:
             self.drain_jobs(_left(deadline))  # takes the lock a poll at a time
-            if progress is not None and progress is not threading.current_thread():
+            if (progress is not None and progress.ident is not None
+                    and progress is not threading.current_thread()):
                 # nothing is unpublished: it ends at once, if not yet (a listener's shutdown on
                 # the progress thread itself: it ends once that poll returns)
                 progress.join(_left(deadline))
@@ -885,20 +888,22 @@ class SecondaryTier(JobSide):
     def _start_progress(self, interval: float) -> None:
         """Start the progress thread if jobs are unpublished and none runs (under the tier's
         lock: the thread ends under it too, so one runs at most)."""
-        if (self._progress_thread is not None or self._progress_error is not None
+        progress = self._progress_thread
+        if progress is not None and progress.ident is None:  # never started (a second
+            self._progress_thread = progress = None  # interrupt cut its start short)
+        if (progress is not None or self._progress_error is not None
                 or self._closing or not self._runner.records):
             return
         thread = threading.Thread(target=self._progress_loop, args=(interval,),
                                   name=f"kvfsm-progress-{type(self).__name__}")
         last = self._progress_last
-        # recorded before it starts: an interrupt inside start() may leave it running, and a
-        # thread the tier does not know of would be woken by no shutdown, nor by the exit
-        self._progress_thread = self._progress_last = thread
-        _progress_tiers.add(self)
-        try:
+        try:  # recorded before it starts: an interrupt inside start() may leave it running,
+            # and a thread the tier does not know of would be woken by no shutdown nor exit
+            self._progress_thread = self._progress_last = thread
+            _progress_tiers.add(self)
             thread.start()
         except BaseException as error:
-            if not started(thread):
+            if not started(thread, 0.5 if not isinstance(error, Exception) else 0.0):
                 self._progress_thread, self._progress_last = None, last
             if not isinstance(error, Exception):
                 raise

@@ -325,8 +325,8 @@ class _Flusher:
         self._thread = thread
         try:
             thread.start()  # (its first step waits for the lock held here)
-        except BaseException:
-            if not started(thread):
+        except BaseException as error:  # (only an interrupt may have left it running)
+            if not started(thread, 0.0 if isinstance(error, Exception) else 0.5):
                 self._thread = None
             raise
 
