@@ -500,3 +500,35 @@ def test_a_ctrl_c_as_the_progress_thread_is_recorded_leaves_none_that_never_star
     assert sorted(results) == [1, 2]
     tier.shutdown(timeout=5)
     assert tier.closed
+
+
+def test_two_ctrl_cs_as_the_progress_thread_starts_leave_one_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C lands as ``Thread.start`` waits for the progress thread, and a second as the
+    tier starts to check whether it runs: the thread runs, recorded but not yet saying so.
+    The next submit waits for it to say so instead of starting another: one thread polls,
+    and shutdown's wake ends it (two ran, and the one recorded slept out its pause)."""
+    from kvfsm.tiers import base  # noqa: PLC0415
+
+    tier = ObjectStoreTier(torch.zeros(8, 16), agent=FakeNixlAgent(complete_after_polls=50),
+                           policy=RetryPolicy(progress_interval=3))
+    real_started = base.started
+
+    def ctrl_c_started(*args: Any) -> bool:  # the second Ctrl-C, as started() is entered
+        monkeypatch.setattr(base, "started", real_started)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(base, "started", ctrl_c_started)
+    with ctrl_c_entering(threading.Event.wait, called_from="start"):
+        tier.submit_store(TransferJob(1, ["k1"], [1]))
+    tier.submit_store(TransferJob(2, ["k2"], [2]))
+
+    def progress_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("kvfsm-progress")]
+
+    assert len(progress_threads()) == 1
+    tier.shutdown(timeout=5)
+    for thread in progress_threads():
+        thread.join(1)
+    assert progress_threads() == [], "shutdown's wake ended the one thread"

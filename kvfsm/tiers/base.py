@@ -473,6 +473,8 @@ class SecondaryTier(JobSide):
 
         While a progress thread runs (``RetryPolicy.progress_interval``) that thread polls, and
         this only hands out what it published: no NIXL call, no wait for the tier's lock.
+        (While another thread's submit is starting the progress thread, this polls, once
+        that submit let go of the lock.)
         """
         progress = self._progress_thread  # (one never started polls nothing: not it)
         if progress is not None and progress.ident is not None and not self._runner.damaged:
@@ -889,8 +891,9 @@ class SecondaryTier(JobSide):
         """Start the progress thread if jobs are unpublished and none runs (under the tier's
         lock: the thread ends under it too, so one runs at most)."""
         progress = self._progress_thread
-        if progress is not None and progress.ident is None:  # never started (a second
-            self._progress_thread = progress = None  # interrupt cut its start short)
+        if progress is not None and progress.ident is None and not started(progress):
+            self._progress_thread = progress = None  # never started (interrupts cut its
+            # start short, and the check after it): dropped, once it had time to say it runs
         if (progress is not None or self._progress_error is not None
                 or self._closing or not self._runner.records):
             return
@@ -935,8 +938,9 @@ class SecondaryTier(JobSide):
                         # the process exits: the interpreter waits for this thread, and the
                         until = _exit_deadline()  # exit's wait after it, within one bound
                     if not records or self._closing or time.monotonic() >= until:
-                        self._progress_thread = None  # (past its bound, what is left is the
-                        return  # exit's, and threads still running poll on their own)
+                        if self._progress_thread is threading.current_thread():
+                            self._progress_thread = None  # (past its bound, what is left is
+                        return  # the exit's, and threads still running poll on their own)
                     self._poll(limit=PROGRESS_SLICE)
                     self._progress_polls += 1
         except BaseException as error:
@@ -946,7 +950,8 @@ class SecondaryTier(JobSide):
                                  type(self).__name__)
             finally:  # after the log line (whoever sees the error finds it), even if it raised
                 with lock:
-                    self._progress_thread = None
+                    if self._progress_thread is threading.current_thread():
+                        self._progress_thread = None
                     self._progress_error = f"{type(error).__name__}: {error}"
 
     def _submit(self, job: TransferJob, *, load: bool) -> None:
