@@ -768,11 +768,12 @@ class Runner(Books):
 
     # -- filing ------------------------------------------------------------------------------
 
-    def file_unfiled(self) -> None:
-        """File each of :attr:`unfiled` not filed where its state says yet (the list stays:
-        the round that made it goes on appending to it)."""
+    def file_unfiled(self, transfers: Iterable[Transfer] | None = None) -> None:
+        """File each of ``transfers`` (:attr:`unfiled` by default: the list stays, the round
+        that made it goes on appending to it) that a round fired out of a running state and
+        did not file yet, final or not."""
         running = self.running_states  # (filed elsewhere: an interrupted finish, mend's)
-        for transfer in self.unfiled:
+        for transfer in self.unfiled if transfers is None else transfers:
             if transfer.filed is not transfer.state and transfer.filed in running:
                 self.file(transfer)
 

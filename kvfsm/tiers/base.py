@@ -476,16 +476,21 @@ class SecondaryTier(JobSide):
         (While another thread's submit is starting the progress thread, this polls, once
         that submit let go of the lock.)
         """
-        progress = self._progress_thread  # (one never started polls nothing: not it)
-        if progress is not None and progress.ident is not None and not self._runner.damaged:
-            return self._books.take_results()  # (damaged: mended first, under the lock)
+        if self._thread_polls():
+            return self._books.take_results()
         return super().get_finished_jobs()
 
     def _finished_by(self, deadline: float | None) -> list[JobResult]:
-        progress = self._progress_thread  # (one never started polls nothing: not it)
-        if progress is not None and progress.ident is not None and not self._runner.damaged:
+        if self._thread_polls():
             return self._books.take_results()
         return super()._finished_by(deadline)
+
+    def _thread_polls(self) -> bool:
+        """Whether the progress thread polls for the caller: one runs (one recorded that never
+        started polls nothing), and the books need no mending (that is made under the lock,
+        by the caller's poll)."""
+        progress = self._progress_thread
+        return progress is not None and progress.ident is not None and not self._runner.damaged
 
     def cancel(self, job_id: int) -> None:
         """Cancel a job: it publishes a failure. A transfer NIXL still runs is waited for (to
@@ -1081,9 +1086,7 @@ class SecondaryTier(JobSide):
             # is filed where its state says, and the next round goes on with it (after an
             # interrupt, the next round files every transfer afresh: Runner.mend)
             runner.file_unfiled()
-            for transfer, _ in answered:  # (the one whose action raised, final or not)
-                if transfer.filed is not transfer.state and transfer.filed in running:
-                    file(transfer)
+            runner.file_unfiled(transfer for transfer, _ in answered)  # (the one it was)
             raise
         finally:
             runner.unfiled = outer
