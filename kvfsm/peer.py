@@ -944,6 +944,24 @@ class PeerSender(SecondaryTier):
         """A key's receiver block, as text."""
         return str(self.remote_index(key))
 
+    def lookup(self, key: bytes | str) -> Lookup:
+        """MISS, always: a sender cannot vouch for what the receiver's blocks hold once its
+        write is over (the receiver hands them back to its engine, which overwrites them, or
+        it restarts with a cache of its own), so a write never makes its key HIT. (A HIT would
+        also have a cascading store or a vLLM store skip the write.)
+
+        Raises:
+            TierClosedError: the sender was shut down.
+            ValueError: ``key`` is not a key of a receiver block.
+        """
+        super().lookup(key)  # (its checks)
+        return Lookup.MISS
+
+    def verdict(self, key: bytes | str) -> Lookup | None:
+        """MISS, always (:meth:`lookup` says why)."""
+        super().verdict(key)  # (its checks)
+        return Lookup.MISS
+
     def _probe(self, name: str) -> Lookup:
         return Lookup.MISS  # a peer is written to, never looked up
 

@@ -13,8 +13,10 @@ descriptors) stay held for good. ``max_running_seconds`` is different: it quaran
 NIXL still reports as running. Its handles are never released, but the failure result lets the
 engine reuse blocks a running transfer may still read (a store: the object may end up holding
 whatever the block holds by then) or write (a load: the block may be overwritten after the
-engine reused it). So ``max_running_seconds`` is off by default; set it only where a stuck
-transfer is worse than that risk, and never below the longest time a transfer can take.
+engine reused it). (The tier itself never vouches for a given-up store's keys again: they stay
+MISS, whatever store of them succeeds later.) So ``max_running_seconds`` is off by default;
+set it only where a stuck transfer is worse than that risk, and never below the longest time a
+transfer can take.
 
 The poll schedule: which running transfers a poll asks NIXL about. With ``check_all_below``
 or fewer running, every one, every poll. With more, a poll checks the stores whose remote

@@ -534,6 +534,29 @@ def test_a_probe_answering_after_its_key_was_forgotten_does_not_bring_the_copy_b
     assert known.get("a") is Lookup.HIT
 
 
+def test_a_key_a_store_may_still_land_on_stays_a_miss_past_the_limit_on_the_forgotten() -> None:
+    """A store of "a" was cancelled while NIXL ran it (its copy may still land): the lookup
+    cache doubts "a". The engine then has the tier forget more keys than the cache keeps
+    forgotten, so "a" leaves the forgotten: it stays a MISS all the same, to a lookup, a
+    probe's HIT and a later store's HIT, and a load of it is refused, until the cancelled
+    store is over. (Pushed out of the forgotten, "a" was asked of the store again and vouched
+    for.)"""
+    known = KnownNames(2)
+    known.forget(["a"])
+    known.doubt(7, ["a"])
+    known.forget(["b", "c", "d"])  # the last two forgotten are kept: not "a"
+    known.record(["e", "f", "g"], Lookup.HIT)  # nor its verdict
+    assert known.get("a") is Lookup.MISS
+    known.offer("a", Lookup.HIT)
+    assert known.get("a") is Lookup.MISS, "a probe's HIT taken"
+    known.record(["a"], Lookup.HIT)
+    assert known.get("a") is Lookup.MISS, "a later store vouched for it"
+    assert known.stale(["a", "e"]) == ["a"], "a load of it is not refused"
+    known.undoubt(7)
+    known.record(["a"], Lookup.HIT)  # the cancelled store is over: a store of it vouches
+    assert (known.get("a"), known.stale(["a"])) == (Lookup.HIT, [])
+
+
 @pytest.mark.parametrize("kind", ["objects", "files"])
 def test_a_key_whose_store_failed_stays_a_miss_after_its_verdict_left_the_lookup_cache(
         kind: str, tmp_path: Any) -> None:

@@ -26,7 +26,7 @@ from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, FakeNixlError
 from kvfsm.testing.explore import explore_table
 from kvfsm.testing.fake_ucx import fake_ucx_pair
-from kvfsm.tiers import DrainTimeout, InvalidJobError, TierClosedError
+from kvfsm.tiers import DrainTimeout, InvalidJobError, Lookup, TierClosedError
 
 from .real_nixl import require_nixl
 
@@ -231,6 +231,43 @@ def test_the_sender_refuses_loads_and_keys_that_are_not_receiver_blocks(pair: Pa
     with pytest.raises(InvalidJobError, match="out of range"):
         pair.sender.submit_store(TransferJob(1, [str(BLOCKS)], [0]))
     assert not pair.sender.has_pending_work()
+
+
+def test_a_sender_never_vouches_for_a_receiver_block_it_wrote() -> None:
+    """A write to receiver block 3 succeeds on both sides; the receiver then hands block 3
+    back to its engine, which writes over it, and later restarts under the same name with a
+    cache of its own. Through all of it the sender's lookup, verdict and holds say MISS: it
+    cannot know what the receiver's block holds. (Its write made the key HIT, and a cascading
+    store or a vLLM store would have skipped writing a block the receiver no longer had.)"""
+    sender_agent, receiver_agent = fake_ucx_pair()
+    source = torch.full((4, 64), 0xAA, dtype=torch.uint8)
+    target = torch.zeros(4, 64, dtype=torch.uint8)
+    sender = PeerSender(source, agent=sender_agent)
+    receiver = PeerReceiver(target, agent=receiver_agent)
+    sender.connect(receiver.metadata(), receiver.block_descs())
+    name = receiver.connect(sender.metadata())
+    receiver.expect(TransferJob(1, ["3"], [3], is_promotion=True), name)
+    sender.submit_store(TransferJob(1, ["3"], [0]))
+    assert [r.success for r in sender.get_finished_jobs()] == [True]
+    assert [r.success for r in receiver.get_finished_jobs()] == [True]
+    assert torch.equal(target[3], source[0])
+    target[3].fill_(0x55)  # the engine has block 3 back, and writes it
+    assert (sender.lookup("3"), sender.verdict("3"), sender.holds("3")) == (
+        Lookup.MISS, Lookup.MISS, False)
+
+    receiver.shutdown()  # the receiver restarts: a new one of the same name, a cache of zeros
+    receiver_agent.fabric.kill("engine-b")
+    sender.forget_peer()
+    fresh = torch.zeros(4, 64, dtype=torch.uint8)
+    restarted = PeerReceiver(fresh, agent=receiver_agent.fabric.agent("engine-b"))
+    sender.connect(restarted.metadata(), restarted.block_descs())
+    assert (sender.lookup("3"), sender.holds("3")) == (Lookup.MISS, False)
+    with pytest.raises(ValueError, match="receiver's block index, got 'block-3'"):
+        sender.lookup("block-3")
+    sender.shutdown()
+    restarted.shutdown()
+    with pytest.raises(TierClosedError):
+        sender.lookup("3")
 
 
 # -- the receiving machine, on a stand-in for the receiver's agent ---------------------------------

@@ -425,6 +425,38 @@ def test_a_transfer_running_past_max_running_seconds_is_quarantined_and_counted_
     assert fake.running_transfers() == XFERS
 
 
+def test_a_store_given_up_while_nixl_runs_it_keeps_its_keys_missed_whatever_succeeds_after(
+    primary: torch.Tensor, fake: FakeNixlAgent,
+) -> None:
+    """A store NIXL still runs past ``max_running_seconds`` is given up, its handles held: its
+    PUT may still land whole, at any time, over whatever is stored under its keys later. So a
+    later store of the same keys that succeeds does not make them HIT, and a load of them fails
+    without a NIXL call instead of reading what the given-up store may have landed. (That
+    later store vouched for them, and a load was published as a success.) Other keys are not
+    touched."""
+    tier = ObjectStoreTier(primary, agent=fake, policy=RetryPolicy(max_running_seconds=0.05))
+    fake.inject("check_xfer_state", StayProc(10**6))
+    tier.submit_store(TransferJob(2, KEYS, [2, 3]))
+    given_up = results_of(tier, 1)[2]
+    assert given_up.reason is not None and given_up.reason.kind is FailureKind.QUARANTINED
+    fake.clear_faults()
+
+    tier.submit_store(TransferJob(3, KEYS, [0, 1]))
+    tier.submit_store(TransferJob(4, ["other"], [6]))
+    results = results_of(tier, 2)
+    assert results[3].success and results[4].success
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS, Lookup.MISS], "it may land"
+    assert tier.lookup("other") is Lookup.HIT
+    made = len(fake.calls)
+    tier.submit_load(TransferJob(5, KEYS, [4, 5], is_promotion=True))
+    (load,) = results_of(tier, 1).values()
+    assert not load.success and load.reason is not None
+    assert load.reason.error_type == "ForgottenKeyError", load.reason
+    assert [call for call in fake.calls[made:] if call[0] == "make_prepped_xfer"] == []
+    assert tier.stats()["quarantined_running"] == 1
+    tier.shutdown(timeout=1)
+
+
 # -- (d) the shutdown deadline passes with a release still failing --------------------------------
 
 def test_a_release_still_failing_at_the_shutdown_deadline_is_quarantined_by_shutdown(

@@ -216,7 +216,7 @@ class KnownNames:
             return Lookup.MISS
         verdict = self._names.get(name)
         if type(verdict) is not float:
-            if verdict is None and name in self._forgotten:
+            if verdict is None and (name in self._forgotten or name in self._doubted):
                 return Lookup.MISS  # (its verdict went, the copy it forgot may still be there)
             return verdict  # type: ignore[return-value]
         if time.monotonic() < verdict:
@@ -224,7 +224,7 @@ class KnownNames:
         with self._lock:  # expired: ask again (unless a verdict was recorded meanwhile)
             if self._names.get(name) == verdict:
                 del self._names[name]
-        return Lookup.MISS if name in self._forgotten else None
+        return Lookup.MISS if name in self._forgotten or name in self._doubted else None
 
     def record(self, names: Sequence[str], verdict: Lookup, *, load: bool = False) -> None:
         """A transfer's outcome: ``verdict`` on each of ``names``, now the most recent. A
@@ -232,12 +232,12 @@ class KnownNames:
         read the copy the caller made the tier forget, which stays MISS."""
         known = self._names
         with self._lock:
-            forgotten = self._forgotten
-            if forgotten and verdict is Lookup.HIT:
-                doubted = self._doubted
-                if load or doubted:  # (doubted: forgotten while a store of it may land)
-                    names = [name for name in names
-                             if name not in forgotten or (not load and name not in doubted)]
+            forgotten, doubted = self._forgotten, self._doubted
+            if (forgotten or doubted) and verdict is Lookup.HIT:
+                if load or doubted:  # (doubted: forgotten while a store of it may land, and
+                    # kept so past the limit on the forgotten)
+                    names = [name for name in names if name not in doubted
+                             and (not load or name not in forgotten)]
                 if not load:
                     for name in names:
                         forgotten.pop(name, None)
@@ -303,16 +303,18 @@ class KnownNames:
     def stale(self, names: Sequence[str]) -> list[str]:
         """Those of ``names`` forgotten (:meth:`forget`) and not stored since (all of them once
         the cache vouches for none: :attr:`distrusted`)."""
-        forgotten = self._forgotten
+        forgotten, doubted = self._forgotten, self._doubted
         if self.distrusted is not None:
             return list(names)
+        if doubted:
+            return [name for name in names if name in forgotten or name in doubted]
         return [name for name in names if name in forgotten] if forgotten else []
 
     def offer(self, name: str, verdict: Lookup, miss_for: float | None = None) -> None:
         """A probe's answer: kept unless a verdict on ``name`` is known already; a MISS only
         for ``miss_for`` seconds when that is given; a HIT on a forgotten name is none."""
         with self._lock:
-            if verdict is Lookup.HIT and name in self._forgotten:
+            if verdict is Lookup.HIT and (name in self._forgotten or name in self._doubted):
                 return
             self._names.setdefault(name, verdict if verdict is not Lookup.MISS
                                    or miss_for is None else time.monotonic() + miss_for)
@@ -403,12 +405,12 @@ class SecondaryTier(JobSide):
                                    record_events, remove)
         #: what is due and what was published: the books, no I/O (:class:`~kvfsm.runner.Runner`)
         #: (what it calls back holds no reference to the tier: no cycle keeps a tier alive)
-        self._runner = self._books = Runner(
-            self.machine, self.policy,
-            on_final=functools.partial(_record_verdicts, self._known, self._holdings))
-        self._runner.leaks = collections.deque(maxlen=self.leak_record)
-        self._runner.on_failed.append(functools.partial(
-            _forget_failed_store, self._known, self._runner.running_states))
+        self._runner = self._books = runner = Runner(self.machine, self.policy)
+        runner.on_final.append(functools.partial(
+            _record_verdicts, self._known, self._holdings, runner.may_run))
+        runner.leaks = collections.deque(maxlen=self.leak_record)
+        runner.on_failed.append(functools.partial(
+            _forget_failed_store, self._known, runner.running_states, runner.may_run))
         #: the calls, and what they answered (:class:`~kvfsm.driver.TransferDriver`)
         self._driver = TransferDriver(agent, remote, declaration, _bind(steps or {}, primary))
         if hasattr(remote, "commit_over"):  # a commit it says is over is checked at once
@@ -1425,16 +1427,16 @@ atexit.register(_wait_at_exit)  # (after the interpreter joined its threads)
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Transfer,
-                     result: JobResult) -> None:
+def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Collection[int],
+                     transfer: Transfer, result: JobResult) -> None:
     """A finished store or load shows the blocks are there; after a failed load the tier
     cannot vouch for them, and a failed load is not made again and again (F11). (A failed
     store forgot its names before its result was queued: :func:`_forget_failed_store`.) The
     holdings unpin them, whatever the verdicts' recording raised (an unpin skipped would hold
     the blocks' room for good)."""
     try:
-        if known.doubting:  # (a store cancelled while NIXL ran it is over: see doubt)
-            known.undoubt(transfer.job_id)
+        if known.doubting and transfer.job_id not in may_run:  # (a store cancelled while
+            known.undoubt(transfer.job_id)  # NIXL ran it is over; one given up never is)
         if result.success or transfer.job.is_promotion:
             known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
                          load=transfer.job.is_promotion)
@@ -1450,18 +1452,19 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, transfer: Tra
                               landed=transfer.landed)
 
 
-def _forget_failed_store(known: KnownNames, running: Collection[Any],
+def _forget_failed_store(known: KnownNames, running: Collection[Any], may_run: Collection[int],
                          transfer: Transfer) -> None:
     """A store that failed forgets its names (:meth:`KnownNames.forget`), as soon as its
     failure is latched and again before its result is queued: the engine's blocks under those
     keys may hold other bytes than whatever copy the store left (a store cancelled while NIXL
     runs it may still land whole), so a probe finding that copy is not taken, and a load of
     them is refused, until a store of them succeeds. (Made again if an interrupt cut the
-    first short.)"""
+    first short.) One NIXL may still run (cancelled while running, or given up by the running
+    bound) holds them MISS whatever succeeds meanwhile: until it is over, or for good."""
     if not transfer.job.is_promotion:
         known.forget(transfer.names)
-        if transfer.state in running:  # cancelled while NIXL runs it: no store that ends
-            known.doubt(transfer.job_id, transfer.names)  # meanwhile vouches for them
+        if transfer.state in running or transfer.job_id in may_run:
+            known.doubt(transfer.job_id, transfer.names)
 
 
 def check_capacity_options(capacity_bytes: object, block_bytes: int,
