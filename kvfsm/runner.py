@@ -47,7 +47,7 @@ import operator
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 from typing import Any
@@ -145,6 +145,9 @@ class Runner(Books):
     on_failed: list[Callable[[Transfer], None]]
     #: called with each transfer as it is published, after the books (best effort)
     on_published: list[Callable[[Transfer], None]]
+    #: called at the end of :meth:`mend` with the unpublished transfers: books of the tier's
+    #: own an interrupt may have cut short are counted again from them
+    on_mend: list[Callable[[Collection[Transfer]], None]]
     _committing: set[int]
     _failing_told: set[int]
     #: transfers a round fired out of the running states and files as it makes their calls
@@ -211,7 +214,7 @@ class Runner(Books):
         #: called with each transfer that reached a final state, once the books are written
         self.on_final: list[Callable[[Transfer, JobResult], None]] = (
             [] if on_final is None else [on_final])
-        self.on_failed, self.on_published = [], []
+        self.on_failed, self.on_published, self.on_mend = [], [], []
         self.running = _Running()  # those in a running state, and their handles
         #: the poll schedule (check_round): the running transfers oldest first; the sweep's
         #: batches (due, transfers) in the order of their turn; those that started running
@@ -252,7 +255,8 @@ class Runner(Books):
         self.failed = 0
         self.latencies: collections.deque[float] = collections.deque(maxlen=4096)
         self.quarantined: list[Transfer] = []
-        self.may_run: set[int] = set()  # ids of quarantined transfers NIXL may still run
+        #: the quarantined transfers NIXL may still run (given up while it ran them)
+        self.may_run: set[Transfer] = set()
         self.leaks: collections.deque[tuple[int, Leak]] = collections.deque(maxlen=256)
         self.leak_count = 0
 
@@ -677,7 +681,7 @@ class Runner(Books):
         was = transfer.state
         effect = self.effects[was]
         if was in self.running_states:
-            self.may_run.add(transfer.job_id)
+            self.may_run.add(transfer)
         try:
             self.machine.fire(transfer, effect, Answer.EXHAUSTED,
                               why if effect in _NIXL_WAITS else CallFailed(effect, why))
@@ -966,6 +970,8 @@ class Runner(Books):
             else:
                 self._finish(transfer, published=transfer.job_id in queued)
         self._mend_failing()
+        for book in self.on_mend:
+            book(self.records.values())
         self.damaged = False
 
     def _mend_failing(self) -> None:

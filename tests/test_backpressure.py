@@ -505,7 +505,7 @@ def test_a_forgotten_key_stays_a_miss_after_its_verdict_left_the_lookup_cache(
     assert agent.calls[made:] == [], "no NIXL call for a load of a forgotten key"
     (reason,) = [result.reason for result in failed]
     assert (reason.call, reason.error_type) == ("open", "ForgottenKeyError")
-    assert "the tier forgot 'a' (a store failed, or it was told to forget)" in reason.error
+    assert "the tier forgot 'a' (a store failed, or it was told to forget" in reason.error
     assert not torch.equal(primary[9], primary[0]), "nothing was read into the block"
     assert settled(tier, "a") is Lookup.MISS
     primary[10] = 2

@@ -204,7 +204,7 @@ def test_a_transfer_given_up_before_its_own_bound_passed_is_caught(
         moved = overdue(self)
         if self.may_run:
             for transfer in list(self.records.values()):
-                if transfer.state in self.running_states and transfer.job_id not in self.may_run:
+                if transfer.state in self.running_states and transfer not in self.may_run:
                     self.give_up(transfer, "not past its bound")
         return moved
 

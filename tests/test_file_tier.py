@@ -465,8 +465,9 @@ def test_a_store_is_published_only_once_flushed_and_no_poll_waits_for_the_flush(
 def test_shutdown_waits_for_a_flush_under_way_as_for_a_running_transfer(
     cache: torch.Tensor, tmp_path: Path, fsync: BlockingFsync
 ) -> None:
-    """Cancelled during its flush, a store fails; the flush is not undone (its block, whole,
-    may be in place), and shutdown waits for it like for a transfer NIXL still runs."""
+    """Cancelled during its flush (its renames not begun), a store fails; its flush is
+    abandoned (no block of it is put in place, its temporary file goes), and shutdown waits
+    for it like for a transfer NIXL still runs."""
     tier = FileTier(cache, tmp_path, agent=posix())
     tier.submit_store(TransferJob(1, ["a"], [0]))
     while not fsync.entered.is_set():
@@ -479,7 +480,7 @@ def test_shutdown_waits_for_a_flush_under_way_as_for_a_running_transfer(
     tier.shutdown(timeout=30)
     assert tier.closed
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False)]
-    assert tier.path_of("a").read_bytes() == block(cache, 0)
+    assert not tier.path_of("a").exists(), "the abandoned flush renamed"
     assert temporary_files(tmp_path, ("a",)) == []
     assert fsync.on_caller == 0
 
@@ -631,8 +632,8 @@ def test_a_flusher_thread_that_died_is_replaced_and_no_store_waits_for_it(
     class Bug(Exception):
         pass
 
-    def flush_then_die(batch: list[Any], root: str) -> None:
-        real_flush(batch, root)
+    def flush_then_die(batch: list[Any], root: str, lock: Any) -> None:
+        real_flush(batch, root, lock)
         if not died:
             died.append(threading.current_thread())
             raise Bug  # ends the thread, after the batch it took
@@ -674,6 +675,54 @@ def test_max_running_seconds_bounds_a_store_whose_flush_hangs_and_releases_its_h
     assert tier.closed
     assert tier.stats()["quarantined"] == 0
     assert temporary_files(tmp_path) == []
+
+
+@real_nixl
+@pytest.mark.parametrize("fails_by", ["a state check", "the running bound"])
+def test_a_failed_stores_flush_never_lands_over_another_tiers_later_store_of_its_block(
+    fails_by: str, cache: torch.Tensor, tmp_path: Path, fsync: BlockingFsync
+) -> None:
+    """Two tiers share a root (an engine whose tier was made again). The first tier's durable
+    store of "a" finishes in NIXL, and its flush waits on the disk; then the store fails
+    (a state check raises, or the running bound passes) and its release keeps raising, so it
+    waits in FAILED. The second tier stores "a" from another block, succeeds, and vouches
+    for it. The disk then lets the first flush go on: it was abandoned, so it renames
+    nothing over the second store's block, and the second tier loads what it stored. (It
+    renamed its temporary file onto "a", and the load published the failed store's bytes.)"""
+    old = FileTier(cache, tmp_path, agent=posix(faulty=True), policy=RetryPolicy(
+        max_seconds=None, max_running_seconds=60 if fails_by == "the running bound" else None))
+    old.submit_store(TransferJob(1, ["a"], [0]))
+    while not fsync.entered.is_set():
+        assert old.get_finished_jobs() == []
+    old.agent.inject("release_xfer_handle", Raise(), times=10**6)
+    if fails_by == "a state check":
+        old.agent.inject("check_xfer_state", Raise())
+    else:
+        transfer = old.transfer_of(1)
+        assert transfer is not None
+        transfer.started_at -= 120  # submitted long ago: past the bound
+    for _ in range(3):
+        assert old.get_finished_jobs() == []
+    assert old.state_of(1) is TransferState.FAILED
+
+    new = FileTier(cache, tmp_path, agent=posix(), durable=False)
+    new.submit_store(TransferJob(1, ["a"], [1]))
+    assert results_of(new)[1].success and new.lookup("a") is Lookup.HIT
+    transfer = old.transfer_of(1)
+    assert transfer is not None
+    flush = transfer.opened.flush  # (the flush goes on, and is over, before the release)
+    fsync.release.set()
+    deadline = time.monotonic() + 10
+    while not flush.done:
+        assert time.monotonic() < deadline, "the flush never ended"
+        time.sleep(0.001)
+    old.agent.faults.clear()
+    old.shutdown(timeout=30)  # (after the flush: it waits for it)
+    assert new.path_of("a").read_bytes() == block(cache, 1), "the failed store's flush renamed"
+    new.submit_load(TransferJob(2, ["a"], [5], is_promotion=True))
+    assert results_of(new)[2].success and torch.equal(cache[5], cache[1])
+    new.shutdown(timeout=30)
+    assert temporary_files(tmp_path, ("a",)) == []
 
 
 @real_nixl

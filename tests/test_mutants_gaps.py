@@ -3,7 +3,7 @@
 * ``Runner.give_up``: what the books say once a transfer is given up (the running bound or the
   shutdown deadline), for one NIXL may still run and for one waiting on a user's step: it
   leaves the running or waiting list, is published once, is held in ``quarantined`` with its
-  handle, a running one is remembered in ``may_run`` by its job id, a step's give-up names the
+  handle, a running one is remembered in ``may_run``, a step's give-up names the
   step as the call it waited on, and the error logged says where it was and why;
 * ``Declaration._check_effects``: a final or an unreachable state listed in the Enum before a
   state that waits on nothing (a ``continue`` made ``break`` stops checking there), a state
@@ -52,7 +52,7 @@ def test_a_running_transfer_given_up_is_published_once_held_and_remembered_as_ma
 ) -> None:
     """The running bound gives up a transfer NIXL still runs: it leaves the running list (its
     handle is no longer checked), is published once as QUARANTINED on the state check, is held
-    with its handle, and its job id is in ``may_run`` (mutant 4 added None there); the error
+    with its handle, and it is in ``may_run`` (mutant 4 added None there); the error
     logged names the job, the state it was given up in and why (mutants 22, 30), with the
     structured fields of the transfer (mutants 24, 29 dropped them)."""
     books = runner()
@@ -73,7 +73,7 @@ def test_a_running_transfer_given_up_is_published_once_held_and_remembered_as_ma
     assert books.in_state[S.PROCESSING] == 1 and books.in_state[S.QUARANTINED] == 0
     assert list(books.records) == [2]
     assert books.quarantined == [first] and first.xfer == "handle-1", "its handle is held"
-    assert books.may_run == {1}
+    assert books.may_run == {first}
     assert published == [1]
     [result] = books.take_results()
     assert result.job_id == 1 and not result.success and result.transfer_size == 0
@@ -96,7 +96,7 @@ def test_a_running_transfer_given_up_is_published_once_held_and_remembered_as_ma
     [result] = books.take_results()
     assert result.job_id == 2 and result.success
     assert published == [1, 2] and books.take_results() == []
-    assert books.may_run == {1} and books.quarantined == [first]
+    assert books.may_run == {first} and books.quarantined == [first]
 
 
 def test_a_transfer_waiting_on_a_user_step_given_up_fails_naming_the_step() -> None:

@@ -34,10 +34,12 @@ from kvfsm.runner import Runner
 from kvfsm.testing import FakeNixlAgent, FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiering import CPUPrimaryTier, TieringManager
 from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, TierClosedError
+from kvfsm.tiers.base import KnownNames
 from kvfsm.transfer import Leak
 
 from .real_nixl import require_nixl
 from .test_interrupts import ctrl_c_entering
+from .test_poll_schedule import Held
 
 #: what the fake agent's injected Raise() says, as a reason's error text
 BACKEND = "FakeNixlError: NIXL_ERR_BACKEND"
@@ -387,6 +389,93 @@ def test_a_ctrl_c_as_a_cancelled_store_forgets_its_keys_leaves_them_forgotten(
     tier.shutdown(timeout=1)
 
 
+# -- two stores of one key at once ---------------------------------------------------------------
+
+def two_versions() -> tuple[torch.Tensor, Held, ObjectStoreTier]:
+    """An object store tier on an agent whose transfers run until the test ends them (their
+    bytes land then); blocks 0-1 hold the engine's first version of KEYS, blocks 2-3 its
+    second."""
+    primary = torch.zeros((8, 64), dtype=torch.uint8)
+    for block in range(4):
+        primary[block] = block + 1
+    agent = Held()
+    return primary, agent, ObjectStoreTier(primary, agent=agent)
+
+
+def published(tier: ObjectStoreTier) -> dict[int, JobResult]:
+    return {result.job_id: result for result in tier.get_finished_jobs()}
+
+
+def test_two_stores_of_the_same_keys_at_once_never_vouch_for_the_mix_they_leave() -> None:
+    """The engine stores KEYS, then stores them again from other blocks before the first store
+    is over. NIXL makes a transfer per block, and the four land in any order: here the second
+    store's first block, then the whole first store (published), then the second store's last
+    block (published last). Both succeed, and the tier holds the first version of one key and
+    the second of the other. It vouches for neither: they are MISS from the second submit on,
+    a load of them fails without a NIXL call, and a store of them made alone later makes them
+    HIT and loadable again. (Both were HIT after the second store, and a load published the
+    mix as a success.)"""
+    primary, agent, tier = two_versions()
+    tier.submit_store(TransferJob(1, KEYS, [0, 1]))  # posted: transfers 0, 1
+    tier.submit_store(TransferJob(2, KEYS, [2, 3]))  # posted: transfers 2, 3
+    agent.end(2)
+    assert published(tier) == {}
+    agent.end(0, 1)
+    assert [r.success for r in published(tier).values()] == [True]
+    agent.end(3)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS] * 2, "a mix vouched for"
+
+    posted = len(agent.posted)
+    tier.submit_load(TransferJob(3, KEYS, [6, 7], is_promotion=True))
+    (load,) = published(tier).values()
+    assert not load.success and load.reason is not None, "the mix was loaded as a success"
+    assert load.reason.error_type == "ForgottenKeyError"
+    assert "two stores of a key ran at once" in load.reason.error
+    assert len(agent.posted) == posted and not primary[6:].any(), "nothing was read"
+
+    primary[4] = primary[5] = 9
+    tier.submit_store(TransferJob(4, KEYS, [4, 5]))  # alone: it vouches once it succeeds
+    agent.end(4, 5)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.HIT] * 2
+    tier.submit_load(TransferJob(5, KEYS, [6, 7], is_promotion=True))
+    agent.end(6, 7)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert torch.equal(primary[6:8], primary[4:6])
+    tier.shutdown(timeout=1)
+
+
+def test_a_ctrl_c_as_a_store_is_counted_out_leaves_no_key_unloadable_for_good() -> None:
+    """Two stores of KEYS at once; a Ctrl-C lands in the poll that publishes the first, as its
+    keys are about to be counted out. The next call counts the unpublished stores again: once
+    the second is over, the keys are MISS (the two overlapped), and a store of them made
+    alone makes them HIT and loadable. (Counted as still written by a store, they would
+    have been forgotten by every store of them alone for good.) A Ctrl-C as a store is
+    counted in (its post not made yet) fails that job, and leaves no count behind either."""
+    primary, agent, tier = two_versions()
+    with ctrl_c_entering(KnownNames.storing_begins):
+        tier.submit_store(TransferJob(9, KEYS, [0, 1]))
+    assert [r.success for r in published(tier).values()] == [False] and agent.posted == []
+    tier.submit_store(TransferJob(1, KEYS, [0, 1]))
+    tier.submit_store(TransferJob(2, KEYS, [2, 3]))
+    agent.end(0, 1)
+    with ctrl_c_entering(KnownNames.store_ended):
+        tier.get_finished_jobs()
+    assert [r.success for r in published(tier).values()] == [True]
+    agent.end(2, 3)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS] * 2, "a mix vouched for"
+    tier.submit_store(TransferJob(3, KEYS, [2, 3]))
+    agent.end(4, 5)
+    assert [r.success for r in published(tier).values()] == [True]
+    tier.submit_load(TransferJob(4, KEYS, [6, 7], is_promotion=True))
+    agent.end(6, 7)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert torch.equal(primary[6:8], primary[2:4])
+    tier.shutdown(timeout=1)
+
+
 # -- (c) a transfer still running past max_running_seconds ----------------------------------------
 
 @pytest.mark.parametrize("direction", ["store", "load"])
@@ -454,6 +543,38 @@ def test_a_store_given_up_while_nixl_runs_it_keeps_its_keys_missed_whatever_succ
     assert load.reason.error_type == "ForgottenKeyError", load.reason
     assert [call for call in fake.calls[made:] if call[0] == "make_prepped_xfer"] == []
     assert tier.stats()["quarantined_running"] == 1
+    tier.shutdown(timeout=1)
+
+
+def test_a_cancelled_store_under_the_job_id_of_one_given_up_keeps_its_keys_missed() -> None:
+    """Job 2 (another key) is given up while NIXL runs it; once its result is out, the
+    engine uses job id 2 again, for a store of KEYS that it cancels while NIXL runs it. A
+    store of KEYS succeeds meanwhile, and then the cancelled one lands: the keys stay MISS.
+    (The given-up job's doubt kept its id, the cancelled store under that id was not
+    doubted, and the later store vouched for the keys its PUT then overwrote, until the
+    cancelled store's release went through.)"""
+    primary = torch.zeros((8, 64), dtype=torch.uint8)
+    agent = Held()
+    tier = ObjectStoreTier(primary, agent=agent, policy=RetryPolicy(max_running_seconds=60))
+    tier.submit_store(TransferJob(2, ["other"], [6]))  # posted: transfer 0, never ends
+    given_up = tier.transfer_of(2)
+    assert given_up is not None
+    given_up.started_at -= 120  # submitted long ago: past the bound
+    (result,) = published(tier).values()
+    assert result.reason is not None and result.reason.kind is FailureKind.QUARANTINED
+
+    tier.submit_store(TransferJob(2, KEYS, [0, 1]))  # posted: transfers 1, 2
+    tier.cancel(2)
+    tier.submit_store(TransferJob(3, KEYS, [2, 3]))  # posted: transfers 3, 4
+    agent.end(3, 4)
+    assert [r.success for r in published(tier).values()] == [True]
+    agent.inject("release_xfer_handle", Raise(), times=10**6)  # it waits in FAILED
+    agent.end(1, 2)  # the cancelled store lands, over job 3's
+    assert published(tier) == {} and tier.state_of(2) is TransferState.FAILED
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS, Lookup.MISS], "it landed"
+    agent.clear_faults()
+    assert [r.success for r in published(tier).values()] == [False]
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.MISS, Lookup.MISS]
     tier.shutdown(timeout=1)
 
 

@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -119,9 +119,9 @@ class ForgottenKeyError(Exception):
                              "caller's bytes; a new tier (a restart) trusts its store again")
         else:
             super().__init__(f"the tier forgot {shown} (a store failed, or it was told "
-                             "to forget): what it holds there, if anything, is not the "
-                             "caller's bytes; a store that succeeds makes a key loadable "
-                             "again")
+                             "to forget, or two stores of a key ran at once): what it holds "
+                             "there, if anything, is not known to be the caller's bytes; a "
+                             "store that succeeds alone makes a key loadable again")
         #: the job's keys the tier forgot
         self.keys = tuple(keys)
 
@@ -188,7 +188,8 @@ class KnownNames:
     own, so none of them can undo another's newer verdict; a read of a live verdict takes none.
     """
 
-    __slots__ = ("_doubted", "_forgotten", "_lock", "_names", "distrusted", "doubting", "limit")
+    __slots__ = ("_doubted", "_forgotten", "_lock", "_names", "_overlapped", "distrusted",
+                 "doubting", "limit", "storing")
 
     def __init__(self, limit: int) -> None:
         if type(limit) is not int or limit < 1:
@@ -209,6 +210,10 @@ class KnownNames:
         #: how many such stores hold each name
         self.doubting: dict[int, tuple[str, ...]] = {}
         self._doubted: dict[str, int] = {}
+        #: how many unpublished stores write each name (:meth:`storing_begins`), and the names
+        #: two of them wrote at once, until none does: their copy may be a mix of the two
+        self.storing: dict[str, int] = {}
+        self._overlapped: set[str] = set()
 
     def get(self, name: str) -> Lookup | None:
         """The verdict on ``name``, or None when it is not known (any more)."""
@@ -289,6 +294,12 @@ class KnownNames:
             for name in names:
                 doubted[name] = doubted.get(name, 0) + 1
 
+    def keep_doubting(self, job_id: int) -> None:
+        """The store :meth:`doubt` named is given up while NIXL may run it, never to be asked
+        again: its names stay doubted for good, and its job id may name another store."""
+        with self._lock:
+            self.doubting.pop(job_id, None)
+
     def undoubt(self, job_id: int) -> None:
         """The store :meth:`doubt` named is over: its names may be vouched for again (by the
         next store of them that succeeds)."""
@@ -299,6 +310,52 @@ class KnownNames:
                 left = doubted.pop(name, 1) - 1
                 if left:
                     doubted[name] = left
+
+    def storing_begins(self, names: Sequence[str]) -> None:
+        """A store of ``names`` was taken. A name another unpublished store writes already is
+        forgotten, and neither store, nor any other that writes it before none does, vouches
+        for it when it ends (:meth:`store_ended`): their blocks land in any order, so what the
+        name holds once they are over may be some of one store's bytes and some of the other's.
+        A store that writes it alone, later, does."""
+        with self._lock:
+            storing = self.storing
+            clash: list[str] = []
+            for name in names:
+                count = storing.get(name, 0)
+                storing[name] = count + 1
+                if count:
+                    clash.append(name)
+            if clash:
+                self._overlapped.update(clash)
+        if clash:
+            self.forget(clash)
+
+    def store_ended(self, names: Sequence[str], success: bool) -> None:
+        """A store :meth:`storing_begins` took is over: one that succeeded vouches for its
+        names (:meth:`record`), but those another store wrote at the same time."""
+        with self._lock:
+            storing, overlapped = self.storing, self._overlapped
+            vouched = [name for name in names if name not in overlapped] if overlapped else names
+            for name in names:
+                left = storing.pop(name, 1) - 1
+                if left:
+                    storing[name] = left
+                elif overlapped:
+                    overlapped.discard(name)
+        if success:
+            self.record(vouched, Lookup.HIT)
+
+    def recount_storing(self, stores: Iterable[Sequence[str]]) -> None:
+        """The unpublished stores' names, counted again from ``stores`` (an interrupt may have
+        cut a count short, :meth:`~kvfsm.runner.Runner.mend`); a name two of them write is
+        forgotten and overlapped, as :meth:`storing_begins` has it."""
+        counts = collections.Counter(name for names in stores for name in names)
+        clash = [name for name, count in counts.items() if count > 1]
+        with self._lock:
+            self.storing = dict(counts)
+            self._overlapped = self._overlapped.intersection(counts).union(clash)
+        if clash:
+            self.forget(clash)
 
     def stale(self, names: Sequence[str]) -> list[str]:
         """Those of ``names`` forgotten (:meth:`forget`) and not stored since (all of them once
@@ -411,6 +468,7 @@ class SecondaryTier(JobSide):
         runner.leaks = collections.deque(maxlen=self.leak_record)
         runner.on_failed.append(functools.partial(
             _forget_failed_store, self._known, runner.running_states, runner.may_run))
+        runner.on_mend.append(functools.partial(_recount_storing, self._known))
         #: the calls, and what they answered (:class:`~kvfsm.driver.TransferDriver`)
         self._driver = TransferDriver(agent, remote, declaration, _bind(steps or {}, primary))
         if hasattr(remote, "commit_over"):  # a commit it says is over is checked at once
@@ -984,22 +1042,13 @@ class SecondaryTier(JobSide):
                 "was registered, and no result will come")
         transfer = Transfer(job, nbytes, time.monotonic(), runner.initial)
         transfer.names = names
-        holdings = self._holdings
-        if holdings is not None:  # a store past the capacity is refused here: nothing changed
-            if load:
-                holdings.pin(names)
-                transfer.doomed = self._removing(names)
-            else:  # taken back from the removals first, so none is sent meanwhile
-                taken: Sequence[str] = ()
-                try:
-                    taken = self._take_back(names)
-                    holdings.reserve(names, job.keys)
-                except BaseException:
-                    self._give_back(taken)
-                    raise
+        if self._holdings is not None:  # a store past the capacity is refused: nothing changed
+            self._hold(transfer, load=load)
         outcome: Outcome | None = None
         try:
             runner.add(transfer)
+            if not load:  # (counted again from the records if an interrupt cuts it short)
+                self._known.storing_begins(names)
             stale = load and self._known.stale(names)
             outcome = (self._driver.post(transfer, self._local, block_ids) if not stale
                        else _stale(job, names, stale, self._known.distrusted))
@@ -1012,6 +1061,24 @@ class SecondaryTier(JobSide):
                 runner.take(transfer, TransferEvent.POST, outcome)
         if transfer.slot < 0:  # over at once: DONE or FAILED
             self._advance((transfer,))
+
+    def _hold(self, transfer: Transfer, *, load: bool) -> None:
+        """(submit, with a capacity) A load pins its names, and notes those being removed; a
+        store is taken back from the removals first, so none is sent meanwhile, and then
+        reserves its room (refused past the capacity, as it was: nothing changed)."""
+        holdings, names = self._holdings, transfer.names
+        assert holdings is not None
+        if load:
+            holdings.pin(names)
+            transfer.doomed = self._removing(names)
+            return
+        taken: Sequence[str] = ()
+        try:
+            taken = self._take_back(names)
+            holdings.reserve(names, transfer.job.keys)
+        except BaseException:
+            self._give_back(taken)
+            raise
 
     def _poll(self, everything: bool = False, limit: int | None = None) -> None:
         """Advance the unpublished transfers once: the one poll path.
@@ -1381,7 +1448,7 @@ def _may_run(tier: SecondaryTier) -> list[tuple[int, Any]]:
     runner = tier._runner
     return ([(t.job_id, handle) for t in runner.records.values()
              if t.state in runner.running_states for handle in _handles(t)]
-            + [(t.job_id, handle) for t in runner.quarantined if t.job_id in runner.may_run
+            + [(t.job_id, handle) for t in runner.quarantined if t in runner.may_run
                for handle in _handles(t)])
 
 
@@ -1427,7 +1494,7 @@ atexit.register(_wait_at_exit)  # (after the interpreter joined its threads)
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Collection[int],
+def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Collection[Transfer],
                      transfer: Transfer, result: JobResult) -> None:
     """A finished store or load shows the blocks are there; after a failed load the tier
     cannot vouch for them, and a failed load is not made again and again (F11). (A failed
@@ -1435,11 +1502,16 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Coll
     holdings unpin them, whatever the verdicts' recording raised (an unpin skipped would hold
     the blocks' room for good)."""
     try:
-        if known.doubting and transfer.job_id not in may_run:  # (a store cancelled while
-            known.undoubt(transfer.job_id)  # NIXL ran it is over; one given up never is)
-        if result.success or transfer.job.is_promotion:
+        if known.doubting:  # a store cancelled while NIXL ran it is over; one given up
+            if transfer in may_run:  # never is: its names stay doubted, its job id is free
+                known.keep_doubting(transfer.job_id)
+            else:
+                known.undoubt(transfer.job_id)
+        if transfer.job.is_promotion:
             known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
-                         load=transfer.job.is_promotion)
+                         load=True)
+        else:
+            known.store_ended(transfer.names, result.success)
         if transfer.doomed and result.success:  # read before their removal: gone by now,
             # unless a store took one back meanwhile (the tier holds it again)
             gone = [name for name in transfer.doomed
@@ -1452,7 +1524,15 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Coll
                               landed=transfer.landed)
 
 
-def _forget_failed_store(known: KnownNames, running: Collection[Any], may_run: Collection[int],
+def _recount_storing(known: KnownNames, transfers: Collection[Transfer]) -> None:
+    """(after a mend) The unpublished stores' names counted again: an interrupt may have cut
+    a count of :meth:`KnownNames.storing_begins` or :meth:`~KnownNames.store_ended` short."""
+    known.recount_storing([transfer.names for transfer in transfers
+                           if not transfer.job.is_promotion])
+
+
+def _forget_failed_store(known: KnownNames, running: Collection[Any],
+                         may_run: Collection[Transfer],
                          transfer: Transfer) -> None:
     """A store that failed forgets its names (:meth:`KnownNames.forget`), as soon as its
     failure is latched and again before its result is queued: the engine's blocks under those
@@ -1463,7 +1543,7 @@ def _forget_failed_store(known: KnownNames, running: Collection[Any], may_run: C
     bound) holds them MISS whatever succeeds meanwhile: until it is over, or for good."""
     if not transfer.job.is_promotion:
         known.forget(transfer.names)
-        if transfer.state in running or transfer.job_id in may_run:
+        if transfer.state in running or transfer in may_run:
             known.doubt(transfer.job_id, transfer.names)
 
 

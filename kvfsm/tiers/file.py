@@ -40,10 +40,13 @@ made inline (a rename is cheap) and nothing is flushed: a process crash keeps ev
 store, a power loss may not.
 
 Cancel. A store cancelled before NIXL finished it is not committed: it fails and leaves no new
-block. One cancelled while its flush is under way fails too, but the flush is not undone: its
-blocks, whole, may be in place. (So may those of a store whose state check fails after NIXL had
-answered DONE, a fault only injection makes, and of a store failed past
-:attr:`~kvfsm.policy.RetryPolicy.max_running_seconds` while its flush was under way.)
+block. One cancelled while its flush is under way fails too, and its flush is abandoned: no
+rename is made, and the flusher removes its temporary files, unless the renames had begun, which
+are not undone (its blocks, whole, may then be in place). So is the flush of a store whose state
+check fails after NIXL had answered DONE (a fault only injection makes), and of a store failed
+past :attr:`~kvfsm.policy.RetryPolicy.max_running_seconds` while its flush was under way: a
+rename made later, after a store of the same block by another tier on the root succeeded,
+would put the failed store's bytes under a name that tier vouches for.
 
 Stale files. Each tier holds an exclusive ``flock`` on its writer file ``.kvfsm-writer-<writer>``
 from its first store until shutdown; the kernel drops the lock when the process dies, whatever
@@ -177,8 +180,8 @@ class _Files(StorageSide):
 
         A store cancelled before NIXL finished it (its outcome latched as failure) is not
         committed: it fails, so it leaves no new block (its temporary files go at cleanup). One
-        cancelled while its flush is under way waits for the flush, which is not undone: its
-        blocks, complete, may be in place.
+        cancelled while its flush is under way waits for the flush, abandoned unless its
+        renames began (those are not undone: its blocks, complete, may then be in place).
         """
         opened: _OpenFiles = transfer.opened
         flush = opened.flush
@@ -217,12 +220,12 @@ class _Files(StorageSide):
             except OSError as error:
                 leaks.append(Leak("close", f"fd {fd}: {error}"))
         flush = opened.flush
-        if flush is not None and flush.done and not flush.placing:
-            transfer.landed = False  # the flush failed before its first rename
+        if flush is not None and (flush.done or flush.abandoned) and not flush.placing:
+            transfer.landed = False  # the flush failed, or was abandoned, before its renames
         if not opened.committed:
             # (a flush still under way, for a store that failed after NIXL finished it, owns
-            # copies of the descriptors; a rename it makes later finds its file gone, or has
-            # put a complete block in place)
+            # copies of the descriptors; it was abandoned unless its renames had begun, and a
+            # rename it makes later finds its file gone, or puts a complete block in place)
             for partial, _ in opened.partial:
                 try:
                     os.unlink(partial)
@@ -239,7 +242,7 @@ class _Flush:
     its renames, how it went, and who to tell. ``done`` is set once ``error`` is final, and
     ``wake`` called after it (so whoever it tells finds the flush over)."""
 
-    __slots__ = ("done", "error", "fds", "placing", "renames", "wake")
+    __slots__ = ("abandoned", "done", "error", "fds", "placing", "renames", "wake")
 
     def __init__(self, fds: list[int], renames: list[tuple[str, str]],
                  wake: Callable[[], None] | None = None) -> None:
@@ -249,6 +252,8 @@ class _Flush:
         self.error: Exception | None = None
         self.done = False
         self.placing = False  # renames begun: a block under its name may be this store's
+        #: the store failed before its renames began (:meth:`_Flusher.abandon`): none is made
+        self.abandoned = False
 
     def over(self) -> None:
         """Mark the flush done (its error final), then tell the tier's runner."""
@@ -315,6 +320,15 @@ class _Flusher:
             raise
         return flush
 
+    def abandon(self, flush: _Flush) -> bool:
+        """The store of ``flush`` failed: its renames are not made, unless they began (True
+        when they will not be). Its temporary files are then removed by the flusher, or by the
+        transfer's cleanup, whichever comes first."""
+        with self._lock:  # (the flusher decides under it whether the renames begin)
+            if not flush.placing:
+                flush.abandoned = True
+            return flush.abandoned
+
     def _start(self) -> None:
         """Start a thread (with ``_ready`` held); it is recorded before it starts (an
         interrupt inside ``start`` may leave it running: a thread nobody knows of would
@@ -364,7 +378,7 @@ class _Flusher:
                     if not self._queue:
                         return
                     batch, self._queue = self._queue, []
-                _flush(batch, self._root)
+                _flush(batch, self._root, self._lock)
         finally:
             abandoned: list[_Flush] = []
             at_end = None
@@ -389,13 +403,24 @@ class _Flusher:
                 at_end()
 
 
-def _flush(batch: list[_Flush], root: str) -> None:
+def _abandon_flush(flusher: _Flusher, transfer: Transfer) -> None:
+    """(a book of a failure, as it is latched) A store that fails while its flush is under
+    way has the flush abandoned, unless its renames began: a rename made later, after another
+    store of the block succeeded (in another tier on this root: this tier's own flush in
+    order), would put the failed store's bytes under a name that store vouches for."""
+    opened = transfer.opened
+    flush = opened.flush if isinstance(opened, _OpenFiles) else None
+    if flush is not None and not flush.done:
+        flusher.abandon(flush)
+
+
+def _flush(batch: list[_Flush], root: str, lock: threading.RLock) -> None:
     """Commit each store of ``batch``: its files flushed, then renamed; the directory flushed
     once after all renames. A store whose flush or rename fails gets that error, and so does
     every store the batch renamed when the directory's flush fails."""
     completed = False
     try:
-        renamed = [flush for flush in batch if _rename(flush)]
+        renamed = [flush for flush in batch if _rename(flush, lock)]
         if renamed:
             try:
                 _fsync_dir(root)
@@ -410,13 +435,21 @@ def _flush(batch: list[_Flush], root: str) -> None:
             flush.over()
 
 
-def _rename(flush: _Flush) -> bool:
-    """Flush one store's files and rename them into place; True when all were. Its copies of
-    the descriptors are closed either way."""
+def _rename(flush: _Flush, lock: threading.RLock) -> bool:
+    """Flush one store's files and rename them into place; True when all were. A store that
+    failed before its renames began (:meth:`_Flusher.abandon`, decided under ``lock``) has
+    them removed instead. Its copies of the descriptors are closed either way."""
     try:
         for fd in flush.fds:
             os.fsync(fd)
-        flush.placing = True
+        with lock:
+            if not flush.abandoned:
+                flush.placing = True
+        if flush.abandoned:
+            for partial, _ in flush.renames:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+            raise RuntimeError("the store failed before its renames: none was made")
         for partial, final in flush.renames:
             os.replace(partial, final)
     except Exception as error:  # that store's failure; the others go on
@@ -629,6 +662,7 @@ class FileTier(SecondaryTier):
         except BaseException:
             self._release_at_drop()
             raise
+        self._runner.on_failed.append(functools.partial(_abandon_flush, self._flusher))
 
     def _submit(self, job: TransferJob, *, load: bool) -> None:
         if self.read_only and not load:
