@@ -316,34 +316,32 @@ class KnownNames:
         forgotten, and neither store, nor any other that writes it before none does, vouches
         for it when it ends (:meth:`store_ended`): their blocks land in any order, so what the
         name holds once they are over may be some of one store's bytes and some of the other's.
-        A store that writes it alone, later, does."""
-        with self._lock:
-            storing = self.storing
-            clash: list[str] = []
-            for name in names:
-                count = storing.get(name, 0)
-                storing[name] = count + 1
-                if count:
-                    clash.append(name)
-            if clash:
-                self._overlapped.update(clash)
-        if clash:
+        A store that writes it alone, later, does. (The counts are the tier's thread's, under
+        the tier's lock, as every store's submit and end are: no lock of the cache's.)"""
+        storing = self.storing
+        clash = None
+        for name in names:
+            if name in storing:
+                storing[name] += 1
+                clash = [name] if clash is None else [*clash, name]
+            else:
+                storing[name] = 1
+        if clash is not None:
+            self._overlapped.update(clash)
             self.forget(clash)
 
-    def store_ended(self, names: Sequence[str], success: bool) -> None:
-        """A store :meth:`storing_begins` took is over: one that succeeded vouches for its
-        names (:meth:`record`), but those another store wrote at the same time."""
-        with self._lock:
-            storing, overlapped = self.storing, self._overlapped
-            vouched = [name for name in names if name not in overlapped] if overlapped else names
-            for name in names:
-                left = storing.pop(name, 1) - 1
-                if left:
-                    storing[name] = left
-                elif overlapped:
-                    overlapped.discard(name)
-        if success:
-            self.record(vouched, Lookup.HIT)
+    def store_ended(self, names: Sequence[str]) -> Sequence[str]:
+        """A store :meth:`storing_begins` took is over: the names its success may vouch for
+        (:meth:`record`), all but those another store wrote at the same time."""
+        storing, overlapped = self.storing, self._overlapped
+        vouched = [name for name in names if name not in overlapped] if overlapped else names
+        for name in names:
+            left = storing.pop(name, 1) - 1
+            if left:
+                storing[name] = left
+            elif overlapped:
+                overlapped.discard(name)
+        return vouched
 
     def recount_storing(self, stores: Iterable[Sequence[str]]) -> None:
         """The unpublished stores' names, counted again from ``stores`` (an interrupt may have
@@ -351,9 +349,8 @@ class KnownNames:
         forgotten and overlapped, as :meth:`storing_begins` has it."""
         counts = collections.Counter(name for names in stores for name in names)
         clash = [name for name, count in counts.items() if count > 1]
-        with self._lock:
-            self.storing = dict(counts)
-            self._overlapped = self._overlapped.intersection(counts).union(clash)
+        self.storing = dict(counts)
+        self._overlapped = self._overlapped.intersection(counts).union(clash)
         if clash:
             self.forget(clash)
 
@@ -1511,7 +1508,9 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Coll
             known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
                          load=True)
         else:
-            known.store_ended(transfer.names, result.success)
+            vouched = known.store_ended(transfer.names)
+            if result.success:
+                known.record(vouched, Lookup.HIT)
         if transfer.doomed and result.success:  # read before their removal: gone by now,
             # unless a store took one back meanwhile (the tier holds it again)
             gone = [name for name in transfer.doomed
