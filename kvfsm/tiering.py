@@ -423,8 +423,9 @@ class CPUPrimaryTier:
             UnknownBlockError: not a block of this cache.
             BlockStateError: a block that is free or being written; or the same block twice.
         """
-        for block in self._check(block_ids, self._readable):
-            self._counts[block] += 1
+        counts = self._counts
+        counted = {block: counts[block] + 1 for block in self._check(block_ids, self._readable)}
+        counts.update(counted)  # (one call: an interrupt pins every block or none)
 
     def complete_read(self, block_ids: Iterable[int]) -> None:
         """Drop one pin of each block (a transfer finished reading it, well or not).
@@ -433,8 +434,9 @@ class CPUPrimaryTier:
             UnknownBlockError: not a block of this cache.
             BlockStateError: a block that is not pinned; or the same block twice.
         """
-        for block in self._check(block_ids, self._pinned):
-            self._counts[block] -= 1
+        counts = self._counts
+        counted = {block: counts[block] - 1 for block in self._check(block_ids, self._pinned)}
+        counts.update(counted)  # (one call: an interrupt unpins every block or none)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -948,8 +950,9 @@ class TieringManager:
         kept (:attr:`_done`) until a step returns it: an interrupt in a step loses neither
         the results not yet finalized nor the jobs finalized, the next step goes on with
         them, and a result whose finalizing had begun (:attr:`_finalizing`) is not finalized
-        twice. (One window stays, as narrow as a call's return: it leaves that one job's
-        blocks pinned or written, never unpinned twice.)"""
+        twice. (One window stays: an interrupt from the moment a result's finalizing begins
+        until its primary call (``complete_read``, ``complete_write``) is over, that call
+        included, leaves that one job's blocks pinned or written, never unpinned twice.)"""
         issues: list[BookkeepingIssue] = []
         taken = self._taken
         for name, tier in self._tiers.items():
@@ -1180,14 +1183,16 @@ class TieringManager:
         if submitted.tier != name:
             return BookkeepingIssue(job_id, name, f"the job was submitted to tier "
                                                   f"{submitted.tier!r}")
-        self._finalizing = result  # from here on, finalizing it again would unpin twice
-        del self._jobs[submitted.job_id]
         job, success = submitted.job, getattr(result, "success", None)
         issue = None
         if not isinstance(success, bool):  # the tier did finish the job: finalize it, as failed
             issue = BookkeepingIssue(job_id, name, f"result {result!r} has success={success!r}, "
                                                    "not a bool; finalized as failed")
             success = False
+        # from here on, finalizing it again would unpin twice (an interrupt before this line
+        # has the next step finalize it afresh)
+        self._finalizing = result
+        del self._jobs[submitted.job_id]
         try:
             if job.is_promotion:
                 self.primary.complete_write(job.block_ids, success)

@@ -9,6 +9,7 @@ user's own tier for what only a user's tier can report.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -579,6 +580,61 @@ def test_an_interrupt_in_a_step_loses_neither_results_nor_the_jobs_it_finalized(
     assert manager.outstanding() != []
     assert sorted(done.job.job_id for done in manager.step()) == jobs, "all three, once"
     assert manager.outstanding() == [] and primary.stats()["pinned"] == 0
+
+
+def interrupted_at_line(line: int, function: Any, action: Callable[[], None]) -> bool:
+    """Run ``action``, raising KeyboardInterrupt at the ``line``-th line event of ``function``
+    or of a frame it called (a comprehension of its own); True when it was raised."""
+    import sys  # noqa: PLC0415
+
+    seen = [0]
+
+    def inside(frame: Any) -> bool:
+        while frame is not None:
+            if frame.f_code is function.__code__:
+                return True
+            frame = frame.f_back
+        return False
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == line:
+                raise KeyboardInterrupt
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if inside(frame) else None)
+    try:
+        action()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+@pytest.mark.parametrize("call", ["pin", "complete_read"])
+def test_a_ctrl_c_anywhere_in_a_pin_or_an_unpin_changes_every_block_or_none(call: str) -> None:
+    """A Ctrl-C lands at each line in turn of pinning (or unpinning) three blocks: each
+    block's count moved, or none did. (One that landed between two blocks of the loop left
+    the first pinned, and the store's cascade, told the pin raised, took none of it back:
+    pinned for good.)"""
+    for line in range(1, 1000):
+        primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+        blocks = ready(primary, "a", "b", "c")
+        if call == "complete_read":
+            primary.pin(blocks)
+        before = [primary.pin_count(block) for block in blocks]
+        function = getattr(CPUPrimaryTier, call)
+        fired = interrupted_at_line(line, function, functools.partial(
+            getattr(primary, call), blocks))
+        after = [primary.pin_count(block) for block in blocks]
+        moved = [1, 1, 1] if call == "pin" else [0, 0, 0]
+        assert after in (before, moved), (line, after)
+        if not fired:
+            assert after == moved
+            break
+    assert line > 3, "the interrupts landed inside"
 
 
 class GatedAgent(FakeNixlAgent):
