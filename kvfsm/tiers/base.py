@@ -328,7 +328,8 @@ class KnownNames:
                 storing[name] = 1
         if clash is not None:
             self._overlapped.update(clash)
-            self.forget(clash)
+            with contextlib.suppress(Exception):  # (a forget that raised left the cache
+                self.forget(clash)  # vouching for no name: the store goes on, as taken)
 
     def store_ended(self, names: Sequence[str]) -> Sequence[str]:
         """A store :meth:`storing_begins` took is over: the names its success may vouch for
@@ -352,7 +353,8 @@ class KnownNames:
         self.storing = dict(counts)
         self._overlapped = self._overlapped.intersection(counts).union(clash)
         if clash:
-            self.forget(clash)
+            with contextlib.suppress(Exception):  # (then vouching for no name)
+                self.forget(clash)
 
     def stale(self, names: Sequence[str]) -> list[str]:
         """Those of ``names`` forgotten (:meth:`forget`) and not stored since (all of them once
