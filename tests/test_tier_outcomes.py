@@ -34,6 +34,7 @@ from kvfsm.runner import Runner
 from kvfsm.testing import FakeNixlAgent, FaultyAgent, Raise, ReturnErr, StayProc
 from kvfsm.tiering import CPUPrimaryTier, TieringManager
 from kvfsm.tiers import FileTier, Lookup, ObjectStoreTier, TierClosedError
+from kvfsm.tiers import base as base_tier
 from kvfsm.tiers.base import KnownNames
 from kvfsm.transfer import Leak
 
@@ -391,7 +392,8 @@ def test_a_ctrl_c_as_a_cancelled_store_forgets_its_keys_leaves_them_forgotten(
 
 # -- two stores of one key at once ---------------------------------------------------------------
 
-def two_versions() -> tuple[torch.Tensor, Held, ObjectStoreTier]:
+def two_versions(policy: RetryPolicy | None = None
+                 ) -> tuple[torch.Tensor, Held, ObjectStoreTier]:
     """An object store tier on an agent whose transfers run until the test ends them (their
     bytes land then); blocks 0-1 hold the engine's first version of KEYS, blocks 2-3 its
     second."""
@@ -399,7 +401,7 @@ def two_versions() -> tuple[torch.Tensor, Held, ObjectStoreTier]:
     for block in range(4):
         primary[block] = block + 1
     agent = Held()
-    return primary, agent, ObjectStoreTier(primary, agent=agent)
+    return primary, agent, ObjectStoreTier(primary, agent=agent, policy=policy)
 
 
 def published(tier: ObjectStoreTier) -> dict[int, JobResult]:
@@ -443,6 +445,57 @@ def test_two_stores_of_the_same_keys_at_once_never_vouch_for_the_mix_they_leave(
     agent.end(6, 7)
     assert [r.success for r in published(tier).values()] == [True]
     assert torch.equal(primary[6:8], primary[4:6])
+    tier.shutdown(timeout=1)
+
+
+def test_two_stores_of_a_key_from_one_block_at_once_still_vouch_for_it() -> None:
+    """The engine stores KEYS from blocks 0-1 twice before the first store is over (two
+    requests sharing the blocks): the blocks are not written while a store of them is
+    unpublished, so both carry the same bytes, and the keys are HIT once both are over, and
+    loadable. (They were forgotten as two stores at once, and an engine that took them for
+    stored never stored them again.)"""
+    primary, agent, tier = two_versions()
+    tier.submit_store(TransferJob(1, KEYS, [0, 1]))
+    tier.submit_store(TransferJob(2, KEYS, [0, 1]))
+    agent.end(2, 0)
+    assert published(tier) == {}
+    agent.end(1, 3)
+    assert [r.success for r in published(tier).values()] == [True, True]
+    assert [tier.lookup(key) for key in KEYS] == [Lookup.HIT] * 2
+    tier.submit_load(TransferJob(3, KEYS, [6, 7], is_promotion=True))
+    agent.end(4, 5)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert torch.equal(primary[6:8], primary[0:2])
+    tier.shutdown(timeout=1)
+
+
+def test_a_ctrl_c_as_a_cancelled_stores_books_are_written_leaves_no_doubt_behind() -> None:
+    """A store of "x" is cancelled while NIXL runs it (so "x" is doubted until it is over);
+    a Ctrl-C lands as its books begin, once NIXL ended it. The next call drops the doubt of
+    the store that ended: a store of "x" made alone then makes it HIT. And its job id, used
+    again for a store of "y" the running bound gives up, has "y" doubted for good: a later
+    store of "y" does not vouch for it. (The doubt stayed for good, under the job id, so
+    "x" was never loadable again, and the given-up store of "y" was not doubted at all.)"""
+    _, agent, tier = two_versions(RetryPolicy(max_running_seconds=0.2))
+    tier.submit_store(TransferJob(2, ["x"], [0]))  # transfer 0
+    tier.cancel(2)
+    agent.end(0)
+    with ctrl_c_entering(base_tier._record_verdicts):
+        tier.get_finished_jobs()
+    assert [r.success for r in published(tier).values()] == [False]
+    tier.submit_store(TransferJob(3, ["x"], [1]))  # transfer 1
+    agent.end(1)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert tier.lookup("x") is Lookup.HIT, "doubted for good"
+
+    tier.submit_store(TransferJob(2, ["y"], [2]))  # transfer 2, never ends
+    time.sleep(0.3)  # past the running bound
+    (result,) = published(tier).values()
+    assert result.reason is not None and result.reason.kind is FailureKind.QUARANTINED
+    tier.submit_store(TransferJob(4, ["y"], [3]))  # transfer 3
+    agent.end(3)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert tier.lookup("y") is Lookup.MISS, "the given-up store may still land"
     tier.shutdown(timeout=1)
 
 

@@ -613,6 +613,30 @@ def interrupted_stack() -> tuple[CPUPrimaryTier, TieringManager, InterruptedAfte
     return primary, TieringManager(primary, {"only": tier}), agent
 
 
+def test_a_block_stored_twice_at_once_stays_found_and_loadable() -> None:
+    """The engine stores a block through the manager, then stores it twice more before a step
+    (two requests sharing it): the block is pinned meanwhile, so every store carries its bytes,
+    and the key is still found in the tier, and loads. (Two stores of a key at once made the
+    tier forget it, and the engine, which took it for stored, never stored it again.)"""
+    primary = CPUPrimaryTier(4, 64, torch.uint8)
+    tier = ObjectStoreTier(primary.cache, agent=FakeNixlAgent("twice", complete_after_polls=1))
+    manager = TieringManager(primary, [tier])
+    (block,) = primary.allocate(["k"])
+    primary.cache[block] = 7
+    primary.complete_write([block], success=True)
+    manager.store([block])
+    manager.drain()
+    manager.store([block])
+    manager.store([block])
+    assert len(manager.drain()) == 2
+    primary.free([block])
+    assert manager.lookup("k") is Lookup.HIT
+    assert manager.load(["k"]) is not None
+    (loaded,) = manager.drain()
+    assert loaded.success and int(primary.cache[loaded.job.block_ids[0]][0]) == 7
+    manager.shutdown()
+
+
 def test_an_interrupt_once_a_tier_took_a_store_keeps_its_pin_until_the_result() -> None:
     """A signal lands just after NIXL posted a store. The tier took the job, and NIXL goes on
     reading the block: the manager keeps the job and its pin (it once dropped both, and the

@@ -206,13 +206,14 @@ class KnownNames:
         #: may have left a name vouched for whose copy is not the caller's bytes, and which
         #: it is cannot be told, so every name answers MISS and every load is refused
         self.distrusted: str | None = None
-        #: the names of stores cancelled while NIXL ran them, by job (:meth:`doubt`), and
-        #: how many such stores hold each name
-        self.doubting: dict[int, tuple[str, ...]] = {}
+        #: the names of stores NIXL may still run though they failed, by store (a token of
+        #: the caller's: :meth:`doubt`), and how many such stores hold each name
+        self.doubting: dict[object, tuple[str, ...]] = {}
         self._doubted: dict[str, int] = {}
-        #: how many unpublished stores write each name (:meth:`storing_begins`), and the names
-        #: two of them wrote at once, until none does: their copy may be a mix of the two
-        self.storing: dict[str, int] = {}
+        #: for each name unpublished stores write (:meth:`storing_begins`): how many, and the
+        #: primary block they read (-1 once two read other blocks); and the names two stores
+        #: from other blocks wrote at once, until none does: their copy may be a mix
+        self.storing: dict[str, list[int]] = {}
         self._overlapped: set[str] = set()
 
     def get(self, name: str) -> Lookup | None:
@@ -282,50 +283,51 @@ class KnownNames:
             if len(known) > self.limit:
                 self._forget_oldest()
 
-    def doubt(self, job_id: int, names: Sequence[str]) -> None:
-        """A store of ``names`` failed (it was cancelled) while NIXL may still run it, and
-        land its bytes whole after a later store of them: until :meth:`undoubt` (it is over),
-        no store's HIT makes them the tier's again; they stay forgotten (MISS)."""
+    def doubt(self, store: object, names: Sequence[str]) -> None:
+        """A store of ``names`` (``store``: a token of it, its transfer) failed while NIXL may
+        still run it (cancelled, or given up), and land its bytes whole after a later store of
+        them: until :meth:`undoubt` (it is over), no store's HIT makes them the tier's again;
+        they stay forgotten (MISS). Told again of the same store, it changes nothing."""
         with self._lock:
-            if job_id in self.doubting:
+            if store in self.doubting:
                 return
-            self.doubting[job_id] = tuple(names)
+            self.doubting[store] = tuple(names)
             doubted = self._doubted
             for name in names:
                 doubted[name] = doubted.get(name, 0) + 1
 
-    def keep_doubting(self, job_id: int) -> None:
-        """The store :meth:`doubt` named is given up while NIXL may run it, never to be asked
-        again: its names stay doubted for good, and its job id may name another store."""
-        with self._lock:
-            self.doubting.pop(job_id, None)
-
-    def undoubt(self, job_id: int) -> None:
+    def undoubt(self, store: object) -> None:
         """The store :meth:`doubt` named is over: its names may be vouched for again (by the
         next store of them that succeeds)."""
         with self._lock:
-            names = self.doubting.pop(job_id, ())
+            names = self.doubting.pop(store, ())
             doubted = self._doubted
             for name in names:
                 left = doubted.pop(name, 1) - 1
                 if left:
                     doubted[name] = left
 
-    def storing_begins(self, names: Sequence[str]) -> None:
-        """A store of ``names`` was taken. A name another unpublished store writes already is
-        forgotten, and neither store, nor any other that writes it before none does, vouches
-        for it when it ends (:meth:`store_ended`): their blocks land in any order, so what the
-        name holds once they are over may be some of one store's bytes and some of the other's.
-        A store that writes it alone, later, does. (The counts are the tier's thread's, under
-        the tier's lock, as every store's submit and end are: no lock of the cache's.)"""
+    def storing_begins(self, names: Sequence[str], blocks: Sequence[int]) -> None:
+        """A store of ``names`` from the primary's ``blocks`` was taken. A name another
+        unpublished store writes already from another block is forgotten, and neither store,
+        nor any other that writes it before none does, vouches for it when it ends
+        (:meth:`store_ended`): their blocks land in any order, so what the name holds once
+        they are over may be the older store's bytes, though the newer was published last. A
+        store that writes it alone, later, does. (Two from one block carry the same bytes: the
+        caller does not write a block while a store of it is unpublished.) The counts are the
+        tier's thread's, under the tier's lock, as every store's submit and end are: no lock
+        of the cache's."""
         storing = self.storing
         clash = None
-        for name in names:
-            if name in storing:
-                storing[name] += 1
+        for name, block in zip(names, blocks, strict=True):
+            held = storing.get(name)
+            if held is None:
+                storing[name] = [1, block]
+                continue
+            held[0] += 1
+            if held[1] != block:
+                held[1] = -1
                 clash = [name] if clash is None else [*clash, name]
-            else:
-                storing[name] = 1
         if clash is not None:
             self._overlapped.update(clash)
             with contextlib.suppress(Exception):  # (a forget that raised left the cache
@@ -337,21 +339,31 @@ class KnownNames:
         storing, overlapped = self.storing, self._overlapped
         vouched = [name for name in names if name not in overlapped] if overlapped else names
         for name in names:
-            left = storing.pop(name, 1) - 1
-            if left:
-                storing[name] = left
-            elif overlapped:
-                overlapped.discard(name)
+            held = storing.get(name)
+            if held is not None and held[0] > 1:
+                held[0] -= 1
+            else:
+                storing.pop(name, None)
+                if overlapped:
+                    overlapped.discard(name)
         return vouched
 
-    def recount_storing(self, stores: Iterable[Sequence[str]]) -> None:
-        """The unpublished stores' names, counted again from ``stores`` (an interrupt may have
-        cut a count short, :meth:`~kvfsm.runner.Runner.mend`); a name two of them write is
-        forgotten and overlapped, as :meth:`storing_begins` has it."""
-        counts = collections.Counter(name for names in stores for name in names)
-        clash = [name for name, count in counts.items() if count > 1]
-        self.storing = dict(counts)
-        self._overlapped = self._overlapped.intersection(counts).union(clash)
+    def recount_storing(self, stores: Iterable[tuple[Sequence[str], Sequence[int]]]) -> None:
+        """The unpublished stores' names and blocks, counted again from ``stores`` (an
+        interrupt may have cut a count short, :meth:`~kvfsm.runner.Runner.mend`); a name two
+        of them write from other blocks is forgotten and overlapped, as
+        :meth:`storing_begins` has it."""
+        storing: dict[str, list[int]] = {}
+        clash = []
+        for names, blocks in stores:
+            for name, block in zip(names, blocks, strict=True):
+                held = storing.setdefault(name, [0, block])
+                held[0] += 1
+                if held[1] != block:
+                    held[1] = -1
+                    clash.append(name)
+        self.storing = storing
+        self._overlapped = self._overlapped.intersection(storing).union(clash)
         if clash:
             with contextlib.suppress(Exception):  # (then vouching for no name)
                 self.forget(clash)
@@ -467,7 +479,7 @@ class SecondaryTier(JobSide):
         runner.leaks = collections.deque(maxlen=self.leak_record)
         runner.on_failed.append(functools.partial(
             _forget_failed_store, self._known, runner.running_states, runner.may_run))
-        runner.on_mend.append(functools.partial(_recount_storing, self._known))
+        runner.on_mend.append(functools.partial(_recount_storing, self._known, runner.may_run))
         #: the calls, and what they answered (:class:`~kvfsm.driver.TransferDriver`)
         self._driver = TransferDriver(agent, remote, declaration, _bind(steps or {}, primary))
         if hasattr(remote, "commit_over"):  # a commit it says is over is checked at once
@@ -1047,7 +1059,7 @@ class SecondaryTier(JobSide):
         try:
             runner.add(transfer)
             if not load:  # (counted again from the records if an interrupt cuts it short)
-                self._known.storing_begins(names)
+                self._known.storing_begins(names, block_ids)
             stale = load and self._known.stale(names)
             outcome = (self._driver.post(transfer, self._local, block_ids) if not stale
                        else _stale(job, names, stale, self._known.distrusted))
@@ -1501,11 +1513,8 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Coll
     holdings unpin them, whatever the verdicts' recording raised (an unpin skipped would hold
     the blocks' room for good)."""
     try:
-        if known.doubting:  # a store cancelled while NIXL ran it is over; one given up
-            if transfer in may_run:  # never is: its names stay doubted, its job id is free
-                known.keep_doubting(transfer.job_id)
-            else:
-                known.undoubt(transfer.job_id)
+        if known.doubting and transfer not in may_run:  # (a store cancelled while NIXL
+            known.undoubt(transfer)  # ran it is over; one given up never is)
         if transfer.job.is_promotion:
             known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
                          load=True)
@@ -1525,11 +1534,18 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Coll
                               landed=transfer.landed)
 
 
-def _recount_storing(known: KnownNames, transfers: Collection[Transfer]) -> None:
-    """(after a mend) The unpublished stores' names counted again: an interrupt may have cut
-    a count of :meth:`KnownNames.storing_begins` or :meth:`~KnownNames.store_ended` short."""
-    known.recount_storing([transfer.names for transfer in transfers
+def _recount_storing(known: KnownNames, may_run: Collection[Transfer],
+                     transfers: Collection[Transfer]) -> None:
+    """(after a mend) The unpublished stores' names counted again, and the doubts of stores
+    that ended dropped: an interrupt may have cut :meth:`KnownNames.storing_begins`,
+    :meth:`~KnownNames.store_ended` or a store's end short (its books not written, as
+    :meth:`~kvfsm.runner.Runner.mend` has it: each at most once)."""
+    known.recount_storing([(transfer.names, transfer.job.block_ids) for transfer in transfers
                            if not transfer.job.is_promotion])
+    if known.doubting:
+        live = {*transfers, *may_run}
+        for store in [store for store in known.doubting if store not in live]:
+            known.undoubt(store)
 
 
 def _forget_failed_store(known: KnownNames, running: Collection[Any],
@@ -1545,7 +1561,7 @@ def _forget_failed_store(known: KnownNames, running: Collection[Any],
     if not transfer.job.is_promotion:
         known.forget(transfer.names)
         if transfer.state in running or transfer in may_run:
-            known.doubt(transfer.job_id, transfer.names)
+            known.doubt(transfer, transfer.names)
 
 
 def check_capacity_options(capacity_bytes: object, block_bytes: int,
