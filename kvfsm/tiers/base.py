@@ -188,8 +188,8 @@ class KnownNames:
     own, so none of them can undo another's newer verdict; a read of a live verdict takes none.
     """
 
-    __slots__ = ("_doubted", "_forgotten", "_lock", "_names", "_overlapped", "distrusted",
-                 "doubting", "limit", "storing")
+    __slots__ = ("_doubted", "_forgotten", "_lock", "_more", "_names", "_overlapped",
+                 "distrusted", "doubting", "limit", "storing")
 
     def __init__(self, limit: int) -> None:
         if type(limit) is not int or limit < 1:
@@ -210,10 +210,12 @@ class KnownNames:
         #: the caller's: :meth:`doubt`), and how many such stores hold each name
         self.doubting: dict[object, tuple[str, ...]] = {}
         self._doubted: dict[str, int] = {}
-        #: for each name unpublished stores write (:meth:`storing_begins`): how many, and the
-        #: primary block they read (-1 once two read other blocks); and the names two stores
-        #: from other blocks wrote at once, until none does: their copy may be a mix
-        self.storing: dict[str, list[int]] = {}
+        #: for each name unpublished stores write (:meth:`storing_begins`): the primary block
+        #: they read (-1 once two read other blocks), and how many more than one there are
+        #: (of the few names with more); and the names two stores from other blocks wrote at
+        #: once, until none does: their copy may be a mix
+        self.storing: dict[str, int] = {}
+        self._more: dict[str, int] = {}
         self._overlapped: set[str] = set()
 
     def get(self, name: str) -> Lookup | None:
@@ -319,14 +321,15 @@ class KnownNames:
         of the cache's."""
         storing = self.storing
         clash = None
-        for name, block in zip(names, blocks, strict=True):
+        for name, block in zip(names, blocks, strict=False):  # (as many: checked at submit)
             held = storing.get(name)
             if held is None:
-                storing[name] = [1, block]
+                storing[name] = block
                 continue
-            held[0] += 1
-            if held[1] != block:
-                held[1] = -1
+            more = self._more
+            more[name] = more.get(name, 0) + 1
+            if held != block:
+                storing[name] = -1
                 clash = [name] if clash is None else [*clash, name]
         if clash is not None:
             self._overlapped.update(clash)
@@ -336,12 +339,15 @@ class KnownNames:
     def store_ended(self, names: Sequence[str]) -> Sequence[str]:
         """A store :meth:`storing_begins` took is over: the names its success may vouch for
         (:meth:`record`), all but those another store wrote at the same time."""
-        storing, overlapped = self.storing, self._overlapped
+        storing, more, overlapped = self.storing, self._more, self._overlapped
         vouched = [name for name in names if name not in overlapped] if overlapped else names
         for name in names:
-            held = storing.get(name)
-            if held is not None and held[0] > 1:
-                held[0] -= 1
+            if more and name in more:
+                left = more[name] - 1
+                if left:
+                    more[name] = left
+                else:
+                    del more[name]
             else:
                 storing.pop(name, None)
                 if overlapped:
@@ -353,16 +359,20 @@ class KnownNames:
         interrupt may have cut a count short, :meth:`~kvfsm.runner.Runner.mend`); a name two
         of them write from other blocks is forgotten and overlapped, as
         :meth:`storing_begins` has it."""
-        storing: dict[str, list[int]] = {}
+        storing: dict[str, int] = {}
+        more: dict[str, int] = {}
         clash = []
         for names, blocks in stores:
             for name, block in zip(names, blocks, strict=True):
-                held = storing.setdefault(name, [0, block])
-                held[0] += 1
-                if held[1] != block:
-                    held[1] = -1
+                held = storing.get(name)
+                if held is None:
+                    storing[name] = block
+                    continue
+                more[name] = more.get(name, 0) + 1
+                if held != block:
+                    storing[name] = -1
                     clash.append(name)
-        self.storing = storing
+        self.storing, self._more = storing, more
         self._overlapped = self._overlapped.intersection(storing).union(clash)
         if clash:
             with contextlib.suppress(Exception):  # (then vouching for no name)
