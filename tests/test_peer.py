@@ -223,6 +223,20 @@ def test_a_write_that_comes_before_the_receiver_connected_its_sender_counts_once
         receiver.shutdown()
 
 
+class FakePair:
+    """A sender and a receiver on fake UCX agents, linked both ways: blocks of 0xAA to send,
+    a cache of zeros to receive them."""
+
+    def __init__(self) -> None:
+        self.sender_agent, self.receiver_agent = fake_ucx_pair()
+        self.source = torch.full((4, 64), 0xAA, dtype=torch.uint8)
+        self.target = torch.zeros(4, 64, dtype=torch.uint8)
+        self.sender = PeerSender(self.source, agent=self.sender_agent)
+        self.receiver = PeerReceiver(self.target, agent=self.receiver_agent)
+        self.sender.connect(self.receiver.metadata(), self.receiver.block_descs())
+        self.name = self.receiver.connect(self.sender.metadata())
+
+
 def test_the_sender_refuses_loads_and_keys_that_are_not_receiver_blocks(pair: Pair) -> None:
     with pytest.raises(InvalidJobError, match="only writes"):
         pair.sender.submit_load(TransferJob(1, ["0"], [0], is_promotion=True))
@@ -239,13 +253,9 @@ def test_a_sender_never_vouches_for_a_receiver_block_it_wrote() -> None:
     cache of its own. Through all of it the sender's lookup, verdict and holds say MISS: it
     cannot know what the receiver's block holds. (Its write made the key HIT, and a cascading
     store or a vLLM store would have skipped writing a block the receiver no longer had.)"""
-    sender_agent, receiver_agent = fake_ucx_pair()
-    source = torch.full((4, 64), 0xAA, dtype=torch.uint8)
-    target = torch.zeros(4, 64, dtype=torch.uint8)
-    sender = PeerSender(source, agent=sender_agent)
-    receiver = PeerReceiver(target, agent=receiver_agent)
-    sender.connect(receiver.metadata(), receiver.block_descs())
-    name = receiver.connect(sender.metadata())
+    pair = FakePair()
+    receiver_agent, source, target = pair.receiver_agent, pair.source, pair.target
+    sender, receiver, name = pair.sender, pair.receiver, pair.name
     receiver.expect(TransferJob(1, ["3"], [3], is_promotion=True), name)
     sender.submit_store(TransferJob(1, ["3"], [0]))
     assert [r.success for r in sender.get_finished_jobs()] == [True]
@@ -535,13 +545,9 @@ def test_a_write_that_lands_inside_the_poll_that_hands_its_blocks_back_is_dated_
     expected again: a success over the engine's bytes. The poll now takes NIXL's
     notifications once more before it hands blocks back; if that take raises, it hands
     nothing back (job 7's failure waits for the next poll, whose take goes through)."""
-    sender_agent, receiver_agent = fake_ucx_pair()
-    source = torch.full((4, 64), 0xAA, dtype=torch.uint8)
-    target = torch.zeros(4, 64, dtype=torch.uint8)
-    sender = PeerSender(source, agent=sender_agent)
-    receiver = PeerReceiver(target, agent=receiver_agent)
-    sender.connect(receiver.metadata(), receiver.block_descs())
-    name = receiver.connect(sender.metadata())
+    pair = FakePair()
+    receiver_agent, source, target = pair.receiver_agent, pair.source, pair.target
+    sender, receiver, name = pair.sender, pair.receiver, pair.name
     receiver.expect(TransferJob(7, ["3"], [3], is_promotion=True), name)
     sender.forget_peer()  # the sender links again: a new nonce
     sender.connect(receiver.metadata(), receiver.block_descs())

@@ -408,6 +408,17 @@ def published(tier: ObjectStoreTier) -> dict[int, JobResult]:
     return {result.job_id: result for result in tier.get_finished_jobs()}
 
 
+def loads_back(tier: ObjectStoreTier, agent: Held, job_id: int, transfers: tuple[int, int],
+               expected: torch.Tensor) -> bool:
+    """Load KEYS into blocks 6-7 (job ``job_id``, NIXL's ``transfers``-th transfers): True
+    when it succeeds with ``expected``'s bytes."""
+    tier.submit_load(TransferJob(job_id, KEYS, [6, 7], is_promotion=True))
+    agent.end(*transfers)
+    results = published(tier)
+    return ([r.success for r in results.values()] == [True]
+            and torch.equal(tier.primary[6:8], expected))
+
+
 def test_two_stores_of_the_same_keys_at_once_never_vouch_for_the_mix_they_leave() -> None:
     """The engine stores KEYS, then stores them again from other blocks before the first store
     is over. NIXL makes a transfer per block, and the four land in any order: here the second
@@ -441,10 +452,7 @@ def test_two_stores_of_the_same_keys_at_once_never_vouch_for_the_mix_they_leave(
     agent.end(4, 5)
     assert [r.success for r in published(tier).values()] == [True]
     assert [tier.lookup(key) for key in KEYS] == [Lookup.HIT] * 2
-    tier.submit_load(TransferJob(5, KEYS, [6, 7], is_promotion=True))
-    agent.end(6, 7)
-    assert [r.success for r in published(tier).values()] == [True]
-    assert torch.equal(primary[6:8], primary[4:6])
+    assert loads_back(tier, agent, 5, (6, 7), primary[4:6])
     tier.shutdown(timeout=1)
 
 
@@ -462,10 +470,7 @@ def test_two_stores_of_a_key_from_one_block_at_once_still_vouch_for_it() -> None
     agent.end(1, 3)
     assert [r.success for r in published(tier).values()] == [True, True]
     assert [tier.lookup(key) for key in KEYS] == [Lookup.HIT] * 2
-    tier.submit_load(TransferJob(3, KEYS, [6, 7], is_promotion=True))
-    agent.end(4, 5)
-    assert [r.success for r in published(tier).values()] == [True]
-    assert torch.equal(primary[6:8], primary[0:2])
+    assert loads_back(tier, agent, 3, (4, 5), primary[0:2])
     tier.shutdown(timeout=1)
 
 
@@ -522,10 +527,7 @@ def test_a_ctrl_c_as_a_store_is_counted_out_leaves_no_key_unloadable_for_good() 
     tier.submit_store(TransferJob(3, KEYS, [2, 3]))
     agent.end(4, 5)
     assert [r.success for r in published(tier).values()] == [True]
-    tier.submit_load(TransferJob(4, KEYS, [6, 7], is_promotion=True))
-    agent.end(6, 7)
-    assert [r.success for r in published(tier).values()] == [True]
-    assert torch.equal(primary[6:8], primary[2:4])
+    assert loads_back(tier, agent, 4, (6, 7), primary[2:4])
     tier.shutdown(timeout=1)
 
 
