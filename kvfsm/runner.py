@@ -930,6 +930,8 @@ class Runner(Books):
         """
         now = time.monotonic()
         transfers = list(self.records.values())
+        # one still running was never given up (an interrupt came before its EXHAUSTED)
+        self.may_run.difference_update([t for t in transfers if t.state in self.running_states])
         running, waiting, ready = _Running(), {}, {}
         backing: list[tuple[float, int, Transfer]] = []
         in_state = dict.fromkeys(self.in_state, 0)

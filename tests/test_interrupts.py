@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import _thread
 import collections
+import inspect
 import linecache
 import os
 import sys
@@ -92,6 +93,32 @@ def ctrl_c_entering(function: Any, called_from: str | None = None) -> Iterator[N
             yield
     finally:
         sys.settrace(None)
+
+
+@contextmanager
+def ctrl_c_at_second_pass(function: Any) -> Iterator[None]:
+    """The block raises KeyboardInterrupt as ``function``'s first loop comes round the second
+    time (its backward jump, where a signal handler runs), once; the block must raise it."""
+    lines, start = inspect.getsourcelines(function)
+    loop = next(start + index for index, line in enumerate(lines)
+                if line.lstrip().startswith("for "))
+    passes = [0]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == loop:
+            passes[0] += 1
+            if passes[0] == 2:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is function.__code__ else None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        sys.settrace(None)
+    assert passes[0] == 2, f"{function.__qualname__} never came round its loop a second time"
 
 
 def tier_with_stores_over(blocks: int, failing_release: bool

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from kvfsm import FailureKind, FailureReason, JobResult, TransferJob, TransferState
+from kvfsm.engine import CompiledMachine
 from kvfsm.nixl_agents import make_agent
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import Runner
@@ -39,7 +40,7 @@ from kvfsm.tiers.base import KnownNames
 from kvfsm.transfer import Leak
 
 from .real_nixl import require_nixl
-from .test_interrupts import ctrl_c_entering
+from .test_interrupts import ctrl_c_at_second_pass, ctrl_c_entering
 from .test_poll_schedule import Held
 
 #: what the fake agent's injected Raise() says, as a reason's error text
@@ -501,6 +502,57 @@ def test_a_ctrl_c_as_a_cancelled_stores_books_are_written_leaves_no_doubt_behind
     agent.end(3)
     assert [r.success for r in published(tier).values()] == [True]
     assert tier.lookup("y") is Lookup.MISS, "the given-up store may still land"
+    tier.shutdown(timeout=1)
+
+
+@pytest.mark.parametrize("given_up", [False, True])
+def test_a_ctrl_c_between_two_keys_of_a_doubt_leaves_each_key_doubted_as_it_should(
+        given_up: bool) -> None:
+    """A store of KEYS NIXL runs is cancelled (doubted until NIXL ended it), or given up by
+    the running bound (doubted for good); a Ctrl-C lands between the two keys, as the doubt
+    is counted, or, for the cancelled store, as it is taken back once NIXL ended it. The next
+    call counts the doubts again from the stores: a store of KEYS made alone afterwards vouches
+    for both once the cancelled store is over, and for neither while the given-up one may
+    land. (The second key stayed doubted for good, or was never doubted.)"""
+    _, agent, tier = two_versions(RetryPolicy(max_running_seconds=0.2) if given_up else None)
+    tier.submit_store(TransferJob(1, KEYS, [0, 1]))  # transfers 0, 1
+    if given_up:
+        time.sleep(0.3)  # past the running bound
+        with ctrl_c_at_second_pass(KnownNames.doubt):
+            tier.get_finished_jobs()
+        assert [r.success for r in published(tier).values()] == [False]
+    else:
+        tier.cancel(1)
+        agent.end(0, 1)
+        with ctrl_c_at_second_pass(KnownNames.undoubt):
+            tier.get_finished_jobs()
+        assert [r.success for r in published(tier).values()] == [False]
+    tier.submit_store(TransferJob(2, KEYS, [2, 3]))  # transfers 2, 3
+    agent.end(2, 3)
+    assert [r.success for r in published(tier).values()] == [True]
+    expected = Lookup.MISS if given_up else Lookup.HIT
+    assert [tier.lookup(key) for key in KEYS] == [expected] * 2
+    tier.shutdown(timeout=1)
+
+
+def test_a_ctrl_c_as_a_store_is_given_up_leaves_it_running_and_not_held_for_good() -> None:
+    """A Ctrl-C lands as the running bound gives a store up, before its give-up is fired:
+    it is still running, not given up; NIXL then ends it with an error. It fails as any
+    store NIXL failed: a store of its key made alone afterwards vouches for it. (It was
+    counted as given up while NIXL ran it, and its key doubted for good.)"""
+    _, agent, tier = two_versions(RetryPolicy(max_running_seconds=0.2))
+    tier.submit_store(TransferJob(1, ["x"], [0]))  # transfer 0
+    time.sleep(0.3)  # past the running bound
+    with ctrl_c_entering(CompiledMachine.fire, called_from="give_up"):
+        tier.get_finished_jobs()
+    agent.inject("check_xfer_state", ReturnErr())
+    agent.end(0)
+    assert [r.success for r in published(tier).values()] == [False]
+    assert tier.stats()["quarantined_running"] == 0
+    tier.submit_store(TransferJob(2, ["x"], [1]))  # transfer 1
+    agent.end(1)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert tier.lookup("x") is Lookup.HIT, "held as given up, for good"
     tier.shutdown(timeout=1)
 
 

@@ -637,6 +637,30 @@ def test_a_ctrl_c_anywhere_in_a_pin_or_an_unpin_changes_every_block_or_none(call
     assert line > 3, "the interrupts landed inside"
 
 
+@pytest.mark.parametrize("entering", ["finalized", "unpin"])
+def test_a_ctrl_c_as_a_store_is_finalized_loses_neither_its_pin_nor_its_job(
+        entering: str) -> None:
+    """A Ctrl-C lands as a store's result is finalized: as its Finalized is made, or as its
+    blocks are unpinned. The next step finalizes it whole: unpinned once, counted, and
+    returned. (Landing as the Finalized was made, after the unpin, lost the job: no step ever
+    returned it.)"""
+    from kvfsm.tiering import Finalized  # noqa: PLC0415
+
+    from .test_interrupts import ctrl_c_entering  # noqa: PLC0415
+
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    manager = TieringManager(primary, {"dict": DictTier(primary.cache)})
+    (block,) = ready(primary, "a")
+    (job,) = manager.store([block])
+    function = Finalized.__init__ if entering == "finalized" else CPUPrimaryTier.complete_read
+    with ctrl_c_entering(function):
+        manager.step()
+    assert [done.job.job_id for done in manager.step()] == [job]
+    assert primary.stats()["pinned"] == 0 and manager.outstanding() == []
+    assert manager.stats()["stores_ok"] == 1
+    assert manager.step() == []
+
+
 class GatedAgent(FakeNixlAgent):
     """A fake agent whose transfers run until the gate opens."""
 

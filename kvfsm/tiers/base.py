@@ -298,6 +298,16 @@ class KnownNames:
             for name in names:
                 doubted[name] = doubted.get(name, 0) + 1
 
+    def recount_doubts(self, live: Collection[object]) -> None:
+        """(After an interrupt.) Drop the doubts of stores not in ``live`` (they ended, and
+        their :meth:`undoubt` was cut short, or never made), and count each name's doubts again
+        from those kept (a :meth:`doubt` or an :meth:`undoubt` cut short between two names)."""
+        with self._lock:
+            kept = {store: names for store, names in self.doubting.items() if store in live}
+            self.doubting = kept
+            self._doubted = dict(collections.Counter(
+                name for names in kept.values() for name in names))
+
     def undoubt(self, store: object) -> None:
         """The store :meth:`doubt` named is over: its names may be vouched for again (by the
         next store of them that succeeds)."""
@@ -1546,16 +1556,13 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Coll
 
 def _recount_storing(known: KnownNames, may_run: Collection[Transfer],
                      transfers: Collection[Transfer]) -> None:
-    """(after a mend) The unpublished stores' names counted again, and the doubts of stores
-    that ended dropped: an interrupt may have cut :meth:`KnownNames.storing_begins`,
-    :meth:`~KnownNames.store_ended` or a store's end short (its books not written, as
+    """(after a mend) The unpublished stores' names counted again, and the doubts: an
+    interrupt may have cut :meth:`KnownNames.storing_begins`, :meth:`~KnownNames.store_ended`,
+    a doubt, or a store's end short (its books not written, as
     :meth:`~kvfsm.runner.Runner.mend` has it: each at most once)."""
     known.recount_storing([(transfer.names, transfer.job.block_ids) for transfer in transfers
                            if not transfer.job.is_promotion])
-    if known.doubting:
-        live = {*transfers, *may_run}
-        for store in [store for store in known.doubting if store not in live]:
-            known.undoubt(store)
+    known.recount_doubts({*transfers, *may_run})
 
 
 def _forget_failed_store(known: KnownNames, running: Collection[Any],
