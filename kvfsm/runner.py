@@ -149,6 +149,9 @@ class Runner(Books):
     #: own an interrupt may have cut short are counted again from them
     on_mend: list[Callable[[Collection[Transfer]], None]]
     _committing: set[int]
+    #: the running transfers a give-up was begun for, and the state it began in: one still
+    #: there at a mend was never given up (an interrupt came before its EXHAUSTED fired)
+    _giving_up: dict[Transfer, Any]
     _failing_told: set[int]
     #: transfers a round fired out of the running states and files as it makes their calls
     #: (the tier's ``_take_polls``): a call into the books that comes in between (a
@@ -239,7 +242,7 @@ class Runner(Books):
         self.in_state: dict[Any, int] = {state: 0 for state in declaration.states}
         #: stores NIXL finished whose commit is not over; the failed transfers whose
         #: on_failed books ran when their failure was latched (file)
-        self._committing, self._failing_told = set(), set()
+        self._committing, self._failing_told, self._giving_up = set(), set(), {}
         #: those of them whose remote side said their commit is over, appended from any thread
         #: (the tier wires a remote side's ``commit_over`` to its ``append``): the next round
         #: checks them first. A store told twice is checked once; one told after it was
@@ -680,11 +683,13 @@ class Runner(Books):
         deadline, the running bound): fire that effect's EXHAUSTED; it is published."""
         was = transfer.state
         effect = self.effects[was]
-        if was in self.running_states:
+        if was in self.running_states:  # (before the fire: NIXL may run it from then on)
+            self._giving_up[transfer] = was
             self.may_run.add(transfer)
         try:
             self.machine.fire(transfer, effect, Answer.EXHAUSTED,
                               why if effect in _NIXL_WAITS else CallFailed(effect, why))
+            self._giving_up.pop(transfer, None)
             logger.error("job %d %s in %s: %s", transfer.job_id, self._gave_up(transfer),
                          was.name, why, extra=transfer.log_fields())
         finally:
@@ -930,8 +935,11 @@ class Runner(Books):
         """
         now = time.monotonic()
         transfers = list(self.records.values())
-        # one still running was never given up (an interrupt came before its EXHAUSTED)
-        self.may_run.difference_update([t for t in transfers if t.state in self.running_states])
+        # one still in the state its give-up began in was never given up (an interrupt came
+        # before its EXHAUSTED fired; a give-up edge always leaves its state)
+        giving_up, self._giving_up = self._giving_up, {}
+        self.may_run.difference_update([transfer for transfer, was in giving_up.items()
+                                        if transfer.state is was])
         running, waiting, ready = _Running(), {}, {}
         backing: list[tuple[float, int, Transfer]] = []
         in_state = dict.fromkeys(self.in_state, 0)

@@ -950,13 +950,10 @@ class TieringManager:
         kept (:attr:`_done`) until a step returns it: an interrupt in a step loses neither
         the results not yet finalized nor the jobs finalized, the next step goes on with
         them, and a result whose finalizing had begun (:attr:`_finalizing`) is not finalized
-        twice. A store's unpin (``complete_read``) changes every block or none, and CPython
-        checks for a signal only as a Python function starts and at a loop's backward jump,
-        none of which comes between that change and the result's being marked finalized: a
-        Ctrl-C before it has the next step finalize the result afresh, and none lands after
-        it until it is marked. (One window stays, for a load: marked first, as its
-        ``complete_write`` changes block by block, a Ctrl-C inside that call leaves the job's
-        blocks written, and its Finalized not returned, never completed twice.)"""
+        twice. (One window stays: a result is marked finalized, and its Finalized kept,
+        before its primary call (``complete_read``, ``complete_write``), so a Ctrl-C from the
+        marking until that call's change is made leaves that one job's blocks pinned or
+        written, never unpinned or completed twice.)"""
         issues: list[BookkeepingIssue] = []
         taken = self._taken
         for name, tier in self._tiers.items():
@@ -1196,22 +1193,21 @@ class TieringManager:
         reason = None if success else getattr(result, "reason", None)
         done = Finalized(job, name, success, reason if isinstance(reason, FailureReason) else None)
         counted = f"{'loads' if job.is_promotion else 'stores'}_{'ok' if success else 'failed'}"
-        if job.is_promotion:  # (complete_write changes block by block: marked finalized
-            self._finalizing = result  # first, so that none is completed twice)
-            del self._jobs[submitted.job_id]
+        # marked finalized, and its Finalized kept, before its blocks are: an interrupt from
+        # here on never has them unpinned or completed twice (nor the job lost)
+        self._finalizing = result
+        del self._jobs[submitted.job_id]
+        finalized.append(done)
+        self._counts[counted] += 1
         try:
             if job.is_promotion:
                 self.primary.complete_write(job.block_ids, success)
-            else:  # (every block or none: an interrupt before its change changed nothing)
+            else:
                 self.primary.complete_read(job.block_ids)
         except PrimaryTierError as error:  # the primary was changed behind the manager's back
-            issue = BookkeepingIssue(job_id, name, f"finalizing the primary failed: {error}")
-        else:  # (no signal is checked from the call's return to the step's next call)
-            finalized.append(done)
-            self._counts[counted] += 1
-        if not job.is_promotion:
-            self._finalizing = result  # (the same result handed out again: an issue)
-            del self._jobs[submitted.job_id]
+            finalized.remove(done)
+            self._counts[counted] -= 1
+            return BookkeepingIssue(job_id, name, f"finalizing the primary failed: {error}")
         return issue
 
 

@@ -96,6 +96,25 @@ def ctrl_c_entering(function: Any, called_from: str | None = None) -> Iterator[N
 
 
 @contextmanager
+def ctrl_c_returning(function: Any) -> Iterator[None]:
+    """The block raises KeyboardInterrupt as ``function`` returns, its work done (where a
+    signal handler runs once the last C call it makes returns), once; the block must raise
+    it."""
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "return":
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return local
+
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is function.__code__ else None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        sys.settrace(None)
+
+
+@contextmanager
 def ctrl_c_at_second_pass(function: Any) -> Iterator[None]:
     """The block raises KeyboardInterrupt as ``function``'s first loop comes round the second
     time (its backward jump, where a signal handler runs), once; the block must raise it."""

@@ -29,6 +29,7 @@ import torch
 
 from kvfsm import FailureKind, FailureReason, JobResult, TransferJob, TransferState
 from kvfsm.engine import CompiledMachine
+from kvfsm.machines.transfer import TRANSFER_MACHINE
 from kvfsm.nixl_agents import make_agent
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import Runner
@@ -553,6 +554,35 @@ def test_a_ctrl_c_as_a_store_is_given_up_leaves_it_running_and_not_held_for_good
     agent.end(1)
     assert [r.success for r in published(tier).values()] == [True]
     assert tier.lookup("x") is Lookup.HIT, "held as given up, for good"
+    tier.shutdown(timeout=1)
+
+
+def test_a_store_given_up_into_a_running_state_stays_held_through_a_ctrl_c_elsewhere() -> None:
+    """A lifecycle of the user's gives a store up past the running bound into CANCELLING, a
+    running state (NIXL may still run it). A Ctrl-C then lands in an unrelated poll, and the
+    next call mends the books: the store stays counted as given up while NIXL ran it, and its
+    key MISS once a later store of it succeeds. (The mend took every store still in a running
+    state for one whose give-up never fired.)"""
+    machine = TRANSFER_MACHINE.extend("given_up_to_cancelling", replace={
+        ("PROCESSING", "poll", "exhausted"): {"dest": "CANCELLING",
+                                              "after": ["latch_cancelled"]}})
+    agent = Held()
+    tier = ObjectStoreTier(torch.zeros((8, 64), dtype=torch.uint8), agent=agent,
+                           machine=machine, policy=RetryPolicy(max_running_seconds=0.2))
+    tier.submit_store(TransferJob(1, ["x"], [0]))  # transfer 0
+    time.sleep(0.3)  # past the running bound
+    assert published(tier) == {} and tier.state_of(1).name == "CANCELLING"
+    agent.interrupt_in = 1
+    with pytest.raises(KeyboardInterrupt):
+        tier.get_finished_jobs()
+    assert published(tier) == {}  # (mended)
+    assert tier.stats()["quarantined_running"] == 1
+    agent.end(0)
+    assert [r.success for r in published(tier).values()] == [False]
+    tier.submit_store(TransferJob(2, ["x"], [1]))  # transfer 1
+    agent.end(1)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert tier.lookup("x") is Lookup.MISS, "a store given up while NIXL ran it vouched for"
     tier.shutdown(timeout=1)
 
 

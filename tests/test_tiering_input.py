@@ -640,10 +640,11 @@ def test_a_ctrl_c_anywhere_in_a_pin_or_an_unpin_changes_every_block_or_none(call
 @pytest.mark.parametrize("entering", ["finalized", "unpin"])
 def test_a_ctrl_c_as_a_store_is_finalized_loses_neither_its_pin_nor_its_job(
         entering: str) -> None:
-    """A Ctrl-C lands as a store's result is finalized: as its Finalized is made, or as its
-    blocks are unpinned. The next step finalizes it whole: unpinned once, counted, and
-    returned. (Landing as the Finalized was made, after the unpin, lost the job: no step ever
-    returned it.)"""
+    """A Ctrl-C lands as a store's result is finalized: as its Finalized is made (the next
+    step finalizes it whole: unpinned, counted, returned), or as its block's unpin starts (the
+    one window TieringManager._step names: the job is returned and counted, its block stays
+    pinned, never unpinned twice). (Landing after the unpin lost the job: no step returned
+    it; and, unpinned first, an unpin the interrupt cut short was made again.)"""
     from kvfsm.tiering import Finalized  # noqa: PLC0415
 
     from .test_interrupts import ctrl_c_entering  # noqa: PLC0415
@@ -656,9 +657,41 @@ def test_a_ctrl_c_as_a_store_is_finalized_loses_neither_its_pin_nor_its_job(
     with ctrl_c_entering(function):
         manager.step()
     assert [done.job.job_id for done in manager.step()] == [job]
-    assert primary.stats()["pinned"] == 0 and manager.outstanding() == []
-    assert manager.stats()["stores_ok"] == 1
+    assert manager.outstanding() == [] and manager.stats()["stores_ok"] == 1
+    assert primary.pin_count(block) == (0 if entering == "finalized" else 1)
     assert manager.step() == []
+
+
+def test_a_ctrl_c_as_a_stores_unpin_returns_never_has_it_unpinned_twice() -> None:
+    """Two tiers each store a block: it is pinned twice. A Ctrl-C lands as the first tier's
+    unpin returns, its work done (a signal is checked as its last C call returns). The next
+    step does not unpin it again: the second tier's store still reads the block, which stays
+    pinned until that store's result; each job is returned once. (Unpinned before it was
+    marked finalized, it was unpinned a second time, and the block could be evicted and
+    written under the second store.)"""
+    from .test_interrupts import ctrl_c_returning  # noqa: PLC0415
+
+    class Holding(ScriptedPolls):
+        """Hands nothing out while ``held``."""
+
+        held = True
+
+        def poll(self, number: int) -> list[JobResult]:
+            return [] if self.held else super().poll(number)
+
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    second = Holding(primary.cache)  # its store still reads the block
+    manager = TieringManager(primary, {"first": DictTier(primary.cache), "second": second})
+    (block,) = ready(primary, "a")
+    jobs = manager.store([block])
+    assert primary.pin_count(block) == 2
+    with ctrl_c_returning(CPUPrimaryTier.complete_read):
+        manager.step()
+    assert [done.job.job_id for done in manager.step()] == jobs[:1]
+    assert primary.pin_count(block) == 1, "unpinned twice"
+    second.held = False
+    assert [done.job.job_id for done in manager.step()] == jobs[1:]
+    assert primary.pin_count(block) == 0 and manager.step() == []
 
 
 class GatedAgent(FakeNixlAgent):
