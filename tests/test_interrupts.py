@@ -96,12 +96,11 @@ def ctrl_c_entering(function: Any, called_from: str | None = None) -> Iterator[N
 
 
 @contextmanager
-def ctrl_c_returning(function: Any) -> Iterator[None]:
-    """The block raises KeyboardInterrupt as ``function`` returns, its work done (where a
-    signal handler runs once the last C call it makes returns), once; the block must raise
-    it."""
+def _ctrl_c_inside(function: Any, when: Callable[[Any, str], bool]) -> Iterator[None]:
+    """The block raises KeyboardInterrupt at the first trace event of ``function``'s frames
+    that ``when(frame, event)`` picks, once; the block must raise it."""
     def local(frame: Any, event: str, arg: Any) -> Any:
-        if event == "return":
+        if when(frame, event):
             sys.settrace(None)
             raise KeyboardInterrupt
         return local
@@ -114,8 +113,14 @@ def ctrl_c_returning(function: Any) -> Iterator[None]:
         sys.settrace(None)
 
 
-@contextmanager
-def ctrl_c_at_second_pass(function: Any) -> Iterator[None]:
+def ctrl_c_returning(function: Any) -> Any:
+    """The block raises KeyboardInterrupt as ``function`` returns, its work done (where a
+    signal handler runs once the last C call it makes returns), once; the block must raise
+    it."""
+    return _ctrl_c_inside(function, lambda frame, event: event == "return")
+
+
+def ctrl_c_at_second_pass(function: Any) -> Any:
     """The block raises KeyboardInterrupt as ``function``'s first loop comes round the second
     time (its backward jump, where a signal handler runs), once; the block must raise it."""
     lines, start = inspect.getsourcelines(function)
@@ -123,21 +128,12 @@ def ctrl_c_at_second_pass(function: Any) -> Iterator[None]:
                 if line.lstrip().startswith("for "))
     passes = [0]
 
-    def local(frame: Any, event: str, arg: Any) -> Any:
+    def second(frame: Any, event: str) -> bool:
         if event == "line" and frame.f_lineno == loop:
             passes[0] += 1
-            if passes[0] == 2:
-                sys.settrace(None)
-                raise KeyboardInterrupt
-        return local
+        return passes[0] == 2
 
-    sys.settrace(lambda frame, event, arg: local if frame.f_code is function.__code__ else None)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            yield
-    finally:
-        sys.settrace(None)
-    assert passes[0] == 2, f"{function.__qualname__} never came round its loop a second time"
+    return _ctrl_c_inside(function, second)
 
 
 def tier_with_stores_over(blocks: int, failing_release: bool
