@@ -1205,7 +1205,8 @@ class TieringManager:
             else:
                 self.primary.complete_read(job.block_ids)
         except PrimaryTierError as error:  # the primary was changed behind the manager's back
-            finalized.remove(done)
+            del finalized[next(index for index in range(len(finalized) - 1, -1, -1)
+                               if finalized[index] is done)]  # (it, not one equal to it)
             self._counts[counted] -= 1
             return BookkeepingIssue(job_id, name, f"finalizing the primary failed: {error}")
         return issue

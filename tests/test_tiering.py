@@ -548,8 +548,11 @@ def test_a_pin_dropped_behind_the_managers_back_is_reported_when_its_result_come
     primary.complete_read([block])  # someone else dropped both jobs' pins
 
     with pytest.raises(BookkeepingError, match=rf"job {on_left} from tier 'left': finalizing the "
-                                               rf"primary failed: block {block} is not pinned"):
+                                               rf"primary failed: block {block} is not pinned"
+                       ) as raised:
         manager.step()
+    assert list(raised.value.finalized) == [], "not finalized, nor counted as such"
+    assert manager.stats()["stores_ok"] == 0
     assert manager.outstanding() == [], "both results were taken; neither job is outstanding"
     assert primary.pin_count(block) == 0, "never below 0"
     assert {issue.job_id for issue in manager.bookkeeping_errors} == {on_left, on_right}
