@@ -710,8 +710,10 @@ class TieringManager:
         self._finalizing: JobResult | None = None
         self._ids = itertools.count(1)
         self._closed = False
-        #: every bookkeeping issue found so far (each was raised once, by step)
+        #: every bookkeeping issue found so far (each was raised once, by step); and those
+        #: found since a step last raised them (a step an interrupt cut short leaves them)
         self.bookkeeping_errors: list[BookkeepingIssue] = []
+        self._issues: list[BookkeepingIssue] = []
         self._counts = {"stores_ok": 0, "stores_failed": 0, "loads_ok": 0, "loads_failed": 0}
         #: stores not cascaded to a saturated or busy tier, per tier
         self._skipped = dict.fromkeys(named, 0)
@@ -954,7 +956,7 @@ class TieringManager:
         before its primary call (``complete_read``, ``complete_write``), so a Ctrl-C from the
         marking until that call's change is made leaves that one job's blocks pinned or
         written, never unpinned or completed twice.)"""
-        issues: list[BookkeepingIssue] = []
+        issues = self._issues
         taken = self._taken
         for name, tier in self._tiers.items():
             try:  # (each result queued as it comes: a generator that raises keeps those before)
@@ -974,6 +976,7 @@ class TieringManager:
                     issues.append(issue)
         done, self._done = self._done, []
         if issues:
+            self._issues = []
             self.bookkeeping_errors.extend(issues)
             raise BookkeepingError(issues, done)
         return done
@@ -1197,18 +1200,21 @@ class TieringManager:
         # here on never has them unpinned or completed twice (nor the job lost)
         self._finalizing = result
         del self._jobs[submitted.job_id]
-        finalized.append(done)
         self._counts[counted] += 1
+        finalized.append(done)
         try:
             if job.is_promotion:
                 self.primary.complete_write(job.block_ids, success)
             else:
                 self.primary.complete_read(job.block_ids)
         except PrimaryTierError as error:  # the primary was changed behind the manager's back
-            del finalized[next(index for index in range(len(finalized) - 1, -1, -1)
-                               if finalized[index] is done)]  # (it, not one equal to it)
+            # the issue kept first, then the job taken back (each step's own: no later step
+            # finalizes it again); an interrupt in between reports it both ways, loses neither
+            self._issues.append(BookkeepingIssue(job_id, name,
+                                                 f"finalizing the primary failed: {error}"))
             self._counts[counted] -= 1
-            return BookkeepingIssue(job_id, name, f"finalizing the primary failed: {error}")
+            if finalized and finalized[-1] is done:
+                finalized.pop()
         return issue
 
 

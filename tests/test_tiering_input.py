@@ -694,6 +694,74 @@ def test_a_ctrl_c_as_a_stores_unpin_returns_never_has_it_unpinned_twice() -> Non
     assert primary.pin_count(block) == 0 and manager.step() == []
 
 
+def interrupted_at_c_return(count: int, function: Any, action: Callable[[], Any]) -> bool:
+    """Run ``action``, raising KeyboardInterrupt as the ``count``-th C call made by
+    ``function`` returns (where a signal handler runs); True when it was raised."""
+    import sys  # noqa: PLC0415
+
+    seen = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and frame.f_code is function.__code__:
+            seen[0] += 1
+            if seen[0] == count:
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+
+    sys.setprofile(profile)
+    try:
+        action()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.setprofile(None)
+    return False
+
+
+def step_into(manager: TieringManager, out: list[int], issues: list[int | None]) -> None:
+    """A step: the jobs it finalized into ``out``, those of its issues into ``issues``."""
+    try:
+        out.extend(done.job.job_id for done in manager.step())
+    except BookkeepingError as error:
+        out.extend(done.job.job_id for done in error.finalized)
+        issues.extend(issue.job_id for issue in error.issues)
+
+
+@pytest.mark.parametrize("unpinned_behind", [False, True])
+def test_a_ctrl_c_as_each_call_of_a_finalize_returns_neither_loses_nor_repeats_the_job(
+        unpinned_behind: bool) -> None:
+    """A Ctrl-C lands as each C call a store's finalizing makes returns, in turn; with the
+    block's pin as it should be, or dropped behind the manager's back (so the unpin fails).
+    Every time, the steps that follow hand the job out, once as finalized and counted so, or,
+    when the unpin failed, as an issue, as finalized (a Ctrl-C before the issue was made), or
+    both (one between the issue's keeping and the job's taking back), never neither; the
+    block is never unpinned twice. (A Ctrl-C as the Finalized was kept left it uncounted; one
+    on the failing unpin's path lost the job.)"""
+    for count in range(1, 100):
+        primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+        manager = TieringManager(primary, {"dict": DictTier(primary.cache)})
+        (block,) = ready(primary, "a")
+        (job,) = manager.store([block])
+        if unpinned_behind:
+            primary.complete_read([block])
+        out: list[int] = []
+        issues: list[int | None] = []
+        step = functools.partial(step_into, manager, out, issues)
+        fired = interrupted_at_c_return(count, TieringManager._finalize, step)
+        for _ in range(3):
+            step()
+        if unpinned_behind:
+            assert out + issues and {*out, *issues} == {job}, (count, out, issues)
+            assert len(out) <= 1 and len(issues) <= 1, (count, out, issues)
+        else:
+            assert (out, issues) == ([job], []), count
+        assert manager.stats()["stores_ok"] == len(out), (count, manager.stats())
+        assert primary.pin_count(block) in ((0,) if unpinned_behind else (0, 1)), count
+        if not fired:
+            break
+    assert count > 2, "the interrupts landed inside"
+
+
 class GatedAgent(FakeNixlAgent):
     """A fake agent whose transfers run until the gate opens."""
 
