@@ -959,26 +959,25 @@ class TieringManager:
         issues = self._issues
         taken = self._taken
         for name, tier in self._tiers.items():
-            try:  # (each result queued as it comes: a generator that raises keeps those before)
-                for result in (tier.get_finished_jobs() if deadline is None
-                               or not isinstance(tier, JobSide)
-                               else tier._finished_by(deadline)):
-                    taken.append((name, result))
+            try:  # (queued in one call, each as it comes: a generator that raises keeps
+                # those before, and a Ctrl-C does not land between two of a list's)
+                taken.extend(zip(itertools.repeat(name), tier.get_finished_jobs()
+                                 if deadline is None or not isinstance(tier, JobSide)
+                                 else tier._finished_by(deadline)))
             except Exception as error:
                 issues.append(BookkeepingIssue(
                     None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))
             while taken:
                 from_tier, result = taken[0]
-                issue = self._finalize(from_tier, result, self._done)
+                self._finalize(from_tier, result, self._done)  # (its issues kept in _issues)
                 taken.popleft()
                 self._finalizing = None  # (the same result handed out again is an issue)
-                if issue is not None:
-                    issues.append(issue)
+        if issues:  # the error made first: from there on, no signal is checked until raised
+            raised = BookkeepingError(issues, self._done)
+            self._done, self._issues = [], []
+            self.bookkeeping_errors += issues
+            raise raised
         done, self._done = self._done, []
-        if issues:
-            self._issues = []
-            self.bookkeeping_errors.extend(issues)
-            raise BookkeepingError(issues, done)
         return done
 
     def has_pending_work(self) -> bool:
@@ -1037,18 +1036,20 @@ class TieringManager:
         while True:
             try:
                 done += self._step(deadline)
-            except BookkeepingError as error:
+                if not self.has_pending_work():
+                    return done
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TieringDrainTimeout("drain", self.outstanding(), done, self._busy())
+                time.sleep(self.poll_interval if deadline is None else  # (never past it)
+                           min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+            except BookkeepingError as error:  # (no call here: a Ctrl-C would lose it)
                 error.finalized = (*done, *error.finalized)
                 raise
-            except BaseException:  # (an interrupt): the next step returns them all the same
-                self._done[:0] = done
+            except TieringDrainTimeout:  # (it carries them)
                 raise
-            if not self.has_pending_work():
-                return done
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TieringDrainTimeout("drain", self.outstanding(), done, self._busy())
-            time.sleep(self.poll_interval if deadline is None else  # (never past the deadline)
-                       min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+            except BaseException:  # (an interrupt, as it sleeps too): the next step returns
+                self._done[:0] = done  # them all the same
+                raise
 
     def shutdown(self, timeout: float | None = 30.0) -> list[Finalized]:
         """Drain every job, then shut every tier down, each within what is left of ``timeout``
@@ -1172,21 +1173,25 @@ class TieringManager:
         """A tier took a store or a load of keys of these kinds (:meth:`_check_kind`)."""
         self._kinds.update(kinds)
 
-    def _finalize(self, name: str, result: JobResult,
-                  finalized: list[Finalized]) -> BookkeepingIssue | None:
+    def _finalize(self, name: str, result: JobResult, finalized: list[Finalized]) -> None:
+        """Finalize one result: its job's Finalized kept in ``finalized``, its issues in
+        :attr:`_issues`. A result is marked (:attr:`_finalizing`) as what it leaves is kept,
+        with no signal check in between, so a step an interrupt cut short neither loses nor
+        repeats it."""
+        if result is self._finalizing:
+            return  # finalized by a step an interrupt cut short (see _step)
         raw_id = getattr(result, "job_id", None)
         # True == 1 and hashes alike: a bool must not finalize job 1
         job_id = raw_id if isinstance(raw_id, int) and not isinstance(raw_id, bool) else None
         submitted = None if job_id is None else self._jobs.get(job_id)
-        if submitted is None and result is self._finalizing:
-            return None  # finalized by a step an interrupt cut short (see _step)
-        if submitted is None:
-            return BookkeepingIssue(job_id, name,
-                                    f"result {result!r} is for no outstanding job (never "
-                                    "submitted, or already finalized)")
-        if submitted.tier != name:
-            return BookkeepingIssue(job_id, name, f"the job was submitted to tier "
-                                                  f"{submitted.tier!r}")
+        if submitted is None or submitted.tier != name:
+            stray = BookkeepingIssue(
+                job_id, name, f"result {result!r} is for no outstanding job (never submitted, "
+                "or already finalized)" if submitted is None
+                else f"the job was submitted to tier {submitted.tier!r}")
+            self._finalizing = result
+            self._issues.append(stray)
+            return
         job, success = submitted.job, getattr(result, "success", None)
         issue = None
         if not isinstance(success, bool):  # the tier did finish the job: finalize it, as failed
@@ -1202,6 +1207,8 @@ class TieringManager:
         del self._jobs[submitted.job_id]
         self._counts[counted] += 1
         finalized.append(done)
+        if issue is not None:  # (a Ctrl-C as the Finalized was kept loses it: only it)
+            self._issues.append(issue)
         try:
             if job.is_promotion:
                 self.primary.complete_write(job.block_ids, success)
@@ -1215,7 +1222,6 @@ class TieringManager:
             self._counts[counted] -= 1
             if finalized and finalized[-1] is done:
                 finalized.pop()
-        return issue
 
 
 def _block_list(block_ids: Sequence[int]) -> list[int]:
