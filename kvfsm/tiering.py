@@ -707,7 +707,7 @@ class TieringManager:
         #: jobs finalized since a step last returned them
         self._done: list[Finalized] = []
         #: the result being finalized, or last finalized: once its job is gone, it is done
-        self._finalizing: JobResult | None = None
+        self._finalizing: tuple[str, JobResult] | None = None
         self._ids = itertools.count(1)
         self._closed = False
         #: every bookkeeping issue found so far (each was raised once, by step); and those
@@ -968,8 +968,7 @@ class TieringManager:
                 issues.append(BookkeepingIssue(
                     None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))
             while taken:
-                from_tier, result = taken[0]
-                self._finalize(from_tier, result, self._done)  # (its issues kept in _issues)
+                self._finalize(taken[0], self._done)  # (its issues kept in _issues)
                 taken.popleft()
                 self._finalizing = None  # (the same result handed out again is an issue)
         if issues:  # the error made first: from there on, no signal is checked until raised
@@ -1173,13 +1172,16 @@ class TieringManager:
         """A tier took a store or a load of keys of these kinds (:meth:`_check_kind`)."""
         self._kinds.update(kinds)
 
-    def _finalize(self, name: str, result: JobResult, finalized: list[Finalized]) -> None:
-        """Finalize one result: its job's Finalized kept in ``finalized``, its issues in
-        :attr:`_issues`. A result is marked (:attr:`_finalizing`) as what it leaves is kept,
-        with no signal check in between, so a step an interrupt cut short neither loses nor
-        repeats it."""
-        if result is self._finalizing:
+    def _finalize(self, entry: tuple[str, JobResult], finalized: list[Finalized]) -> None:
+        """Finalize one result a tier handed out (``entry``: the tier's name and the result,
+        as queued): its job's Finalized kept in ``finalized``, its issues in :attr:`_issues`.
+        The entry is marked (:attr:`_finalizing`) as what it leaves is kept, with no signal
+        check in between (no call: in-place adds), so a step an interrupt cut short neither
+        loses nor repeats it; each hand-out is an entry of its own, so a result handed out
+        twice is still reported."""
+        if entry is self._finalizing:
             return  # finalized by a step an interrupt cut short (see _step)
+        name, result = entry
         raw_id = getattr(result, "job_id", None)
         # True == 1 and hashes alike: a bool must not finalize job 1
         job_id = raw_id if isinstance(raw_id, int) and not isinstance(raw_id, bool) else None
@@ -1189,8 +1191,8 @@ class TieringManager:
                 job_id, name, f"result {result!r} is for no outstanding job (never submitted, "
                 "or already finalized)" if submitted is None
                 else f"the job was submitted to tier {submitted.tier!r}")
-            self._finalizing = result
-            self._issues.append(stray)
+            self._finalizing = entry
+            self._issues += (stray,)
             return
         job, success = submitted.job, getattr(result, "success", None)
         issue = None
@@ -1203,12 +1205,12 @@ class TieringManager:
         counted = f"{'loads' if job.is_promotion else 'stores'}_{'ok' if success else 'failed'}"
         # marked finalized, and its Finalized kept, before its blocks are: an interrupt from
         # here on never has them unpinned or completed twice (nor the job lost)
-        self._finalizing = result
+        self._finalizing = entry
         del self._jobs[submitted.job_id]
         self._counts[counted] += 1
-        finalized.append(done)
-        if issue is not None:  # (a Ctrl-C as the Finalized was kept loses it: only it)
-            self._issues.append(issue)
+        finalized += (done,)
+        if issue is not None:
+            self._issues += (issue,)
         try:
             if job.is_promotion:
                 self.primary.complete_write(job.block_ids, success)
@@ -1217,8 +1219,8 @@ class TieringManager:
         except PrimaryTierError as error:  # the primary was changed behind the manager's back
             # the issue kept first, then the job taken back (each step's own: no later step
             # finalizes it again); an interrupt in between reports it both ways, loses neither
-            self._issues.append(BookkeepingIssue(job_id, name,
-                                                 f"finalizing the primary failed: {error}"))
+            self._issues += (BookkeepingIssue(job_id, name,
+                                              f"finalizing the primary failed: {error}"),)
             self._counts[counted] -= 1
             if finalized and finalized[-1] is done:
                 finalized.pop()

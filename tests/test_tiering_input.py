@@ -765,19 +765,34 @@ def test_a_ctrl_c_as_each_call_of_a_finalize_returns_neither_loses_nor_repeats_t
     assert count > 2, "the interrupts landed inside"
 
 
-class Stray(DictTier):
-    """Hands out, beside its jobs' results, one for a job nobody submitted, once."""
+class OneAPollThenOdd(DictTier):
+    """Hands its jobs' results out one a poll (so a drain steps, and sleeps, between them),
+    and one the manager must report, once: a result for a job nobody submitted, after them
+    (``"stray"``); the first result twice, in its poll (``"twice"``); or the second result
+    saying success=1 (``"non-bool"``)."""
 
-    def __init__(self, cache: torch.Tensor) -> None:
+    def __init__(self, cache: torch.Tensor, odd: str) -> None:
         super().__init__(cache)
-        self.stray = True
+        self.due: list[JobResult] = []
+        self.odd = odd
+        self.handed: list[JobResult] = []
+        self.extra = odd == "stray"
 
     def get_finished_jobs(self) -> list[JobResult]:
-        results = super().get_finished_jobs()
-        if self.stray:
-            self.stray = False
-            results.append(JobResult(999, True))
-        return results
+        self.due += super().get_finished_jobs()
+        if self.due:
+            result = self.due.pop(0)
+            if self.odd == "non-bool" and self.handed:
+                result = JobResult(result.job_id, 1)  # type: ignore[arg-type]
+            self.handed.append(result)
+            return [result, result] if self.odd == "twice" and len(self.handed) == 1 else [result]
+        if self.extra:
+            self.extra = False
+            return [JobResult(999, True)]
+        return []
+
+    def has_pending_work(self) -> bool:
+        return bool(self.due) or self.extra or super().has_pending_work()
 
 
 def drain_into(manager: TieringManager, out: list[int], issues: list[int | None]) -> None:
@@ -789,18 +804,23 @@ def drain_into(manager: TieringManager, out: list[int], issues: list[int | None]
         issues.extend(issue.job_id for issue in error.issues)
 
 
-def test_a_ctrl_c_as_each_call_of_a_drain_returns_loses_no_job_and_no_issue() -> None:
-    """Two stores, and a result for no job, come out of a tier; a Ctrl-C lands as each C call
-    of the drain, its steps and their finalizing returns, in turn (its sleeps included).
-    Every time, the steps that follow hand each job out once, counted once, and the stray
-    result's issue once, listed once; at most the one job of the window TieringManager._step
-    names keeps its pin. (A Ctrl-C between two results a tier handed out lost the rest; one
-    as the issue's error was made, or as a result left the queue with its issue still a
-    local, lost the issue, and the jobs the step had finalized; one as the drain slept lost
-    the jobs of its earlier steps.)"""
+@pytest.mark.parametrize(("odd", "reported"), [("stray", 999), ("twice", 1), ("non-bool", 2)])
+def test_a_ctrl_c_as_each_call_of_a_drain_returns_loses_no_job_and_no_issue(
+        odd: str, reported: int) -> None:
+    """Two stores come out of a tier one a poll, and then a result the manager must report
+    (one for no job, the first again, or one whose success is not a bool); a Ctrl-C lands
+    as each C call of the drain, its steps and their finalizing returns, in turn (its sleeps
+    between the polls included). Every time, the steps that follow hand each job out once,
+    counted once, and the issue once, listed once; at most the one job of the window
+    TieringManager._step names keeps its pin. (A Ctrl-C between two results a tier handed
+    out lost the rest; one as the issue's error was made, or as a result left the queue
+    with its issue still a local, lost the issue, and the jobs the step had finalized; one
+    as the drain slept lost the jobs of its earlier steps; one as a result handed out twice
+    left the queue skipped its second hand-out; one as a non-bool result's Finalized was
+    kept lost its issue.)"""
     for count in range(1, 400):
         primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
-        manager = TieringManager(primary, {"dict": Stray(primary.cache)})
+        manager = TieringManager(primary, {"dict": OneAPollThenOdd(primary.cache, odd)})
         blocks = ready(primary, "a", "b")
         jobs = [job for block in blocks for job in manager.store([block])]
         out: list[int] = []
@@ -810,9 +830,11 @@ def test_a_ctrl_c_as_each_call_of_a_drain_returns_loses_no_job_and_no_issue() ->
             TieringManager._step, TieringManager._finalize)
         for _ in range(3):
             step_into(manager, out, issues)
-        assert (sorted(out), issues) == (jobs, [999]), (count, out, issues)
-        assert [issue.job_id for issue in manager.bookkeeping_errors] == [999], count
-        assert manager.stats()["stores_ok"] == 2, count
+        assert (sorted(out), issues) == (jobs, [reported]), (count, out, issues)
+        assert [issue.job_id for issue in manager.bookkeeping_errors] == [reported], count
+        stats = manager.stats()
+        assert (stats["stores_ok"], stats["stores_failed"]) == (
+            (1, 1) if odd == "non-bool" else (2, 0)), count
         assert primary.stats()["pinned"] <= 1, "more than the window's one job left pinned"
         if not fired:
             break
