@@ -706,7 +706,8 @@ class TieringManager:
         self._taken: collections.deque[tuple[str, JobResult]] = collections.deque()
         #: jobs finalized since a step last returned them
         self._done: list[Finalized] = []
-        #: the result being finalized, or last finalized: once its job is gone, it is done
+        #: the queue entry (tier, result) being finalized, or last finalized: marked as its
+        #: Finalized and issues are kept, so a step an interrupt cut short skips it
         self._finalizing: tuple[str, JobResult] | None = None
         self._ids = itertools.count(1)
         self._closed = False
@@ -1205,8 +1206,9 @@ class TieringManager:
         counted = f"{'loads' if job.is_promotion else 'stores'}_{'ok' if success else 'failed'}"
         # marked finalized, and its Finalized kept, before its blocks are: an interrupt from
         # here on never has them unpinned or completed twice (nor the job lost)
+        key = submitted.job_id  # (a property: read before the mark, where no call may come)
         self._finalizing = entry
-        del self._jobs[submitted.job_id]
+        del self._jobs[key]
         self._counts[counted] += 1
         finalized += (done,)
         if issue is not None:
@@ -1218,7 +1220,7 @@ class TieringManager:
                 self.primary.complete_read(job.block_ids)
         except PrimaryTierError as error:  # the primary was changed behind the manager's back
             # the issue kept first, then the job taken back (each step's own: no later step
-            # finalizes it again); an interrupt in between reports it both ways, loses neither
+            # finalizes it again); a Ctrl-C as the issue is made reports the job finalized
             self._issues += (BookkeepingIssue(job_id, name,
                                               f"finalizing the primary failed: {error}"),)
             self._counts[counted] -= 1

@@ -697,15 +697,16 @@ def test_a_ctrl_c_as_a_stores_unpin_returns_never_has_it_unpinned_twice() -> Non
 def interrupted_at_c_return(count: int, function: Any, action: Callable[[], Any],
                             *more: Any) -> bool:
     """Run ``action``, raising KeyboardInterrupt as the ``count``-th C call made by
-    ``function`` (or the ``more`` functions) returns (where a signal handler runs); True when
-    it was raised."""
+    ``function`` (or the ``more`` functions) returns, or Python function it calls starts
+    (where a signal handler runs); True when it was raised."""
     import sys  # noqa: PLC0415
 
     seen = [0]
     codes = {function.__code__, *(other.__code__ for other in more)}
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "c_return" and frame.f_code in codes:
+        if (event == "c_return" and frame.f_code in codes) or (
+                event == "call" and frame.f_back is not None and frame.f_back.f_code in codes):
             seen[0] += 1
             if seen[0] == count:
                 sys.setprofile(None)
