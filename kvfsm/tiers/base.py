@@ -368,25 +368,13 @@ class KnownNames:
         """The unpublished stores' names and blocks, counted again from ``stores`` (an
         interrupt may have cut a count short, :meth:`~kvfsm.runner.Runner.mend`); a name two
         of them write from other blocks is forgotten and overlapped, as
-        :meth:`storing_begins` has it."""
-        storing: dict[str, int] = {}
-        more: dict[str, int] = {}
-        clash = []
+        :meth:`storing_begins` has it. (An interrupt in this is mended by calling it again.)"""
+        stores = list(stores)
+        written = {name for names, _ in stores for name in names}
+        self.storing, self._more = {}, {}
+        self._overlapped = self._overlapped.intersection(written)  # (still written: kept)
         for names, blocks in stores:
-            for name, block in zip(names, blocks, strict=True):
-                held = storing.get(name)
-                if held is None:
-                    storing[name] = block
-                    continue
-                more[name] = more.get(name, 0) + 1
-                if held != block:
-                    storing[name] = -1
-                    clash.append(name)
-        self.storing, self._more = storing, more
-        self._overlapped = self._overlapped.intersection(storing).union(clash)
-        if clash:
-            with contextlib.suppress(Exception):  # (then vouching for no name)
-                self.forget(clash)
+            self.storing_begins(names, blocks)
 
     def stale(self, names: Sequence[str]) -> list[str]:
         """Those of ``names`` forgotten (:meth:`forget`) and not stored since (all of them once

@@ -320,14 +320,13 @@ class _Flusher:
             raise
         return flush
 
-    def abandon(self, flush: _Flush) -> bool:
-        """The store of ``flush`` failed: its renames are not made, unless they began (True
-        when they will not be). Its temporary files are then removed by the flusher, or by the
-        transfer's cleanup, whichever comes first."""
+    def abandon(self, flush: _Flush) -> None:
+        """The store of ``flush`` failed: its renames are not made, unless they began. Its
+        temporary files are then removed by the flusher, or by the transfer's cleanup,
+        whichever comes first."""
         with self._lock:  # (the flusher decides under it whether the renames begin)
             if not flush.placing:
                 flush.abandoned = True
-            return flush.abandoned
 
     def _start(self) -> None:
         """Start a thread (with ``_ready`` held); it is recorded before it starts (an
