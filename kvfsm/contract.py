@@ -168,14 +168,17 @@ class JobSide:
             self._poll()
             return self._books.take_results()
 
-    def _finished_by(self, deadline: float | None) -> list[JobResult]:
-        """:meth:`get_finished_jobs` waiting for the lock until ``deadline`` at most (None: as
-        long as it takes): past it, with another thread's call holding the lock, no poll, and
-        only the results already published are handed out (a drain that keeps its bound)."""
+    def _drain_poll(self, deadline: float | None) -> list[JobResult]:
+        """One poll of a drain, as :meth:`drain_jobs` makes it (every unpublished job
+        advanced, on the caller's thread, whatever else polls: the caller is waiting), then
+        the results published; waiting for the lock until ``deadline`` at most (None: as long
+        as it takes): past it, with another thread's call holding the lock, no poll, and only
+        the results already published are handed out (a drain that keeps its bound)."""
         if not take(self._lock, deadline):
             return self._books.take_results()  # (safe without the lock: Books)
-        try:  # (the lock is reentrant: a side's own get_finished_jobs takes it again)
-            return self.get_finished_jobs()
+        try:
+            self._poll(everything=True)
+            return self._books.take_results()
         finally:
             self._lock.release()
 

@@ -289,6 +289,9 @@ class PeerReceiver(JobSide):
         self._expected: dict[int, _Expected] = self._books.records
         #: each open link's notifications, by its nonce
         self._inboxes: dict[str, _Inbox] = {}
+        #: the notifications those inboxes keep for an expect to come (counted as they come
+        #: and go, for :meth:`stats`)
+        self._early = 0
         #: nonces of links that closed, with their sender: their notifications never count
         self._spent: dict[str, str] = {}
         #: (sender, nonce, notification, when it came) with a nonce no link has yet, oldest
@@ -362,7 +365,8 @@ class PeerReceiver(JobSide):
             return str(link.name)
 
     def link_state(self, sender: str) -> LinkState:
-        """The state of the link to ``sender`` (UNKNOWN if never connected)."""
+        """The state of the link to ``sender`` (UNKNOWN if never connected, or closed
+        before the last :data:`~kvfsm.peer_link.CLOSED_KEPT` links that closed)."""
         return self.links.state_of(sender)
 
     def expect(self, job: TransferJob, sender: str) -> None:
@@ -426,6 +430,7 @@ class PeerReceiver(JobSide):
                            "for a new write", job.job_id, stale, list(job.block_ids))
         fresh = len(came) > stale
         del came[:stale + fresh]
+        self._early -= stale + fresh
         if not came:
             del inbox.early[message]
         return fresh
@@ -539,16 +544,18 @@ class PeerReceiver(JobSide):
         poll makes two when it hands blocks back, and publishes nothing if the second raised);
         ``leaks``: cleanup calls that failed (the cache's registration
         at shutdown, the links' metadata removals).
+
+        Constant, and never waits for the receiver's lock (each figure is kept as
+        notifications and jobs come and go): a monitoring thread is not held up behind a
+        poll, nor behind the NIXL call a poll is making.
         """
-        with self._lock:
-            return {"expected": len(self._expected),
-                    "early": sum(len(came) for inbox in self._inboxes.values()
-                                 for came in inbox.early.values()),
-                    "unknown": len(self._unknown),
-                    "dropped": self._dropped,
-                    "discarded": self._discarded,
-                    "notify_errors": self._notif_errors,
-                    "leaks": len(self._leaks) + len(self.links.leaks())}
+        return {"expected": len(self._expected),
+                "early": self._early,
+                "unknown": len(self._unknown),
+                "dropped": self._dropped,
+                "discarded": self._discarded,
+                "notify_errors": self._notif_errors,
+                "leaks": len(self._leaks) + self.links.leak_count}
 
     def _take(self, sender: str, message: bytes, link: PeerLink | None = None) -> None:
         """One notification from NIXL (under the name of ``link``'s sender, when a link has
@@ -587,6 +594,7 @@ class PeerReceiver(JobSide):
         job_id = inbox.waiting.pop(message, None)
         if job_id is None:
             inbox.early.setdefault(message, []).append(came)
+            self._early += 1
         else:
             self.machine.fire(self._expected[job_id], ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
 
@@ -617,6 +625,7 @@ class PeerReceiver(JobSide):
         self._spent[link.nonce] = str(link.name)
         if inbox is not None and inbox.early:
             count = sum(map(len, inbox.early.values()))
+            self._early -= count
             self._discarded += count
             logger.info("sender %s: %d notification(s) no job claimed were discarded with its "
                         "link", link.name, count)
@@ -807,7 +816,7 @@ class PeerSender(SecondaryTier):
 
     def __init__(self, primary: torch.Tensor, *, agent: Any,
                  policy: RetryPolicy | None = None, poll_interval: float = 0.0002) -> None:
-        self.links = PeerLinks(agent)
+        self.links = PeerLinks(agent, self.leak_record)
         self._receiver = _Receiver()
         #: the nonce of the link being made, or open; a new one is drawn when it closes
         self._nonce = new_nonce()
@@ -905,6 +914,18 @@ class PeerSender(SecondaryTier):
             self._settle_link()
             return results
 
+    def _drain_poll(self, deadline: float | None) -> list[JobResult]:
+        """A drain's poll (every running transfer checked), then the link settled, as
+        :meth:`get_finished_jobs` settles it."""
+        if not take(self._lock, deadline):
+            return self._books.take_results()
+        try:  # (the lock is reentrant)
+            results = super()._drain_poll(None)
+            self._settle_link()
+            return results
+        finally:
+            self._lock.release()
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Fail every unfinished job, wait for NIXL, release everything, close the link (but
         not while a quarantined transfer holds a handle to the receiver, or may still run:
@@ -930,9 +951,9 @@ class PeerSender(SecondaryTier):
     def stats(self) -> dict[str, Any]:
         """The tier's stats, with the link's state and its leaks counted among the leaks."""
         stats = super().stats()
-        link_leaks = self.links.leaks()
-        stats["leaks"] += len(link_leaks)
-        stats["leaked"] += [(-1, leak) for _, leak in link_leaks]
+        stats["leaks"] += self.links.leak_count
+        leaked = stats["leaked"] + [(-1, leak) for _, leak in self.links.leaks()]
+        stats["leaked"] = leaked[max(0, len(leaked) - self.leak_record):]  # (the last ones)
         stats["link"] = self.link_state().name
         return stats
 

@@ -12,6 +12,7 @@ probes a silent peer; a sender removes a lost peer once its transfers are over).
 
 from __future__ import annotations
 
+import collections
 import secrets
 import time
 from typing import Any
@@ -47,6 +48,10 @@ __all__ = [
 
 #: the notification a receiver sends a silent sender to find out whether it is still there
 PROBE_MESSAGE = b"kvfsm-probe"
+#: closed links kept for :meth:`PeerLinks.state_of` (older ones are forgotten: UNKNOWN)
+CLOSED_KEPT = 64
+#: metadata removals that raised kept for ``stats()`` (each counted)
+LEAK_RECORD = 256
 
 
 class PeerLinkError(ConnectionError):
@@ -109,18 +114,27 @@ class PeerLinks:
         agent: a NIXL agent (UCX backend).
     """
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: Any, leak_record: int = LEAK_RECORD) -> None:
         self.agent = agent
         self.machine = PEER_LINK.compile(trace=True)
-        #: every link made, by peer name (a later connect of the same name replaces a closed one)
+        #: the links made, by peer name (a later connect of the same name replaces a closed
+        #: one): every open one, and the last :data:`CLOSED_KEPT` closed
         self.links: dict[str, PeerLink] = {}
+        #: every ``remove_remote_agent`` that raised, counted; the last ``leak_record`` kept,
+        #: with their peer's name
+        self.leak_count = 0
+        self._leaked: collections.deque[tuple[str, Leak]] = collections.deque(
+            maxlen=leak_record)
+        self._closed = 0  # closed links in ``links``
 
     def get(self, name: str) -> PeerLink | None:
-        """The link to ``name``, or None if it was never connected."""
+        """The link to ``name``, or None if it was never connected (or closed before the
+        last :data:`CLOSED_KEPT` links that closed)."""
         return self.links.get(name)
 
     def state_of(self, name: str) -> LinkState:
-        """The state of the link to ``name`` (UNKNOWN if it was never connected)."""
+        """The state of the link to ``name`` (UNKNOWN if it was never connected, or closed
+        before the last :data:`CLOSED_KEPT` links that closed)."""
         link = self.links.get(name)
         return LinkState.UNKNOWN if link is None else link.state
 
@@ -154,6 +168,8 @@ class PeerLinks:
             raise PeerLinkError(f"peer {name!r} is already linked ({known.state.name}); "
                                 "forget it first")
         link.name = name
+        if known is not None:  # (closed: the new link takes its place)
+            self._closed -= 1
         self.links[name] = link
         self.machine.fire(link, LinkEvent.ADD, LinkAnswer.OK)
         self.recheck(link)
@@ -194,13 +210,34 @@ class PeerLinks:
 
     def close(self, link: PeerLink) -> None:
         """Remove the peer's metadata; fire ``remove`` (a raise is recorded as a leak)."""
+        leaks = len(link.leaks)
         try:
-            self.agent.remove_remote_agent(link.name)
-        except Exception as error:
-            self.machine.fire(link, LinkEvent.REMOVE, LinkAnswer.RAISED, error)
+            try:
+                self.agent.remove_remote_agent(link.name)
+            except Exception as error:
+                self.machine.fire(link, LinkEvent.REMOVE, LinkAnswer.RAISED, error)
+                return
+            self.machine.fire(link, LinkEvent.REMOVE, LinkAnswer.OK)
+        finally:
+            self._over(link, link.leaks[leaks:])
+
+    def _over(self, link: PeerLink, leaks: tuple[Leak, ...]) -> None:
+        """Record the leaks a close just made; once closed, ``link`` is among the closed
+        links kept, of which the oldest go past :data:`CLOSED_KEPT` (a sender that linked to
+        one receiver after another keeps no more)."""
+        self.leak_count += len(leaks)
+        self._leaked.extend((str(link.name), leak) for leak in leaks)
+        if link.state not in PEER_LINK.final or self.links.get(str(link.name)) is not link:
             return
-        self.machine.fire(link, LinkEvent.REMOVE, LinkAnswer.OK)
+        self._closed += 1
+        if self._closed > 2 * CLOSED_KEPT:  # (each dropped once: a walk every CLOSED_KEPT)
+            final = PEER_LINK.final
+            closed = [name for name, kept in self.links.items() if kept.state in final]
+            for name in closed[:len(closed) - CLOSED_KEPT]:
+                del self.links[name]
+            self._closed = min(len(closed), CLOSED_KEPT)
 
     def leaks(self) -> list[tuple[str, Leak]]:
-        """Every ``remove_remote_agent`` that raised, with its peer's name."""
-        return [(str(link.name), leak) for link in self.links.values() for leak in link.leaks]
+        """The last ``leak_record`` ``remove_remote_agent`` calls that raised, with their
+        peer's name (:attr:`leak_count` counts them all)."""
+        return list(self._leaked)

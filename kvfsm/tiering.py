@@ -942,11 +942,14 @@ class TieringManager:
                 ``get_finished_jobs`` raised; every other result was finalized first (they are
                 in the error's ``finalized``).
         """
-        return self._step(None)
+        return self._step(None, draining=False)
 
-    def _step(self, deadline: float | None) -> list[Finalized]:
-        """:meth:`step`; with a ``deadline``, a kvfsm tier whose lock another thread's call
-        holds is waited for until then at most, and hands out only what it had published.
+    def _step(self, deadline: float | None, draining: bool = True) -> list[Finalized]:
+        """:meth:`step`; or (``draining``) a step of :meth:`drain`: each kvfsm tier makes a
+        drain's poll on this thread (every running transfer checked, as its ``drain_jobs``
+        does, a progress thread or not: the caller is waiting), its lock waited for until
+        ``deadline`` at most (None: as long as it takes), past which it hands out only what
+        it had published.
 
         A tier hands each result out once, so every result is queued as it comes
         (:attr:`_taken`) and leaves the queue as it is finalized, and every job finalized is
@@ -962,9 +965,9 @@ class TieringManager:
         for name, tier in self._tiers.items():
             try:  # (queued in one call, each as it comes: a generator that raises keeps
                 # those before, and a Ctrl-C does not land between two of a list's)
-                taken.extend(zip(itertools.repeat(name), tier.get_finished_jobs()
-                                 if deadline is None or not isinstance(tier, JobSide)
-                                 else tier._finished_by(deadline)))
+                taken.extend(zip(itertools.repeat(name), tier._drain_poll(deadline)
+                                 if draining and isinstance(tier, JobSide)
+                                 else tier.get_finished_jobs()))
             except Exception as error:
                 issues.append(BookkeepingIssue(
                     None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))

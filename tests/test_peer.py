@@ -21,11 +21,11 @@ from kvfsm.peer import (
     ReceiveState,
     notification_for,
 )
-from kvfsm.peer_link import DISCONNECTED, LinkState, PeerLinkError
+from kvfsm.peer_link import CLOSED_KEPT, DISCONNECTED, LinkState, PeerLinkError
 from kvfsm.policy import RetryPolicy
-from kvfsm.testing import FakeNixlAgent, FakeNixlError
+from kvfsm.testing import FakeNixlAgent, FakeNixlError, Raise
 from kvfsm.testing.explore import explore_table
-from kvfsm.testing.fake_ucx import fake_ucx_pair
+from kvfsm.testing.fake_ucx import FakeUcxFabric, fake_ucx_pair
 from kvfsm.tiers import DrainTimeout, InvalidJobError, Lookup, TierClosedError
 
 from .real_nixl import require_nixl
@@ -894,3 +894,85 @@ def test_a_receiver_shuts_down_within_a_timeout_as_a_tier_does() -> None:
     receiver.shutdown(timeout=5)
     assert receiver._closed
     sender.shutdown(timeout=5)
+
+
+def test_a_sender_linked_to_one_receiver_after_another_keeps_its_links_and_leaks_bounded(
+) -> None:
+    """A sender links 300 receivers in turn and forgets each, every metadata removal
+    raising. Every leak is counted, the last leak_record are listed, and only the last
+    CLOSED_KEPT closed links are kept (an older one reads UNKNOWN)."""
+    fabric = FakeUcxFabric()
+    agent = fabric.agent("sender")
+    sender = PeerSender(torch.zeros(4, 64, dtype=torch.uint8), agent=agent)
+    for index in range(300):
+        receiver = fabric.agent(f"receiver-{index}")
+        sender.connect(receiver.get_agent_metadata(), [(0, 64, 0)] * 4)
+        agent.inject("remove_remote_agent", Raise())
+        sender.forget_peer()
+    stats = sender.stats()
+    assert stats["leaks"] == 300
+    assert len(stats["leaked"]) == sender.leak_record == 256
+    assert stats["leaked"][-1][1].call == "remove_remote_agent"
+    assert len(sender.links.links) <= 2 * CLOSED_KEPT
+    assert sender.links.state_of("receiver-299") is LinkState.CLOSED
+    assert sender.links.state_of("receiver-0") is LinkState.UNKNOWN
+    sender.shutdown(5)
+
+
+def test_a_receiver_that_saw_many_senders_come_and_go_keeps_its_links_bounded() -> None:
+    """300 senders connect and are forgotten in turn: the receiver keeps its open links and
+    the last CLOSED_KEPT closed ones, and still refuses a closed link's metadata, however
+    old (its nonce stays spent)."""
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=NotifyingAgent())
+    first = sender_metadata("engine-0")
+    receiver.connect(first)
+    receiver.forget_peer("engine-0")
+    for index in range(1, 300):
+        receiver.connect(sender_metadata(f"engine-{index}"))
+        receiver.forget_peer(f"engine-{index}")
+    assert len(receiver.links.links) <= 2 * CLOSED_KEPT
+    assert receiver.link_state("engine-299") is LinkState.CLOSED
+    assert receiver.link_state("engine-0") is LinkState.UNKNOWN
+    with pytest.raises(PeerLinkError, match="spent"):
+        receiver.connect(first)
+    receiver.shutdown(5)
+
+
+class HeldNotifs(NotifyingAgent):
+    """A receiver's agent whose get_new_notifs, once ``hold`` is set, waits inside the call
+    until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hold = False
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        if self.hold:
+            self.inside.set()
+            self.go.wait(10)
+        return super().get_new_notifs()
+
+
+def test_a_receivers_stats_answer_while_another_thread_polls_inside_nixl() -> None:
+    """A monitoring thread reads the receiver's stats while the scheduler's poll is inside
+    get_new_notifs: the stats come at once, the poll still inside (they never wait for the
+    receiver's lock), and count the notification kept for an expect to come."""
+    agent = HeldNotifs()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    receiver.connect(sender_metadata())
+    agent.inbox = {"engine-a": [notification_for(nonce_of(receiver), 5, [2])]}
+    assert outcomes(receiver) == []
+    agent.hold = True
+    poller = threading.Thread(target=receiver.get_finished_jobs)
+    poller.start()
+    try:
+        assert agent.inside.wait(5)
+        stats = receiver.stats()
+        assert not agent.go.is_set() and poller.is_alive()
+        assert (stats["early"], stats["expected"]) == (1, 0)
+    finally:
+        agent.go.set()
+        poller.join(5)
+    receiver.shutdown(5)
+    assert receiver.stats()["early"] == 0 and receiver.stats()["discarded"] == 1

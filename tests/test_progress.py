@@ -23,6 +23,7 @@ import torch
 from kvfsm import JobResult, TransferJob
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, FaultyAgent
+from kvfsm.tiering import CPUPrimaryTier, TieringManager
 from kvfsm.tiers import InvalidJobError, ObjectStoreTier, TierClosedError
 from kvfsm.tiers.base import PROGRESS_SLICE
 from kvfsm.transfer import Transfer
@@ -593,3 +594,41 @@ def test_a_submit_is_refused_at_once_while_a_listeners_shutdown_on_the_progress_
     assert sorted((r.job_id, r.success) for r in tier.get_finished_jobs()) == [
         (1, True), (2, False)]
     assert (agent.live_registrations(), agent.misuses) == (0, [])
+
+
+def _a_manager_whose_tier_polls_on_its_thread(
+        interval: float) -> tuple[TieringManager, ObjectStoreTier]:
+    """A manager with one tier whose progress thread polls every ``interval`` seconds, and
+    one store of it that NIXL has over (its first state check answers DONE) but that no
+    poll has asked about yet."""
+    primary = CPUPrimaryTier(4, 256, torch.uint8)
+    agent = FakeNixlAgent("progress", complete_after_polls=1)
+    tier = ObjectStoreTier(primary.cache, agent=agent,
+                           policy=RetryPolicy(progress_interval=interval))
+    manager = TieringManager(primary, {"t": tier})
+    (block,) = primary.allocate(["k"])
+    primary.complete_write([block], success=True)
+    assert len(manager.store([block])) == 1
+    return manager, tier
+
+
+def test_a_managers_drain_polls_a_tier_whose_thread_polls_and_finds_what_nixl_finished(
+) -> None:
+    """A drain waits: like the tier's own drain_jobs, the manager's drain polls each tier on
+    the caller's thread, progress thread or not. drain(0) is one step, and it finds the store
+    NIXL finished, though the tier's thread would poll only a minute later."""
+    manager, tier = _a_manager_whose_tier_polls_on_its_thread(60.0)
+    try:
+        (done,) = manager.drain(0)
+        assert done.success and done.tier == "t"
+        assert not manager.has_pending_work() and not tier.has_pending_work()
+    finally:
+        manager.shutdown(5)
+
+
+def test_a_managers_shutdown_is_not_held_up_by_a_tiers_progress_thread_pause() -> None:
+    """Shutdown drains first: with the tier's one store over in NIXL, the manager closes
+    within its bound instead of waiting for the thread's next poll, a minute away."""
+    manager, tier = _a_manager_whose_tier_polls_on_its_thread(60.0)
+    manager.shutdown(5)
+    assert manager.closed and tier.closed

@@ -559,11 +559,6 @@ class SecondaryTier(JobSide):
             return self._books.take_results()
         return super().get_finished_jobs()
 
-    def _finished_by(self, deadline: float | None) -> list[JobResult]:
-        if self._thread_polls():
-            return self._books.take_results()
-        return super()._finished_by(deadline)
-
     def _thread_polls(self) -> bool:
         """Whether the progress thread polls for the caller: one runs (one recorded that never
         started polls nothing), and the books need no mending (that is made under the lock,
