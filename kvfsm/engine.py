@@ -87,7 +87,8 @@ class InvalidTransition(RuntimeError):
         self.event = event
         self.answer = answer
         super().__init__(
-            f"{machine}: " + (reason or f"event {event!r} is not declared in state {state.name}"))
+            f"{machine}: " + (reason or f"event {event!r} is not declared in state "
+                                        f"{getattr(state, 'name', state)}"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +258,14 @@ def _transition_list(name: str, transitions: object) -> list[Mapping[str, Any]]:
         if missing:
             raise DeclarationError(f"{name}: transitions[{index}] has no "
                                    f"{' nor '.join(repr(k) for k in missing)}: {transition!r}")
+        source, dest = transition["source"], transition["dest"]
+        sources = source if isinstance(source, list | tuple) else [source]
+        if not sources or not all(isinstance(state, str | enum.Enum) for state in sources):
+            raise DeclarationError(f"{name}: transitions[{index}] has source {source!r}: a "
+                                   "state (its name or member), or a list of states")
+        if dest is not None and not isinstance(dest, str | enum.Enum):
+            raise DeclarationError(f"{name}: transitions[{index}] has dest {dest!r}: one "
+                                   "state (its name or member; None for a stay)")
     return listed
 
 
@@ -433,6 +442,10 @@ class Declaration(Generic[S, A]):
         Raises:
             DeclarationError: a replacement names no declared action, or is not a function.
         """
+        if actions is not None and not isinstance(actions, Mapping):
+            raise DeclarationError(f"{self.name}: compile's actions must be a dict of an "
+                                   f"action's name to its replacement, got "
+                                   f"{type(actions).__name__} {actions!r:.80}")
         for action, function in (actions or {}).items():
             if action not in self.actions:
                 raise DeclarationError(f"{self.name}: compile replaces action {action!r}, which "
@@ -514,9 +527,13 @@ class Declaration(Generic[S, A]):
         transitions = _transition_list(name, transitions)
         added = list(states)
         for state in added:
-            if not isinstance(state, str) or not state.isidentifier():
+            if (not isinstance(state, str) or not state.isidentifier()
+                    or state.startswith("_") or hasattr(enum.Enum, state)):
+                # (a leading _ or a name Enum has: not a member, or an Enum's own error)
                 raise DeclarationError(f"{name}: states names the new states by their names "
-                                       f"(identifiers, such as 'VERIFYING'), got {state!r}")
+                                       f"(identifiers not starting with _, such as "
+                                       f"'VERIFYING', and none of Enum's own attributes), "
+                                       f"got {state!r}")
         clash = sorted(set(added) & set(names)) or sorted(
             {state for state in added if added.count(state) > 1})
         if clash:
@@ -533,7 +550,7 @@ class Declaration(Generic[S, A]):
             key = state.name if isinstance(state, enum.Enum) else state
             try:
                 return new[key]
-            except KeyError:
+            except (KeyError, TypeError):  # (TypeError: a set, a list... named no state)
                 raise DeclarationError(f"{name}: no state {key!r} (states: "
                                        f"{', '.join(new.__members__)})") from None
 
@@ -823,7 +840,11 @@ class CompiledMachine(Generic[S, A]):
         """Say precisely why ``event`` with ``answer`` cannot be fired in ``state``."""
         event = str(event)  # a StrEnum member reads as its trigger name
         declared = self.declaration.answers.get(event)
-        if declared is None:
+        if not isinstance(state, self.declaration.states):
+            reason = (f"the record is in {state!r}, no state of this machine (a record's "
+                      f"state is one of its members: {self.declaration.states.__name__}."
+                      f"{self.declaration.initial.name} to begin with)")
+        elif declared is None:
             reason = f"there is no event {event!r}"
         elif event not in self.table.get(state, {}):
             reason = f"event {event!r} is not declared in state {state.name}"
@@ -951,6 +972,9 @@ def _replacements(name: str, replace: Mapping[Any, Any] | None,
                                    f"(such as {{'dest': ...}}), got {type(value).__name__} "
                                    f"{value!r}")
         source, trigger, conditions = key
+        if not isinstance(trigger, str) or not isinstance(conditions, str):
+            raise DeclarationError(f"{name}: replace key {key!r}: its trigger and guard must "
+                                   "be names (str; guard '' for an edge without conditions)")
         changes[(ours(source).name, str(trigger), conditions)] = dict(value)
     return changes
 

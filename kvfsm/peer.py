@@ -141,6 +141,7 @@ from kvfsm.tiers.base import (
     SecondaryTier,
     TierClosedError,
     _check_primary,
+    check_agent,
 )
 from kvfsm.transfer import JobResult, Leak, Transfer, TransferJob
 
@@ -246,6 +247,12 @@ class _Expected:
         self.trace: list[Any] = []
 
 
+#: the calls a receiver makes of its NIXL agent (its own, and its links')
+RECEIVER_CALLS = ("register_memory", "deregister_memory", "get_new_notifs",
+                  "add_remote_agent", "check_remote_metadata", "remove_remote_agent",
+                  "send_notif")
+
+
 class PeerReceiver(JobSide):
     """The receiving engine's side: registers its KV cache once, expects jobs, publishes one
     result for each when its notification arrives or its sender is gone.
@@ -268,6 +275,7 @@ class PeerReceiver(JobSide):
     def __init__(self, primary: torch.Tensor, *, agent: Any,
                  peer_timeout: float | None = 30.0, poll_interval: float = 0.0002) -> None:
         _check_primary(primary)
+        check_agent(agent, RECEIVER_CALLS)
         if peer_timeout is not None and (
                 isinstance(peer_timeout, bool) or not isinstance(peer_timeout, int | float)
                 or not peer_timeout > 0):
@@ -816,6 +824,7 @@ class PeerSender(SecondaryTier):
 
     def __init__(self, primary: torch.Tensor, *, agent: Any,
                  policy: RetryPolicy | None = None, poll_interval: float = 0.0002) -> None:
+        check_agent(agent)  # (before the links are made on it)
         self.links = PeerLinks(agent, self.leak_record)
         self._receiver = _Receiver()
         #: the nonce of the link being made, or open; a new one is drawn when it closes

@@ -242,6 +242,11 @@ class CPUPrimaryTier:
                 for d in shape):  # (numpy's ints are ints: torch takes them)
             raise ValueError(f"block_shape must be ints >= 1, got {block_shape!r}")
         shape = tuple(map(int, shape))
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype (such as torch.float16), got "
+                             f"{type(dtype).__name__} {dtype!r}")
+        if pin_memory is not None and type(pin_memory) is not bool:
+            raise ValueError(f"pin_memory must be True, False or None, got {pin_memory!r}")
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         #: the KV cache; block ``b`` is ``cache[b]``

@@ -619,8 +619,9 @@ class FileTier(_Adapter):
                durable: bool = True, agent: Any = None, **options: Any) -> SecondaryTier:
         if directory is None:
             raise ValueError(f"{self.tier_type}: the tier's settings need a directory")
-        if not isinstance(directory, str | os.PathLike):
-            raise ValueError(f"{self.tier_type}: directory must be a path, got {directory!r}")
+        if not isinstance(directory, str | os.PathLike) or not os.fspath(directory):
+            raise ValueError(f"{self.tier_type}: directory must be a directory's path, got "
+                             f"{directory!r}")
         tier = tiers.FileTier(primary, os.path.join(directory, folder), durable=durable,
                               agent=agent, **options)
         if not tier.read_only:  # a killed engine's temporary files: nobody else removes them

@@ -586,3 +586,26 @@ def test_a_key_whose_store_failed_stays_a_miss_after_its_verdict_left_the_lookup
     assert stored(["k"], [1])
     assert settled(tier, "k") is Lookup.HIT
     tier.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("keys", ["abc", b"abc", None, 3], ids=["a str", "bytes", "None",
+                                                                "an int"])
+def test_forget_or_touch_given_one_key_or_no_list_is_refused_and_changes_nothing(
+        keys: Any) -> None:
+    """``forget("abc")`` once forgot the keys "a", "b" and "c" (one of them held, a MISS
+    from then on) and left "abc" found; None met a TypeError. Each is refused by name, and
+    every key answers as before."""
+    tier = ObjectStoreTier(torch.zeros(4, 64, dtype=torch.uint8),
+                           agent=FakeNixlAgent(complete_after_polls=0),
+                           capacity_bytes=4 * 64, remove=lambda names: 0)
+    tier.submit_store(TransferJob(1, ["a", "abc"], [0, 1]))
+    tier.drain_jobs(5)
+    assert [result.success for result in tier.get_finished_jobs()] == [True]
+    for call in (tier.forget, tier.touch):
+        with pytest.raises(ValueError, match=f"{call.__name__}: keys must be a list or tuple "
+                                             "of keys .*nothing changed"):
+            call(keys)
+    assert (tier.lookup("a"), tier.lookup("abc")) == (Lookup.HIT, Lookup.HIT)
+    tier.forget(["a"])
+    assert (tier.lookup("a"), tier.lookup("abc")) == (Lookup.MISS, Lookup.HIT)
+    tier.shutdown(5)

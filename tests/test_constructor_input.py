@@ -14,6 +14,7 @@ import torch
 
 from examples.verify_lifecycle import VERIFY_MACHINE
 from kvfsm import TRANSFER_MACHINE, DeclarationError
+from kvfsm.peer import PeerReceiver, PeerSender
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent
 from kvfsm.tiering import CPUPrimaryTier, TieringInputError, TieringManager
@@ -154,3 +155,41 @@ def test_a_faulty_agent_wraps_only_an_agent() -> None:
                                              r"with a name and its calls\), got "):
             FaultyAgent(wrong)
     assert FaultyAgent(FakeNixlAgent(name="wrapped")).name == "wrapped"
+
+
+def test_an_object_store_tier_given_a_buckets_name_for_its_store_says_what_a_store_is() -> None:
+    """``store=`` takes a StoreConfig; its bucket's name alone is named as the mistake,
+    with or without an agent, before anything reads it."""
+    for options in ({}, {"agent": FakeNixlAgent()}):
+        with pytest.raises(ValueError, match="store must be a kvfsm.nixl_agents.StoreConfig "
+                                             r"\(the bucket, its endpoint and credentials\), "
+                                             "got str 'my-bucket'"):
+            ObjectStoreTier(cache(), store="my-bucket", **options)
+
+
+def test_a_peer_sender_or_receiver_given_something_else_than_an_agent_says_what_it_lacks(
+) -> None:
+    with pytest.raises(ValueError, match=r"agent must be a NIXL agent .*got str 'x', which "
+                                         r"has no register_memory"):
+        PeerSender(cache(), agent="x")
+    with pytest.raises(ValueError, match=r"agent must be a NIXL agent .*got NoneType None, "
+                                         r"which has no register_memory, deregister_memory, "
+                                         r"get_new_notifs"):
+        PeerReceiver(cache(), agent=None)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"dtype": "float16"}, "dtype must be a torch.dtype .*got str 'float16'"),
+    ({"dtype": torch.uint8, "pin_memory": "no"},
+     "pin_memory must be True, False or None, got 'no'"),
+])
+def test_a_primary_tier_names_a_dtype_or_pin_memory_of_the_wrong_kind(
+        options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CPUPrimaryTier(4, 8, **options)
+
+
+def test_record_events_is_true_or_false() -> None:
+    with pytest.raises(ValueError, match="record_events must be True or False, got 'yes'"):
+        ObjectStoreTier(cache(), agent=FakeNixlAgent(), capacity_bytes=4 * 64,
+                        remove=lambda names: 0, record_events="yes")  # type: ignore[arg-type]

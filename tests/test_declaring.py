@@ -166,8 +166,8 @@ def _shipped() -> tuple[Any, ...]:
     ({"final": None},
      "ajar: final must be a collection of state names (['VERIFYING']), got NoneType None"),
     ({"states": ["AJAR", 2]},
-     "ajar: states names the new states by their names (identifiers, such as 'VERIFYING'), "
-     "got 2"),
+     "ajar: states names the new states by their names (identifiers not starting with _, "
+     "such as 'VERIFYING', and none of Enum's own attributes), got 2"),
     ({"transitions": [{"trigger": "shut", "source": "AJAR", "dest": "AJAR"}]},
      "ajar: transition {'trigger': 'shut', 'source': <AjarState.AJAR: 10>, 'dest': "
      "<AjarState.AJAR: 10>} has trigger 'shut', an event answers= does not declare; declare "
@@ -194,3 +194,55 @@ def test_an_extension_named_like_the_machine_it_extends_is_refused() -> None:
         "machines apart by name)")
     assert _shipped() == before
     assert TRANSFER_MACHINE.extend("ajar", states=["AJAR"], unreachable=["AJAR"]).name == "ajar"
+
+
+@pytest.mark.parametrize(("transition", "message"), [
+    ({"trigger": "open", "source": {"CLOSED"}, "dest": "OPEN"},
+     "door: transitions[0] has source {'CLOSED'}: a state (its name or member), or a list of "
+     "states"),
+    ({"trigger": "open", "source": [], "dest": "OPEN"},
+     "door: transitions[0] has source []: a state (its name or member), or a list of states"),
+    ({"trigger": "open", "source": "CLOSED", "dest": ["OPEN"]},
+     "door: transitions[0] has dest ['OPEN']: one state (its name or member; None for a "
+     "stay)"),
+], ids=["a set of sources", "no source", "a list for a dest"])
+def test_a_transitions_ends_of_the_wrong_kind_are_named(transition: dict[str, Any],
+                                                       message: str) -> None:
+    """A set where a list of states goes, or a list where one state goes, is named, not a
+    TypeError from inside transitions."""
+    assert refusal(transitions=[transition]) == message
+
+
+@pytest.mark.parametrize("state", ["_ignore_", "_X_", "__init__", "mro"])
+def test_an_extension_refuses_a_state_name_an_enum_keeps_for_itself(state: str) -> None:
+    """Names with a leading underscore, or Enum's own attributes, would not make a state (or
+    fail inside Enum): each is refused naming it, and the shipped machine is unchanged."""
+    before = _shipped()
+    with pytest.raises(DeclarationError, match=f"got {state!r}"):
+        TRANSFER_MACHINE.extend("mine", states=[state], unreachable=[state])
+    assert _shipped() == before
+
+
+@pytest.mark.parametrize("replace", [
+    {("DONE", "release", ("released",)): {}},
+    {("DONE", None, "released"): {}},
+], ids=["a tuple for a guard", "no trigger"])
+def test_an_extensions_replace_key_of_the_wrong_kind_is_named(replace: Any) -> None:
+    before = _shipped()
+    with pytest.raises(DeclarationError, match="its trigger and guard must be names"):
+        TRANSFER_MACHINE.extend("mine", replace=replace)
+    assert _shipped() == before
+
+
+def test_an_extensions_source_given_as_a_set_is_named() -> None:
+    with pytest.raises(DeclarationError) as refused:
+        TRANSFER_MACHINE.extend("mine", transitions=[
+            {"trigger": "cancel", "source": {"DONE"}, "dest": "DONE"}])
+    assert str(refused.value) == ("mine: transitions[0] has source {'DONE'}: a state (its name "
+                                  "or member), or a list of states")
+
+
+def test_compile_given_its_replacements_as_a_list_names_what_to_give() -> None:
+    with pytest.raises(DeclarationError, match="compile's actions must be a dict of an "
+                                               "action's name to its replacement, got list"):
+        TRANSFER_MACHINE.compile(["latch_success"], listen=False)  # type: ignore[arg-type]

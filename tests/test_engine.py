@@ -211,6 +211,25 @@ def test_an_undeclared_event_names_state_and_event_and_changes_nothing() -> None
     assert all(step.count == 0 for step in machine.steps())
 
 
+@pytest.mark.parametrize("state", ["CLOSED", None, ["CLOSED"]], ids=["a name", "None", "a list"])
+def test_a_record_in_no_state_of_the_machine_is_refused_by_name_and_left_as_it_is(
+        state: Any) -> None:
+    """A record whose state is a state's name (as a declaration names states), None or
+    anything else that is no member: an InvalidTransition saying so, from ``fire``, ``step``
+    and the refusal alike, and the record unchanged."""
+    machine = door_declaration().compile()
+    door = DoorRecord()
+    door.state = state
+    with pytest.raises(InvalidTransition, match=r"door: the record is in .*, no state of this "
+                                                r"machine \(a record's state is one of its "
+                                                r"members: Door\.CLOSED to begin with\)"):
+        machine.fire(door, "push", Push.NONE)
+    assert door.state == state
+    with pytest.raises(InvalidTransition, match="no state of this machine"):
+        machine.step(state, "push", Push.NONE)
+    assert all(step.count == 0 for step in machine.steps())
+
+
 def test_overlapping_guards_are_refused_at_declaration() -> None:
     transitions = [
         *door_declaration().transitions,

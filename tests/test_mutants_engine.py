@@ -257,8 +257,8 @@ def test_an_unsupported_key_is_refused_saying_where_guards_and_actions_go() -> N
 
 
 def test_a_stray_guard_on_an_edge_with_two_sources_or_two_destinations_says_so() -> None:
-    """_check_guard_answers: the separators between sources and between destinations (an
-    edge without a source is refused before, naming what it lacks)."""
+    """_check_guard_answers: the separator between sources (an edge without a source, or
+    with two destinations, is refused before, naming what is wrong)."""
     guards = {"gentle": [Push.GENTLE], "hard": [Push.HARD], "nothing": [Push.NONE],
               "wrong": [Stranger.CLOSED]}
     assert refusal(guards=guards, transitions=[
@@ -273,10 +273,9 @@ def test_a_stray_guard_on_an_edge_with_two_sources_or_two_destinations_says_so()
         "Push.HARD, Push.NONE")
     assert refusal(guards=guards, transitions=[
         {"trigger": "push", "source": Door.CLOSED, "dest": [Door.OPEN, Door.JAMMED],
-         "conditions": "wrong"}]) == (
-        "door: guard 'wrong' (in conditions of CLOSED -push-> OPEN, JAMMED) accepts "
-        "Stranger.CLOSED, which event 'push' never carries; its answers are Push.GENTLE, "
-        "Push.HARD, Push.NONE")
+         "conditions": "wrong"}]) == (  # (two destinations: refused before the guard)
+        "door: transitions[0] has dest [<Door.OPEN: 2>, <Door.JAMMED: 3>]: one state (its "
+        "name or member; None for a stay)")
 
 
 def test_overlapping_guards_are_refused_naming_every_edge_that_takes_the_answer() -> None:

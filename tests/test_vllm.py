@@ -357,8 +357,23 @@ def test_a_prefix_or_directory_that_is_not_one_is_refused_by_name() -> None:
         ObjectStoreTier(offloading_spec(chunk_bytes=64), view, "ObjectStoreTier", agent=agent,
                         prefix=b"kv/")
     assert agent.live_registrations() == 0, "nothing was registered"
-    with pytest.raises(ValueError, match=r"FileTier: directory must be a path, got 3"):
+    with pytest.raises(ValueError, match=r"FileTier: directory must be a directory's path, "
+                                         r"got 3"):
         FileTier(offloading_spec(chunk_bytes=64), view, "FileTier", directory=3)
+
+
+def test_an_empty_directory_setting_is_refused_not_taken_as_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unset variable in a configuration gives ``"directory": ""``; the tier would have
+    stored into the engine's working directory. It is refused, and nothing is made there."""
+    from kvfsm.vllm import FileTier  # noqa: PLC0415
+
+    monkeypatch.chdir(tmp_path)
+    view = memoryview(bytearray(4 * 64)).cast("B", (4, 64))
+    with pytest.raises(ValueError, match=r"FileTier: directory must be a directory's path, "
+                                         r"got ''"):
+        FileTier(offloading_spec(chunk_bytes=64), view, "FileTier", directory="")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_namespace_names_the_model_and_changes_with_every_part_of_the_layout() -> None:

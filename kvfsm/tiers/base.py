@@ -799,6 +799,7 @@ class SecondaryTier(JobSide):
             ValueError: a key is not a non-empty str or bytes; nothing was counted.
         """
         holdings = self._holdings
+        _key_list(keys, "touch")
         if holdings is not None:
             names = self._remote_names(keys)
             lock = self._lock
@@ -827,7 +828,7 @@ class SecondaryTier(JobSide):
         Raises:
             ValueError: a key is not a non-empty str or bytes; nothing was forgotten.
         """
-        self._known.forget(self._remote_names(keys))
+        self._known.forget(self._remote_names(_key_list(keys, "forget")))
 
     def take_events(self) -> list[HoldingEvent]:
         """What the tier stored and removed since the last call, oldest first (kept only when
@@ -1567,7 +1568,10 @@ def _forget_failed_store(known: KnownNames, running: Collection[Any],
 def check_capacity_options(capacity_bytes: object, block_bytes: int,
                            record_events: object) -> None:
     """Refuse a ``capacity_bytes`` that is neither None nor an int of at least one block, and
-    ``record_events`` without a capacity, naming what was given."""
+    ``record_events`` that is not a bool or comes without a capacity, naming what was
+    given."""
+    if type(record_events) is not bool:
+        raise ValueError(f"record_events must be True or False, got {record_events!r}")
     if capacity_bytes is None:
         if record_events:
             raise ValueError("record_events=True needs capacity_bytes: a tier keeps track of "
@@ -1630,6 +1634,15 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else seconds_left(deadline)
 
 
+def _key_list(keys: object, call: str) -> Any:
+    """``keys`` if it is a collection of keys; ValueError naming it if it is one key (a str
+    would be taken letter by letter) or no collection at all."""
+    if isinstance(keys, str | bytes | bytearray) or not isinstance(keys, Iterable):
+        raise ValueError(f"{call}: keys must be a list or tuple of keys (str or bytes), got "
+                         f"{type(keys).__name__} {keys!r:.80}; nothing changed")
+    return keys
+
+
 def _job_id(job_id: object) -> int:
     """``job_id`` if it is an int (not a bool); else InvalidJobError naming it."""
     if type(job_id) is int:
@@ -1645,10 +1658,11 @@ AGENT_CALLS = ("register_memory", "prep_xfer_dlist", "make_prepped_xfer", "trans
                "deregister_memory")
 
 
-def check_agent(agent: object) -> None:
+def check_agent(agent: object, calls: Sequence[str] = AGENT_CALLS) -> None:
     """Refuse, naming what it lacks, an ``agent`` that is not a NIXL agent (a ``nixl_agent``,
-    :class:`kvfsm.testing.FakeNixlAgent`, or a wrapper with their calls)."""
-    missing = [name for name in AGENT_CALLS if not callable(getattr(agent, name, None))]
+    :class:`kvfsm.testing.FakeNixlAgent`, or a wrapper with their calls): one without each
+    of ``calls``."""
+    missing = [name for name in calls if not callable(getattr(agent, name, None))]
     if missing:
         raise ValueError(f"agent must be a NIXL agent (nixl_agent, or "
                          f"kvfsm.testing.FakeNixlAgent), got {type(agent).__name__} "

@@ -605,6 +605,7 @@ class ObjectStoreTier(SecondaryTier):
         remove: Callable[[list[str]], int | None] | None = None,
         in_flight: InFlightLimit | None = None,
     ) -> None:
+        _check_store(store, needed=False)  # (before anything reads it)
         check_tier_options(primary, agent=agent, machine=machine, steps=steps, policy=policy,
                            in_flight=in_flight, capacity_bytes=capacity_bytes,
                            record_events=record_events,
@@ -779,19 +780,26 @@ _SIZE_FOLDER_IN = re.compile(r"[0-9]+-bytes/").search
 _OBJECT_KEY, _REMOTE_NAME = ObjectStoreTier.object_key, ObjectStoreTier.remote_name
 
 
+def _check_store(store: object, *, needed: bool = True) -> None:
+    """ValueError naming ``store`` unless it is a :class:`~kvfsm.nixl_agents.StoreConfig`
+    (or, not ``needed``, None)."""
+    from kvfsm.nixl_agents import StoreConfig  # noqa: PLC0415
+
+    if not isinstance(store, StoreConfig) and (needed or store is not None):
+        raise ValueError(f"store must be a kvfsm.nixl_agents.StoreConfig (the bucket, its "
+                         f"endpoint and credentials), got {type(store).__name__} {store!r:.80}")
+
+
 def _agents_for(store: Any, probe_agent: Any) -> tuple[Any, Any]:
     from kvfsm.nixl_agents import (  # noqa: PLC0415
         NO_CREDENTIALS,
         NoCredentialsWarning,
-        StoreConfig,
         check_bucket,
         credentials_found,
         make_agent,
     )
 
-    if not isinstance(store, StoreConfig):
-        raise ValueError(f"store must be a kvfsm.nixl_agents.StoreConfig, got "
-                         f"{type(store).__name__}")
+    _check_store(store)
     check_bucket(store)
     if not credentials_found(store):  # (an instance role may still answer, on AWS itself)
         # a Python warning, shown once where no logging is set up (kvfsm's logger has none)
