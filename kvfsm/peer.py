@@ -275,12 +275,12 @@ class PeerReceiver(JobSide):
     def __init__(self, primary: torch.Tensor, *, agent: Any,
                  peer_timeout: float | None = 30.0, poll_interval: float = 0.0002) -> None:
         _check_primary(primary)
-        check_agent(agent, RECEIVER_CALLS)
         if peer_timeout is not None and (
                 isinstance(peer_timeout, bool) or not isinstance(peer_timeout, int | float)
                 or not peer_timeout > 0):
             raise ValueError(f"peer_timeout must be > 0 seconds or None, got {peer_timeout!r}")
         check_interval("poll_interval", poll_interval)
+        check_agent(agent, RECEIVER_CALLS)
         self.primary = primary
         self.agent = agent
         self.name = _peer_name(agent.name)

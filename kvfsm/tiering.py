@@ -360,14 +360,23 @@ class CPUPrimaryTier:
             OutOfBlocksError: fewer free and evictable blocks than keys (nothing was evicted).
         """
         checked = self.check_new_keys(keys)
-        victims = self.evictable()
         missing = len(checked) - len(self._free)
-        if missing > len(victims):
-            stats = self.stats()
-            raise OutOfBlocksError(
-                f"{len(checked)} block(s) wanted, {stats['free']} free and {len(victims)} "
-                f"evictable ({stats['pinned']} pinned, {stats['writing']} being written)")
-        for block in victims[:max(missing, 0)]:
+        victims: list[int] = []
+        if missing > 0:  # the least recent ready blocks nobody reads, as many as it takes
+            # (a walk past the pinned ones at the front only: not every block held)
+            counts = self._counts
+            for block in self._lru:
+                if counts[block] == 0:
+                    victims.append(block)
+                    if len(victims) == missing:
+                        break
+            else:
+                stats = self.stats()
+                raise OutOfBlocksError(
+                    f"{len(checked)} block(s) wanted, {stats['free']} free and "
+                    f"{len(victims)} evictable ({stats['pinned']} pinned, {stats['writing']} "
+                    "being written)")
+        for block in victims:
             self._drop(block)
             self.evictions += 1
         blocks = []
