@@ -90,6 +90,7 @@ with warnings.catch_warnings():
 
 from kvfsm import tiers
 from kvfsm.contract import DrainTimeout, check_timeout
+from kvfsm.driver import MachineRefused
 from kvfsm.machines import load_machine, load_steps
 from kvfsm.nixl_agents import StoreConfig
 from kvfsm.policy import InFlightLimit, RetryPolicy
@@ -204,7 +205,8 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                 raise ValueError(f"{tier_type}: locality must be one of "
                                  f"{', '.join(repr(place.value) for place in Locality)} or "
                                  f"None, got {locality!r}") from None
-        limit = _limit(in_flight)
+        who = label if isinstance(label, str) and label else tier_type  # (errors name it)
+        limit = _limit(who, in_flight)
         if backpressure_detector is None and (limit is not None
                                               or settings.get("read_only") is True):
             backpressure_detector = _Saturation(self)  # (a read-only tier: always declines)
@@ -225,7 +227,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
             deque(maxlen=EVENT_LIMIT) if events_on else None)
         #: without a capacity the tier records nothing it holds: stores are reported from here
         self._report_stores = capacity_bytes is None
-        policy = _policy(retry)
+        policy = _policy(who, retry)
         chunks = len(primary_kv_view)
         chunk_bytes = self.block_size_bytes
         if limit is not None and limit.bytes is not None and limit.bytes < chunk_bytes:
@@ -238,9 +240,12 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         self.namespace = namespace(offloading_spec, chunk_bytes)
         self._check_settings(settings)
         settings = self._named(settings)
-        self._tier: SecondaryTier | None = self._build(
-            primary, self.namespace, policy=policy, capacity_bytes=capacity_bytes,
-            record_events=capacity_bytes is not None, in_flight=limit, **settings)
+        try:
+            self._tier: SecondaryTier | None = self._build(
+                primary, self.namespace, policy=policy, capacity_bytes=capacity_bytes,
+                record_events=capacity_bytes is not None, in_flight=limit, **settings)
+        except MachineRefused as error:  # (which of the configuration's tiers refused it)
+            raise MachineRefused(f"{who}: {error}") from None
         logger.info("%s: blocks kept in the folder %s (this model's and KV layout's)",
                     self.label, self.namespace)
         self._jobs: dict[int, _Job] = {}
@@ -684,25 +689,30 @@ class _Saturation(BackpressureDetector):  # type: ignore[misc]
         return figures
 
 
-def _limit(in_flight: Mapping[str, Any] | None) -> InFlightLimit | None:
+def _limit(who: str, in_flight: Mapping[str, Any] | None) -> InFlightLimit | None:
     """The back-pressure bound from the settings' dict (InFlightLimit's fields)."""
-    return None if in_flight is None else _from_fields("in_flight", InFlightLimit, in_flight)
+    return (None if in_flight is None
+            else _from_fields(who, "in_flight", InFlightLimit, in_flight))
 
 
-def _policy(retry: Mapping[str, Any] | None) -> RetryPolicy:
+def _policy(who: str, retry: Mapping[str, Any] | None) -> RetryPolicy:
     """The retry policy from the settings' dict (RetryPolicy's fields)."""
-    return RetryPolicy() if retry is None else _from_fields("retry", RetryPolicy, retry)
+    return RetryPolicy() if retry is None else _from_fields(who, "retry", RetryPolicy, retry)
 
 
-def _from_fields(setting: str, cls: Any, given: Any) -> Any:
+def _from_fields(who: str, setting: str, cls: Any, given: Any) -> Any:
     """``cls(**given)``, after checking ``given`` is a dict of ``cls``'s fields; the errors
-    name the setting."""
+    name the tier (``who``: its label, else its type) and the setting."""
     if not isinstance(given, Mapping):
-        raise ValueError(f"{setting} must be a dict of {cls.__name__} fields, got {given!r}")
+        raise ValueError(f"{who}: {setting} must be a dict of {cls.__name__} fields, got "
+                         f"{given!r}")
     fields = set(cls.__dataclass_fields__)
     unknown = sorted(set(given) - fields)
     if unknown:
-        raise ValueError(f"{setting}: unknown field(s) {', '.join(unknown)}; {cls.__name__} "
-                         f"has {', '.join(sorted(fields))}")
-    return cls(**given)
+        raise ValueError(f"{who}: {setting}: unknown field(s) {', '.join(unknown)}; "
+                         f"{cls.__name__} has {', '.join(sorted(fields))}")
+    try:
+        return cls(**given)
+    except ValueError as error:  # (its own checks: which field, and why)
+        raise ValueError(f"{who}: {setting}: {error}") from None
 

@@ -761,11 +761,13 @@ def test_kvfsm_imports_without_vllm() -> None:
 
 
 @pytest.mark.parametrize(("setting", "value", "message"), [
-    ("in_flight", 8, "in_flight must be a dict of InFlightLimit fields, got 8"),
-    ("in_flight", {"job": 8}, "in_flight: unknown field(s) job; InFlightLimit has bytes, jobs"),
-    ("in_flight", {"jobs": 0}, "InFlightLimit.jobs must be"),
-    ("retry", [], "retry must be a dict of RetryPolicy fields, got []"),
-    ("retry", {"max_unpoled": 2}, "retry: unknown field(s) max_unpoled; RetryPolicy has "),
+    ("in_flight", 8, "FileTier: in_flight must be a dict of InFlightLimit fields, got 8"),
+    ("in_flight", {"job": 8},
+     "FileTier: in_flight: unknown field(s) job; InFlightLimit has bytes, jobs"),
+    ("in_flight", {"jobs": 0}, "FileTier: in_flight: InFlightLimit.jobs must be"),
+    ("retry", [], "FileTier: retry must be a dict of RetryPolicy fields, got []"),
+    ("retry", {"max_unpoled": 2},
+     "FileTier: retry: unknown field(s) max_unpoled; RetryPolicy has "),
     ("shutdown_timeout", "30", "FileTier: shutdown_timeout must be a number of seconds or "
      "None, got '30'"),
     ("durable", "false", "durable must be True or False, got 'false'"),
@@ -791,6 +793,21 @@ def test_a_bad_setting_is_refused_with_an_error_naming_it(
     with pytest.raises(ValueError, match=re.escape(message)):
         engines(file_entry(tmp_path, **{setting: value}))
     assert list(tmp_path.iterdir()) == []  # no tier was made: nothing in its directory
+
+
+def test_a_bad_setting_of_one_of_two_tiers_of_a_kind_names_that_tier_by_its_label(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """Two file tiers, labelled: the one whose retry, back-pressure or lifecycle is wrong is
+    named by its label, not only by its type."""
+    good = file_entry(tmp_path / "near", label="near")
+    for setting, value, message in (
+            ("retry", {"max_seconds": -1}, "far: retry: "),
+            ("in_flight", {"jobs": 0}, "far: in_flight: InFlightLimit.jobs must be"),
+            ("machine", "kvfsm.machines.peer_link:PEER_LINK", "far: machine 'peer_link' ")):
+        bad = file_entry(tmp_path / "far", label="far", **{setting: value})
+        with pytest.raises(ValueError, match=re.escape(message)):
+            engines(good, bad)
 
 
 def test_a_configuration_names_its_lifecycle_and_steps_as_kvfsm_explore_does(
