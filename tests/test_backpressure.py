@@ -609,3 +609,16 @@ def test_forget_or_touch_given_one_key_or_no_list_is_refused_and_changes_nothing
     tier.forget(["a"])
     assert (tier.lookup("a"), tier.lookup("abc")) == (Lookup.MISS, Lookup.HIT)
     tier.shutdown(5)
+
+
+@pytest.mark.parametrize("nbytes", ["x", -1, 1.5, True, None])
+def test_saturated_asked_about_what_is_no_byte_count_says_so(nbytes: Any) -> None:
+    """With no bound on bytes it used to answer False to anything; with one, raise a
+    TypeError from inside."""
+    for limit in (InFlightLimit(jobs=4), InFlightLimit(bytes=4 * 64)):
+        tier = ObjectStoreTier(torch.zeros(4, 64, dtype=torch.uint8), agent=FakeNixlAgent(),
+                               in_flight=limit)
+        with pytest.raises(ValueError, match="saturated: nbytes must be an int >= 0, got"):
+            tier.saturated(nbytes)
+        assert not tier.saturated(64)
+        tier.shutdown(5)

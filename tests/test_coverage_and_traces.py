@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,24 @@ def test_a_file_that_is_not_traces_is_refused_by_line(tmp_path: Path) -> None:
         list(read_traces(path))
     path.write_bytes(b"\xff\xfe\x00binary\n")  # (was: a UnicodeDecodeError naming no file)
     with pytest.raises(ValueError, match=r"junk.jsonl:1: not a trace"):
+        list(read_traces(path))
+
+
+@pytest.mark.parametrize(("changes", "why"), [
+    ({"job_id": "x"}, 'job_id must be an int, got "x"'),
+    ({"job_id": True}, "job_id must be an int, got true"),
+    ({"steps": "post PROC"}, 'steps must be a list of steps, got "post PROC"'),
+    ({"steps": [["post", "PROC", "SUBMITTED", "PROCESSING", "soon"]]},
+     "step 1 is not [event, answer, from, to, seconds]"),
+], ids=["a job id that is text", "a job id that is a bool", "steps that are text",
+        "a step whose time is text"])
+def test_a_trace_with_a_field_of_the_wrong_kind_is_refused_naming_it(
+        tmp_path: Path, changes: dict[str, object], why: str) -> None:
+    """Each was read as a trace (steps given as text replayed as "no steps")."""
+    path = tmp_path / "odd.jsonl"
+    good = {"machine": "transfer", "job_id": 1, "success": True, "steps": SUCCESS_STEPS}
+    path.write_text(json.dumps({**good, **changes}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"odd.jsonl:1: not a trace ({why}")):
         list(read_traces(path))
 
 

@@ -738,7 +738,15 @@ class SecondaryTier(JobSide):
     def saturated(self, nbytes: int = 0) -> bool:
         """True when a store of ``nbytes`` bytes submitted now would be refused for the
         tier's :class:`~kvfsm.policy.InFlightLimit` (never, without one). Reads the books
-        without the lock: a poll on another thread may make room meanwhile."""
+        without the lock: a poll on another thread may make room meanwhile.
+
+        Raises:
+            ValueError: ``nbytes`` is not an int >= 0.
+        """
+        if type(nbytes) is not int and (isinstance(nbytes, bool) or not isinstance(nbytes, int)):
+            raise ValueError(f"saturated: nbytes must be an int >= 0, got {nbytes!r}")
+        if nbytes < 0:
+            raise ValueError(f"saturated: nbytes must be an int >= 0, got {nbytes!r}")
         runner = self._runner
         return not self.in_flight.admits(len(runner.records), runner.bytes_in_flight, nbytes)
 
