@@ -168,15 +168,24 @@ class JobSide:
             self._poll()
             return self._books.take_results()
 
+    #: the ``get_finished_jobs`` a drain's poll stands in for (:meth:`_drain_poll`): the
+    #: class's own; a subclass that overrides it and not this has its results go through it
+    _drained_hand_out = get_finished_jobs
+
     def _drain_poll(self, deadline: float | None) -> list[JobResult]:
         """One poll of a drain, as :meth:`drain_jobs` makes it (every unpublished job
         advanced, on the caller's thread, whatever else polls: the caller is waiting), then
         the results published; waiting for the lock until ``deadline`` at most (None: as long
         as it takes): past it, with another thread's call holding the lock, no poll, and only
-        the results already published are handed out (a drain that keeps its bound)."""
+        the results already published are handed out (a drain that keeps its bound).
+
+        A subclass whose ``get_finished_jobs`` is its own (it looks at each result it hands
+        out, say) is polled through it instead, as its ``get_finished_jobs`` polls."""
         if not take(self._lock, deadline):
             return self._books.take_results()  # (safe without the lock: Books)
-        try:
+        try:  # (the lock is reentrant: a side's own get_finished_jobs takes it again)
+            if type(self).get_finished_jobs is not type(self)._drained_hand_out:
+                return self.get_finished_jobs()
             self._poll(everything=True)
             return self._books.take_results()
         finally:

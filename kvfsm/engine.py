@@ -259,10 +259,13 @@ def _transition_list(name: str, transitions: object) -> list[Mapping[str, Any]]:
             raise DeclarationError(f"{name}: transitions[{index}] has no "
                                    f"{' nor '.join(repr(k) for k in missing)}: {transition!r}")
         source, dest = transition["source"], transition["dest"]
-        sources = source if isinstance(source, list | tuple) else [source]
+        sources = (source if isinstance(source, list | tuple)
+                   else list(source) if isinstance(source, enum.EnumMeta)  # (every state,
+                   else [source])  # as transitions reads it)
         if not sources or not all(isinstance(state, str | enum.Enum) for state in sources):
             raise DeclarationError(f"{name}: transitions[{index}] has source {source!r}: a "
-                                   "state (its name or member), or a list of states")
+                                   "state (its name or member), a list of states, or the "
+                                   "states' Enum (every state)")
         if dest is not None and not isinstance(dest, str | enum.Enum):
             raise DeclarationError(f"{name}: transitions[{index}] has dest {dest!r}: one "
                                    "state (its name or member; None for a stay)")
@@ -528,12 +531,14 @@ class Declaration(Generic[S, A]):
         added = list(states)
         for state in added:
             if (not isinstance(state, str) or not state.isidentifier()
-                    or state.startswith("_") or hasattr(enum.Enum, state)):
-                # (a leading _ or a name Enum has: not a member, or an Enum's own error)
+                    or (len(state) > 2 and state[0] == state[-1] == "_")
+                    or hasattr(enum.Enum, state)):
+                # (_sunder_ and __dunder__ names, and the names an Enum has, are Enum's own:
+                # no member, or Enum's own error)
                 raise DeclarationError(f"{name}: states names the new states by their names "
-                                       f"(identifiers not starting with _, such as "
-                                       f"'VERIFYING', and none of Enum's own attributes), "
-                                       f"got {state!r}")
+                                       f"(identifiers, such as 'VERIFYING', neither _X_ nor "
+                                       f"__X__ nor one of Enum's own attributes), got "
+                                       f"{state!r}")
         clash = sorted(set(added) & set(names)) or sorted(
             {state for state in added if added.count(state) > 1})
         if clash:

@@ -280,7 +280,8 @@ class PeerReceiver(JobSide):
                 or not peer_timeout > 0):
             raise ValueError(f"peer_timeout must be > 0 seconds or None, got {peer_timeout!r}")
         check_interval("poll_interval", poll_interval)
-        check_agent(agent, RECEIVER_CALLS)
+        check_agent(agent, RECEIVER_CALLS, "a nixl_agent with the UCX backend, or "
+                    "kvfsm.testing.fake_ucx.FakeUcxAgent")
         self.primary = primary
         self.agent = agent
         self.name = _peer_name(agent.name)
@@ -297,9 +298,9 @@ class PeerReceiver(JobSide):
         self._expected: dict[int, _Expected] = self._books.records
         #: each open link's notifications, by its nonce
         self._inboxes: dict[str, _Inbox] = {}
-        #: the notifications those inboxes keep for an expect to come (counted as they come
-        #: and go, for :meth:`stats`)
-        self._early = 0
+        #: the notifications those inboxes kept for an expect to come, as :meth:`stats`
+        #: last counted them
+        self._early_seen = 0
         #: nonces of links that closed, with their sender: their notifications never count
         self._spent: dict[str, str] = {}
         #: (sender, nonce, notification, when it came) with a nonce no link has yet, oldest
@@ -438,7 +439,6 @@ class PeerReceiver(JobSide):
                            "for a new write", job.job_id, stale, list(job.block_ids))
         fresh = len(came) > stale
         del came[:stale + fresh]
-        self._early -= stale + fresh
         if not came:
             del inbox.early[message]
         return fresh
@@ -553,12 +553,19 @@ class PeerReceiver(JobSide):
         ``leaks``: cleanup calls that failed (the cache's registration
         at shutdown, the links' metadata removals).
 
-        Constant, and never waits for the receiver's lock (each figure is kept as
-        notifications and jobs come and go): a monitoring thread is not held up behind a
-        poll, nor behind the NIXL call a poll is making.
+        Never waits for the receiver's lock: a monitoring thread is not held up behind a
+        poll, nor behind the NIXL call a poll is making. ``early`` is counted when the lock is
+        free, else it is the count made the last time it was (a poll under way may change
+        it).
         """
+        if take(self._lock, 0.0):  # (free: counted now, from the inboxes themselves)
+            try:
+                self._early_seen = sum(len(came) for inbox in self._inboxes.values()
+                                       for came in inbox.early.values())
+            finally:
+                self._lock.release()
         return {"expected": len(self._expected),
-                "early": self._early,
+                "early": self._early_seen,
                 "unknown": len(self._unknown),
                 "dropped": self._dropped,
                 "discarded": self._discarded,
@@ -602,7 +609,6 @@ class PeerReceiver(JobSide):
         job_id = inbox.waiting.pop(message, None)
         if job_id is None:
             inbox.early.setdefault(message, []).append(came)
-            self._early += 1
         else:
             self.machine.fire(self._expected[job_id], ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
 
@@ -633,7 +639,6 @@ class PeerReceiver(JobSide):
         self._spent[link.nonce] = str(link.name)
         if inbox is not None and inbox.early:
             count = sum(map(len, inbox.early.values()))
-            self._early -= count
             self._discarded += count
             logger.info("sender %s: %d notification(s) no job claimed were discarded with its "
                         "link", link.name, count)
@@ -922,6 +927,8 @@ class PeerSender(SecondaryTier):
             results = super().get_finished_jobs()
             self._settle_link()
             return results
+
+    _drained_hand_out = get_finished_jobs  # (JobSide._drain_poll)
 
     def _drain_poll(self, deadline: float | None) -> list[JobResult]:
         """A drain's poll (every running transfer checked), then the link settled, as

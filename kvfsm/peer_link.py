@@ -125,7 +125,8 @@ class PeerLinks:
         self.leak_count = 0
         self._leaked: collections.deque[tuple[str, Leak]] = collections.deque(
             maxlen=leak_record)
-        self._closed = 0  # closed links in ``links``
+        #: the names of the closed links in ``links``, the last closed last
+        self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def get(self, name: str) -> PeerLink | None:
         """The link to ``name``, or None if it was never connected (or closed before the
@@ -168,8 +169,7 @@ class PeerLinks:
             raise PeerLinkError(f"peer {name!r} is already linked ({known.state.name}); "
                                 "forget it first")
         link.name = name
-        if known is not None:  # (closed: the new link takes its place)
-            self._closed -= 1
+        self._closed.pop(name, None)  # (closed: the new link takes its place)
         self.links[name] = link
         self.machine.fire(link, LinkEvent.ADD, LinkAnswer.OK)
         self.recheck(link)
@@ -222,20 +222,22 @@ class PeerLinks:
             self._over(link, link.leaks[leaks:])
 
     def _over(self, link: PeerLink, leaks: tuple[Leak, ...]) -> None:
-        """Record the leaks a close just made; once closed, ``link`` is among the closed
-        links kept, of which the oldest go past :data:`CLOSED_KEPT` (a sender that linked to
-        one receiver after another keeps no more)."""
+        """Record the leaks a close just made; once closed, ``link`` is the last of the
+        closed links kept, and the one closed :data:`CLOSED_KEPT` closes before it goes (a
+        sender that linked to one receiver after another keeps no more)."""
         self.leak_count += len(leaks)
         self._leaked.extend((str(link.name), leak) for leak in leaks)
-        if link.state not in PEER_LINK.final or self.links.get(str(link.name)) is not link:
+        name = str(link.name)
+        if link.state not in PEER_LINK.final or self.links.get(name) is not link:
             return
-        self._closed += 1
-        if self._closed > 2 * CLOSED_KEPT:  # (each dropped once: a walk every CLOSED_KEPT)
-            final = PEER_LINK.final
-            closed = [name for name, kept in self.links.items() if kept.state in final]
-            for name in closed[:len(closed) - CLOSED_KEPT]:
-                del self.links[name]
-            self._closed = min(len(closed), CLOSED_KEPT)
+        closed = self._closed
+        closed[name] = None
+        closed.move_to_end(name)
+        while len(closed) > CLOSED_KEPT:
+            oldest, _ = closed.popitem(last=False)
+            kept = self.links.get(oldest)
+            if kept is not None and kept.state in PEER_LINK.final:
+                del self.links[oldest]
 
     def leaks(self) -> list[tuple[str, Leak]]:
         """The last ``leak_record`` ``remove_remote_agent`` calls that raised, with their

@@ -166,8 +166,8 @@ def _shipped() -> tuple[Any, ...]:
     ({"final": None},
      "ajar: final must be a collection of state names (['VERIFYING']), got NoneType None"),
     ({"states": ["AJAR", 2]},
-     "ajar: states names the new states by their names (identifiers not starting with _, "
-     "such as 'VERIFYING', and none of Enum's own attributes), got 2"),
+     "ajar: states names the new states by their names (identifiers, such as 'VERIFYING', "
+     "neither _X_ nor __X__ nor one of Enum's own attributes), got 2"),
     ({"transitions": [{"trigger": "shut", "source": "AJAR", "dest": "AJAR"}]},
      "ajar: transition {'trigger': 'shut', 'source': <AjarState.AJAR: 10>, 'dest': "
      "<AjarState.AJAR: 10>} has trigger 'shut', an event answers= does not declare; declare "
@@ -198,10 +198,11 @@ def test_an_extension_named_like_the_machine_it_extends_is_refused() -> None:
 
 @pytest.mark.parametrize(("transition", "message"), [
     ({"trigger": "open", "source": {"CLOSED"}, "dest": "OPEN"},
-     "door: transitions[0] has source {'CLOSED'}: a state (its name or member), or a list of "
-     "states"),
+     "door: transitions[0] has source {'CLOSED'}: a state (its name or member), a list of "
+     "states, or the states' Enum (every state)"),
     ({"trigger": "open", "source": [], "dest": "OPEN"},
-     "door: transitions[0] has source []: a state (its name or member), or a list of states"),
+     "door: transitions[0] has source []: a state (its name or member), a list of states, or "
+     "the states' Enum (every state)"),
     ({"trigger": "open", "source": "CLOSED", "dest": ["OPEN"]},
      "door: transitions[0] has dest ['OPEN']: one state (its name or member; None for a "
      "stay)"),
@@ -213,7 +214,7 @@ def test_a_transitions_ends_of_the_wrong_kind_are_named(transition: dict[str, An
     assert refusal(transitions=[transition]) == message
 
 
-@pytest.mark.parametrize("state", ["_ignore_", "_X_", "__init__", "mro"])
+@pytest.mark.parametrize("state", ["_ignore_", "_X_", "__init__", "__X__", "mro"])
 def test_an_extension_refuses_a_state_name_an_enum_keeps_for_itself(state: str) -> None:
     """Names with a leading underscore, or Enum's own attributes, would not make a state (or
     fail inside Enum): each is refused naming it, and the shipped machine is unchanged."""
@@ -239,10 +240,29 @@ def test_an_extensions_source_given_as_a_set_is_named() -> None:
         TRANSFER_MACHINE.extend("mine", transitions=[
             {"trigger": "cancel", "source": {"DONE"}, "dest": "DONE"}])
     assert str(refused.value) == ("mine: transitions[0] has source {'DONE'}: a state (its name "
-                                  "or member), or a list of states")
+                                  "or member), a list of states, or the states' Enum (every "
+                                  "state)")
 
 
 def test_compile_given_its_replacements_as_a_list_names_what_to_give() -> None:
     with pytest.raises(DeclarationError, match="compile's actions must be a dict of an "
                                                "action's name to its replacement, got list"):
         TRANSFER_MACHINE.compile(["latch_success"], listen=False)  # type: ignore[arg-type]
+
+
+def test_a_state_with_a_leading_underscore_is_a_state_as_any() -> None:
+    """Only _X_ and __X__ names are Enum's own: ``_VERIFYING`` and ``__HELD`` are states."""
+    mine = TRANSFER_MACHINE.extend("mine", states=["_VERIFYING", "__HELD"],
+                                   unreachable=["_VERIFYING", "__HELD"])
+    assert {"_VERIFYING", "__HELD"} <= {state.name for state in mine.states}
+
+
+def test_a_transitions_source_given_as_the_states_enum_is_every_state() -> None:
+    """As ``transitions`` reads it: the edge leaves every state."""
+    door = declare(transitions=[
+        {"trigger": "open", "source": "CLOSED", "dest": "OPEN", "conditions": "ok"},
+        {"trigger": "open", "source": "CLOSED", "dest": "BROKEN", "conditions": "jam"},
+        {"trigger": "close", "source": Door, "dest": "CLOSED"}],
+        final=[], unreachable=[Door.GONE])
+    assert sorted(edge.source for edge in door.edges if edge.event == "close") == [
+        "BROKEN", "CLOSED", "GONE", "OPEN"]

@@ -632,3 +632,32 @@ def test_a_managers_shutdown_is_not_held_up_by_a_tiers_progress_thread_pause() -
     manager, tier = _a_manager_whose_tier_polls_on_its_thread(60.0)
     manager.shutdown(5)
     assert manager.closed and tier.closed
+
+
+class LookingTier(ObjectStoreTier):
+    """A tier of the user's own that looks at every result it hands out."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[int] = []
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        results = super().get_finished_jobs()
+        self.seen += [result.job_id for result in results]
+        return results
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0], ids=["drain()", "drain(5)"])
+def test_a_managers_drain_hands_results_out_through_a_tiers_own_get_finished_jobs(
+        timeout: float | None) -> None:
+    """A tier whose get_finished_jobs is its own is drained through it: it sees every
+    result the manager finalizes."""
+    primary = CPUPrimaryTier(4, 256, torch.uint8)
+    tier = LookingTier(primary.cache, agent=FakeNixlAgent("own", complete_after_polls=1))
+    manager = TieringManager(primary, {"t": tier})
+    (block,) = primary.allocate(["k"])
+    primary.complete_write([block], success=True)
+    (job_id,) = manager.store([block])
+    (done,) = manager.drain(timeout)
+    assert done.success and tier.seen == [job_id]
+    manager.shutdown(5)

@@ -559,6 +559,8 @@ class SecondaryTier(JobSide):
             return self._books.take_results()
         return super().get_finished_jobs()
 
+    _drained_hand_out = get_finished_jobs  # (JobSide._drain_poll)
+
     def _thread_polls(self) -> bool:
         """Whether the progress thread polls for the caller: one runs (one recorded that never
         started polls nothing), and the books need no mending (that is made under the lock,
@@ -1666,14 +1668,13 @@ AGENT_CALLS = ("register_memory", "prep_xfer_dlist", "make_prepped_xfer", "trans
                "deregister_memory")
 
 
-def check_agent(agent: object, calls: Sequence[str] = AGENT_CALLS) -> None:
-    """Refuse, naming what it lacks, an ``agent`` that is not a NIXL agent (a ``nixl_agent``,
-    :class:`kvfsm.testing.FakeNixlAgent`, or a wrapper with their calls): one without each
-    of ``calls``."""
+def check_agent(agent: object, calls: Sequence[str] = AGENT_CALLS,
+                kinds: str = "nixl_agent, or kvfsm.testing.FakeNixlAgent") -> None:
+    """Refuse, naming what it lacks, an ``agent`` that is not a NIXL agent (one of ``kinds``,
+    or a wrapper with their calls): one without each of ``calls``."""
     missing = [name for name in calls if not callable(getattr(agent, name, None))]
     if missing:
-        raise ValueError(f"agent must be a NIXL agent (nixl_agent, or "
-                         f"kvfsm.testing.FakeNixlAgent), got {type(agent).__name__} "
+        raise ValueError(f"agent must be a NIXL agent ({kinds}), got {type(agent).__name__} "
                          f"{agent!r}, which has no {', '.join(missing)}")
 
 
