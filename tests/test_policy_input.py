@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent
+from kvfsm.tiers import ObjectStoreTier
 
 NAN, INF = math.nan, math.inf
 
@@ -64,3 +68,17 @@ def test_the_backoff_of_an_unbounded_policy_never_overflows() -> None:
     policy = RetryPolicy(max_seconds=None, backoff=0.01, max_backoff=2.0)
     assert policy.next_attempt(failures=5000, now=10.0) == 12.0
     assert policy.next_attempt(failures=1, now=10.0) == 10.01
+
+
+def test_an_object_store_tier_with_a_running_bound_warns_what_other_processes_may_load(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A store given up while NIXL runs it may land mixed bytes that another process sharing
+    the bucket loads as a success: said once, where the tier is built with the bound."""
+    with caplog.at_level(logging.WARNING, logger="kvfsm"):
+        ObjectStoreTier(torch.zeros(4, 64, dtype=torch.uint8), agent=FakeNixlAgent()).shutdown(5)
+        assert caplog.records == []
+        ObjectStoreTier(torch.zeros(4, 64, dtype=torch.uint8), agent=FakeNixlAgent(),
+                        policy=RetryPolicy(max_running_seconds=30)).shutdown(5)
+    (record,) = caplog.records
+    assert "another process sharing the bucket finds it and loads it as a success" in (
+        record.getMessage())

@@ -671,6 +671,7 @@ class ObjectStoreTier(SecondaryTier):
         self._prober.settle_seconds = SETTLE_SECONDS if made_probe else 0.0
         # a tier dropped without shutdown() stops its prober (never waiting for it)
         weakref.finalize(self, self._prober.stop, 0.0)
+        _warn_of_the_running_bound(self.policy)
 
     #: seconds a MISS found by a probe is believed before the store is asked again
     probed_miss_seconds: float = 2.0
@@ -778,6 +779,18 @@ _SIZE_FOLDER_IN = re.compile(r"[0-9]+-bytes/").search
 
 #: the class's own naming: a tier that names keys with these takes the fast path
 _OBJECT_KEY, _REMOTE_NAME = ObjectStoreTier.object_key, ObjectStoreTier.remote_name
+
+
+def _warn_of_the_running_bound(policy: RetryPolicy) -> None:
+    """Say, once a tier, what ``max_running_seconds`` risks on a shared bucket."""
+    if policy.max_running_seconds is not None:
+        logger.warning(
+            "ObjectStoreTier: max_running_seconds=%s gives up stores NIXL still runs: the "
+            "block may be reused while the PUT reads it, and the object may then land holding "
+            "part of what the block held later. This tier never vouches for it, but another "
+            "process sharing the bucket finds it and loads it as a success: leave "
+            "max_running_seconds off on a bucket other processes read",
+            policy.max_running_seconds)
 
 
 def _check_store(store: object, *, needed: bool = True) -> None:
