@@ -180,16 +180,23 @@ class JobSide:
         the results already published are handed out (a drain that keeps its bound).
 
         A subclass whose ``get_finished_jobs`` is its own (it looks at each result it hands
-        out, say) is polled through it instead, as its ``get_finished_jobs`` polls."""
+        out, say) has the results handed out through it, once the drain's poll is made and
+        the lock let go of (it may poll once more, as it does)."""
         if not take(self._lock, deadline):
             return self._books.take_results()  # (safe without the lock: Books)
-        try:  # (the lock is reentrant: a side's own get_finished_jobs takes it again)
-            if type(self).get_finished_jobs is not type(self)._drained_hand_out:
-                return self.get_finished_jobs()
+        own = type(self).get_finished_jobs is type(self)._drained_hand_out
+        try:
             self._poll(everything=True)
-            return self._books.take_results()
+            if own:
+                self._drained()
+                return self._books.take_results()
         finally:
             self._lock.release()
+        return self.get_finished_jobs()  # (a subclass's own, the lock free)
+
+    def _drained(self) -> None:
+        """What the side's own ``get_finished_jobs`` does after its poll, after a drain's
+        (under the lock; nothing here)."""
 
     def has_pending_work(self) -> bool:
         """True while a job is unpublished or a result is not yet handed out."""

@@ -259,9 +259,10 @@ def _transition_list(name: str, transitions: object) -> list[Mapping[str, Any]]:
             raise DeclarationError(f"{name}: transitions[{index}] has no "
                                    f"{' nor '.join(repr(k) for k in missing)}: {transition!r}")
         source, dest = transition["source"], transition["dest"]
-        sources = (source if isinstance(source, list | tuple)
-                   else list(source) if isinstance(source, enum.EnumMeta)  # (every state,
-                   else [source])  # as transitions reads it)
+        if isinstance(source, enum.EnumMeta):  # every state, as transitions reads it: kept
+            source = list(source)  # as the list of them (an extension maps each by name)
+            listed[index] = {**transition, "source": source}
+        sources = source if isinstance(source, list | tuple) else [source]
         if not sources or not all(isinstance(state, str | enum.Enum) for state in sources):
             raise DeclarationError(f"{name}: transitions[{index}] has source {source!r}: a "
                                    "state (its name or member), a list of states, or the "
@@ -529,9 +530,11 @@ class Declaration(Generic[S, A]):
                 ("effects", effects, "{'STATE': 'event'}")))
         transitions = _transition_list(name, transitions)
         added = list(states)
+        enum_name = name.title().replace("_", "") + "State"  # (the Enum made below)
         for state in added:
             if (not isinstance(state, str) or not state.isidentifier()
                     or (len(state) > 2 and state[0] == state[-1] == "_")
+                    or state.startswith(f"_{enum_name}__")  # (its private names: no member)
                     or hasattr(enum.Enum, state)):
                 # (_sunder_ and __dunder__ names, and the names an Enum has, are Enum's own:
                 # no member, or Enum's own error)
@@ -547,7 +550,7 @@ class Declaration(Generic[S, A]):
         # made in the caller's module, so a state pickles once the caller keeps the Enum
         # under its name there (``VerifyState = VERIFY_MACHINE.states``)
         new = enum.Enum(  # type: ignore[misc]
-            name.title().replace("_", "") + "State", [*names, *added],
+            enum_name, [*names, *added],
             module=sys._getframe(1).f_globals.get("__name__"))
         new.__hash__ = object.__hash__  # type: ignore[method-assign]  # by identity, in C
 

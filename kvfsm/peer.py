@@ -298,9 +298,11 @@ class PeerReceiver(JobSide):
         self._expected: dict[int, _Expected] = self._books.records
         #: each open link's notifications, by its nonce
         self._inboxes: dict[str, _Inbox] = {}
-        #: the notifications those inboxes kept for an expect to come, as :meth:`stats`
-        #: last counted them
-        self._early_seen = 0
+        #: the notifications those inboxes keep for an expect to come, counted as they come
+        #: and go (for :meth:`stats`, which never takes the lock); ``_early_stale``: an
+        #: interrupt may have come between a change and its count: the next poll counts again
+        self._early = 0
+        self._early_stale = False
         #: nonces of links that closed, with their sender: their notifications never count
         self._spent: dict[str, str] = {}
         #: (sender, nonce, notification, when it came) with a nonce no link has yet, oldest
@@ -438,7 +440,12 @@ class PeerReceiver(JobSide):
                            "discarded: the blocks may hold something else now; the job waits "
                            "for a new write", job.job_id, stale, list(job.block_ids))
         fresh = len(came) > stale
-        del came[:stale + fresh]
+        try:
+            del came[:stale + fresh]
+            self._early -= stale + fresh
+        except BaseException:  # (an interrupt between the two: counted again at the next poll)
+            self._early_stale = True
+            raise
         if not came:
             del inbox.early[message]
         return fresh
@@ -490,6 +497,8 @@ class PeerReceiver(JobSide):
         not a poll later. If that take fails, nothing is published this poll (the jobs wait
         for a poll whose take goes through), but when ``closing``: every link is closed then,
         so no notification can count any more."""
+        if self._early_stale:
+            self._recount_early()
         now = time.monotonic()
         self._take_new(now)
         self._watch_links(now)
@@ -553,19 +562,13 @@ class PeerReceiver(JobSide):
         ``leaks``: cleanup calls that failed (the cache's registration
         at shutdown, the links' metadata removals).
 
-        Never waits for the receiver's lock: a monitoring thread is not held up behind a
-        poll, nor behind the NIXL call a poll is making. ``early`` is counted when the lock is
-        free, else it is the count made the last time it was (a poll under way may change
-        it).
+        Constant, and never takes the receiver's lock: a monitoring thread is not held up
+        behind a poll, nor behind the NIXL call a poll is making, and holds up nobody. (After
+        an interrupt that cut a change of the notifications kept short, ``early`` may be off
+        until the next poll counts them again.)
         """
-        if take(self._lock, 0.0):  # (free: counted now, from the inboxes themselves)
-            try:
-                self._early_seen = sum(len(came) for inbox in self._inboxes.values()
-                                       for came in inbox.early.values())
-            finally:
-                self._lock.release()
         return {"expected": len(self._expected),
-                "early": self._early_seen,
+                "early": self._early,
                 "unknown": len(self._unknown),
                 "dropped": self._dropped,
                 "discarded": self._discarded,
@@ -603,12 +606,24 @@ class PeerReceiver(JobSide):
                     "forget_peer(%r), then connect its new metadata", sender,
                     self._owed.get(link, 0), sender)
 
+    def _recount_early(self) -> None:
+        """Count the notifications kept for an expect again, from the inboxes (under the
+        lock); the count is no longer stale once it is made."""
+        self._early = sum(len(came) for inbox in self._inboxes.values()
+                          for came in inbox.early.values())
+        self._early_stale = False
+
     def _arrived(self, inbox: _Inbox, message: bytes, came: int) -> None:
         """A notification of an open link, that came when ``came`` hand-backs were made: it
         completes the job waiting for it, or waits."""
         job_id = inbox.waiting.pop(message, None)
         if job_id is None:
-            inbox.early.setdefault(message, []).append(came)
+            try:
+                inbox.early.setdefault(message, []).append(came)
+                self._early += 1
+            except BaseException:  # (as in _fresh)
+                self._early_stale = True
+                raise
         else:
             self.machine.fire(self._expected[job_id], ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
 
@@ -635,10 +650,15 @@ class PeerReceiver(JobSide):
         """Close a link: remove its metadata, discard what it kept, spend its nonce."""
         self.links.close(link)
         self._relinked.discard(link)
-        inbox = self._inboxes.pop(link.nonce, None)
+        try:
+            inbox = self._inboxes.pop(link.nonce, None)
+            count = 0 if inbox is None else sum(map(len, inbox.early.values()))
+            self._early -= count
+        except BaseException:  # (as in _fresh)
+            self._early_stale = True
+            raise
         self._spent[link.nonce] = str(link.name)
-        if inbox is not None and inbox.early:
-            count = sum(map(len, inbox.early.values()))
+        if count:
             self._discarded += count
             logger.info("sender %s: %d notification(s) no job claimed were discarded with its "
                         "link", link.name, count)
@@ -930,17 +950,9 @@ class PeerSender(SecondaryTier):
 
     _drained_hand_out = get_finished_jobs  # (JobSide._drain_poll)
 
-    def _drain_poll(self, deadline: float | None) -> list[JobResult]:
-        """A drain's poll (every running transfer checked), then the link settled, as
-        :meth:`get_finished_jobs` settles it."""
-        if not take(self._lock, deadline):
-            return self._books.take_results()
-        try:  # (the lock is reentrant)
-            results = super()._drain_poll(None)
-            self._settle_link()
-            return results
-        finally:
-            self._lock.release()
+    def _drained(self) -> None:
+        """After a drain's poll, the link settled, as :meth:`get_finished_jobs` settles it."""
+        self._settle_link()
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Fail every unfinished job, wait for NIXL, release everything, close the link (but

@@ -15,8 +15,9 @@ engine reuse blocks a running transfer may still read (a store: the object may e
 whatever the block holds by then) or write (a load: the block may be overwritten after the
 engine reused it). (The tier itself never vouches for a given-up store's keys again: they stay
 MISS, whatever store of them succeeds later. Another process sharing the bucket knows nothing
-of it: an object such a PUT landed, half the block's old bytes and half its new ones, is a HIT
-there, and its load a success. A file tier's given-up store is never renamed into place.) So
+of it: an object such a PUT landed, part the block's old bytes and part its new ones, is a HIT
+there, and its load a success. A file tier's given-up store is not renamed into place, unless
+its renames had begun, once NIXL had written every block whole.) So
 ``max_running_seconds`` is off by default, and an object-store tier built with it logs a
 warning; set it only where a stuck transfer is worse than that risk, never on a bucket other
 processes read, and never below the longest time a transfer can take.

@@ -266,3 +266,33 @@ def test_a_transitions_source_given_as_the_states_enum_is_every_state() -> None:
         final=[], unreachable=[Door.GONE])
     assert sorted(edge.source for edge in door.edges if edge.event == "close") == [
         "BROKEN", "CLOSED", "GONE", "OPEN"]
+
+
+def test_a_declaration_whose_source_is_the_states_enum_can_be_extended() -> None:
+    """Declaration accepts source=Door (every state); extending it must not fail on it."""
+    door = declare(transitions=[
+        {"trigger": "open", "source": "CLOSED", "dest": "OPEN", "conditions": "ok"},
+        {"trigger": "open", "source": "CLOSED", "dest": "BROKEN", "conditions": "jam"},
+        {"trigger": "close", "source": Door, "dest": "CLOSED"}],
+        final=[], unreachable=[Door.GONE])
+    ajar = door.extend("ajar", states=["AJAR"], unreachable=["AJAR"])
+    assert sorted(edge.source for edge in ajar.edges if edge.event == "close") == [
+        "BROKEN", "CLOSED", "GONE", "OPEN"]
+
+
+def test_an_extension_given_the_states_enum_as_a_source_is_read_as_every_state() -> None:
+    """The machine's states' Enum as a source is every one of its states, in an extension
+    as in a declaration: here refused for what that edge does to those states, not as "no
+    state <enum 'TransferState'>"."""
+    with pytest.raises(DeclarationError) as refused:  # (a final state would get a way out)
+        TRANSFER_MACHINE.extend("mine", transitions=[
+            {"trigger": "cancel", "source": TRANSFER_MACHINE.states, "dest": "DONE"}])
+    assert "no state <enum" not in str(refused.value)
+    assert "PROCESSING" in str(refused.value) or "PUBLISHED" in str(refused.value)
+
+
+def test_an_extension_state_named_as_its_enums_private_name_is_refused_by_name() -> None:
+    """'_MineState__x' passes the name check (no _X_, no __X__) but Enum (3.11) makes no
+    member of a private name: it fails later as "no state '_MineState__x'"."""
+    with pytest.raises(DeclarationError, match="states names the new states by their names"):
+        TRANSFER_MACHINE.extend("mine", states=["_MineState__x"], unreachable=["_MineState__x"])

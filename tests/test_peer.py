@@ -1015,3 +1015,69 @@ def test_a_ctrl_c_as_a_notification_is_kept_leaves_the_early_count_true() -> Non
         if not landed:
             assert line > 1
             break
+
+
+def test_a_drain_poll_of_a_peer_sender_subclass_settles_its_link_once() -> None:
+    """A drain's poll settles a sender's link once (one check_remote_metadata of a CONNECTING
+    link), as the sender's own get_finished_jobs does, whether a subclass has its own or
+    not."""
+    class Mine(PeerSender):
+        def get_finished_jobs(self) -> list[JobResult]:
+            return super().get_finished_jobs()
+
+    counts = {}
+    for cls in (PeerSender, Mine):
+        sender_agent, receiver_agent = fake_ucx_pair()
+        checks: list[object] = []
+
+        def not_yet(name: object, checks: list[object] = checks) -> bool:
+            checks.append(name)
+            return False  # (CONNECTING: checked again at each settle)
+
+        sender_agent.check_remote_metadata = not_yet  # type: ignore[method-assign]
+        sender = cls(torch.zeros(4, 64, dtype=torch.uint8), agent=sender_agent)
+        receiver = PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=receiver_agent)
+        sender.connect(receiver.metadata(), receiver.block_descs())
+        checks.clear()
+        sender._drain_poll(None)
+        counts[cls.__name__] = len(checks)
+        sender.shutdown(5)
+        receiver.shutdown(5)
+    assert counts["Mine"] == counts["PeerSender"] == 1
+
+
+def test_a_monitoring_threads_stats_never_holds_up_a_receivers_shutdown() -> None:
+    """A thread calling stats over and over, 100,000 notifications kept: shutdown(0), whose
+    wait for the lock has no time left, is never refused (stats never takes the lock; a
+    version that counted them under it held the lock some milliseconds a call)."""
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    receiver.connect(sender_metadata())
+    nonce = nonce_of(receiver)
+    # a sender that wrote and was never expected: kept, "not bounded by a number" (peer.md)
+    agent.inbox = {"engine-a": [notification_for(nonce, job, [job % 4])
+                                for job in range(100_000)]}
+    receiver.get_finished_jobs()
+    assert receiver.stats()["early"] == 100_000
+    stop = threading.Event()
+
+    def monitor() -> None:
+        while not stop.is_set():
+            receiver.stats()
+
+    thread = threading.Thread(target=monitor, daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    try:
+        refused = 0
+        for _ in range(10):
+            try:
+                receiver.shutdown(0)
+                break
+            except DrainTimeout:
+                refused += 1
+        assert refused == 0
+    finally:
+        stop.set()
+        thread.join(5)
+        receiver.shutdown(5)

@@ -7,6 +7,7 @@ a process that forgot ``shutdown`` still never exits with a transfer in flight."
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import random
 import subprocess
@@ -23,7 +24,7 @@ import torch
 from kvfsm import JobResult, TransferJob
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, FaultyAgent
-from kvfsm.tiering import CPUPrimaryTier, TieringManager
+from kvfsm.tiering import CPUPrimaryTier, TieringDrainTimeout, TieringManager
 from kvfsm.tiers import InvalidJobError, ObjectStoreTier, TierClosedError
 from kvfsm.tiers.base import PROGRESS_SLICE
 from kvfsm.transfer import Transfer
@@ -661,3 +662,83 @@ def test_a_managers_drain_hands_results_out_through_a_tiers_own_get_finished_job
     (done,) = manager.drain(timeout)
     assert done.success and tier.seen == [job_id]
     manager.shutdown(5)
+
+
+def test_drain0_of_a_tier_with_its_own_hand_out_and_a_progress_thread_finds_what_nixl_finished(
+) -> None:
+    """operations.md: drain(0) is one step, each kvfsm tier's poll made on the caller's
+    thread, every running transfer checked, a progress thread or not."""
+    primary = CPUPrimaryTier(4, 256, torch.uint8)
+    tier = LookingTier(primary.cache, agent=FakeNixlAgent("own", complete_after_polls=1),
+                       policy=RetryPolicy(progress_interval=60.0))
+    manager = TieringManager(primary, {"t": tier})
+    (block,) = primary.allocate(["k"])
+    primary.complete_write([block], success=True)
+    manager.store([block])
+    try:
+        (done,) = manager.drain(0)
+        assert done.success
+    finally:
+        manager.shutdown(5)
+
+
+def test_drain0_of_an_overriding_tier_checks_every_running_transfer() -> None:
+    """A drain's poll checks every running transfer (as drain_jobs), past check_all_below:
+    the newest store that NIXL finished is found though the oldest still runs."""
+    primary = CPUPrimaryTier(40, 256, torch.uint8)
+    agent = Held()
+    tier = LookingTier(primary.cache, agent=agent,
+                       policy=RetryPolicy(check_all_below=0, max_unpolled=60.0))
+    manager = TieringManager(primary, {"t": tier})
+    blocks = primary.allocate([f"k{i}" for i in range(40)])
+    primary.complete_write(blocks, success=True)
+    for block in blocks:
+        manager.store([block])
+    assert manager.step() == []
+    agent.end(39)
+    try:
+        with pytest.raises(TieringDrainTimeout) as timed_out:  # (three still run)
+            manager.drain(0)
+        assert [done.job.job_id for done in timed_out.value.finalized] == [40]
+    finally:
+        agent.end(*range(39))
+        manager.shutdown(5)
+
+
+class HandingOnTier(ObjectStoreTier):
+    """Hands its results to a worker thread that calls the tier (cancel, of a job it no
+    longer wants) and waits for it, as a tier of the user's own may."""
+
+    handed = False
+    worker_done = False
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        results = super().get_finished_jobs()
+        self.handed = True
+        if results:
+            def work() -> None:
+                with contextlib.suppress(Exception):
+                    self.cancel(10**6)  # (UnknownJobError, once it has the lock)
+            worker = threading.Thread(target=work, daemon=True)
+            worker.start()
+            worker.join(2.0)
+            self.worker_done = not worker.is_alive()
+        return results
+
+
+@pytest.mark.parametrize("how", ["step", "drain"])
+def test_a_managers_drain_runs_a_tiers_own_get_finished_jobs_with_the_lock_free(
+        how: str) -> None:
+    """A tier of the user's own whose hand-out has another thread call the tier and waits
+    for it: the lock is free then, in a drain as in a step."""
+    primary = CPUPrimaryTier(4, 256, torch.uint8)
+    tier = HandingOnTier(primary.cache, agent=FakeNixlAgent("own", complete_after_polls=1))
+    manager = TieringManager(primary, {"t": tier})
+    (block,) = primary.allocate(["k"])
+    primary.complete_write([block], success=True)
+    manager.store([block])
+    try:
+        (done,) = manager.step() if how == "step" else manager.drain(5)
+        assert done.success and tier.worker_done
+    finally:
+        manager.shutdown(5)
