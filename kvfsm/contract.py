@@ -90,6 +90,17 @@ def check_interval(name: str, value: object) -> float:
 
 __all__ = ["Books", "DrainTimeout", "JobSide"]
 
+#: the side a drain on this thread is handing results out through its subclass's own
+#: ``get_finished_jobs`` (:meth:`JobSide._drain_poll`), if any
+_HANDING_OUT = threading.local()
+
+
+def handing_out(side: object) -> bool:
+    """Whether a drain on this thread hands ``side``'s results out through its subclass's
+    own ``get_finished_jobs``, the drain's poll made: kvfsm's ``get_finished_jobs`` then only
+    hands out what was published (no poll, no lock)."""
+    return getattr(_HANDING_OUT, "side", None) is side
+
 
 class DrainTimeout(TimeoutError):
     """Jobs were still unpublished at the deadline; lists each with its state and error."""
@@ -164,6 +175,8 @@ class JobSide:
         """Advance the jobs once (a tier checks those its poll schedule picks:
         :class:`~kvfsm.policy.RetryPolicy`); return each result published since the last
         call."""
+        if handing_out(self):
+            return self._books.take_results()
         with self._lock:
             self._poll()
             return self._books.take_results()
@@ -181,18 +194,23 @@ class JobSide:
 
         A subclass whose ``get_finished_jobs`` is its own (it looks at each result it hands
         out, say) has the results handed out through it, once the drain's poll is made and
-        the lock let go of (it may poll once more, as it does)."""
+        the lock let go of; kvfsm's own ``get_finished_jobs`` under it then only hands out
+        (:func:`handing_out`): no second poll, no wait for the lock."""
         if not take(self._lock, deadline):
             return self._books.take_results()  # (safe without the lock: Books)
-        own = type(self).get_finished_jobs is type(self)._drained_hand_out
         try:
             self._poll(everything=True)
-            if own:
-                self._drained()
+            self._drained()
+            if type(self).get_finished_jobs is type(self)._drained_hand_out:
                 return self._books.take_results()
         finally:
             self._lock.release()
-        return self.get_finished_jobs()  # (a subclass's own, the lock free)
+        before = getattr(_HANDING_OUT, "side", None)
+        try:  # (a subclass's own, the lock free; restored however it ends)
+            _HANDING_OUT.side = self
+            return self.get_finished_jobs()
+        finally:
+            _HANDING_OUT.side = before
 
     def _drained(self) -> None:
         """What the side's own ``get_finished_jobs`` does after its poll, after a drain's

@@ -115,6 +115,7 @@ from kvfsm.contract import (
     JobSide,
     check_interval,
     check_timeout,
+    handing_out,
     take,
 )
 from kvfsm.machines.peer_link import PEER_LINK, LinkState, loses_link
@@ -943,6 +944,8 @@ class PeerSender(SecondaryTier):
     def get_finished_jobs(self) -> list[JobResult]:
         """One poll round (the transfers the poll schedule picks, and those with a call due);
         settle the link; the results published since."""
+        if handing_out(self):  # (a drain's poll settled it)
+            return self._books.take_results()
         with self._lock:
             results = super().get_finished_jobs()
             self._settle_link()

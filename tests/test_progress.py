@@ -742,3 +742,102 @@ def test_a_managers_drain_runs_a_tiers_own_get_finished_jobs_with_the_lock_free(
         assert done.success and tier.worker_done
     finally:
         manager.shutdown(5)
+
+
+class CountingTier(ObjectStoreTier):
+    """Counts its polls."""
+
+    polls = 0
+
+    def _poll(self, *args: Any, **kwargs: Any) -> None:
+        self.polls += 1
+        super()._poll(*args, **kwargs)
+
+
+class CountingOwnHandOut(CountingTier):
+    """A tier of the user's own that hands its results out through its own method."""
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        return super().get_finished_jobs()
+
+
+def _one_store_over(cls: type[ObjectStoreTier]) -> tuple[TieringManager, Any]:
+    primary = CPUPrimaryTier(4, 256, torch.uint8)
+    tier = cls(primary.cache, agent=FakeNixlAgent("own", complete_after_polls=1))
+    manager = TieringManager(primary, {"t": tier})
+    (block,) = primary.allocate(["k"])
+    primary.complete_write([block], success=True)
+    manager.store([block])
+    return manager, tier
+
+
+def test_drain0_polls_a_tier_with_its_own_hand_out_once_as_any_other() -> None:
+    """drain(0) is one step, at most one poll of each tier: a tier whose get_finished_jobs
+    is its own is polled once too (its hand-out under the drain only hands out)."""
+    polls = {}
+    for cls in (CountingTier, CountingOwnHandOut):
+        manager, tier = _one_store_over(cls)
+        tier.polls = 0
+        (done,) = manager.drain(0)
+        assert done.success
+        polls[cls.__name__] = tier.polls
+        manager.shutdown(5)
+    assert polls == {"CountingTier": 1, "CountingOwnHandOut": 1}
+
+
+class HandedOver:
+    """A tier's lock that, armed, waits after the release that lets go of it until another
+    thread took it (``taken``): the thread switch there made certain."""
+
+    def __init__(self, inner: Any, taken: threading.Event) -> None:
+        self.inner, self.taken, self.armed = inner, taken, False
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return bool(self.inner.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self.inner.release()
+        if self.armed and not self.inner._is_owned():
+            self.armed = False
+            self.taken.wait(5)
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@pytest.mark.parametrize("cls", [CountingTier, CountingOwnHandOut])
+def test_a_drain_never_waits_past_its_deadline_for_a_lock_taken_after_its_poll(
+        cls: type[ObjectStoreTier]) -> None:
+    """Another thread's call takes the tier's lock the moment the drain's poll lets go of
+    it, and holds it until the test says: drain(0.2) returns meanwhile, with its job (it
+    waited for that lock in the tier's own get_finished_jobs, without a bound)."""
+    manager, tier = _one_store_over(cls)
+    taken, go = threading.Event(), threading.Event()
+    lock = tier._lock = HandedOver(tier._lock, taken)
+
+    def other_call() -> None:  # (a submit whose NIXL call is slow, say)
+        with lock.inner:
+            taken.set()
+            go.wait(10)
+
+    holder = threading.Thread(target=other_call, daemon=True)
+    drains_poll = tier._poll
+
+    def poll(*args: Any, **kwargs: Any) -> None:
+        drains_poll(*args, **kwargs)
+        if kwargs.get("everything") and not holder.is_alive() and not taken.is_set():
+            lock.armed = True
+            holder.start()  # (it waits for the lock the drain lets go of next)
+
+    tier._poll = poll  # type: ignore[method-assign]
+    try:
+        (done,) = manager.drain(0.2)
+        assert done.success
+        assert holder.is_alive() and not go.is_set(), "the drain waited for the lock"
+    finally:
+        go.set()
+        holder.join(10)
+        manager.shutdown(5)

@@ -37,6 +37,7 @@ from kvfsm.contract import (
     JobSide,
     check_interval,
     check_timeout,
+    handing_out,
     seconds_left,
     take,
 )
@@ -555,7 +556,7 @@ class SecondaryTier(JobSide):
         (While another thread's submit is starting the progress thread, this polls, once
         that submit let go of the lock.)
         """
-        if self._thread_polls():
+        if self._thread_polls() or handing_out(self):
             return self._books.take_results()
         return super().get_finished_jobs()
 
