@@ -152,9 +152,15 @@ class Books:
                 discard(result.job_id)
             return taken
         except BaseException:  # an interrupt: what was taken is handed out by the next call
-            self.unreported.update(result.job_id for result in taken)
-            results.extendleft(reversed(taken))
+            self.unreported.update(result.job_id for result in taken)  # (inline: no function
+            results.extendleft(reversed(taken))  # start, where another would land, between)
             raise
+
+    def give_back(self, taken: Sequence[JobResult]) -> None:
+        """Results taken but not handed out after all (the call taking them was cut short):
+        the next :meth:`take_results` hands them out first, in their order."""
+        self.unreported.update(result.job_id for result in taken)
+        self.results.extendleft(reversed(taken))
 
 
 class JobSide:
@@ -196,19 +202,25 @@ class JobSide:
         out, say) has the results handed out through it, once the drain's poll is made and
         the lock let go of; kvfsm's own ``get_finished_jobs`` under it then only hands out
         (:func:`handing_out`): no second poll, no wait for the lock."""
-        if not take(self._lock, deadline):
+        own = type(self).get_finished_jobs is type(self)._drained_hand_out
+        if take(self._lock, deadline):
+            try:
+                self._poll(everything=True)
+                self._drained()
+                if own:
+                    return self._books.take_results()
+            finally:
+                self._lock.release()
+        elif own:  # (past the deadline, another thread's call holding the lock: no poll)
             return self._books.take_results()  # (safe without the lock: Books)
-        try:
-            self._poll(everything=True)
-            self._drained()
-            if type(self).get_finished_jobs is type(self)._drained_hand_out:
-                return self._books.take_results()
-        finally:
-            self._lock.release()
-        before = getattr(_HANDING_OUT, "side", None)
-        try:  # (a subclass's own, the lock free; restored however it ends)
+        before, handed = getattr(_HANDING_OUT, "side", None), []
+        try:  # (a subclass's own, the lock free, marked; restored however it ends)
             _HANDING_OUT.side = self
-            return self.get_finished_jobs()
+            handed.extend(self.get_finished_jobs())  # (a generator's body runs marked too)
+            return handed
+        except BaseException:  # (what it handed before it raised: handed out next time)
+            self._books.give_back(handed)
+            raise
         finally:
             _HANDING_OUT.side = before
 

@@ -24,7 +24,7 @@ import torch
 from kvfsm import JobResult, TransferJob
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, FaultyAgent
-from kvfsm.tiering import CPUPrimaryTier, TieringDrainTimeout, TieringManager
+from kvfsm.tiering import BookkeepingError, CPUPrimaryTier, TieringDrainTimeout, TieringManager
 from kvfsm.tiers import InvalidJobError, ObjectStoreTier, TierClosedError
 from kvfsm.tiers.base import PROGRESS_SLICE
 from kvfsm.transfer import Transfer
@@ -841,3 +841,112 @@ def test_a_drain_never_waits_past_its_deadline_for_a_lock_taken_after_its_poll(
         go.set()
         holder.join(10)
         manager.shutdown(5)
+
+
+class CountingGeneratorHandOut(CountingTier):
+    """A tier of the user's own that looks at each result as it hands it out (a generator:
+    the manager takes any iterable, and keeps those yielded before a raise)."""
+
+    def get_finished_jobs(self) -> Iterator[JobResult]:  # type: ignore[override]
+        yield from super().get_finished_jobs()
+
+
+def test_drain0_polls_a_generator_hand_out_once() -> None:
+    manager, tier = _one_store_over(CountingGeneratorHandOut)
+    try:
+        tier.polls = 0
+        (done,) = manager.drain(0)
+        assert done.success
+        assert tier.polls == 1, f"drain(0) polled the tier {tier.polls} times"
+    finally:
+        manager.shutdown(5)
+
+
+def test_a_drain_of_a_generator_hand_out_never_waits_past_its_deadline() -> None:
+    manager, tier = _one_store_over(CountingGeneratorHandOut)
+    taken, go = threading.Event(), threading.Event()
+    lock = tier._lock = HandedOver(tier._lock, taken)
+
+    def other_call() -> None:
+        with lock.inner:
+            taken.set()
+            go.wait(10)
+
+    holder = threading.Thread(target=other_call, daemon=True)
+    drains_poll = tier._poll
+
+    def poll(*args: Any, **kwargs: Any) -> None:
+        drains_poll(*args, **kwargs)
+        if kwargs.get("everything") and not holder.is_alive() and not taken.is_set():
+            lock.armed = True
+            holder.start()
+
+    tier._poll = poll  # type: ignore[method-assign]
+    try:
+        (done,) = manager.drain(0.2)
+        assert done.success
+        assert holder.is_alive() and not go.is_set(), "the drain waited for the lock"
+    finally:
+        go.set()
+        holder.join(10)
+        manager.shutdown(5)
+
+
+class SeeingTier(CountingTier):
+    """Looks at each result it hands out (as kvfsm.testing.explore's watched tier does)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[int] = []
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        results = super().get_finished_jobs()
+        self.seen += [result.job_id for result in results]
+        return results
+
+
+def test_a_drain_past_its_deadline_hands_out_through_the_tiers_own_method() -> None:
+    manager, tier = _one_store_over(SeeingTier)
+    with tier._lock:
+        tier._poll(everything=True)  # (published, not yet handed out)
+    taken, go = threading.Event(), threading.Event()
+
+    def other_call() -> None:
+        with tier._lock:
+            taken.set()
+            go.wait(10)
+
+    holder = threading.Thread(target=other_call, daemon=True)
+    holder.start()
+    taken.wait(5)
+    try:
+        (done,) = manager.drain(0.05)
+        assert tier.seen == [done.job.job_id], "handed out past the tier's own method"
+    finally:
+        go.set()
+        holder.join(10)
+        manager.shutdown(5)
+
+
+class RaisingGeneratorHandOut(ObjectStoreTier):
+    """A tier of the user's own whose hand-out raises once, after handing out one result."""
+
+    raised = False
+
+    def get_finished_jobs(self) -> Iterator[JobResult]:  # type: ignore[override]
+        for result in super().get_finished_jobs():
+            yield result
+            if not self.raised:
+                self.raised = True
+                raise RuntimeError("the hand-out's own check failed")
+
+
+def test_a_hand_out_that_raises_in_a_drain_loses_no_result_it_handed_before() -> None:
+    """Its drain reports the error; the result handed out before it is handed out again by
+    the next step, and finalized once."""
+    manager, _ = _one_store_over(RaisingGeneratorHandOut)
+    with pytest.raises(BookkeepingError, match="the hand-out's own check failed"):
+        manager.drain(0)
+    (done,) = manager.step()
+    assert done.success and not manager.has_pending_work()
+    manager.shutdown(5)
