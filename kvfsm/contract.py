@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -95,11 +96,22 @@ __all__ = ["Books", "DrainTimeout", "JobSide"]
 _HANDING_OUT = threading.local()
 
 
+_JOB_ID = operator.attrgetter("job_id")
+
+
 def handing_out(side: object) -> bool:
     """Whether a drain on this thread hands ``side``'s results out through its subclass's
     own ``get_finished_jobs``, the drain's poll made: kvfsm's ``get_finished_jobs`` then only
-    hands out what was published (no poll, no lock)."""
+    hands out what was published (:func:`marked_results`: no poll, no lock)."""
     return getattr(_HANDING_OUT, "side", None) is side
+
+
+def marked_results(books: Books) -> list[JobResult]:
+    """The results published, handed out under a drain's mark (:func:`handing_out`), each
+    noted there: if the subclass's method raises, the drain gives them all back."""
+    taken = books.take_results()
+    _HANDING_OUT.taken += taken
+    return taken
 
 
 class DrainTimeout(TimeoutError):
@@ -156,11 +168,6 @@ class Books:
             results.extendleft(reversed(taken))  # start, where another would land, between)
             raise
 
-    def give_back(self, taken: Sequence[JobResult]) -> None:
-        """Results taken but not handed out after all (the call taking them was cut short):
-        the next :meth:`take_results` hands them out first, in their order."""
-        self.unreported.update(result.job_id for result in taken)
-        self.results.extendleft(reversed(taken))
 
 
 class JobSide:
@@ -182,7 +189,7 @@ class JobSide:
         :class:`~kvfsm.policy.RetryPolicy`); return each result published since the last
         call."""
         if handing_out(self):
-            return self._books.take_results()
+            return marked_results(self._books)
         with self._lock:
             self._poll()
             return self._books.take_results()
@@ -213,16 +220,18 @@ class JobSide:
                 self._lock.release()
         elif own:  # (past the deadline, another thread's call holding the lock: no poll)
             return self._books.take_results()  # (safe without the lock: Books)
-        before, handed = getattr(_HANDING_OUT, "side", None), []
+        mark = _HANDING_OUT
+        before, taken = getattr(mark, "side", None), getattr(mark, "taken", None)
         try:  # (a subclass's own, the lock free, marked; restored however it ends)
-            _HANDING_OUT.side = self
-            handed.extend(self.get_finished_jobs())  # (a generator's body runs marked too)
-            return handed
-        except BaseException:  # (what it handed before it raised: handed out next time)
-            self._books.give_back(handed)
+            mark.side, mark.taken = self, []
+            return list(self.get_finished_jobs())  # (a generator's body runs marked too)
+        except BaseException:  # what kvfsm handed it, all of it: handed out next time
+            books = self._books  # (inline: no function start, where a signal lands, between)
+            books.unreported.update(map(_JOB_ID, mark.taken))
+            books.results.extendleft(reversed(mark.taken))
             raise
         finally:
-            _HANDING_OUT.side = before
+            mark.side, mark.taken = before, taken
 
     def _drained(self) -> None:
         """What the side's own ``get_finished_jobs`` does after its poll, after a drain's

@@ -116,6 +116,7 @@ from kvfsm.contract import (
     check_interval,
     check_timeout,
     handing_out,
+    marked_results,
     take,
 )
 from kvfsm.machines.peer_link import PEER_LINK, LinkState, loses_link
@@ -945,7 +946,7 @@ class PeerSender(SecondaryTier):
         """One poll round (the transfers the poll schedule picks, and those with a call due);
         settle the link; the results published since."""
         if handing_out(self):  # (a drain's poll settled it)
-            return self._books.take_results()
+            return marked_results(self._books)
         with self._lock:
             results = super().get_finished_jobs()
             self._settle_link()

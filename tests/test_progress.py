@@ -950,3 +950,94 @@ def test_a_hand_out_that_raises_in_a_drain_loses_no_result_it_handed_before() ->
     (done,) = manager.step()
     assert done.success and not manager.has_pending_work()
     manager.shutdown(5)
+
+
+
+
+def _two_stores_over(cls: type[ObjectStoreTier]) -> tuple[TieringManager, Any]:
+    primary = CPUPrimaryTier(4, 256, torch.uint8)
+    tier = cls(primary.cache, agent=FakeNixlAgent("own", complete_after_polls=1))
+    manager = TieringManager(primary, {"t": tier})
+    for key in ("k1", "k2"):
+        (block,) = primary.allocate([key])
+        primary.complete_write([block], success=True)
+        manager.store([block])
+    return manager, tier
+
+
+class CheckingListHandOut(ObjectStoreTier):
+    """A list-returning hand-out whose own check (after super()) fails once."""
+
+    raised = False
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        results = super().get_finished_jobs()
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("the hand-out's own check failed")
+        return results
+
+
+def test_a_list_hand_out_that_raises_in_a_drain_loses_no_result() -> None:
+    manager, tier = _one_store_over(CheckingListHandOut)
+    try:
+        with pytest.raises(BookkeepingError, match="own check failed"):
+            manager.drain(0)
+        assert tier.has_pending_work() or not manager.outstanding(), (
+            "the result super() took under the mark was neither handed out nor given back")
+        (done,) = manager.drain(1)
+        assert done.success
+    finally:
+        manager.shutdown(5)
+
+
+class RaisingAfterFirst(ObjectStoreTier):
+    """A generator hand-out that raises once, after the first of several results."""
+
+    raised = False
+
+    def get_finished_jobs(self) -> Iterator[JobResult]:  # type: ignore[override]
+        for result in super().get_finished_jobs():
+            yield result
+            if not self.raised:
+                self.raised = True
+                raise RuntimeError("the hand-out's own check failed")
+
+
+def test_a_generator_hand_out_that_raises_mid_way_loses_no_later_result() -> None:
+    manager, tier = _two_stores_over(RaisingAfterFirst)
+    try:
+        with pytest.raises(BookkeepingError, match="own check failed"):
+            manager.drain(0)
+        assert len(manager.outstanding()) == 2
+        assert len(tier._books.results) == 2, (
+            f"given back {len(tier._books.results)} of the 2 results super() took")
+        done = manager.drain(1)
+        assert len(done) == 2
+    finally:
+        manager.shutdown(5)
+
+
+class InterruptedHandOut(ObjectStoreTier):
+    """Ctrl-C inside the user's hand-out, after super() handed the results to it."""
+
+    interrupted = False
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        results = super().get_finished_jobs()
+        if results and not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return results
+
+
+def test_a_ctrl_c_in_a_list_hand_out_under_a_drain_loses_no_result() -> None:
+    manager, tier = _one_store_over(InterruptedHandOut)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            manager.drain(0)
+        assert tier.owes(manager.outstanding()[0].job.job_id), "the result is lost"
+        (done,) = manager.drain(1)
+        assert done.success
+    finally:
+        manager.shutdown(5)

@@ -38,6 +38,7 @@ from kvfsm.contract import (
     check_interval,
     check_timeout,
     handing_out,
+    marked_results,
     seconds_left,
     take,
 )
@@ -556,7 +557,9 @@ class SecondaryTier(JobSide):
         (While another thread's submit is starting the progress thread, this polls, once
         that submit let go of the lock.)
         """
-        if self._thread_polls() or handing_out(self):
+        if handing_out(self):
+            return marked_results(self._books)
+        if self._thread_polls():
             return self._books.take_results()
         return super().get_finished_jobs()
 
