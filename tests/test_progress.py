@@ -761,6 +761,14 @@ class CountingOwnHandOut(CountingTier):
         return super().get_finished_jobs()
 
 
+class CountingGeneratorHandOut(CountingTier):
+    """A tier of the user's own that looks at each result as it hands it out (a generator:
+    the manager takes any iterable, and keeps those yielded before a raise)."""
+
+    def get_finished_jobs(self) -> Iterator[JobResult]:  # type: ignore[override]
+        yield from super().get_finished_jobs()
+
+
 def _one_store_over(cls: type[ObjectStoreTier]) -> tuple[TieringManager, Any]:
     primary = CPUPrimaryTier(4, 256, torch.uint8)
     tier = cls(primary.cache, agent=FakeNixlAgent("own", complete_after_polls=1))
@@ -775,14 +783,14 @@ def test_drain0_polls_a_tier_with_its_own_hand_out_once_as_any_other() -> None:
     """drain(0) is one step, at most one poll of each tier: a tier whose get_finished_jobs
     is its own is polled once too (its hand-out under the drain only hands out)."""
     polls = {}
-    for cls in (CountingTier, CountingOwnHandOut):
+    for cls in (CountingTier, CountingOwnHandOut, CountingGeneratorHandOut):
         manager, tier = _one_store_over(cls)
         tier.polls = 0
         (done,) = manager.drain(0)
         assert done.success
         polls[cls.__name__] = tier.polls
         manager.shutdown(5)
-    assert polls == {"CountingTier": 1, "CountingOwnHandOut": 1}
+    assert polls == {"CountingTier": 1, "CountingOwnHandOut": 1, "CountingGeneratorHandOut": 1}
 
 
 class HandedOver:
@@ -808,7 +816,7 @@ class HandedOver:
         self.release()
 
 
-@pytest.mark.parametrize("cls", [CountingTier, CountingOwnHandOut])
+@pytest.mark.parametrize("cls", [CountingTier, CountingOwnHandOut, CountingGeneratorHandOut])
 def test_a_drain_never_waits_past_its_deadline_for_a_lock_taken_after_its_poll(
         cls: type[ObjectStoreTier]) -> None:
     """Another thread's call takes the tier's lock the moment the drain's poll lets go of
@@ -843,70 +851,8 @@ def test_a_drain_never_waits_past_its_deadline_for_a_lock_taken_after_its_poll(
         manager.shutdown(5)
 
 
-class CountingGeneratorHandOut(CountingTier):
-    """A tier of the user's own that looks at each result as it hands it out (a generator:
-    the manager takes any iterable, and keeps those yielded before a raise)."""
-
-    def get_finished_jobs(self) -> Iterator[JobResult]:  # type: ignore[override]
-        yield from super().get_finished_jobs()
-
-
-def test_drain0_polls_a_generator_hand_out_once() -> None:
-    manager, tier = _one_store_over(CountingGeneratorHandOut)
-    try:
-        tier.polls = 0
-        (done,) = manager.drain(0)
-        assert done.success
-        assert tier.polls == 1, f"drain(0) polled the tier {tier.polls} times"
-    finally:
-        manager.shutdown(5)
-
-
-def test_a_drain_of_a_generator_hand_out_never_waits_past_its_deadline() -> None:
-    manager, tier = _one_store_over(CountingGeneratorHandOut)
-    taken, go = threading.Event(), threading.Event()
-    lock = tier._lock = HandedOver(tier._lock, taken)
-
-    def other_call() -> None:
-        with lock.inner:
-            taken.set()
-            go.wait(10)
-
-    holder = threading.Thread(target=other_call, daemon=True)
-    drains_poll = tier._poll
-
-    def poll(*args: Any, **kwargs: Any) -> None:
-        drains_poll(*args, **kwargs)
-        if kwargs.get("everything") and not holder.is_alive() and not taken.is_set():
-            lock.armed = True
-            holder.start()
-
-    tier._poll = poll  # type: ignore[method-assign]
-    try:
-        (done,) = manager.drain(0.2)
-        assert done.success
-        assert holder.is_alive() and not go.is_set(), "the drain waited for the lock"
-    finally:
-        go.set()
-        holder.join(10)
-        manager.shutdown(5)
-
-
-class SeeingTier(CountingTier):
-    """Looks at each result it hands out (as kvfsm.testing.explore's watched tier does)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.seen: list[int] = []
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        results = super().get_finished_jobs()
-        self.seen += [result.job_id for result in results]
-        return results
-
-
 def test_a_drain_past_its_deadline_hands_out_through_the_tiers_own_method() -> None:
-    manager, tier = _one_store_over(SeeingTier)
+    manager, tier = _one_store_over(LookingTier)
     with tier._lock:
         tier._poll(everything=True)  # (published, not yet handed out)
     taken, go = threading.Event(), threading.Event()
@@ -952,8 +898,6 @@ def test_a_hand_out_that_raises_in_a_drain_loses_no_result_it_handed_before() ->
     manager.shutdown(5)
 
 
-
-
 def _two_stores_over(cls: type[ObjectStoreTier]) -> tuple[TieringManager, Any]:
     primary = CPUPrimaryTier(4, 256, torch.uint8)
     tier = cls(primary.cache, agent=FakeNixlAgent("own", complete_after_polls=1))
@@ -991,21 +935,8 @@ def test_a_list_hand_out_that_raises_in_a_drain_loses_no_result() -> None:
         manager.shutdown(5)
 
 
-class RaisingAfterFirst(ObjectStoreTier):
-    """A generator hand-out that raises once, after the first of several results."""
-
-    raised = False
-
-    def get_finished_jobs(self) -> Iterator[JobResult]:  # type: ignore[override]
-        for result in super().get_finished_jobs():
-            yield result
-            if not self.raised:
-                self.raised = True
-                raise RuntimeError("the hand-out's own check failed")
-
-
 def test_a_generator_hand_out_that_raises_mid_way_loses_no_later_result() -> None:
-    manager, tier = _two_stores_over(RaisingAfterFirst)
+    manager, tier = _two_stores_over(RaisingGeneratorHandOut)
     try:
         with pytest.raises(BookkeepingError, match="own check failed"):
             manager.drain(0)
