@@ -164,8 +164,8 @@ class Books:
                 discard(result.job_id)
             return taken
         except BaseException:  # an interrupt: what was taken is handed out by the next call
-            self.unreported.update(result.job_id for result in taken)  # (inline: no function
-            results.extendleft(reversed(taken))  # start, where another would land, between)
+            self.unreported.update(result.job_id for result in taken)
+            results.extendleft(reversed(taken))
             raise
 
 
@@ -226,9 +226,9 @@ class JobSide:
             mark.side, mark.taken = self, []
             return list(self.get_finished_jobs())  # (a generator's body runs marked too)
         except BaseException:  # what kvfsm handed it, all of it: handed out next time
-            books = self._books  # (inline: no function start, where a signal lands, between)
-            books.unreported.update(map(_JOB_ID, mark.taken))
-            books.results.extendleft(reversed(mark.taken))
+            books, back = self._books, mark.taken[::-1]  # (no call before the results are
+            books.results.extendleft(back)  # back: a signal lands as a call returns; one
+            books.unreported.update(map(_JOB_ID, back))  # after it leaves them unmarked)
             raise
         finally:
             mark.side, mark.taken = before, taken

@@ -6,10 +6,14 @@ a process that forgot ``shutdown`` still never exits with a transfer in flight."
 
 from __future__ import annotations
 
+import _thread
 import collections
 import contextlib
+import functools
+import itertools
 import logging
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -21,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+import kvfsm.contract
 from kvfsm import JobResult, TransferJob
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, FaultyAgent
@@ -972,3 +977,35 @@ def test_a_ctrl_c_in_a_list_hand_out_under_a_drain_loses_no_result() -> None:
         assert done.success
     finally:
         manager.shutdown(5)
+
+
+class CheckFailsOnce(ObjectStoreTier):
+    """A list hand-out whose own check after super() fails once."""
+
+    raised = False
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        results = super().get_finished_jobs()
+        if results and not self.raised:
+            self.raised = True
+            raise RuntimeError("own check failed")
+        return results
+
+
+def test_a_ctrl_c_as_a_drain_gives_a_hand_outs_results_back_loses_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand-out raised; a Ctrl-C lands as the drain gives its results back (made
+    pending from inside the give-back's only call after the results are back: its job-id
+    getter, a C callable). The result is back in the tier's books, the job outstanding, and
+    the next drain finalizes it."""
+    manager, tier = _one_store_over(CheckFailsOnce)
+    sigint_from_c = functools.partial(
+        next, map(_thread.interrupt_main, itertools.repeat(signal.SIGINT)))
+    monkeypatch.setattr(kvfsm.contract, "_JOB_ID", sigint_from_c)
+    with pytest.raises(KeyboardInterrupt):
+        manager.drain(0)
+    monkeypatch.undo()
+    assert len(manager.outstanding()) == 1 and tier.has_pending_work()
+    (done,) = manager.drain(5)
+    assert done.success
+    manager.shutdown(5)
