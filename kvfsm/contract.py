@@ -94,8 +94,6 @@ __all__ = ["Books", "DrainTimeout", "JobSide"]
 #: the side a drain on this thread is handing results out through its subclass's own
 #: ``get_finished_jobs`` (:meth:`JobSide._drain_poll`), if any
 _HANDING_OUT = threading.local()
-
-
 _JOB_ID = operator.attrgetter("job_id")
 
 
@@ -167,7 +165,6 @@ class Books:
             self.unreported.update(result.job_id for result in taken)
             results.extendleft(reversed(taken))
             raise
-
 
 
 class JobSide:

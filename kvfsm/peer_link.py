@@ -225,9 +225,9 @@ class PeerLinks:
         """Record the leaks a close just made; once closed, ``link`` is the last of the
         closed links kept, and the one closed :data:`CLOSED_KEPT` closes before it goes (a
         sender that linked to one receiver after another keeps no more)."""
-        self.leak_count += len(leaks)
-        self._leaked.extend((str(link.name), leak) for leak in leaks)
         name = str(link.name)
+        self.leak_count += len(leaks)
+        self._leaked.extend((name, leak) for leak in leaks)
         if link.state not in PEER_LINK.final or self.links.get(name) is not link:
             return
         closed = self._closed

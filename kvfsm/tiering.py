@@ -958,7 +958,7 @@ class TieringManager:
         """
         return self._step(None, draining=False)
 
-    def _step(self, deadline: float | None, draining: bool = True) -> list[Finalized]:
+    def _step(self, deadline: float | None, *, draining: bool) -> list[Finalized]:
         """:meth:`step`; or (``draining``) a step of :meth:`drain`: each kvfsm tier makes a
         drain's poll on this thread (every running transfer checked, as its ``drain_jobs``
         does, a progress thread or not: the caller is waiting), its lock waited for until
@@ -1052,7 +1052,7 @@ class TieringManager:
         done: list[Finalized] = []
         while True:
             try:
-                done += self._step(deadline)
+                done += self._step(deadline, draining=True)
                 if not self.has_pending_work():
                     return done
                 if deadline is not None and time.monotonic() >= deadline:

@@ -152,12 +152,12 @@ def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
                     raise ValueError(f"steps must be a list of steps, got "
                                      f"{json.dumps(trace['steps'])[:80]}")
                 job_id = trace.get("job_id")
-                if job_id is not None and (type(job_id) is not int):  # (JSON: no bool is one)
+                if job_id is not None and type(job_id) is not int:  # (JSON: no bool is one)
                     raise ValueError(f"job_id must be an int, got {json.dumps(job_id)[:80]}")
                 for index, row in enumerate(trace["steps"], start=1):
                     if (not isinstance(row, list) or len(row) < 4
                             or not all(isinstance(part, str) for part in row[:4])
-                            or (len(row) > 4 and (type(row[4]) not in (int, float)))):
+                            or (len(row) > 4 and type(row[4]) not in (int, float))):
                         raise ValueError(f"step {index} is not [event, answer, from, to, "
                                          f"seconds]: {row!r}")
                 if "success" in trace and type(trace["success"]) is not bool:  # (checked

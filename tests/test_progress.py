@@ -914,21 +914,22 @@ def _two_stores_over(cls: type[ObjectStoreTier]) -> tuple[TieringManager, Any]:
     return manager, tier
 
 
-class CheckingListHandOut(ObjectStoreTier):
-    """A list-returning hand-out whose own check (after super()) fails once."""
+class RaisingListHandOut(ObjectStoreTier):
+    """A list hand-out whose own check after super() fails once it has results: it raises
+    ``raises``, once."""
 
-    raised = False
+    raises: BaseException | None = RuntimeError("the hand-out's own check failed")
 
     def get_finished_jobs(self) -> list[JobResult]:
         results = super().get_finished_jobs()
-        if not self.raised:
-            self.raised = True
-            raise RuntimeError("the hand-out's own check failed")
+        if results and self.raises is not None:
+            error, self.raises = self.raises, None
+            raise error
         return results
 
 
 def test_a_list_hand_out_that_raises_in_a_drain_loses_no_result() -> None:
-    manager, tier = _one_store_over(CheckingListHandOut)
+    manager, tier = _one_store_over(RaisingListHandOut)
     try:
         with pytest.raises(BookkeepingError, match="own check failed"):
             manager.drain(0)
@@ -954,21 +955,9 @@ def test_a_generator_hand_out_that_raises_mid_way_loses_no_later_result() -> Non
         manager.shutdown(5)
 
 
-class InterruptedHandOut(ObjectStoreTier):
-    """Ctrl-C inside the user's hand-out, after super() handed the results to it."""
-
-    interrupted = False
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        results = super().get_finished_jobs()
-        if results and not self.interrupted:
-            self.interrupted = True
-            raise KeyboardInterrupt
-        return results
-
-
 def test_a_ctrl_c_in_a_list_hand_out_under_a_drain_loses_no_result() -> None:
-    manager, tier = _one_store_over(InterruptedHandOut)
+    manager, tier = _one_store_over(RaisingListHandOut)
+    tier.raises = KeyboardInterrupt()
     try:
         with pytest.raises(KeyboardInterrupt):
             manager.drain(0)
@@ -979,26 +968,13 @@ def test_a_ctrl_c_in_a_list_hand_out_under_a_drain_loses_no_result() -> None:
         manager.shutdown(5)
 
 
-class CheckFailsOnce(ObjectStoreTier):
-    """A list hand-out whose own check after super() fails once."""
-
-    raised = False
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        results = super().get_finished_jobs()
-        if results and not self.raised:
-            self.raised = True
-            raise RuntimeError("own check failed")
-        return results
-
-
 def test_a_ctrl_c_as_a_drain_gives_a_hand_outs_results_back_loses_none(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The hand-out raised; a Ctrl-C lands as the drain gives its results back (made
     pending from inside the give-back's only call after the results are back: its job-id
     getter, a C callable). The result is back in the tier's books, the job outstanding, and
     the next drain finalizes it."""
-    manager, tier = _one_store_over(CheckFailsOnce)
+    manager, tier = _one_store_over(RaisingListHandOut)
     sigint_from_c = functools.partial(
         next, map(_thread.interrupt_main, itertools.repeat(signal.SIGINT)))
     monkeypatch.setattr(kvfsm.contract, "_JOB_ID", sigint_from_c)

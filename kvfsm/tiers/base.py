@@ -749,9 +749,7 @@ class SecondaryTier(JobSide):
         Raises:
             ValueError: ``nbytes`` is not an int >= 0.
         """
-        if type(nbytes) is not int and (isinstance(nbytes, bool) or not isinstance(nbytes, int)):
-            raise ValueError(f"saturated: nbytes must be an int >= 0, got {nbytes!r}")
-        if nbytes < 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"saturated: nbytes must be an int >= 0, got {nbytes!r}")
         runner = self._runner
         return not self.in_flight.admits(len(runner.records), runner.bytes_in_flight, nbytes)
