@@ -10,17 +10,20 @@ What the bound means for memory: a quarantined transfer *had ended* (NIXL answer
 error) before its release was retried, so the memory it read or wrote is no longer in use and
 the failure result lets the engine reuse it safely; only the transfer handle (and its
 descriptors) stay held for good. ``max_running_seconds`` is different: it quarantines a transfer
-NIXL still reports as running. Its handles are never released, but the failure result lets the
-engine reuse blocks a running transfer may still read (a store: the object may end up holding
-whatever the block holds by then) or write (a load: the block may be overwritten after the
-engine reused it). (The tier itself never vouches for a given-up store's keys again: they stay
-MISS, whatever store of them succeeds later. Another process sharing the bucket knows nothing
-of it: an object such a PUT landed, part the block's old bytes and part its new ones, is a HIT
-there, and its load a success. A file tier's given-up store is not renamed into place, unless
-its renames had begun, once NIXL had written every block whole.) So
-``max_running_seconds`` is off by default, and an object-store tier built with it logs a
-warning; set it only where a stuck transfer is worse than that risk, never on a bucket other
-processes read, and never below the longest time a transfer can take.
+NIXL still reports as running. Its handles are never released, and its failure result says so
+(``JobResult.blocks_in_use``): NIXL may go on reading (a store) or writing (a load) the job's
+blocks, so they must never be reused. :class:`~kvfsm.tiering.TieringManager` keeps such a
+store's pins for good (the block is never evicted or written again, so whatever NIXL copies is
+its bytes) and retires such a load's blocks (never handed out again); vLLM's manager reuses
+chunks on any result, so the vLLM tiers refuse the bound. A parent of the user's own that
+reuses the blocks all the same lets a load land in a block reused since, and a store land an
+object holding part of what the block held later: the tier itself never vouches for a given-up
+store's keys again (they stay MISS, whatever store of them succeeds later), but another process
+sharing the bucket finds that object and loads it as a success. (A file tier's given-up store
+is not renamed into place, unless its renames had begun, once NIXL had written every block
+whole.) So ``max_running_seconds`` is off by default, and an object-store tier built with it
+logs a warning; set it only where a stuck transfer is worse than a block held for good, and
+never below the longest time a transfer can take.
 
 The poll schedule: which running transfers a poll asks NIXL about. With ``check_all_below``
 or fewer running, every one, every poll. With more, a poll checks the stores whose remote

@@ -38,6 +38,7 @@ What the runner decides itself, each once and from the table:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -831,7 +832,7 @@ class Runner(Books):
         held = transfer.state in self.failed_final and self._settle_failed(transfer)
         if not transfer.success and not published:  # (published: they were, before it)
             self._failing(transfer)
-        result = transfer.result()
+        result = self._held_result(transfer) if held else transfer.result()
         # the result is queued before the record goes: a progress thread publishes while the
         # caller may be taking results (Books) or asking has_pending_work, which must never
         # see neither the record nor the result
@@ -872,6 +873,14 @@ class Runner(Books):
             self._compact_backoffs()
         if not result.success or transfer.leaks or self.on_published:
             self._announce(transfer, result)
+
+    def _held_result(self, transfer: Transfer) -> JobResult:
+        """The result of a transfer that ended holding its transfer handle: one given up while
+        NIXL ran it says NIXL may still move its blocks (``blocks_in_use``)."""
+        result = transfer.result()
+        if transfer in self.may_run:
+            return dataclasses.replace(result, blocks_in_use=True)
+        return result
 
     def _failing(self, transfer: Transfer, latched: bool = False) -> None:
         """A transfer that failed, before its result is queued, or (``latched``) once its

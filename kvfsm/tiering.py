@@ -10,7 +10,9 @@ secondary tiers (object store, files, a user's own) and back. This module is tha
 * :class:`TieringManager` turns stores and loads into jobs for the secondary tiers, keeps
   ``job_id -> job`` for every job it handed out, and finalizes the primary on each job's result:
   a store's pin is dropped whether it succeeded or not; a load's block becomes readable, or is
-  freed when the load failed.
+  freed when the load failed. A failure that says NIXL may still move the job's blocks (its
+  transfer was given up while it ran: ``JobResult.blocks_in_use``) keeps a store's pins, and
+  retires a load's blocks, for good.
 
 So the guarantees of the tiers (one result per job, never before NIXL let go of the memory) carry
 over to the primary: no block stays pinned once its jobs have results, no block is reused while a
@@ -85,6 +87,8 @@ Key: TypeAlias = bytes | str
 
 #: reference count of a block being written
 WRITING = -1
+#: reference count of a retired block: a load given up while NIXL ran it may still write it
+RETIRED = -2
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -212,7 +216,9 @@ class CPUPrimaryTier:
     written (allocated by :meth:`allocate`, until :meth:`complete_write`), 0 when ready, n > 0
     while n transfers read it (:meth:`pin` ... :meth:`complete_read`). :meth:`allocate` takes free
     blocks first (lowest first), then evicts ready blocks with count 0, least recently used
-    first. A block being written or pinned is never evicted.
+    first. A block being written or pinned is never evicted. A block being written that NIXL
+    may go on writing after its load was given up is *retired* (:meth:`retire`, count -2): it
+    holds no key and is never handed out again.
 
     Every method that takes blocks checks all of them before changing anything: bad input raises
     a :class:`PrimaryTierError` (a ``ValueError``) naming what was wrong, and changes nothing.
@@ -263,7 +269,8 @@ class CPUPrimaryTier:
     # -- what blocks hold ----------------------------------------------------------------------
 
     def pin_count(self, block_id: int) -> int:
-        """The reference count of a block: -1 being written, 0 ready (or free), n > 0 read by n.
+        """The reference count of a block: -1 being written, 0 ready (or free), n > 0 read by n,
+        -2 retired.
 
         Raises:
             UnknownBlockError: not a block of this cache.
@@ -304,13 +311,14 @@ class CPUPrimaryTier:
         return [block for block in self._lru if counts[block] == 0]
 
     def stats(self) -> dict[str, int]:
-        """How many blocks are free, being written, ready, pinned; evictions so far."""
+        """How many blocks are free, being written, ready, pinned, retired; evictions so far."""
         counts = list(self._counts.values())
         return {
             "free": len(self._free),
             "writing": counts.count(WRITING),
             "ready": counts.count(0),
             "pinned": sum(1 for count in counts if count > 0),
+            "retired": counts.count(RETIRED),
             "evictions": self.evictions,
         }
 
@@ -408,6 +416,24 @@ class CPUPrimaryTier:
             else:
                 self._drop(block)
 
+    def retire(self, block_ids: Iterable[int]) -> None:
+        """Take blocks being written out of use for good: their keys are dropped (a key may be
+        allocated again, in another block) and the blocks are never handed out again. For a
+        load given up while NIXL still ran it (:attr:`kvfsm.transfer.JobResult.blocks_in_use`):
+        NIXL may write them at any time from now on.
+
+        Raises:
+            UnknownBlockError: not a block of this cache.
+            BlockStateError: a block that is not being written; or the same block twice.
+        """
+        blocks = self._check(block_ids, self._writing)
+        counts, keys, held = self._counts, self._keys, self._blocks
+        for block in blocks:  # (no call within a block's change: an interrupt between two
+            key = keys[block]  # blocks leaves the rest being written, never handed out)
+            del held[key]
+            del keys[block]
+            counts[block] = RETIRED
+
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop the keys of ready blocks nobody reads (count 0), making the blocks free.
 
@@ -498,6 +524,8 @@ class CPUPrimaryTier:
         count = self._counts.get(block)
         if count is None:
             return "it is free"
+        if count == RETIRED:
+            return "it is retired: NIXL may still write it"
         key = self._keys[block]
         if count == WRITING:
             return f"it is being written with key {key!r}"
@@ -616,12 +644,16 @@ class Submitted:
 @dataclass(frozen=True, slots=True)
 class Finalized:
     """A job whose result arrived and whose primary blocks were finalized; a failed one says
-    why (:attr:`kvfsm.transfer.JobResult.reason`, when its tier gave one)."""
+    why (:attr:`kvfsm.transfer.JobResult.reason`, when its tier gave one), and whether its
+    blocks were kept out of use for good because NIXL may still move them
+    (:attr:`kvfsm.transfer.JobResult.blocks_in_use`: a store's pins kept, a load's blocks
+    retired)."""
 
     job: TransferJob
     tier: str
     success: bool
     reason: FailureReason | None = None
+    blocks_in_use: bool = False
 
     @property
     def job_id(self) -> int:
@@ -638,6 +670,12 @@ class TieringManager:
     * :meth:`load` promotes keys from a tier that holds them (its ``lookup`` says HIT): it
       allocates blocks being written and submits one job; the result makes the blocks readable,
       or frees them when the load failed.
+    * A failed result whose ``blocks_in_use`` is True (its transfer was given up while NIXL
+      still ran it: :attr:`~kvfsm.policy.RetryPolicy.max_running_seconds`) says NIXL may go on
+      reading or writing the job's blocks: a store's pins stay, so the block is never
+      evicted or written again and whatever NIXL copies from it is its bytes; a load's blocks
+      are retired (:meth:`CPUPrimaryTier.retire`: their keys may be loaded again elsewhere,
+      the blocks never handed out). :meth:`stats` counts them (``blocks_held``).
     * :meth:`step` collects results from every tier once and finalizes each job exactly once.
 
     Job ids are the manager's, unique across its tiers. The books are checked on every result: a
@@ -729,7 +767,8 @@ class TieringManager:
         #: found since a step last raised them (a step an interrupt cut short leaves them)
         self.bookkeeping_errors: list[BookkeepingIssue] = []
         self._issues: list[BookkeepingIssue] = []
-        self._counts = {"stores_ok": 0, "stores_failed": 0, "loads_ok": 0, "loads_failed": 0}
+        self._counts = {"stores_ok": 0, "stores_failed": 0, "loads_ok": 0, "loads_failed": 0,
+                        "blocks_held": 0}
         #: stores not cascaded to a saturated or busy tier, per tier
         self._skipped = dict.fromkeys(named, 0)
         self._block_bytes = int(primary.cache[0].nbytes)
@@ -1105,8 +1144,10 @@ class TieringManager:
         return done
 
     def stats(self) -> dict[str, Any]:
-        """Outstanding jobs per tier; stores and loads finalized, by outcome; stores not
-        cascaded to a saturated tier, per tier; bookkeeping."""
+        """Outstanding jobs per tier; stores and loads finalized, by outcome; the blocks kept
+        out of use for good because NIXL may still move them (``blocks_held``: a store's pins
+        kept, a load's blocks retired, counted once per job); stores not cascaded to a
+        saturated tier, per tier; bookkeeping."""
         per_tier = dict.fromkeys(self._tiers, 0)
         for submitted in self._jobs.values():
             per_tier[submitted.tier] += 1
@@ -1213,13 +1254,16 @@ class TieringManager:
             self._issues += (stray,)
             return
         job, success = submitted.job, getattr(result, "success", None)
+        # (a success says NIXL is done with the blocks, whatever else it says)
+        in_use = success is not True and getattr(result, "blocks_in_use", False) is True
         issue = None
         if not isinstance(success, bool):  # the tier did finish the job: finalize it, as failed
             issue = BookkeepingIssue(job_id, name, f"result {result!r} has success={success!r}, "
                                                    "not a bool; finalized as failed")
             success = False
         reason = None if success else getattr(result, "reason", None)
-        done = Finalized(job, name, success, reason if isinstance(reason, FailureReason) else None)
+        done = Finalized(job, name, success, reason if isinstance(reason, FailureReason) else None,
+                         in_use)
         counted = f"{'loads' if job.is_promotion else 'stores'}_{'ok' if success else 'failed'}"
         # marked finalized, and its Finalized kept, before its blocks are: an interrupt from
         # here on never has them unpinned or completed twice (nor the job lost)
@@ -1231,7 +1275,11 @@ class TieringManager:
         if issue is not None:
             self._issues += (issue,)
         try:
-            if job.is_promotion:
+            if in_use:  # NIXL may still move them: a store's pins stay, a load's blocks go
+                if job.is_promotion:
+                    self.primary.retire(job.block_ids)
+                self._counts["blocks_held"] += len(job.block_ids)
+            elif job.is_promotion:
                 self.primary.complete_write(job.block_ids, success)
             else:
                 self.primary.complete_read(job.block_ids)

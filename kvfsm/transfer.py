@@ -34,7 +34,8 @@ class JobResult:
     A failed job says why in ``reason`` (:class:`~kvfsm.machines.transfer.FailureReason`: the
     call that failed and what it raised or answered, or cancelled, or quarantined), so an
     application needs no logger to learn it. The reason explains a result, it does not
-    identify one: it takes no part in comparing results.
+    identify one: it takes no part in comparing results. ``blocks_in_use`` does: a result
+    that lets the job's blocks be reused differs from one that does not.
     """
 
     job_id: int
@@ -45,6 +46,11 @@ class JobResult:
     transfer_time: float = 0.0
     #: why the job failed; None for a success
     reason: FailureReason | None = field(default=None, compare=False)
+    #: True only on a failure published while NIXL may still run the job's transfer (given
+    #: up past :attr:`~kvfsm.policy.RetryPolicy.max_running_seconds`): NIXL may go on reading
+    #: (a store) or writing (a load) the job's primary blocks, so they must never be reused.
+    #: :class:`~kvfsm.tiering.TieringManager` keeps a store's pins and retires a load's blocks
+    blocks_in_use: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -557,7 +557,9 @@ class ObjectStoreTier(_Adapter):
       namespace being the folder of the model and KV layout (:func:`namespace`);
     - ``capacity_bytes``: the most bytes of objects kept; the least recently used are deleted
       (with boto3) to make room (None: no bound);
-    - ``retry``: the :class:`kvfsm.policy.RetryPolicy` fields, as a dict;
+    - ``retry``: the :class:`kvfsm.policy.RetryPolicy` fields, as a dict, but for
+      ``max_running_seconds`` (refused: vLLM reuses a job's chunks once it has its result,
+      and a transfer given up while NIXL runs it would go on moving them);
     - ``shutdown_timeout``: seconds shutdown waits for NIXL (None: as long as it takes);
     - ``in_flight``: back-pressure, the :class:`kvfsm.policy.InFlightLimit` fields (``jobs``,
       ``bytes``) as a dict: past the bound vLLM's manager does not cascade stores to the tier
@@ -696,8 +698,18 @@ def _limit(who: str, in_flight: Mapping[str, Any] | None) -> InFlightLimit | Non
 
 
 def _policy(who: str, retry: Mapping[str, Any] | None) -> RetryPolicy:
-    """The retry policy from the settings' dict (RetryPolicy's fields)."""
-    return RetryPolicy() if retry is None else _from_fields(who, "retry", RetryPolicy, retry)
+    """The retry policy from the settings' dict (RetryPolicy's fields); never a running bound:
+    vLLM reuses a job's chunks once it has the job's result, and a transfer given up while
+    NIXL runs it would go on reading or writing them (``JobResult.blocks_in_use``, which
+    vLLM's manager cannot be told)."""
+    policy = RetryPolicy() if retry is None else _from_fields(who, "retry", RetryPolicy, retry)
+    if policy.max_running_seconds is not None:
+        raise ValueError(
+            f"{who}: retry: max_running_seconds={policy.max_running_seconds!r} is refused under "
+            "vLLM: a transfer given up while NIXL still runs it would go on reading or writing "
+            "chunks vLLM reuses once it has the job's result (leave it unset; a stuck "
+            "transfer is logged by drain_jobs every 5 s)")
+    return policy
 
 
 def _from_fields(who: str, setting: str, cls: Any, given: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import re
 from typing import Any
@@ -214,6 +215,24 @@ def test_a_transfer_given_up_before_its_own_bound_passed_is_caught(
     assert [(v.invariant, v.job_id) for v in violations] == [(Invariant.RELEASE_BEFORE_PUBLISH, 2)]
     found = explore(max_faults=2)
     assert Invariant.RELEASE_BEFORE_PUBLISH in {v.invariant for v in found.violations}
+
+@pytest.mark.parametrize("says", [False, True], ids=["never-in-use", "always-in-use"])
+def test_a_result_that_says_its_blocks_are_in_use_wrongly_is_caught(
+        monkeypatch: pytest.MonkeyPatch, says: bool) -> None:
+    """A tier whose quarantined jobs never say their blocks are in use lets the parent reuse
+    a block NIXL may still read or write (the job given up past its running bound); one whose
+    jobs always say so holds blocks for good that NIXL is done with (a release that kept
+    failing). Each is caught, with the parent and without."""
+    from kvfsm.runner import Runner  # noqa: PLC0415
+
+    monkeypatch.setattr(Runner, "_held_result", lambda self, transfer: dataclasses.replace(
+        transfer.result(), blocks_in_use=says))
+    for parent in (False, True):
+        found = explore(parent=parent, max_faults=2)
+        assert Invariant.BLOCKS_IN_USE in {v.invariant for v in found.violations}, found.report()
+        what = "was done with its blocks" if says else "may still run its transfer"
+        assert f"blocks_in_use={says} while NIXL {what}" in found.report()
+
 
 def test_through_the_parent_every_pin_returns_to_zero_on_every_path() -> None:
     found = explore(parent=True, max_faults=2, stop_at_first=False)

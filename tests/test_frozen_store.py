@@ -11,12 +11,15 @@ import select
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from kvfsm import TransferJob
+from kvfsm.policy import RetryPolicy
+from kvfsm.tiering import CPUPrimaryTier, Finalized, OutOfBlocksError, TieringManager
 from kvfsm.tiers import DrainTimeout, Lookup, ObjectStoreTier
 
 from .real_nixl import S3Server, free_port, require_nixl
@@ -112,3 +115,61 @@ def test_a_process_exits_cleanly_with_a_lookup_probe_hanging_on_a_frozen_store(
         child.wait()
     assert child.returncode == 0, stderr[-2000:]
     assert "terminate called" not in stderr
+
+
+def test_a_store_given_up_while_the_store_is_frozen_keeps_its_block_and_lands_its_bytes(
+    server: S3Server,
+) -> None:
+    """The running bound gives up a store NIXL still runs (the server frozen mid-PUT of a
+    32 MiB block): the job fails at once, saying its block is in use, and the manager keeps the
+    block pinned, so the engine, taking every block it can for new keys and writing them, never
+    gets that one. Once the server answers, the PUT lands, and another engine's tier on the
+    bucket, which knows nothing of the give-up, loads exactly the block's bytes (a block reused
+    under the PUT made the object land with what the engine wrote there since, loaded there as
+    a success: checked by writing the block anyway, all 32 MiB came back as the new bytes)."""
+    blocks, block_bytes = 3, 32 << 20
+    primary = CPUPrimaryTier(blocks, block_bytes, torch.uint8)
+    bucket = server.new_bucket()
+    tier = ObjectStoreTier(primary.cache, store=server.config(bucket),
+                           policy=RetryPolicy(max_running_seconds=0.5))
+    manager = TieringManager(primary, {"s3": tier})
+    (block,) = primary.allocate(["kept"])
+    original = torch.randint(0, 256, (block_bytes,), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(18))
+    primary.cache[block] = original
+    primary.complete_write([block], True)
+
+    server.freeze()
+    manager.store([block])
+    finalized: list[Finalized] = []
+    deadline = time.monotonic() + 30
+    while not finalized and time.monotonic() < deadline:
+        finalized += manager.step()
+        time.sleep(0.05)
+    [done] = finalized
+    assert not done.success and done.blocks_in_use, "given up while NIXL runs the PUT"
+    assert done.reason is not None and done.reason.error == "still running after 0.5 s"
+    assert primary.pin_count(block) == 1 and manager.stats()["blocks_held"] == 1
+    with pytest.raises(OutOfBlocksError, match="1 pinned"):  # the engine wants every block
+        primary.allocate([f"new-{index}" for index in range(blocks)])
+    reused = primary.allocate([f"new-{index}" for index in range(blocks - 1)])
+    assert block not in reused
+    primary.cache[reused] = 0xFF
+    primary.complete_write(reused, True)
+    server.thaw()
+
+    elsewhere = torch.zeros(1, block_bytes, dtype=torch.uint8)
+    other = ObjectStoreTier(elsewhere, store=server.config(bucket))
+    try:
+        deadline = time.monotonic() + 60
+        while other.lookup("kept") is not Lookup.HIT:  # the PUT lands once the server answers
+            assert time.monotonic() < deadline, "the given-up PUT never landed"
+            time.sleep(0.1)
+        other.submit_load(TransferJob(1, ["kept"], [0], is_promotion=True))
+        other.drain_jobs(timeout=60)
+        [loaded] = other.get_finished_jobs()
+        assert loaded.success
+        assert torch.equal(elsewhere[0], original), "another engine loaded other bytes"
+    finally:
+        other.shutdown(timeout=60)
+        manager.shutdown(timeout=60)

@@ -49,7 +49,8 @@ def test_the_managers_stats_count_each_outstanding_job_on_its_tier() -> None:
     manager = TieringManager(primary, {"left": left, "right": right})
     assert manager.stats() == {"outstanding": {"left": 0, "right": 0}, "stores_ok": 0,
                                "stores_failed": 0, "loads_ok": 0, "loads_failed": 0,
-                               "stores_skipped": {"left": 0, "right": 0}, "bookkeeping_errors": 0}
+                               "blocks_held": 0, "stores_skipped": {"left": 0, "right": 0},
+                               "bookkeeping_errors": 0}
     a, b = write(primary, "a", "b")
     manager.store([a])
     manager.store([b])
@@ -57,7 +58,8 @@ def test_the_managers_stats_count_each_outstanding_job_on_its_tier() -> None:
     manager.drain(timeout=5)
     assert manager.stats() == {"outstanding": {"left": 0, "right": 0}, "stores_ok": 4,
                                "stores_failed": 0, "loads_ok": 0, "loads_failed": 0,
-                               "stores_skipped": {"left": 0, "right": 0}, "bookkeeping_errors": 0}
+                               "blocks_held": 0, "stores_skipped": {"left": 0, "right": 0},
+                               "bookkeeping_errors": 0}
     manager.shutdown()
 
 
@@ -68,7 +70,7 @@ def test_the_primarys_stats_count_blocks_by_what_they_hold() -> None:
     primary.pin([a, b])
     primary.pin([a, b])  # two readers each: no block has a count of 1
     assert primary.stats() == {"free": 1, "writing": 1, "ready": 1, "pinned": 2,
-                               "evictions": 0}
+                               "retired": 0, "evictions": 0}
     with pytest.raises(PrimaryTierError, match=r"got str 'ab'$"):
         primary.check_new_keys("ab")  # type: ignore[arg-type]
     with pytest.raises(PrimaryTierError, match=r"got str 'ab'$"):

@@ -543,7 +543,8 @@ class _CtrlCWhileLogged(logging.Handler):
         self.armed = True
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.armed and "failed" in record.getMessage():
+        if self.armed and record.getMessage().startswith("job ") and "failed" in (
+                record.getMessage()):
             self.armed = False
             raise KeyboardInterrupt
 

@@ -80,5 +80,6 @@ def test_an_object_store_tier_with_a_running_bound_warns_what_other_processes_ma
         ObjectStoreTier(torch.zeros(4, 64, dtype=torch.uint8), agent=FakeNixlAgent(),
                         policy=RetryPolicy(max_running_seconds=30)).shutdown(5)
     (record,) = caplog.records
-    assert "another process sharing the bucket finds it and loads it as a success" in (
-        record.getMessage())
+    said = record.getMessage()
+    assert "blocks_in_use=True" in said and "must then never be reused" in said
+    assert "another process sharing the bucket finds and loads as a success" in said

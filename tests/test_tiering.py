@@ -8,6 +8,7 @@ files on the POSIX backend.
 
 from __future__ import annotations
 
+import re
 import threading
 import zlib
 from collections import Counter
@@ -19,7 +20,9 @@ import pytest
 import torch
 
 from kvfsm import JobResult, TransferJob
-from kvfsm.testing import FakeNixlAgent, Fault, Raise, ReturnErr
+from kvfsm.machines.transfer import FailureKind
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent, Fault, Raise, ReturnErr, StayProc
 from kvfsm.tiering import (
     BlockStateError,
     BookkeepingError,
@@ -997,6 +1000,130 @@ def test_under_every_single_fault_pins_return_to_zero_and_jobs_finalize_once(
     fault: tuple[str, str, int, Fault],
 ) -> None:
     check(run_scenario(fault))
+
+
+# -- transfers given up while NIXL runs them ------------------------------------------------------
+
+def bounded_stack(num_blocks: int = 4, names: tuple[str, ...] = ("s3",)) -> Stack:
+    """A stack whose tiers give up a transfer still running a minute after its submit
+    (``max_running_seconds``), their agents answering PROC to every state check: a test
+    makes a transfer overdue by moving its start back, with no sleeping."""
+    primary = CPUPrimaryTier(num_blocks, BLOCK_BYTES, torch.uint8)
+    tiers, agents, probes = {}, {}, []
+    for name in names:
+        agent = FakeNixlAgent(f"{name}-agent")
+        probe = FakeNixlAgent(f"{name}-probe", objects=agent.objects)
+        tiers[name] = ObjectStoreTier(primary.cache, agent=agent, probe_agent=probe,
+                                      policy=RetryPolicy(max_running_seconds=60))
+        agents[name], probes = agent, [*probes, probe]
+    return Stack(primary, TieringManager(primary, tiers), tiers, agents, probes)
+
+
+def overdue(stack: Stack, name: str, job_id: int) -> None:
+    """Job ``job_id`` on tier ``name`` was submitted long before the running bound."""
+    transfer = stack.tiers[name].transfer_of(job_id)
+    assert transfer is not None
+    transfer.started_at -= 120
+
+
+def test_a_store_given_up_while_nixl_runs_it_keeps_its_pin_and_the_block_its_bytes() -> None:
+    """The failure comes at once, saying the block is in use; the pin stays, so no allocation
+    evicts the block and the engine never writes over what the PUT may still be reading."""
+    stack = bounded_stack()
+    primary, manager = stack.primary, stack.manager
+    stack.agents["s3"].inject("check_xfer_state", StayProc(10**6))
+    (block,) = write(primary, "a")
+    [job] = manager.store([block])
+    assert manager.step() == []
+    overdue(stack, "s3", job)
+    [done] = manager.step()
+    assert (done.job_id, done.success, done.blocks_in_use) == (job, False, True)
+    assert done.reason is not None and done.reason.kind is FailureKind.QUARANTINED
+    assert primary.pin_count(block) == 1, "NIXL may still read it: never unpinned"
+    assert manager.stats()["blocks_held"] == 1 and manager.stats()["stores_failed"] == 1
+    assert not manager.has_pending_work()
+    with pytest.raises(OutOfBlocksError, match="1 pinned"):
+        primary.allocate(["b", "c", "d", "e"])  # every block: one is held
+    assert sorted(write(primary, "b", "c", "d")) == [1, 2, 3]
+    assert holds(primary, "a"), "the engine still reads its own copy"
+    manager.shutdown(timeout=5)
+    assert primary.pin_count(block) == 1, "held for good, as the transfer handle is"
+
+
+def test_a_load_given_up_while_nixl_runs_it_retires_its_blocks_and_frees_their_keys() -> None:
+    """NIXL may write the blocks at any time: they are never handed out again, and their keys
+    may be loaded again, into other blocks."""
+    stack = bounded_stack()
+    primary, manager, tier = stack.primary, stack.manager, stack.tiers["s3"]
+    # stored by another engine: no store of this tier's is first in its submit order
+    stack.agents["s3"].objects[tier.remote_name("a")] = content("a").numpy().tobytes()
+    stack.agents["s3"].inject("check_xfer_state", StayProc(10**6))
+    job = manager.load(["a"], tier="s3")
+    assert job is not None and manager.step() == []
+    (loading,) = [b for b in range(primary.num_blocks) if primary.pin_count(b) == -1]
+    overdue(stack, "s3", job)
+    [done] = manager.step()
+    assert (done.job_id, done.success, done.blocks_in_use) == (job, False, True)
+    assert primary.key_of(loading) is None and primary.pin_count(loading) == -2
+    assert primary.stats()["retired"] == 1 and manager.stats()["blocks_held"] == 1
+    with pytest.raises(OutOfBlocksError):
+        primary.allocate(["w", "x", "y", "z"])  # four keys, three blocks to be had
+    stack.agents["s3"].clear_faults()
+    again = manager.load(["a"], tier="s3")  # the key is free to load again, elsewhere
+    assert again is not None
+    [reloaded] = manager.drain(timeout=5)
+    assert reloaded.success and not reloaded.blocks_in_use and holds(primary, "a")
+    assert primary.block_of("a") != loading
+    with pytest.raises(BlockStateError, match=re.escape(
+            f"block {loading} is not being written (it is retired: NIXL may still write it)")):
+        primary.complete_write([loading], True)
+
+
+def test_a_store_given_up_on_one_tier_keeps_only_that_tiers_pin() -> None:
+    stack = bounded_stack(names=("slow", "fast"))
+    primary, manager = stack.primary, stack.manager
+    stack.agents["slow"].inject("check_xfer_state", StayProc(10**6))
+    (block,) = write(primary, "a")
+    slow, fast = manager.store([block])
+    assert [(d.job_id, d.success) for d in manager.step()] == [(fast, True)]
+    overdue(stack, "slow", slow)
+    [done] = manager.step()
+    assert (done.job_id, done.blocks_in_use) == (slow, True)
+    assert primary.pin_count(block) == 1
+
+
+def test_a_failure_once_nixl_said_the_transfer_is_over_frees_the_blocks() -> None:
+    """A release that kept failing quarantines too, but NIXL is done with the blocks: the
+    result says so, and the pin goes."""
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    agent = FakeNixlAgent("release-fails")
+    tier = ObjectStoreTier(primary.cache, agent=agent, policy=RetryPolicy(max_attempts=1))
+    manager = TieringManager(primary, {"s3": tier})
+    agent.inject("release_xfer_handle", Raise("NIXL_ERR_BACKEND"))
+    (block,) = write(primary, "a")
+    manager.store([block])
+    [done] = manager.drain(timeout=5)
+    assert done.reason is not None and done.reason.kind is FailureKind.QUARANTINED
+    assert (done.success, done.blocks_in_use) == (False, False)
+    assert primary.pin_count(block) == 0 and manager.stats()["blocks_held"] == 0
+    manager.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("blocks, problem", [
+    ([0], "block 0 is not being written (it is ready with key 'a')"),
+    ([3], "block 3 is not being written (it is free)"),
+    ([1, 1], "block 1 appears twice"),
+])
+def test_retire_refuses_blocks_not_being_written_and_changes_nothing(
+        blocks: list[int], problem: str) -> None:
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    write(primary, "a")
+    primary.allocate(["b", "c"])
+    before = snapshot(primary)
+    with pytest.raises(BlockStateError, match=re.escape(problem)):
+        primary.retire(blocks)
+    assert snapshot(primary) == before
+
 
 
 # -- real NIXL -----------------------------------------------------------------------------------

@@ -785,12 +785,11 @@ def _warn_of_the_running_bound(policy: RetryPolicy) -> None:
     """Say, once a tier, what ``max_running_seconds`` risks on a shared bucket."""
     if policy.max_running_seconds is not None:
         logger.warning(
-            "ObjectStoreTier: max_running_seconds=%s gives up stores NIXL still runs: the "
-            "block may be reused while the PUT reads it, and the object may then land holding "
-            "part of what the block held later. This tier never vouches for it, but another "
-            "process sharing the bucket finds it and loads it as a success: leave "
-            "max_running_seconds off on a bucket other processes read",
-            policy.max_running_seconds)
+            "ObjectStoreTier: max_running_seconds=%s gives up stores NIXL still runs; their "
+            "failed results say blocks_in_use=True, and their blocks must then never be reused "
+            "(a TieringManager keeps them pinned): a block reused while the PUT reads it may "
+            "land an object holding part of what the block held later, which another process "
+            "sharing the bucket finds and loads as a success", policy.max_running_seconds)
 
 
 def _check_store(store: object, *, needed: bool = True) -> None:
