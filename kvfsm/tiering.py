@@ -5,8 +5,8 @@ secondary tiers (object store, files, a user's own) and back. This module is tha
 
 * :class:`CPUPrimaryTier` owns the KV cache, a torch CPU tensor with blocks on its first
   dimension, and one reference count per block: -1 while the block is being written, 0 once it
-  is ready (and evictable), n > 0 while n transfers read it. A block with a count other than 0
-  is never evicted.
+  is ready (and evictable), n > 0 while n transfers read it, -2 once retired (a load given up
+  while NIXL ran it may still write it). A block with a count other than 0 is never evicted.
 * :class:`TieringManager` turns stores and loads into jobs for the secondary tiers, keeps
   ``job_id -> job`` for every job it handed out, and finalizes the primary on each job's result:
   a store's pin is dropped whether it succeeded or not; a load's block becomes readable, or is
@@ -14,10 +14,11 @@ secondary tiers (object store, files, a user's own) and back. This module is tha
   transfer was given up while it ran: ``JobResult.blocks_in_use``) keeps a store's pins, and
   retires a load's blocks, for good.
 
-So the guarantees of the tiers (one result per job, never before NIXL let go of the memory) carry
-over to the primary: no block stays pinned once its jobs have results, no block is reused while a
-transfer still reads or writes it, and the manager has pending work exactly as long as some job
-has no result.
+So the guarantees of the tiers (one result per job, never before NIXL let go of the memory, or
+else saying it did not) carry over to the primary: no block is reused while a transfer still
+reads or writes it, no block stays pinned once its jobs have results but those NIXL may still
+move (held for good, counted in :meth:`TieringManager.stats` as ``blocks_held``), and the
+manager has pending work exactly as long as some job has no result.
 
 Both classes are driven from one thread (an engine's scheduler); neither is thread safe. Every
 call returns quickly except :meth:`TieringManager.drain` and :meth:`TieringManager.shutdown`.
@@ -278,7 +279,7 @@ class CPUPrimaryTier:
         return self._counts.get(self._block_id(block_id), 0)
 
     def key_of(self, block_id: int) -> Key | None:
-        """The key a block holds, or None when it is free.
+        """The key a block holds, or None when it is free or retired.
 
         Raises:
             UnknownBlockError: not a block of this cache.
@@ -383,7 +384,7 @@ class CPUPrimaryTier:
                 raise OutOfBlocksError(
                     f"{len(checked)} block(s) wanted, {stats['free']} free and "
                     f"{len(victims)} evictable ({stats['pinned']} pinned, {stats['writing']} "
-                    "being written)")
+                    f"being written, {stats['retired']} retired)")
         for block in victims:
             self._drop(block)
             self.evictions += 1
@@ -1016,14 +1017,20 @@ class TieringManager:
         issues = self._issues
         taken = self._taken
         for name, tier in self._tiers.items():
+            got: Any = None
             try:  # (queued in one call, each as it comes: a generator that raises keeps
                 # those before, and a Ctrl-C does not land between two of a list's)
-                taken.extend(zip(itertools.repeat(name), tier._drain_poll(deadline)
-                                 if draining and isinstance(tier, JobSide)
-                                 else tier.get_finished_jobs()))
+                got = (tier._drain_poll(deadline) if draining and isinstance(tier, JobSide)
+                       else tier.get_finished_jobs())
+                taken.extend(zip(itertools.repeat(name), got))
             except Exception as error:
                 issues.append(BookkeepingIssue(
                     None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))
+            except BaseException:  # a Ctrl-C as zip returned, before the list was queued
+                # (one as extend returned finds it queued: its last result is the list's)
+                if type(got) is list and got and (not taken or taken[-1][1] is not got[-1]):
+                    taken.extend(zip(itertools.repeat(name), got))
+                raise
             while taken:
                 self._finalize(taken[0], self._done)  # (its issues kept in _issues)
                 taken.popleft()
@@ -1254,23 +1261,29 @@ class TieringManager:
             self._issues += (stray,)
             return
         job, success = submitted.job, getattr(result, "success", None)
-        # (a success says NIXL is done with the blocks, whatever else it says)
-        in_use = success is not True and getattr(result, "blocks_in_use", False) is True
+        in_use, odd = _in_use(result, success)
+        problems = [] if isinstance(success, bool) else [f"success={success!r}, not a bool"]
+        if odd is not None:
+            problems.append(odd)
         issue = None
-        if not isinstance(success, bool):  # the tier did finish the job: finalize it, as failed
-            issue = BookkeepingIssue(job_id, name, f"result {result!r} has success={success!r}, "
-                                                   "not a bool; finalized as failed")
-            success = False
-        reason = None if success else getattr(result, "reason", None)
-        done = Finalized(job, name, success, reason if isinstance(reason, FailureReason) else None,
+        if problems:  # the tier did finish the job: finalize it, as failed (its blocks held
+            # if it said NIXL may still move them, however it said it)
+            issue = BookkeepingIssue(job_id, name, f"result {result!r} has {'; '.join(problems)}"
+                                     "; finalized as failed"
+                                     + (", its blocks held for good" if in_use else ""))
+        ok = success is True and not problems
+        reason = None if ok else getattr(result, "reason", None)
+        done = Finalized(job, name, ok, reason if isinstance(reason, FailureReason) else None,
                          in_use)
-        counted = f"{'loads' if job.is_promotion else 'stores'}_{'ok' if success else 'failed'}"
+        counted = f"{'loads' if job.is_promotion else 'stores'}_{'ok' if ok else 'failed'}"
+        held = len(job.block_ids) if in_use else 0
         # marked finalized, and its Finalized kept, before its blocks are: an interrupt from
         # here on never has them unpinned or completed twice (nor the job lost)
         key = submitted.job_id  # (a property: read before the mark, where no call may come)
         self._finalizing = entry
         del self._jobs[key]
         self._counts[counted] += 1
+        self._counts["blocks_held"] += held
         finalized += (done,)
         if issue is not None:
             self._issues += (issue,)
@@ -1278,9 +1291,10 @@ class TieringManager:
             if in_use:  # NIXL may still move them: a store's pins stay, a load's blocks go
                 if job.is_promotion:
                     self.primary.retire(job.block_ids)
-                self._counts["blocks_held"] += len(job.block_ids)
+                else:  # (the pins it keeps must be there: not dropped behind its back)
+                    self.primary._check(job.block_ids, self.primary._pinned)
             elif job.is_promotion:
-                self.primary.complete_write(job.block_ids, success)
+                self.primary.complete_write(job.block_ids, ok)
             else:
                 self.primary.complete_read(job.block_ids)
         except PrimaryTierError as error:  # the primary was changed behind the manager's back
@@ -1289,8 +1303,22 @@ class TieringManager:
             self._issues += (BookkeepingIssue(job_id, name,
                                               f"finalizing the primary failed: {error}"),)
             self._counts[counted] -= 1
+            self._counts["blocks_held"] -= held
             if finalized and finalized[-1] is done:
                 finalized.pop()
+
+
+def _in_use(result: object, success: object) -> tuple[bool, str | None]:
+    """Whether ``result`` says NIXL may still move its job's blocks (``blocks_in_use``; a
+    result without it says no), and what is wrong with how it says it: a value other than
+    True or False, or True on a success, is taken as in use, the safe side (blocks held for
+    good rather than reused under NIXL), and reported."""
+    said = getattr(result, "blocks_in_use", False)
+    if said is False:
+        return False, None
+    if said is not True:
+        return True, f"blocks_in_use={said!r}, not a bool"
+    return True, "blocks_in_use=True on a success" if success is True else None
 
 
 def _block_list(block_ids: Sequence[int]) -> list[int]:

@@ -48,8 +48,10 @@ class JobResult:
     reason: FailureReason | None = field(default=None, compare=False)
     #: True only on a failure published while NIXL may still run the job's transfer (given
     #: up past :attr:`~kvfsm.policy.RetryPolicy.max_running_seconds`): NIXL may go on reading
-    #: (a store) or writing (a load) the job's primary blocks, so they must never be reused.
-    #: :class:`~kvfsm.tiering.TieringManager` keeps a store's pins and retires a load's blocks
+    #: (a store) or writing (a load) the job's primary blocks, so they must never be reused
+    #: (all of them: a job of a NIXL transfer per block is given up whole, those whose own
+    #: transfer ended included). :class:`~kvfsm.tiering.TieringManager` keeps a store's pins
+    #: and retires a load's blocks
     blocks_in_use: bool = False
 
 

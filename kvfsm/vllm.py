@@ -432,7 +432,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
             DrainTimeout: NIXL still ran transfers at the deadline: the primary stays
                 registered and mapped; calling shutdown again waits on.
             HandlesHeld: a transfer was quarantined with its handles held (a release that
-                kept failing, or one NIXL still ran past ``max_running_seconds``), so vLLM's
+                kept failing), so vLLM's
                 memory stays registered with NIXL. vLLM's manager re-raises it and so leaves
                 its CPU cache mapped, rather than unmapping memory NIXL still knows.
         """

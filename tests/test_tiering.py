@@ -291,7 +291,7 @@ def test_eviction_takes_the_least_recently_used_block_never_a_pinned_or_written_
 
     before = snapshot(primary)
     with pytest.raises(OutOfBlocksError, match=r"3 block\(s\) wanted, 0 free and 2 evictable "
-                                               r"\(1 pinned, 1 being written\)"):
+                                               r"\(1 pinned, 1 being written, 0 retired\)"):
         primary.allocate(["f", "g", "h"])
     assert snapshot(primary) == before, "nothing evicted when the allocation cannot be met"
 
@@ -416,7 +416,8 @@ def test_eviction_never_takes_a_block_pinned_by_a_store_in_flight(small_stack: S
     assert {primary.key_of(g), primary.key_of(h)} == {"a", "b"}, "g and h were evicted instead"
 
     before = snapshot(primary)
-    with pytest.raises(OutOfBlocksError, match=r"0 evictable \(2 pinned, 2 being written\)"):
+    with pytest.raises(OutOfBlocksError,
+                       match=r"0 evictable \(2 pinned, 2 being written, 0 retired\)"):
         manager.load(["c"])
     assert snapshot(primary) == before
     assert len(manager.outstanding()) == 3, "no job for the load that could not get a block"
@@ -1066,7 +1067,7 @@ def test_a_load_given_up_while_nixl_runs_it_retires_its_blocks_and_frees_their_k
     assert (done.job_id, done.success, done.blocks_in_use) == (job, False, True)
     assert primary.key_of(loading) is None and primary.pin_count(loading) == -2
     assert primary.stats()["retired"] == 1 and manager.stats()["blocks_held"] == 1
-    with pytest.raises(OutOfBlocksError):
+    with pytest.raises(OutOfBlocksError, match="0 being written, 1 retired"):
         primary.allocate(["w", "x", "y", "z"])  # four keys, three blocks to be had
     stack.agents["s3"].clear_faults()
     again = manager.load(["a"], tier="s3")  # the key is free to load again, elsewhere
