@@ -1011,13 +1011,15 @@ class TieringManager:
         the results not yet finalized nor the jobs finalized, the next step goes on with
         them, and a result whose finalizing had begun (:attr:`_finalizing`) is not finalized
         twice. (One window stays: a result is marked finalized, and its Finalized kept,
-        before its primary call (``complete_read``, ``complete_write``), so a Ctrl-C from the
-        marking until that call's change is made leaves that one job's blocks pinned or
-        written, never unpinned or completed twice.)"""
+        before its primary call (``complete_read``, ``complete_write``, a held load's
+        ``retire``, a held store's check of its pins), so a Ctrl-C from the marking until that
+        call's change is made leaves that one job's blocks pinned or being written, never
+        unpinned or completed twice; and a Ctrl-C there keeps no issue of that call.)"""
         issues = self._issues
         taken = self._taken
         for name, tier in self._tiers.items():
             got: Any = None
+            queued = len(taken)
             try:  # (queued in one call, each as it comes: a generator that raises keeps
                 # those before, and a Ctrl-C does not land between two of a list's)
                 got = (tier._drain_poll(deadline) if draining and isinstance(tier, JobSide)
@@ -1026,10 +1028,16 @@ class TieringManager:
             except Exception as error:
                 issues.append(BookkeepingIssue(
                     None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))
-            except BaseException:  # a Ctrl-C as zip returned, before the list was queued
-                # (one as extend returned finds it queued: its last result is the list's)
-                if type(got) is list and got and (not taken or taken[-1][1] is not got[-1]):
-                    taken.extend(zip(itertools.repeat(name), got))
+            except BaseException:  # a Ctrl-C as zip returned, before what the tier handed out
+                # was queued (one as extend returned finds the queue grown); a generator is
+                # run here then (a generator expression took the tier's results already)
+                if len(taken) == queued and isinstance(got, Iterable):
+                    try:
+                        taken.extend(zip(itertools.repeat(name), got))
+                    except Exception as error:  # (the Ctrl-C goes on; what it raised is said)
+                        issues.append(BookkeepingIssue(
+                            None, name,
+                            f"get_finished_jobs raised {type(error).__name__}: {error}"))
                 raise
             while taken:
                 self._finalize(taken[0], self._done)  # (its issues kept in _issues)
@@ -1265,13 +1273,15 @@ class TieringManager:
         problems = [] if isinstance(success, bool) else [f"success={success!r}, not a bool"]
         if odd is not None:
             problems.append(odd)
+        # the tier did finish the job: finalize it; as failed unless it said success, and
+        # said nothing of NIXL still moving its blocks (then held, however it said it)
+        ok = success is True and not in_use
         issue = None
-        if problems:  # the tier did finish the job: finalize it, as failed (its blocks held
-            # if it said NIXL may still move them, however it said it)
+        if problems:
             issue = BookkeepingIssue(job_id, name, f"result {result!r} has {'; '.join(problems)}"
-                                     "; finalized as failed"
-                                     + (", its blocks held for good" if in_use else ""))
-        ok = success is True and not problems
+                                     + ("; finalized as failed, its blocks held for good"
+                                        if in_use else "; finalized as failed" if not ok
+                                        else "; taken as False"))
         reason = None if ok else getattr(result, "reason", None)
         done = Finalized(job, name, ok, reason if isinstance(reason, FailureReason) else None,
                          in_use)
@@ -1300,8 +1310,11 @@ class TieringManager:
         except PrimaryTierError as error:  # the primary was changed behind the manager's back
             # the issue kept first, then the job taken back (each step's own: no later step
             # finalizes it again); a Ctrl-C as the issue is made reports the job finalized
-            self._issues += (BookkeepingIssue(job_id, name,
-                                              f"finalizing the primary failed: {error}"),)
+            self._issues += (BookkeepingIssue(
+                job_id, name, f"finalizing the primary failed: {error}" + (
+                    f"; its result said blocks_in_use: NIXL may still "
+                    f"{'write' if job.is_promotion else 'read'} these blocks"
+                    if in_use else "")),)
             self._counts[counted] -= 1
             self._counts["blocks_held"] -= held
             if finalized and finalized[-1] is done:
@@ -1310,14 +1323,19 @@ class TieringManager:
 
 def _in_use(result: object, success: object) -> tuple[bool, str | None]:
     """Whether ``result`` says NIXL may still move its job's blocks (``blocks_in_use``; a
-    result without it says no), and what is wrong with how it says it: a value other than
-    True or False, or True on a success, is taken as in use, the safe side (blocks held for
-    good rather than reused under NIXL), and reported."""
+    result without it says no), and what is wrong with how it says it, to be reported: a
+    value other than True or False is read by its truth (``numpy.False_`` is False, ``1``
+    True), and True on a success is taken as in use, the safe side (blocks held for good
+    rather than reused under NIXL)."""
     said = getattr(result, "blocks_in_use", False)
     if said is False:
         return False, None
     if said is not True:
-        return True, f"blocks_in_use={said!r}, not a bool"
+        try:
+            truth = bool(said)
+        except Exception:  # (no truth at all: the safe side)
+            truth = True
+        return truth, f"blocks_in_use={said!r}, not a bool"
     return True, "blocks_in_use=True on a success" if success is True else None
 
 

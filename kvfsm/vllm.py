@@ -432,9 +432,9 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
             DrainTimeout: NIXL still ran transfers at the deadline: the primary stays
                 registered and mapped; calling shutdown again waits on.
             HandlesHeld: a transfer was quarantined with its handles held (a release that
-                kept failing), so vLLM's
-                memory stays registered with NIXL. vLLM's manager re-raises it and so leaves
-                its CPU cache mapped, rather than unmapping memory NIXL still knows.
+                kept failing), so vLLM's memory stays registered with NIXL. vLLM's manager
+                re-raises it and so leaves its CPU cache mapped, rather than unmapping memory
+                NIXL still knows.
         """
         tier = self._tier
         if tier is None:
