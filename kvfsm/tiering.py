@@ -759,6 +759,9 @@ class TieringManager:
         self._taken: collections.deque[tuple[str, JobResult]] = collections.deque()
         #: jobs finalized since a step last returned them
         self._done: list[Finalized] = []
+        #: by tier, what it handed out that a Ctrl-C kept from being queued: the next step
+        #: queues it (:meth:`_step`)
+        self._unqueued: dict[str, Any] = {}
         #: the queue entry (tier, result) being finalized, or last finalized: marked as its
         #: Finalized and issues are kept, so a step an interrupt cut short skips it
         self._finalizing: tuple[str, JobResult] | None = None
@@ -1010,34 +1013,36 @@ class TieringManager:
         kept (:attr:`_done`) until a step returns it: an interrupt in a step loses neither
         the results not yet finalized nor the jobs finalized, the next step goes on with
         them, and a result whose finalizing had begun (:attr:`_finalizing`) is not finalized
-        twice. (One window stays: a result is marked finalized, and its Finalized kept,
-        before its primary call (``complete_read``, ``complete_write``, a held load's
-        ``retire``, a held store's check of its pins), so a Ctrl-C from the marking until that
-        call's change is made leaves that one job's blocks pinned or being written, never
-        unpinned or completed twice; and a Ctrl-C there keeps no issue of that call.)"""
+        twice. A hand-out an interrupt caught before it was queued (one landing as its ``zip``
+        returns) is kept whole (:attr:`_unqueued`), and queued by the next step, which then
+        leaves that tier's poll to the step after. (One window stays: a result is marked
+        finalized, and its Finalized kept, before its primary call (``complete_read``,
+        ``complete_write``, a held load's ``retire``, a held store's check of its pins), so a
+        Ctrl-C from the marking until that call's change is made leaves that one job's blocks
+        pinned or being written, never unpinned or completed twice; and a Ctrl-C there keeps
+        no issue of that call.)"""
         issues = self._issues
         taken = self._taken
+        unqueued = self._unqueued
         for name, tier in self._tiers.items():
-            got: Any = None
+            got: Any = unqueued.get(name)  # (a hand-out a Ctrl-C kept from being queued)
             queued = len(taken)
             try:  # (queued in one call, each as it comes: a generator that raises keeps
                 # those before, and a Ctrl-C does not land between two of a list's)
-                got = (tier._drain_poll(deadline) if draining and isinstance(tier, JobSide)
-                       else tier.get_finished_jobs())
+                if got is None:
+                    got = (tier._drain_poll(deadline) if draining and isinstance(tier, JobSide)
+                           else tier.get_finished_jobs())
+                else:  # queued now (that tier is polled by the next step)
+                    del unqueued[name]
                 taken.extend(zip(itertools.repeat(name), got))
             except Exception as error:
                 issues.append(BookkeepingIssue(
                     None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))
             except BaseException:  # a Ctrl-C as zip returned, before what the tier handed out
-                # was queued (one as extend returned finds the queue grown); a generator is
-                # run here then (a generator expression took the tier's results already)
-                if len(taken) == queued and isinstance(got, Iterable):
-                    try:
-                        taken.extend(zip(itertools.repeat(name), got))
-                    except Exception as error:  # (the Ctrl-C goes on; what it raised is said)
-                        issues.append(BookkeepingIssue(
-                            None, name,
-                            f"get_finished_jobs raised {type(error).__name__}: {error}"))
+                # was queued (one as extend returned finds the queue grown): kept for the next
+                # step to queue, no code of the tier's run here (a generator's, say)
+                if got is not None and len(taken) == queued:
+                    unqueued[name] = got
                 raise
             while taken:
                 self._finalize(taken[0], self._done)  # (its issues kept in _issues)
@@ -1268,20 +1273,10 @@ class TieringManager:
             self._finalizing = entry
             self._issues += (stray,)
             return
-        job, success = submitted.job, getattr(result, "success", None)
-        in_use, odd = _in_use(result, success)
-        problems = [] if isinstance(success, bool) else [f"success={success!r}, not a bool"]
-        if odd is not None:
-            problems.append(odd)
-        # the tier did finish the job: finalize it; as failed unless it said success, and
-        # said nothing of NIXL still moving its blocks (then held, however it said it)
-        ok = success is True and not in_use
-        issue = None
-        if problems:
-            issue = BookkeepingIssue(job_id, name, f"result {result!r} has {'; '.join(problems)}"
-                                     + ("; finalized as failed, its blocks held for good"
-                                        if in_use else "; finalized as failed" if not ok
-                                        else "; taken as False"))
+        job = submitted.job
+        ok, in_use, odd = _read(result)
+        issue = (None if odd is None  # (the tier did finish the job: it is finalized)
+                 else BookkeepingIssue(job_id, name, f"result {result!r} has {odd}"))
         reason = None if ok else getattr(result, "reason", None)
         done = Finalized(job, name, ok, reason if isinstance(reason, FailureReason) else None,
                          in_use)
@@ -1313,12 +1308,34 @@ class TieringManager:
             self._issues += (BookkeepingIssue(
                 job_id, name, f"finalizing the primary failed: {error}" + (
                     f"; its result said blocks_in_use: NIXL may still "
-                    f"{'write' if job.is_promotion else 'read'} these blocks"
-                    if in_use else "")),)
+                    f"{'write' if job.is_promotion else 'read'} its blocks "
+                    f"{list(job.block_ids)}" if in_use else "")),)
             self._counts[counted] -= 1
             self._counts["blocks_held"] -= held
             if finalized and finalized[-1] is done:
                 finalized.pop()
+
+
+def _read(result: object) -> tuple[bool, bool, str | None]:
+    """How the manager reads a result a tier handed out: whether the job succeeded, whether
+    NIXL may still move its blocks (:func:`_in_use`), and what was odd about it and how it
+    was read, or None. A job succeeded when it says ``success`` True and not that its blocks
+    are in use; a ``success`` that is no bool is a failure, and said so."""
+    success = getattr(result, "success", None)
+    in_use, odd = _in_use(result, success)
+    problems = [] if isinstance(success, bool) else [f"success={success!r}, not a bool"]
+    if odd is not None:
+        problems.append(odd)
+    ok = success is True and not in_use
+    if not problems:
+        return ok, in_use, None
+    if in_use:
+        problems.append("its blocks held for good")
+    elif odd is not None:
+        problems.append("taken as False")
+    if not ok and success is not False:  # (a failure of the manager's reading, not the tier's)
+        problems.append("finalized as failed")
+    return ok, in_use, "; ".join(problems)
 
 
 def _in_use(result: object, success: object) -> tuple[bool, str | None]:

@@ -948,17 +948,15 @@ class GivesUp(DictTier):
 
 
 @pytest.mark.parametrize(("said", "success", "problem", "held"), [
-    (1, False, "blocks_in_use=1, not a bool; finalized as failed, its blocks held for good",
-     True),
-    ("yes", False, "blocks_in_use='yes', not a bool; finalized as failed, its blocks held for "
-     "good", True),
-    (True, True, "blocks_in_use=True on a success; finalized as failed, its blocks held for "
-     "good", True),
-    (np.True_, False, "blocks_in_use=np.True_, not a bool; finalized as failed, its blocks "
-     "held for good", True),
+    (1, False, "blocks_in_use=1, not a bool; its blocks held for good", True),
+    ("yes", False, "blocks_in_use='yes', not a bool; its blocks held for good", True),
+    (True, True, "blocks_in_use=True on a success; its blocks held for good; finalized as "
+     "failed", True),
+    (np.True_, False, "blocks_in_use=np.True_, not a bool; its blocks held for good", True),
     (np.False_, True, "blocks_in_use=np.False_, not a bool; taken as False", False),
-    (None, "False", "success='False', not a bool; blocks_in_use=None, not a bool; finalized as "
-     "failed", False),
+    (np.False_, False, "blocks_in_use=np.False_, not a bool; taken as False", False),
+    (None, "False", "success='False', not a bool; blocks_in_use=None, not a bool; taken as "
+     "False; finalized as failed", False),
 ])
 def test_a_result_saying_blocks_in_use_oddly_is_read_by_its_truth_and_is_an_issue(
         said: object, success: object, problem: str, held: bool) -> None:
@@ -1006,7 +1004,7 @@ def test_a_held_stores_pin_dropped_behind_the_managers_back_is_an_issue() -> Non
     assert str(issue) == (
         f"job {job} from tier 'mine': finalizing the primary failed: block {block} is not "
         "pinned (it is ready with key 'a'); its result said blocks_in_use: NIXL may still read "
-        "these blocks")
+        f"its blocks [{block}]")
     assert raised.value.finalized == ()
     assert manager.stats()["blocks_held"] == 0 and manager.stats()["stores_failed"] == 0
 
@@ -1047,21 +1045,42 @@ def test_a_ctrl_c_as_each_call_of_a_held_jobs_finalize_returns_keeps_the_books_t
 
 class HandsOutAs(DictTier):
     """A user's own tier handing its results out as a list, a tuple, an iterator over a list
-    it emptied, a generator expression over it, or a generator that takes them only once it
-    runs (``shape``)."""
+    it emptied, a sequence iterated by index, a generator expression over the list, a
+    generator given the list, or a generator that takes the results only once it runs
+    (``shape``). ``ran`` counts the runs of a generator's code."""
 
     shape = "list"
+    ran = 0
 
     def get_finished_jobs(self) -> Any:
-        if self.shape == "generator":
-            return (result for result in super().get_finished_jobs())
         if self.shape == "lazy":
             return self._lazily()
         results = super().get_finished_jobs()
+        if self.shape == "genexpr":
+            return (result for result in results)
+        if self.shape == "wrapped":
+            return self._wrapped(results)
+        if self.shape == "by-index":
+            return ByIndex(results)
         return {"list": list, "tuple": tuple, "iterator": iter}[self.shape](results)
 
     def _lazily(self) -> Iterator[JobResult]:
+        self.ran += 1
         yield from DictTier.get_finished_jobs(self)
+
+    def _wrapped(self, results: list[JobResult]) -> Iterator[JobResult]:
+        self.ran += 1
+        yield from results
+
+
+class ByIndex:
+    """Results iterable only by index (``__getitem__``), as the old sequence protocol goes."""
+
+    def __init__(self, results: list[JobResult]) -> None:
+        self.results = results
+
+    def __getitem__(self, index: int) -> JobResult:
+        return self.results[index]
 
 
 def ctrl_c_as_zip_returns(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
@@ -1081,17 +1100,20 @@ def ctrl_c_as_zip_returns(monkeypatch: pytest.MonkeyPatch, at: int) -> None:
     monkeypatch.setattr(tiering, "zip", zip_then_ctrl_c, raising=False)
 
 
-@pytest.mark.parametrize("shape", ["list", "tuple", "iterator", "generator", "lazy"])
+@pytest.mark.parametrize("shape", ["list", "tuple", "iterator", "by-index", "genexpr",
+                                   "wrapped", "lazy"])
 @pytest.mark.parametrize("at", [1, 2], ids=["first-tier", "second-tier"])
 def test_a_ctrl_c_as_a_steps_zip_returns_loses_no_result(
         monkeypatch: pytest.MonkeyPatch, at: int, shape: str) -> None:
     """A Ctrl-C lands as the ``zip`` of a tier's results returns in a step: what the tier
-    handed out is queued all the same (a generator is run then), and the steps that follow
-    hand every job out once, its pin dropped. (That tier's results were lost: the job
-    outstanding for good, its block pinned.)"""
+    handed out is kept, and queued by the next step (no code of the tier's runs while the
+    Ctrl-C goes on: a generator's body runs then); the steps that follow hand every
+    job out once, its pin dropped. (That tier's results were lost, the job outstanding for
+    good and its block pinned; then a generator was run while the Ctrl-C waited.)"""
     primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
     one, two = HandsOutAs(primary.cache), HandsOutAs(primary.cache)
     one.shape = two.shape = shape
+    interrupted = (one, two)[at - 1]
     manager = TieringManager(primary, {"one": one, "two": two})
     (block,) = ready(primary, "a")
     jobs = manager.store([block])
@@ -1100,6 +1122,7 @@ def test_a_ctrl_c_as_a_steps_zip_returns_loses_no_result(
     ctrl_c_as_zip_returns(monkeypatch, at)
     with pytest.raises(KeyboardInterrupt):
         step_into(manager, out, issues)
+    assert interrupted.ran == 0, "the tier's generator ran while the Ctrl-C waited"
     for _ in range(3):
         step_into(manager, out, issues)
     assert (sorted(out), issues) == (jobs, [])
