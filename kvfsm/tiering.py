@@ -1013,9 +1013,11 @@ class TieringManager:
         kept (:attr:`_done`) until a step returns it: an interrupt in a step loses neither
         the results not yet finalized nor the jobs finalized, the next step goes on with
         them, and a result whose finalizing had begun (:attr:`_finalizing`) is not finalized
-        twice. A hand-out an interrupt caught before it was queued (one landing as its ``zip``
-        returns) is kept whole (:attr:`_unqueued`), and queued by the next step, which then
-        leaves that tier's poll to the step after. (One window stays: a result is marked
+        twice. What is left of a hand-out an interrupt caught before it was queued whole (one
+        landing as its ``zip`` returns, or in the tier's code as its items are taken) is kept
+        (:attr:`_unqueued`), and queued by the next step before it polls that tier. (A
+        generator an interrupt went through keeps nothing: what it held is lost, as when it
+        raises.) (One window stays: a result is marked
         finalized, and its Finalized kept, before its primary call (``complete_read``,
         ``complete_write``, a held load's ``retire``, a held store's check of its pins), so a
         Ctrl-C from the marking until that call's change is made leaves that one job's blocks
@@ -1025,25 +1027,35 @@ class TieringManager:
         taken = self._taken
         unqueued = self._unqueued
         for name, tier in self._tiers.items():
-            got: Any = unqueued.get(name)  # (a hand-out a Ctrl-C kept from being queued)
-            queued = len(taken)
-            try:  # (queued in one call, each as it comes: a generator that raises keeps
-                # those before, and a Ctrl-C does not land between two of a list's)
-                if got is None:
-                    got = (tier._drain_poll(deadline) if draining and isinstance(tier, JobSide)
-                           else tier.get_finished_jobs())
-                else:  # queued now (that tier is polled by the next step)
-                    del unqueued[name]
-                taken.extend(zip(itertools.repeat(name), got))
-            except Exception as error:
-                issues.append(BookkeepingIssue(
-                    None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))
-            except BaseException:  # a Ctrl-C as zip returned, before what the tier handed out
-                # was queued (one as extend returned finds the queue grown): kept for the next
-                # step to queue, no code of the tier's run here (a generator's, say)
-                if got is not None and len(taken) == queued:
-                    unqueued[name] = got
-                raise
+            kept: Any = unqueued.get(name)  # (what a Ctrl-C kept from being queued)
+            for polling in (False, True):  # what was kept first, then the tier's poll
+                if not polling and kept is None:
+                    continue
+                got: Any = None
+                left: Any = None
+                queued = len(taken)
+                try:  # (queued in one call, each as it comes: a generator that raises keeps
+                    # those before, and a Ctrl-C does not land between two of a list's)
+                    if polling:
+                        got = (tier._drain_poll(deadline)
+                               if draining and isinstance(tier, JobSide)
+                               else tier.get_finished_jobs())
+                    else:
+                        got = kept
+                        del unqueued[name]
+                    left = iter(got)  # (where it stopped says what is left)
+                    taken.extend(zip(itertools.repeat(name), left))
+                except Exception as error:
+                    issues.append(BookkeepingIssue(
+                        None, name, f"get_finished_jobs raised {type(error).__name__}: {error}"))
+                except BaseException:  # a Ctrl-C as a call returned, or in the tier's code as
+                    # its items were taken: what is left of the hand-out is kept, untouched (no
+                    # code of the tier's runs while the Ctrl-C waits), for the next step
+                    if left is None and len(taken) == queued:
+                        left = got
+                    if left is not None:
+                        unqueued[name] = left
+                    raise
             while taken:
                 self._finalize(taken[0], self._done)  # (its issues kept in _issues)
                 taken.popleft()
@@ -1059,6 +1071,7 @@ class TieringManager:
     def has_pending_work(self) -> bool:
         """True while a job has no result, or a tier still has work in flight."""
         return (bool(self._jobs) or bool(self._taken) or bool(self._done)
+                or bool(self._unqueued)
                 or any(tier.has_pending_work() for tier in self._tiers.values()))
 
     def _busy(self) -> list[str]:

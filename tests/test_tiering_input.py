@@ -1156,3 +1156,82 @@ def test_a_ctrl_c_as_zip_returns_queues_a_list_ending_in_a_result_queued_before(
         step_into(manager, out, issues)
     assert (sorted(out), issues) == ([job, later], [job])
     assert primary.pin_count(first) == primary.pin_count(second) == 0
+
+
+def test_a_drain_after_a_kept_hand_out_polls_every_tier_in_its_one_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C kept a tier's hand-out (empty: nothing had ended) from being queued; stores
+    then end on both tiers, and ``drain(0)``, one step, finds all of them: the kept hand-out
+    is queued, and the tier polled, in the same step. (The step that queued a kept hand-out
+    skipped that tier's poll: drain(0) timed out with a result the tier had ready.)"""
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    manager = TieringManager(primary, {"one": DictTier(primary.cache),
+                                       "two": DictTier(primary.cache)})
+    out: list[int] = []
+    issues: list[int | None] = []
+    ctrl_c_as_zip_returns(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        step_into(manager, out, issues)
+    assert manager.has_pending_work(), "a hand-out is kept"
+    (block,) = ready(primary, "a")
+    jobs = manager.store([block])
+    assert sorted(done.job_id for done in manager.drain(timeout=0)) == jobs
+    assert primary.pin_count(block) == 0 and not manager.has_pending_work()
+
+
+class InterruptedAt(ByIndex):
+    """Results iterable by index, a Ctrl-C landing in the tier's code as the ``at``-th is
+    taken, once."""
+
+    def __init__(self, results: list[JobResult], at: int) -> None:
+        super().__init__(results)
+        self.at = at
+
+    def __getitem__(self, index: int) -> JobResult:
+        if index == self.at:
+            self.at = -1
+            raise KeyboardInterrupt
+        return super().__getitem__(index)
+
+
+def test_a_ctrl_c_in_a_tiers_code_mid_hand_out_keeps_what_is_left() -> None:
+    """A Ctrl-C lands in a tier's own code as its second result is taken (the first is
+    queued): what is left is kept where it stopped, and the next step queues it; both jobs
+    are handed out once, their pins dropped. (Only a hand-out not begun was kept: the second
+    job was lost, outstanding for good, its block pinned.)"""
+
+    class Halting(DictTier):
+        def get_finished_jobs(self) -> Any:
+            return InterruptedAt(super().get_finished_jobs(), at=1)
+
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    manager = TieringManager(primary, {"mine": Halting(primary.cache)})
+    blocks = ready(primary, "a", "b")
+    jobs = [job for block in blocks for job in manager.store([block])]
+    out: list[int] = []
+    issues: list[int | None] = []
+    with pytest.raises(KeyboardInterrupt):
+        step_into(manager, out, issues)
+    assert out == [], "the first result is queued, finalized by the next step"
+    step_into(manager, out, issues)
+    assert (out, issues) == (jobs, [])
+    assert [primary.pin_count(block) for block in blocks] == [0, 0]
+    assert not manager.has_pending_work()
+
+
+def test_a_kept_hand_out_of_a_stray_result_is_pending_work_until_reported(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept hand-out holding only a result for no job is work still pending: a caller
+    stepping while there is some hears of it. (has_pending_work said False: never reported.)"""
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    tier = DictTier(primary.cache)
+    manager = TieringManager(primary, {"mine": tier})
+    tier.pending = [JobResult(99, True)]
+    ctrl_c_as_zip_returns(monkeypatch, 1)
+    with pytest.raises(KeyboardInterrupt):
+        manager.step()
+    assert manager.has_pending_work()
+    with pytest.raises(BookkeepingError, match=r"job 99 from tier 'mine': result .* is for no "
+                                               r"outstanding job"):
+        manager.step()
+    assert not manager.has_pending_work()
