@@ -189,7 +189,9 @@ class JobSide:
             return marked_results(self._books)
         with self._lock:
             self._poll()
-            return self._books.take_results()
+        # taken once the lock is let go of (safe without it: Books): a Ctrl-C as the lock's
+        # release returns finds them still published, for the next call
+        return self._books.take_results()
 
     #: the ``get_finished_jobs`` a drain's poll stands in for (:meth:`_drain_poll`): the
     #: class's own; a subclass that overrides it and not this has its results go through it
@@ -207,16 +209,14 @@ class JobSide:
         the lock let go of; kvfsm's own ``get_finished_jobs`` under it then only hands out
         (:func:`handing_out`): no second poll, no wait for the lock."""
         own = type(self).get_finished_jobs is type(self)._drained_hand_out
-        if take(self._lock, deadline):
-            try:
+        if take(self._lock, deadline):  # (else past the deadline, another thread's call
+            try:  # holding the lock: no poll)
                 self._poll(everything=True)
                 self._drained()
-                if own:
-                    return self._books.take_results()
             finally:
                 self._lock.release()
-        elif own:  # (past the deadline, another thread's call holding the lock: no poll)
-            return self._books.take_results()  # (safe without the lock: Books)
+        if own:  # (taken once the lock is let go of, safe without it: Books; a Ctrl-C as
+            return self._books.take_results()  # it is released finds them published)
         mark = _HANDING_OUT
         before, taken = getattr(mark, "side", None), getattr(mark, "taken", None)
         try:  # (a subclass's own, the lock free, marked; restored however it ends)

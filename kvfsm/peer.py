@@ -948,9 +948,12 @@ class PeerSender(SecondaryTier):
         if handing_out(self):  # (a drain's poll settled it)
             return marked_results(self._books)
         with self._lock:
-            results = super().get_finished_jobs()
+            if not self._thread_polls():  # (else its progress thread polls)
+                self._poll()
             self._settle_link()
-            return results
+        # taken once the lock is let go of (safe without it: Books): a Ctrl-C as the link is
+        # settled, or as the lock's release returns, finds them still published
+        return self._books.take_results()
 
     _drained_hand_out = get_finished_jobs  # (JobSide._drain_poll)
 

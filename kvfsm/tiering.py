@@ -1033,7 +1033,6 @@ class TieringManager:
                     continue
                 got: Any = None
                 left: Any = None
-                queued = len(taken)
                 try:  # (queued in one call, each as it comes: a generator that raises keeps
                     # those before, and a Ctrl-C does not land between two of a list's)
                     if polling:
@@ -1051,8 +1050,8 @@ class TieringManager:
                 except BaseException:  # a Ctrl-C as a call returned, or in the tier's code as
                     # its items were taken: what is left of the hand-out is kept, untouched (no
                     # code of the tier's runs while the Ctrl-C waits), for the next step
-                    if left is None and len(taken) == queued:
-                        left = got
+                    if left is None:  # (no call before it is kept: a second Ctrl-C lands
+                        left = got  # after; before the iterator, nothing was queued)
                     if left is not None:
                         unqueued[name] = left
                     raise

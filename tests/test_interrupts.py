@@ -574,3 +574,64 @@ def test_two_ctrl_cs_as_the_progress_thread_starts_leave_one_thread(
     for thread in progress_threads():
         thread.join(1)
     assert progress_threads() == [], "shutdown's wake ended the one thread"
+
+
+@contextmanager
+def ctrl_c_as_c_call_returns(function: Any, called: str) -> Iterator[None]:
+    """The block raises KeyboardInterrupt as the first C call named ``called`` that a frame of
+    ``function`` makes returns (a signal is checked there), once; the block must raise it."""
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if (event == "c_return" and frame.f_code is function.__code__
+                and getattr(arg, "__name__", None) == called):
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    sys.setprofile(profile)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            yield
+    finally:
+        sys.setprofile(None)
+
+
+def _sender_with_a_store_over() -> tuple[Any, Any]:
+    """A peer sender whose store NIXL finished and published, not yet handed out."""
+    from .test_peer import FakePair  # noqa: PLC0415
+
+    pair = FakePair()
+    pair.receiver.expect(TransferJob(1, ["3"], [3], is_promotion=True), pair.name)
+    pair.sender.submit_store(TransferJob(1, ["3"], [0]))
+    pair.sender.drain_jobs(5)
+    return pair.sender, pair
+
+
+@pytest.mark.parametrize("where", ["get_finished_jobs", "drain poll", "peer sender"])
+def test_a_ctrl_c_as_a_tier_lets_go_of_its_lock_loses_no_result(where: str) -> None:
+    """A Ctrl-C lands as a kvfsm tier's poll lets go of its lock (the release, a C call,
+    returns), its stores over and published: the next call hands the results out. (They were
+    taken under the lock, and lost with the call the Ctrl-C cut short: the job outstanding in
+    the manager for good, its block pinned.)"""
+    from kvfsm.contract import JobSide  # noqa: PLC0415
+    from kvfsm.peer import PeerSender  # noqa: PLC0415
+
+    other: Any = None
+    if where == "peer sender":
+        tier, other = _sender_with_a_store_over()
+        call, function, released = tier.get_finished_jobs, PeerSender.get_finished_jobs, "__exit__"
+    else:
+        tier = ObjectStoreTier(torch.zeros(8, 16), agent=FakeNixlAgent())
+        tier.submit_store(TransferJob(1, ["k1"], [1]))
+        tier.drain_jobs(5)
+        if where == "drain poll":
+            call, function, released = (lambda: tier._drain_poll(None), JobSide._drain_poll,
+                                        "release")
+        else:
+            call, function, released = (tier.get_finished_jobs, JobSide.get_finished_jobs,
+                                        "__exit__")
+    with ctrl_c_as_c_call_returns(function, released):
+        call()
+    assert [(result.job_id, result.success) for result in call()] == [(1, True)]
+    assert not tier.has_pending_work()
+    tier.shutdown(5)
+    if other is not None:
+        other.receiver.shutdown(5)

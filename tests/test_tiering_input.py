@@ -1235,3 +1235,40 @@ def test_a_kept_hand_out_of_a_stray_result_is_pending_work_until_reported(
                                                r"outstanding job"):
         manager.step()
     assert not manager.has_pending_work()
+
+
+def test_a_second_ctrl_c_as_a_kept_hand_out_is_kept_loses_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C lands as a step turns a tier's hand-out into an iterator (``iter`` returns),
+    and a second at the first call the step would make after it: the hand-out is kept all the
+    same, and the next step hands the job out. (The step's handler asked the queue's length
+    first: a second Ctrl-C as that returned lost the hand-out.)"""
+    import sys  # noqa: PLC0415
+
+    from kvfsm import tiering  # noqa: PLC0415
+
+    interrupted = [False]
+
+    def iter_then_ctrl_c(iterable: Any) -> Any:
+        made = iter(iterable)
+        if not interrupted[0]:
+            interrupted[0] = True
+            raise KeyboardInterrupt("first")
+        return made
+
+    def len_of_the_step(sized: Any) -> int:  # the second, at the step's first call after
+        if interrupted[0] and sys._getframe(1).f_code is TieringManager._step.__code__:
+            raise KeyboardInterrupt("second")
+        return len(sized)
+
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    manager = TieringManager(primary, {"mine": DictTier(primary.cache)})
+    (block,) = ready(primary, "a")
+    jobs = manager.store([block])
+    monkeypatch.setattr(tiering, "iter", iter_then_ctrl_c, raising=False)
+    monkeypatch.setattr(tiering, "len", len_of_the_step, raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        manager.step()
+    monkeypatch.undo()
+    assert [done.job_id for done in manager.step()] == jobs
+    assert primary.pin_count(block) == 0 and not manager.has_pending_work()
