@@ -149,11 +149,18 @@ class Books:
 
     def take_results(self) -> list[JobResult]:
         """The results published since the last call, handed out once (safe without a lock
-        beside a publishing thread, and beside another caller: each result goes to one)."""
-        results, taken = self.results, []
+        beside a publishing thread, and beside another caller: each result goes to one).
+
+        A result whose record is still kept waits for the next call: its finish is under way
+        on another thread, or an interrupt cut it short (the books are mended before the next
+        poll, and a result not queued then is published again: taken now, it would be handed
+        out twice)."""
+        results, taken, records = self.results, [], self.records
         try:
             for _ in range(len(results)):
                 try:
+                    if results[0].job_id in records:  # (looked at before it is taken: no
+                        break  # call between a result's leaving and its being kept)
                     taken.append(results.popleft())
                 except IndexError:  # another thread took it (two callers at once)
                     break

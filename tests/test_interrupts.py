@@ -635,3 +635,45 @@ def test_a_ctrl_c_as_a_tier_lets_go_of_its_lock_loses_no_result(where: str) -> N
     tier.shutdown(5)
     if other is not None:
         other.receiver.shutdown(5)
+
+
+@pytest.mark.parametrize("progress", [False, True], ids=["caller-polls", "progress-thread"])
+def test_a_result_whose_finish_a_ctrl_c_cut_short_is_handed_out_once_beside_another_caller(
+    monkeypatch: pytest.MonkeyPatch, progress: bool
+) -> None:
+    """Another thread W is about to take a tier's results, the lock let go of, when the
+    caller's poll publishes job 1's result and a Ctrl-C lands as it is queued (its record not
+    yet taken out). W does not take that result: it waits until the books are mended, and
+    the job is handed out once. (W took it, and the mend, finding it no longer queued,
+    published it again: handed out twice.)"""
+    from kvfsm.contract import Books  # noqa: PLC0415
+    from kvfsm.runner import Runner  # noqa: PLC0415
+
+    policy = RetryPolicy(progress_interval=30) if progress else RetryPolicy()
+    tier = ObjectStoreTier(torch.zeros(8, 16), agent=FakeNixlAgent(complete_after_polls=1),
+                           policy=policy)
+    at_take, go = threading.Event(), threading.Event()
+    real_take = Books.take_results
+
+    def take_results(self: Books) -> list[Any]:
+        if threading.current_thread().name == "W":
+            at_take.set()
+            go.wait(10)  # W waits here, the lock let go of
+        return real_take(self)
+
+    monkeypatch.setattr(Runner, "take_results", take_results)
+    handed: list[tuple[str, int]] = []
+    worker = threading.Thread(target=lambda: handed.extend(
+        ("W", result.job_id) for result in tier.get_finished_jobs()), name="W")
+    worker.start()
+    assert at_take.wait(10)
+    tier.submit_store(TransferJob(1, ["k1"], [1]))  # PROC; the next check says DONE
+    with ctrl_c_as_c_call_returns(Books.publish, "append"):
+        tier._drain_poll(None)  # the caller's poll finds it DONE and publishes it
+    go.set()
+    worker.join(10)
+    for _ in range(3):
+        handed.extend(("M", result.job_id) for result in tier.get_finished_jobs())
+    assert [job for _, job in handed] == [1], handed
+    assert not tier.has_pending_work()
+    tier.shutdown(5)
