@@ -731,17 +731,24 @@ class HandingOnTier(ObjectStoreTier):
         return results
 
 
+def _one_store_over(cls: type[ObjectStoreTier]) -> tuple[TieringManager, Any]:
+    """A manager over one tier of ``cls``, one store submitted that NIXL ends at the next
+    state check."""
+    primary = CPUPrimaryTier(4, 256, torch.uint8)
+    tier = cls(primary.cache, agent=FakeNixlAgent("own", complete_after_polls=1))
+    manager = TieringManager(primary, {"t": tier})
+    (block,) = primary.allocate(["k"])
+    primary.complete_write([block], success=True)
+    manager.store([block])
+    return manager, tier
+
+
 @pytest.mark.parametrize("how", ["step", "drain"])
 def test_a_managers_drain_runs_a_tiers_own_get_finished_jobs_with_the_lock_free(
         how: str) -> None:
     """A tier of the user's own whose hand-out has another thread call the tier and waits
     for it: the lock is free then, in a drain as in a step."""
-    primary = CPUPrimaryTier(4, 256, torch.uint8)
-    tier = HandingOnTier(primary.cache, agent=FakeNixlAgent("own", complete_after_polls=1))
-    manager = TieringManager(primary, {"t": tier})
-    (block,) = primary.allocate(["k"])
-    primary.complete_write([block], success=True)
-    manager.store([block])
+    manager, tier = _one_store_over(HandingOnTier)
     try:
         (done,) = manager.step() if how == "step" else manager.drain(5)
         assert done.success and tier.worker_done
@@ -772,16 +779,6 @@ class CountingGeneratorHandOut(CountingTier):
 
     def get_finished_jobs(self) -> Iterator[JobResult]:  # type: ignore[override]
         yield from super().get_finished_jobs()
-
-
-def _one_store_over(cls: type[ObjectStoreTier]) -> tuple[TieringManager, Any]:
-    primary = CPUPrimaryTier(4, 256, torch.uint8)
-    tier = cls(primary.cache, agent=FakeNixlAgent("own", complete_after_polls=1))
-    manager = TieringManager(primary, {"t": tier})
-    (block,) = primary.allocate(["k"])
-    primary.complete_write([block], success=True)
-    manager.store([block])
-    return manager, tier
 
 
 def test_drain0_polls_a_tier_with_its_own_hand_out_once_as_any_other() -> None:
