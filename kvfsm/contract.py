@@ -132,7 +132,7 @@ class Books:
     free while its result waits, and no result is handed out twice or lost.
     """
 
-    __slots__ = ("records", "results", "unreported")
+    __slots__ = ("records", "results", "turn", "unreported")
 
     def __init__(self) -> None:
         #: every unpublished record, by job id, in submission order
@@ -141,6 +141,10 @@ class Books:
         self.results: collections.deque[JobResult] = collections.deque()
         #: the job ids of those results (a job id is not taken again before its result is out)
         self.unreported: set[int] = set()
+        #: the takers' turn, ``{0: True}`` while no one takes results: a taker takes it by
+        #: deleting the key and gives it back by setting it (a bytecode each, not a call, so
+        #: a signal cannot land between taking it and the ``try`` that gives it back)
+        self.turn: dict[int, bool] = {0: True}
 
     def publish(self, result: JobResult) -> None:
         """Keep ``result`` for the next :meth:`take_results`."""
@@ -148,30 +152,47 @@ class Books:
         self.results.append(result)
 
     def take_results(self) -> list[JobResult]:
-        """The results published since the last call, handed out once (safe without a lock
-        beside a publishing thread, and beside another caller: each result goes to one).
+        """The results published since the last call, handed out once (safe without the
+        side's lock beside a publishing thread, and beside another caller: each result goes to
+        one).
 
         A result whose record is still kept waits for the next call: its finish is under way
         on another thread, or an interrupt cut it short (the books are mended before the next
         poll, and a result not queued then is published again: taken now, it would be handed
-        out twice)."""
-        results, taken, records = self.results, [], self.records
+        out twice). Takers take turns (:attr:`turn`): one that comes while another takes
+        (another thread, or a signal handler's call on this one) gets nothing this time, as
+        it would had the other come first; it could otherwise come between the other's look
+        at a result's record and its taking the result, take that one and leave the next, not
+        looked at, to the other. A result is kept before it leaves the queue: an interrupt as
+        a call returns (where a signal is checked) never holds one that is in neither."""
+        results, turn = self.results, self.turn
+        taken: list[JobResult] = []
+        if not results:
+            return taken
         try:
+            del turn[0]  # (a bytecode: no signal between it and the try below)
+        except KeyError:  # another taker's turn
+            return taken
+        try:
+            records = self.records
             for _ in range(len(results)):
-                try:
-                    if results[0].job_id in records:  # (looked at before it is taken: no
-                        break  # call between a result's leaving and its being kept)
-                    taken.append(results.popleft())
-                except IndexError:  # another thread took it (two callers at once)
+                result = results[0]
+                if result.job_id in records:
                     break
+                taken.append(result)
+                results.popleft()
             discard = self.unreported.discard
             for result in taken:
                 discard(result.job_id)
             return taken
         except BaseException:  # an interrupt: what was taken is handed out by the next call
+            if taken and results and results[0] is taken[-1]:  # kept, not yet out of the queue
+                del taken[-1]
             self.unreported.update(result.job_id for result in taken)
             results.extendleft(reversed(taken))
             raise
+        finally:
+            turn[0] = True
 
 
 class JobSide:
