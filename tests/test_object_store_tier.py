@@ -781,12 +781,13 @@ def test_a_job_whose_first_block_is_over_is_asked_through_a_block_still_running(
 # -- object names NIXL sends as they are ---------------------------------------------------------
 
 def _sent_as_it_is(text: str) -> bool:
-    """The definition: not empty, no leading "%", no empty, "." or ".." part between slashes
-    (one trailing "/" is sent as it is)."""
+    """The definition: not empty, no leading "%", no line feed, no empty, "." or ".." part
+    between slashes (one trailing "/" is sent as it is)."""
     parts = text.split("/")
     if len(parts) > 1 and parts[-1] == "":
         parts.pop()
-    return bool(text) and text[0] != "%" and all(part not in ("", ".", "..") for part in parts)
+    return (bool(text) and text[0] != "%" and "\n" not in text
+            and all(part not in ("", ".", "..") for part in parts))
 
 
 def test_the_one_call_that_tells_plain_object_names_agrees_with_their_definition() -> None:
@@ -799,7 +800,7 @@ def test_the_one_call_that_tells_plain_object_names_agrees_with_their_definition
 
     names: dict[str, str] = {}
     for length in range(1, 7):
-        for chars in product("a./%", repeat=length):
+        for chars in product("a./%\n", repeat=length):
             text = "".join(chars)
             assert (_plain(text) is not None) is _sent_as_it_is(text), text
             name = object_text(text)
@@ -808,4 +809,28 @@ def test_the_one_call_that_tells_plain_object_names_agrees_with_their_definition
             else:
                 assert name.startswith("%") and "/" not in name, (text, name)
             assert names.setdefault(name, text) == text, f"{text!r} and {names[name]!r}"
-    assert len(names) == sum(4 ** n for n in range(1, 7))
+    assert len(names) == sum(5 ** n for n in range(1, 7))
+
+
+def test_a_key_or_a_prefix_no_object_name_can_hold_is_refused_naming_it() -> None:
+    """A key with a lone surrogate (bytes decoded with ``surrogateescape``) has no UTF-8: a
+    store of it was taken, and failed once NIXL was asked to cast the name. It is refused at
+    submit, naming the key and where the surrogate is, nothing registered; so is a key prefix
+    holding one, or a line feed (a key with a line feed is quoted: the store test on real
+    NIXL stores and loads one)."""
+    agent = FakeNixlAgent()
+    tier = ObjectStoreTier(torch.zeros(4, 16), agent=agent)
+    registered = agent.call_count("register_memory")
+    with pytest.raises(InvalidJobError, match=re.escape(
+            "job 1: keys[1]: key 'a\\udcffb' holds a lone surrogate at position 1 "
+            "('\\udcff'): it is not UTF-8 text")):
+        tier.submit_store(TransferJob(1, ["k", "a\udcffb"], [0, 1]))
+    assert agent.call_count("register_memory") == registered and not tier.has_pending_work()
+    assert tier.remote_name("a\nb") == "64-bytes/%a%0Ab"
+    for prefix, why in (("kv\n/", "holds a line feed"), ("kv\ud800/", "lone surrogate")):
+        with pytest.raises(ValueError, match=f"key_prefix {re.escape(repr(prefix))} .*{why}"):
+            ObjectStoreTier(torch.zeros(4, 16), agent=FakeNixlAgent(), key_prefix=prefix)
+    tier.submit_store(TransferJob(1, ["k"], [0]))  # the job id was not taken
+    tier.drain_jobs(5)
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    tier.shutdown(5)

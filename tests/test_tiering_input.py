@@ -42,7 +42,7 @@ from .test_tiering import DictTier, ScriptedPolls  # a user's own tiers, no remo
 BLOCK_BYTES = 256
 #: a key and a bytes key with the same text: two keys to the primary, one block to a tier
 ALIKE = ("6b", b"k")
-#: a str no file name can hold (a lone surrogate has no UTF-8), which an object store takes
+#: a str no file or object name can hold (a lone surrogate has no UTF-8)
 UNNAMEABLE = "\ud800"
 
 
@@ -129,8 +129,9 @@ def block(stack: Stack, key: str | bytes) -> int:
      r"keys\[1\] = '6b' and keys\[2\] = b'k' name the same block '6b' in tier 'files'"),
     (list(ALIKE), None, "name the same block '256-bytes/6b' in tier 'objects'"),
     ([UNNAMEABLE], "files",
-     r"tier 'files' cannot name keys\[0\] = '\\ud800': 'utf-8' codec can't encode"),
-    (["x", UNNAMEABLE], None, r"tier 'files' cannot name keys\[1\] = '\\ud800'"),
+     r"tier 'files' cannot name keys\[0\] = '\\ud800': key '\\ud800' holds a lone "
+     "surrogate at position 0"),
+    (["x", UNNAMEABLE], None, r"tier 'objects' cannot name keys\[1\] = '\\ud800'"),
 ], ids=["alike from objects", "alike from files", "alike from any", "unnameable from files",
         "unnameable from any"])
 def test_a_load_a_tier_would_refuse_evicts_nothing_and_names_tier_and_keys(
@@ -218,9 +219,8 @@ def test_keys_of_both_kinds_are_taken_where_they_cannot_share_a_name() -> None:
 @pytest.mark.parametrize(("keys", "message"), [
     (list(ALIKE), r"keys\[0\] = '6b' and keys\[1\] = b'k' name the same block '256-bytes/6b' "
                   "in tier 'objects'"),
-    # the object store takes this key, the file tier does not: nothing may reach either
-    ([UNNAMEABLE], r"tier 'files' cannot name keys\[0\] = '\\ud800'"),
-], ids=["alike", "unnameable by files"])
+    ([UNNAMEABLE], r"tier 'objects' cannot name keys\[0\] = '\\ud800'"),
+], ids=["alike", "unnameable"])
 def test_a_store_a_tier_would_refuse_pins_nothing_and_uses_no_job_id(
     stack: Stack, keys: list[str | bytes], message: str
 ) -> None:
@@ -306,11 +306,11 @@ def test_a_store_every_tier_refuses_as_malformed_drops_its_pins_and_is_a_value_e
     (lambda m: m.find([]), "find needs at least one key"),  # was "found" in the first tier
     (lambda m: m.find("ab"), "find: keys must be a list or tuple, got str 'ab'"),
     (lambda m: m.find(["x", 7]), r"find: keys\[1\] must be a non-empty str or bytes, got 7"),
-    (lambda m: m.find([UNNAMEABLE]), r"tier 'files' cannot name keys\[0\]"),
+    (lambda m: m.find([UNNAMEABLE]), r"tier 'objects' cannot name keys\[0\]"),
     (lambda m: m.lookup(3), "lookup: a key must be a non-empty str or bytes, got 3"),
     (lambda m: m.lookup([1]), r"lookup: a key must be a non-empty str or bytes, got \[1\]"),
     (lambda m: m.lookup(b""), "lookup: a key must be a non-empty str or bytes, got b''"),
-    (lambda m: m.lookup(UNNAMEABLE), r"tier 'files' cannot name keys\[0\] = '\\ud800'"),
+    (lambda m: m.lookup(UNNAMEABLE), r"tier 'objects' cannot name keys\[0\] = '\\ud800'"),
     (lambda m: m.load(["x"], tier=["objects"]), r"no tier named \['objects'\]"),
     (lambda m: m.drain(timeout="soon"), "timeout must be a number of seconds >= 0, got 'soon'"),
     (lambda m: m.drain(timeout=math.nan), "got nan"),  # would never time out

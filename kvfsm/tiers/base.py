@@ -1638,7 +1638,24 @@ def key_text(key: object) -> str:
         raise ValueError(f"a key must be bytes or str, got {type(key).__name__} {key!r}")
     if not text:
         raise ValueError("a key must not be empty")
+    if not text.isascii():
+        check_text("key", text)
     return text
+
+
+def check_text(what: str, text: str) -> None:
+    """Refuse ``text`` that is not Unicode text a name can hold: a lone surrogate (from
+    bytes decoded with ``surrogateescape``, say) has no UTF-8, so no file or object name.
+
+    Raises:
+        ValueError: names ``what``, the text, and where the surrogate is.
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} {text!r} holds a lone surrogate at position {error.start} "
+                         f"({text[error.start]!r}): it is not UTF-8 text, and no file or "
+                         "object name can hold it") from None
 
 
 def _left(deadline: float | None) -> float | None:

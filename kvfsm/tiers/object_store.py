@@ -26,6 +26,7 @@ from kvfsm.tiers.base import (
     RemovalInFlightError,
     SecondaryTier,
     check_backend,
+    check_text,
     check_tier_options,
     key_text,
     logger,
@@ -496,10 +497,12 @@ def s3_deleter(store: Any) -> Callable[[list[str]], int]:
 
 
 #: whether NIXL sends the object name ``text`` as it is: not empty, no empty, ``.`` or ``..``
-#: part between its slashes (one trailing ``/`` is sent as it is), and (so that quoted names
-#: stay apart) no leading ``%``; one C call a key (``tests/test_object_store_tier.py`` checks
-#: it against that definition, part by part)
-_plain = re.compile(r"(?!%)(?!\.{1,2}(?:/|\Z))[^/]+(?:/(?!\.{1,2}(?:/|\Z))[^/]+)*/?").fullmatch
+#: part between its slashes (one trailing ``/`` is sent as it is), no line feed (NIXL's
+#: request for such a name fails) and no lone surrogate (not UTF-8: NIXL cannot take it), and
+#: (so that quoted names stay apart) no leading ``%``; one C call a key
+#: (``tests/test_object_store_tier.py`` checks it against that definition, part by part)
+_plain = re.compile(r"(?!%)(?!\.{1,2}(?:/|\Z))[^/\n\ud800-\udfff]+"
+                    r"(?:/(?!\.{1,2}(?:/|\Z))[^/\n\ud800-\udfff]+)*/?").fullmatch
 
 
 def object_text(text: str) -> str:
@@ -512,13 +515,17 @@ def object_text(text: str) -> str:
 def check_key_prefix(prefix: object) -> None:
     """Refuse a key prefix NIXL would not send as it is (a leading ``/``, ``//``, a ``.`` or
     ``..`` segment before its last ``/``): two prefixes, or a prefix and a key, could then
-    name one object.
+    name one object; and one no object name can hold (a line feed, a lone surrogate).
 
     Raises:
         ValueError: names the prefix and what is wrong with it.
     """
     if not isinstance(prefix, str):
         raise ValueError(f"key_prefix must be a str, got {type(prefix).__name__}")
+    if "\n" in prefix:
+        raise ValueError(f"key_prefix {prefix!r} holds a line feed: NIXL's request for an "
+                         "object so named fails")
+    check_text("key_prefix", prefix)
     *folders, _ = prefix.split("/")  # the last part is joined to the key's first
     for folder in folders:
         if folder in ("", ".", ".."):
@@ -687,8 +694,9 @@ class ObjectStoreTier(SecondaryTier):
         whose text has an empty (but a trailing ``/``), ``.`` or ``..`` part between its
         slashes, or starts with ``%``, is therefore named ``%`` and its text percent-quoted
         whole (``"/k"`` is ``"%%2Fk"``): no other key's name starts with ``%``, and quoting
-        keeps distinct keys apart. (A key starting with ``%`` was stored under its text before
-        this naming: such blocks are not found again.)
+        keeps distinct keys apart. So is a key holding a line feed, which NIXL fails to send as
+        it is; one holding a lone surrogate has no name (``ValueError``). (A key starting with
+        ``%`` was stored under its text before this naming: such blocks are not found again.)
         """
         return self.name_prefix + object_text(key_text(key))
 
