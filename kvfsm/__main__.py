@@ -2,6 +2,6 @@
 
 import sys
 
-from kvfsm.cli import main
+from kvfsm.cli import console
 
-sys.exit(main())
+sys.exit(console())

@@ -10,13 +10,14 @@ when a committed drawing no longer matches its declaration.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
 from kvfsm import demo, diagrams, trace
 from kvfsm.testing import explore
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "console", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,3 +57,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # (the command cleaned up on its way out): no traceback
         print(f"kvfsm {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def console() -> int:
+    """The ``kvfsm`` command (and ``python -m kvfsm``): :func:`main`, then kvfsm's warnings
+    and errors on stderr while the process exits. The exit waits for the transfers NIXL still
+    runs, up to :data:`~kvfsm.tiers.base.EXIT_WAIT_SECONDS`, and says so there (a phase of
+    the demo past ``--timeout`` leaves them): the wait is not a silent one. A second Ctrl-C
+    stops it."""
+    status = main()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("kvfsm: %(message)s"))
+    logging.getLogger("kvfsm").addHandler(handler)
+    return status

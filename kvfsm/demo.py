@@ -16,6 +16,9 @@ when a byte mismatched, a result was duplicated, a job failed for a reason that 
 injected (a directory that takes no new file, a store that refused the credentials...), or a
 phase did not finish by ``--timeout``; 2 for bad options (a ``--dir`` on a read-only file
 system, an S3 server and no credentials for it); 130 on Ctrl-C, once the tier is shut down.
+Transfers NIXL still runs past ``--timeout`` (or past the shutdown after a Ctrl-C) keep the
+process up to 60 s more as it exits (``kvfsm.tiers.base.EXIT_WAIT_SECONDS``: a process must
+not exit with one in flight), said on stderr; a second Ctrl-C stops that wait.
 
 Progress bars (rate and time left) go to stderr, for each phase and while a release that keeps
 raising is waited out up to the retry bound; they are on when stderr is a terminal, or with
@@ -155,6 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, as a usage error, options for another place than the one the demo runs on:
     ignoring them would run the demo somewhere the user did not ask for."""
+    if args.dir == "":  # (read as no --dir, a temporary directory: not what was asked)
+        parser.error("--dir needs a directory's path, got ''")
     s3 = [f"--{name.replace('_', '-')}" for name in ("s3_endpoint", "bucket")
           if getattr(args, name)]
     if args.fake and (s3 or args.dir):

@@ -430,6 +430,9 @@ def run(args: argparse.Namespace) -> int:
     """Draw (or with ``--check``, check) the machines named, or kvfsm's own; returns the exit
     status: 0, 1 when a drawing is stale or cannot be written, 2 when a machine cannot be
     drawn."""
+    if not args.out:  # (a Path of it is the current directory: not what was asked)
+        print("kvfsm diagrams: --out needs a directory's path, got ''", file=sys.stderr)
+        return 2
     specs = list(args.machines) or ([] if args.only else list(MACHINES))
     if not specs:
         print("kvfsm diagrams: no machine to draw (--only needs module:ATTRIBUTE names)",

@@ -112,8 +112,13 @@ class StoreConfig:
             raise ValueError(f"StoreConfig.io_threads must be an int of at least 1 or None, "
                              f"got {self.io_threads!r}")
         if self.endpoint is not None:
-            parsed = urllib.parse.urlsplit(self.endpoint)
-            if parsed.scheme not in {"http", "https"} or not parsed.hostname:
+            try:
+                parsed = urllib.parse.urlsplit(self.endpoint)
+                port = parsed.port  # (a port that is not a number, or out of range, raises)
+            except ValueError as error:
+                raise ValueError(f"StoreConfig.endpoint must be http(s)://host[:port], got "
+                                 f"{self.endpoint!r} ({error})") from None
+            if parsed.scheme not in {"http", "https"} or not parsed.hostname or port == 0:
                 raise ValueError(f"StoreConfig.endpoint must be http(s)://host[:port], got "
                                  f"{self.endpoint!r}")
         if (self.access_key is None) != (self.secret_key is None):

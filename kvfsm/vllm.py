@@ -95,6 +95,7 @@ from kvfsm.machines import load_machine, load_steps
 from kvfsm.nixl_agents import StoreConfig
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.tiers.base import Lookup, SecondaryTier, shown_keys
+from kvfsm.tiers.object_store import check_key_prefix
 from kvfsm.transfer import TransferJob
 
 __all__ = ["FileTier", "HandlesHeld", "ObjectStoreTier", "namespace"]
@@ -246,6 +247,11 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                 record_events=capacity_bytes is not None, in_flight=limit, **settings)
         except MachineRefused as error:  # (which of the configuration's tiers refused it)
             raise MachineRefused(f"{who}: {error}") from None
+        except ValueError as error:  # a setting the tier refused: which tier's, too
+            if (len(error.args) == 1 and isinstance(error.args[0], str)
+                    and not error.args[0].startswith((f"{tier_type}:", f"{who}:"))):
+                error.args = (f"{who}: {error.args[0]}",)
+            raise
         logger.info("%s: blocks kept in the folder %s (this model's and KV layout's)",
                     self.label, self.namespace)
         self._jobs: dict[int, _Job] = {}
@@ -585,8 +591,7 @@ class ObjectStoreTier(_Adapter):
                io_threads: int | None = None, prefix: str = "", agent: Any = None,
                probe_agent: Any = None, remove: Any = None,
                **options: Any) -> SecondaryTier:
-        if not isinstance(prefix, str):
-            raise ValueError(f"{self.tier_type}: prefix must be a str, got {prefix!r}")
+        check_key_prefix(prefix, "prefix")  # (the user's, before the folder is joined to it)
         prefix = f"{prefix}{folder}/"
         store = None
         if agent is None or (options.get("capacity_bytes") is not None and remove is None):

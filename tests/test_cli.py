@@ -193,6 +193,94 @@ def test_a_directory_that_cannot_be_made_or_is_a_file_is_a_bad_option_named_as_t
     assert a_file.read_text() == "not a directory"
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["demo", "--dir", ""], "kvfsm demo: error: --dir needs a directory's path, got ''\n"),
+    (["diagrams", "--out", ""], "kvfsm diagrams: --out needs a directory's path, got ''\n"),
+], ids=["demo --dir", "diagrams --out"])
+def test_an_empty_path_is_a_bad_option_not_the_default_place(
+    argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An unset variable in a script gives ``--dir ""``: the demo ran in a temporary directory
+    of its own, and ``kvfsm diagrams --out ""`` drew into the current one. Refused, nothing
+    made."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = main(argv)
+    except SystemExit as usage:  # (argparse's usage error)
+        status = usage.code
+    assert status == 2
+    assert capsys.readouterr().err.endswith(message)
+    assert list(tmp_path.iterdir()) == []
+
+
+#: the ``kvfsm`` command as its entry point runs it, with the exit's wait for NIXL cut to 3 s
+COMMAND_WITH_A_SHORT_EXIT_WAIT = """
+import sys
+import kvfsm.tiers.base
+from kvfsm.cli import console
+kvfsm.tiers.base.EXIT_WAIT_SECONDS = {wait}
+sys.argv = ["kvfsm", *sys.argv[1:]]
+sys.exit(console())
+"""
+
+
+def _demo_nixl_never_ends(wait: float, *options: str) -> subprocess.Popen[str]:
+    """The demo on real NIXL files, every state check answered PROC: its store phase never
+    ends."""
+    require_nixl()
+    return subprocess.Popen(
+        [sys.executable, "-c", COMMAND_WITH_A_SHORT_EXIT_WAIT.format(wait=wait), "demo",
+         *SMALL, "--no-progress", "--inject-faults", "check_xfer_state:proc=100000000",
+         *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_demo_past_its_timeout_says_that_its_exit_waits_for_nixl(tmp_path: Path) -> None:
+    """A phase past ``--timeout`` leaves transfers NIXL runs (so the fault says): the exit
+    waits for them, up to EXIT_WAIT_SECONDS, and the command says so on stderr, then what it
+    gave up on. (It waited 60 s in silence, the warnings to a logger nobody showed.)"""
+    demo = _demo_nixl_never_ends(3, "--timeout", "1", "--dir", str(tmp_path))
+    _, err = demo.communicate(timeout=120)
+    assert demo.returncode == 1, err
+    assert err.splitlines()[-4:] == [
+        "kvfsm demo: DrainTimeout: store phase: 1 transfer(s) not published",
+        "  job 0: PROCESSING, retries=0, last error: None",
+        "kvfsm: interpreter exit: FileTier was not shut down (or its shutdown timed out), with "
+        "1 job(s) unpublished; waiting up to 3 s for NIXL to end their transfers",
+        "kvfsm: interpreter exit: FileTier: NIXL still runs 1 transfer(s) (jobs [0]) at the "
+        "exit's deadline (EXIT_WAIT_SECONDS, 3 s); exiting with them in flight",
+    ], err
+    assert "Traceback" not in err
+
+
+def test_a_second_ctrl_c_stops_the_exits_wait_for_nixl_and_prints_no_traceback(
+    tmp_path: Path,
+) -> None:
+    """A phase past ``--timeout``: the exit waits for NIXL, saying so, and a Ctrl-C (after a
+    first one, whose shutdown timed out, say) stops that wait: one line says what it left in
+    flight, no traceback (the exit's hook printed one)."""
+    lines = []
+    with _demo_nixl_never_ends(120, "--timeout", "1", "--dir", str(tmp_path)) as demo:
+        assert demo.stderr is not None
+        try:
+            for line in demo.stderr:  # (the store phase never ends: its DrainTimeout at 1 s)
+                lines.append(line)
+                if "waiting up to" in line:  # the exit's wait, said
+                    break
+            demo.send_signal(signal.SIGINT)
+            lines.append(demo.communicate(timeout=60)[1])
+        finally:
+            demo.kill()
+    err = "".join(lines)
+    assert demo.returncode == 1, err
+    assert err.splitlines()[-2:] == [
+        "kvfsm: interpreter exit: FileTier was not shut down (or its shutdown timed out), with "
+        "1 job(s) unpublished; waiting up to 120 s for NIXL to end their transfers",
+        "kvfsm: interpreter exit: interrupted while waiting for NIXL to end its transfers; "
+        "exiting with those it still runs in flight"], err
+    assert "Traceback" not in err and "Exception ignored" not in err
+
+
 def test_ctrl_c_during_the_demo_shuts_the_tier_down_and_prints_no_traceback(
     tmp_path: Path,
 ) -> None:

@@ -133,6 +133,9 @@ def test_a_policy_of_the_right_kind_is_taken() -> None:
     ("use_virtual_addressing", "false",
      r"StoreConfig.use_virtual_addressing must be True or False, got 'false'"),
     ("endpoint", 9000, r"StoreConfig.endpoint must be a str or None, got 9000"),
+    ("endpoint", "http://[::1", r"StoreConfig.endpoint must be http\(s\)://host\[:port\], got "
+     r"'http://\[::1' \(Invalid IPv6 URL\)"),  # (urllib's error, naming nothing)
+    ("endpoint", "http://h:99999", r"StoreConfig.endpoint .*, got 'http://h:99999' \(Port out"),
     ("key_prefix", None, r"StoreConfig.key_prefix must be a str, got None"),
 ])
 def test_a_store_config_from_a_configuration_file_names_the_field_of_the_wrong_type(

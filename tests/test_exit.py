@@ -57,7 +57,8 @@ def test_a_process_leaving_transfers_in_flight_waits_for_them_and_exits_cleanly(
     assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
     left = int(re.search(r"leaving (\d+) jobs in flight", child.stdout)[1])  # type: ignore[index]
     assert left > 0, "nothing was in flight: the story did not happen"
-    assert (f"interpreter exit: ObjectStoreTier was not shut down, with {left} job(s) "
+    assert (f"interpreter exit: ObjectStoreTier was not shut down (or its shutdown timed out), "
+            f"with {left} job(s) "
             "unpublished; waiting up to 60 s for NIXL to end their transfers") in child.stderr
     assert "exiting with them in flight" not in child.stderr
 

@@ -353,9 +353,14 @@ def test_a_prefix_or_directory_that_is_not_one_is_refused_by_name() -> None:
 
     view = memoryview(bytearray(4 * 64)).cast("B", (4, 64))
     agent = FakeNixlAgent("prefix")
-    with pytest.raises(ValueError, match=r"ObjectStoreTier: prefix must be a str, got b'kv/'"):
+    with pytest.raises(ValueError, match=r"ObjectStoreTier: prefix must be a str, got bytes"):
         ObjectStoreTier(offloading_spec(chunk_bytes=64), view, "ObjectStoreTier", agent=agent,
                         prefix=b"kv/")
+    # named as the setting is, with the value given (the folder of the model is joined after)
+    with pytest.raises(ValueError, match=r"^ObjectStoreTier: prefix '/kv/' has an empty, '\.' "
+                                         r"or '\.\.' part before its last '/'"):
+        ObjectStoreTier(offloading_spec(chunk_bytes=64), view, "ObjectStoreTier", agent=agent,
+                        prefix="/kv/")
     assert agent.live_registrations() == 0, "nothing was registered"
     with pytest.raises(ValueError, match=r"FileTier: directory must be a directory's path, "
                                          r"got 3"):
@@ -775,7 +780,10 @@ def test_kvfsm_imports_without_vllm() -> None:
      "chunks vLLM reuses once it has the job's result"),  # (its failure freed them under NIXL)
     ("shutdown_timeout", "30", "FileTier: shutdown_timeout must be a number of seconds or "
      "None, got '30'"),
-    ("durable", "false", "durable must be True or False, got 'false'"),
+    ("durable", "false", "FileTier: durable must be True or False, got 'false'"),
+    ("read_only", "yes", "FileTier: read_only must be a bool, got 'yes'"),
+    ("poll_interval", -1, "FileTier: poll_interval must be a finite number of seconds >= 0"),
+    ("capacity_bytes", 1, "FileTier: capacity_bytes must be an int of at least one block"),
     ("capacity_byte", 100, "FileTier: unknown setting(s) capacity_byte; its settings: agent, "
      "capacity_bytes, directory, durable,"),
     ("policy", {}, "FileTier: unknown setting(s) policy; its settings:"),  # (retry makes it)
@@ -809,7 +817,8 @@ def test_a_bad_setting_of_one_of_two_tiers_of_a_kind_names_that_tier_by_its_labe
     for setting, value, message in (
             ("retry", {"max_seconds": -1}, "far: retry: "),
             ("in_flight", {"jobs": 0}, "far: in_flight: InFlightLimit.jobs must be"),
-            ("machine", "kvfsm.machines.peer_link:PEER_LINK", "far: machine 'peer_link' ")):
+            ("machine", "kvfsm.machines.peer_link:PEER_LINK", "far: machine 'peer_link' "),
+            ("durable", "no", "far: durable must be True or False, got 'no'")):
         bad = file_entry(tmp_path / "far", label="far", **{setting: value})
         with pytest.raises(ValueError, match=re.escape(message)):
             engines(good, bad)

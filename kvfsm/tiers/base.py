@@ -1411,12 +1411,16 @@ def _wait_at_exit() -> None:
     for tier in list(_nixl_tiers):
         tier._closing = True  # submits refused from now on (read before the lock is taken)
         tier._wake_progress()
-    for tier in list(_live_tiers):
-        try:
-            _finish_at_exit(tier, deadline)
-        except Exception:
-            logger.exception("interpreter exit: %s raised while its transfers were waited for",
-                             type(tier).__name__)
+    try:
+        for tier in list(_live_tiers):
+            try:
+                _finish_at_exit(tier, deadline)
+            except Exception:
+                logger.exception("interpreter exit: %s raised while its transfers were waited "
+                                 "for", type(tier).__name__)
+    except KeyboardInterrupt:  # a second Ctrl-C: the user stops the wait (no traceback)
+        logger.error("interpreter exit: interrupted while waiting for NIXL to end its "
+                     "transfers; exiting with those it still runs in flight")
 
 
 #: in a forked child, the sets of tiers the parent held: kept for good (freed in the child, a
@@ -1439,10 +1443,11 @@ def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
     raises does not stop it); then ask NIXL about what it may still run of its transfers until
     it says each is over."""
     name = type(tier).__name__
-    if not tier.closed and tier.unpublished():
-        logger.warning("interpreter exit: %s was not shut down, with %d job(s) unpublished; "
-                       "waiting up to %.3g s for NIXL to end their transfers",
-                       name, len(tier.unpublished()), _left(deadline))
+    said = not tier.closed and bool(tier.unpublished())
+    if said:
+        logger.warning("interpreter exit: %s was not shut down (or its shutdown timed out), "
+                       "with %d job(s) unpublished; waiting up to %.3g s for NIXL to end their "
+                       "transfers", name, len(tier.unpublished()), _left(deadline))
         for end in (tier.drain_jobs, tier.shutdown):
             try:
                 end(_left(deadline))
@@ -1461,6 +1466,12 @@ def _finish_at_exit(tier: SecondaryTier, deadline: float) -> None:
             tier._lock.release()
         if not running or time.monotonic() >= deadline:
             break
+        if not said:
+            said = True
+            logger.warning("interpreter exit: %s: NIXL still runs %d transfer(s) (jobs %s); "
+                           "waiting up to %.3g s for it to end them (a process must not exit "
+                           "with one in flight)", name, len(running),
+                           sorted({job_id for job_id, _ in running}), _left(deadline))
         time.sleep(0.01)
     if running:
         logger.error("interpreter exit: %s: NIXL still runs %d transfer(s) (jobs %s) at the "

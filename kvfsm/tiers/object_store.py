@@ -512,25 +512,25 @@ def object_text(text: str) -> str:
     return text if _plain(text) is not None else "%" + urllib.parse.quote(text, safe="")
 
 
-def check_key_prefix(prefix: object) -> None:
+def check_key_prefix(prefix: object, name: str = "key_prefix") -> None:
     """Refuse a key prefix NIXL would not send as it is (a leading ``/``, ``//``, a ``.`` or
     ``..`` segment before its last ``/``): two prefixes, or a prefix and a key, could then
     name one object; and one no object name can hold (a line feed, a lone surrogate).
 
     Raises:
-        ValueError: names the prefix and what is wrong with it.
+        ValueError: names the prefix (as ``name``) and what is wrong with it.
     """
     if not isinstance(prefix, str):
-        raise ValueError(f"key_prefix must be a str, got {type(prefix).__name__}")
+        raise ValueError(f"{name} must be a str, got {type(prefix).__name__}")
     if "\n" in prefix:
-        raise ValueError(f"key_prefix {prefix!r} holds a line feed: NIXL's request for an "
+        raise ValueError(f"{name} {prefix!r} holds a line feed: NIXL's request for an "
                          "object so named fails")
-    check_text("key_prefix", prefix)
+    check_text(name, prefix)
     *folders, _ = prefix.split("/")  # the last part is joined to the key's first
     for folder in folders:
         if folder in ("", ".", ".."):
             raise ValueError(
-                f"key_prefix {prefix!r} has an empty, '.' or '..' part before its last '/': "
+                f"{name} {prefix!r} has an empty, '.' or '..' part before its last '/': "
                 "NIXL's S3 client collapses those, so its objects could be another prefix's "
                 "(write it without a leading '/', '//', './' or '../')")
 
