@@ -104,6 +104,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -210,6 +211,39 @@ def _parse_sender_metadata(metadata: object) -> tuple[str, bytes]:
     return found.group(1).decode(), data[found.end():]
 
 
+#: the peer sides made on each agent, by the agent's id (a side holds its agent, so the id is
+#: that agent's while a side on it lives): a receiver's agent must be its alone
+_sides_on: dict[int, weakref.WeakSet[Any]] = {}
+
+
+def _check_agent_free(agent: Any, side: str) -> None:
+    """Refuse ``agent`` for a new ``side`` ("PeerReceiver" or "PeerSender") when a receiver
+    not shut down reads its notifications, or, for a receiver, when any side does: NIXL hands
+    each notification to one ``get_new_notifs`` call, and a sender drops what its calls
+    take (it expects none), so a receiver sharing its agent would lose its jobs'
+    notifications, and they would stay expected for good, with nothing to say why.
+
+    Raises:
+        ValueError: names the agent and the side already on it.
+    """
+    live = [other for other in _sides_on.get(id(agent), ()) if not other._closed]
+    readers = [other for other in live if isinstance(other, PeerReceiver)]
+    if readers or (side == "PeerReceiver" and live):
+        other = type((readers or live)[0]).__name__
+        raise ValueError(
+            f"agent {getattr(agent, 'name', agent)!r} is a {other}'s already: NIXL hands each "
+            "notification to one get_new_notifs call, so a receiver sharing its agent with "
+            "another side loses its jobs' notifications (they stay expected for good); give "
+            f"the {side} an agent of its own")
+
+
+def _take_agent(agent: Any, side: Any) -> None:
+    """``side`` is made on ``agent`` (:func:`_check_agent_free` said it may be)."""
+    for key in [key for key, sides in _sides_on.items() if not sides]:
+        del _sides_on[key]
+    _sides_on.setdefault(id(agent), weakref.WeakSet()).add(side)
+
+
 def _peer_name(name: Any) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
@@ -284,6 +318,7 @@ class PeerReceiver(JobSide):
         check_interval("poll_interval", poll_interval)
         check_agent(agent, RECEIVER_CALLS, "a nixl_agent with the UCX backend, or "
                     "kvfsm.testing.fake_ucx.FakeUcxAgent")
+        _check_agent_free(agent, "PeerReceiver")
         self.primary = primary
         self.agent = agent
         self.name = _peer_name(agent.name)
@@ -330,6 +365,7 @@ class PeerReceiver(JobSide):
         self._writing: dict[int, int] = {}
         self._lock = threading.RLock()
         self._closed = False
+        _take_agent(agent, self)
 
     def metadata(self) -> bytes:
         """This agent's metadata, for the sender's :meth:`PeerSender.connect`."""
@@ -841,7 +877,8 @@ class PeerSender(SecondaryTier):
     ``ucs_arbiter_group_is_empty``), whether or not its handles were released and the receiver
     removed first; one ``get_new_notifs`` call after the failed write avoided it in every trial.
     The sender expects no notifications (a receiver's probes are the only ones it gets), so it
-    drops what that call returns: give a sender an agent of its own, not a receiver's.
+    drops what that call returns: a sender is refused an agent a receiver not shut down reads
+    (and a receiver one any peer side uses).
 
     Args:
         primary: the sender's KV cache.
@@ -852,6 +889,7 @@ class PeerSender(SecondaryTier):
     def __init__(self, primary: torch.Tensor, *, agent: Any,
                  policy: RetryPolicy | None = None, poll_interval: float = 0.0002) -> None:
         check_agent(agent)  # (before the links are made on it)
+        _check_agent_free(agent, "PeerSender")
         self.links = PeerLinks(agent, self.leak_record)
         self._receiver = _Receiver()
         #: the nonce of the link being made, or open; a new one is drawn when it closes
@@ -859,6 +897,7 @@ class PeerSender(SecondaryTier):
         super().__init__(primary, agent=agent, remote=_PeerMemory(self._receiver),
                          poll_interval=poll_interval, policy=policy)
         self._runner.on_final.append(functools.partial(_heard, self._receiver, self.links))
+        _take_agent(agent, self)
 
     @property
     def link(self) -> PeerLink | None:

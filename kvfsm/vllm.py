@@ -193,34 +193,19 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                  enable_kv_events: bool = False, locality: str | None = None,
                  label: str | None = None, in_flight: Mapping[str, Any] | None = None,
                  **settings: Any) -> None:
-        try:  # (refused here, not at vLLM's shutdown, where the tier would stay open)
-            check_timeout(shutdown_timeout)
-        except ValueError:
-            raise ValueError(f"{tier_type}: shutdown_timeout must be a number of seconds or "
-                             f"None, got {shutdown_timeout!r}") from None
-        where = None
-        if locality is not None:
-            try:
-                where = Locality(locality)
-            except ValueError:
-                raise ValueError(f"{tier_type}: locality must be one of "
-                                 f"{', '.join(repr(place.value) for place in Locality)} or "
-                                 f"None, got {locality!r}") from None
-        who = label if isinstance(label, str) and label else tier_type  # (errors name it)
+        who, where = _named_tier(tier_type, label, shutdown_timeout, locality)
         limit = _limit(who, in_flight)
         if backpressure_detector is None and (limit is not None
                                               or settings.get("read_only") is True):
             backpressure_detector = _Saturation(self)  # (a read-only tier: always declines)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = where
-        if label is not None and (not isinstance(label, str) or not label):
-            raise ValueError(f"{tier_type}: label must be a non-empty str, got {label!r}")
         #: what the tier's metrics and events are labelled with: ``label``, else its type (two
         #: tiers of one type need labels of their own, or vLLM counts them as one)
         self.label = label or tier_type
         self.shutdown_timeout = shutdown_timeout
         if type(enable_kv_events) is not bool:  # ("false" from a configuration is no False)
-            raise ValueError(f"{tier_type}: enable_kv_events must be true or false, got "
+            raise ValueError(f"{who}: enable_kv_events must be true or false, got "
                              f"{enable_kv_events!r}")
         events_on = enable_kv_events and bool(getattr(
             getattr(offloading_spec, "kv_events_config", None), "enable_kv_cache_events", False))
@@ -232,7 +217,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         chunks = len(primary_kv_view)
         chunk_bytes = self.block_size_bytes
         if limit is not None and limit.bytes is not None and limit.bytes < chunk_bytes:
-            raise ValueError(f"{tier_type}: in_flight bytes {limit.bytes} is less than one "
+            raise ValueError(f"{who}: in_flight bytes {limit.bytes} is less than one "
                              f"chunk ({chunk_bytes} bytes): every store would be refused")
         # zero copy: the tensor is vLLM's memory (dropped again in shutdown)
         primary = torch.frombuffer(primary_kv_view, dtype=torch.uint8).view(chunks, chunk_bytes)
@@ -249,7 +234,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
             raise MachineRefused(f"{who}: {error}") from None
         except ValueError as error:  # a setting the tier refused: which tier's, too
             if (len(error.args) == 1 and isinstance(error.args[0], str)
-                    and not error.args[0].startswith((f"{tier_type}:", f"{who}:"))):
+                    and not error.args[0].startswith(f"{who}:")):
                 error.args = (f"{who}: {error.args[0]}",)
             raise
         logger.info("%s: blocks kept in the folder %s (this model's and KV layout's)",
@@ -277,7 +262,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                  if parameter.kind is inspect.Parameter.KEYWORD_ONLY} - self._OWN
         unknown = sorted(set(settings) - known)
         if unknown:
-            raise ValueError(f"{self.tier_type}: unknown setting(s) {', '.join(unknown)}; "
+            raise ValueError(f"{self.label}: unknown setting(s) {', '.join(unknown)}; "
                              f"its settings: {', '.join(sorted(known))}")
 
     def _named(self, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -290,7 +275,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                 try:
                     named[setting] = load(named[setting])
                 except ValueError as error:
-                    raise ValueError(f"{self.tier_type}: {setting}: {error}") from None
+                    raise ValueError(f"{self.label}: {setting}: {error}") from None
         return named
 
     def _build(self, primary: torch.Tensor, folder: str, **options: Any) -> SecondaryTier:
@@ -596,7 +581,7 @@ class ObjectStoreTier(_Adapter):
         store = None
         if agent is None or (options.get("capacity_bytes") is not None and remove is None):
             if bucket is None:
-                raise ValueError(f"{self.tier_type}: the tier's settings need a bucket")
+                raise ValueError(f"{self.label}: the tier's settings need a bucket")
             store = StoreConfig(bucket, endpoint=endpoint, access_key=access_key,
                                 secret_key=secret_key, region=region,
                                 use_virtual_addressing=use_virtual_addressing,
@@ -630,9 +615,9 @@ class FileTier(_Adapter):
     def _build(self, primary: torch.Tensor, folder: str, *, directory: str | None = None,
                durable: bool = True, agent: Any = None, **options: Any) -> SecondaryTier:
         if directory is None:
-            raise ValueError(f"{self.tier_type}: the tier's settings need a directory")
+            raise ValueError(f"{self.label}: the tier's settings need a directory")
         if not isinstance(directory, str | os.PathLike) or not os.fspath(directory):
-            raise ValueError(f"{self.tier_type}: directory must be a directory's path, got "
+            raise ValueError(f"{self.label}: directory must be a directory's path, got "
                              f"{directory!r}")
         tier = tiers.FileTier(primary, os.path.join(directory, folder), durable=durable,
                               agent=agent, **options)
@@ -694,6 +679,31 @@ class _Saturation(BackpressureDetector):  # type: ignore[misc]
             return {}
         figures: dict[str, float] = {**tier.in_flight_figures()}
         return figures
+
+
+def _named_tier(tier_type: str, label: object, shutdown_timeout: object,
+                locality: object) -> tuple[str, Locality | None]:
+    """What names the tier in errors (its label, else its type: two tiers of a type are told
+    apart by their labels), and its locality; refuses a bad label, shutdown timeout (refused
+    here, not at vLLM's shutdown, where the tier would stay open) or locality."""
+    if label is not None and (not isinstance(label, str) or not label):
+        raise ValueError(f"{tier_type}: label must be a non-empty str, got {label!r}")
+    who = label or tier_type
+    try:
+        check_timeout(shutdown_timeout)
+        if shutdown_timeout is not None and shutdown_timeout < 0:  # type: ignore[operator]
+            raise ValueError  # (a tier's own takes it as "at once": in a configuration, a slip)
+    except ValueError:
+        raise ValueError(f"{who}: shutdown_timeout must be a number of seconds >= 0 or None, "
+                         f"got {shutdown_timeout!r}") from None
+    if locality is None:
+        return who, None
+    try:
+        return who, Locality(locality)
+    except ValueError:
+        raise ValueError(f"{who}: locality must be one of "
+                         f"{', '.join(repr(place.value) for place in Locality)} or None, got "
+                         f"{locality!r}") from None
 
 
 def _limit(who: str, in_flight: Mapping[str, Any] | None) -> InFlightLimit | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -1081,3 +1082,35 @@ def test_a_monitoring_threads_stats_never_holds_up_a_receivers_shutdown() -> Non
         stop.set()
         thread.join(5)
         receiver.shutdown(5)
+
+
+def test_a_receivers_agent_is_its_alone_while_it_is_open() -> None:
+    """An engine that sends and receives made both sides on one agent: the sender's calls to
+    let UCX progress took the receiver's job notifications and dropped them, and a write that
+    landed left its job expected for good, the receiver's stats all zero. A sender on the
+    agent of a receiver not shut down is refused, naming the agent, and so is a second
+    receiver on it; nothing is registered. Once the receiver is shut down the agent is free;
+    a receiver is refused an agent a sender uses too, and two senders may share one."""
+    from kvfsm.testing.fake_ucx import FakeUcxFabric  # noqa: PLC0415
+
+    fabric = FakeUcxFabric()
+    shared = fabric.agent("engine-x")
+    receiver = PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=shared)
+    registered = shared.live_registrations()
+    source = torch.full((4, 64), 0xAA, dtype=torch.uint8)
+    for side, make in (("PeerSender", lambda: PeerSender(source, agent=shared)),
+                       ("PeerReceiver", lambda: PeerReceiver(torch.zeros(4, 64), agent=shared))):
+        with pytest.raises(ValueError, match=re.escape(
+                f"agent 'engine-x' is a PeerReceiver's already: NIXL hands each notification "
+                f"to one get_new_notifs call, so a receiver sharing its agent with another side "
+                f"loses its jobs' notifications (they stay expected for good); give the {side} "
+                "an agent of its own")):
+            make()
+    assert shared.live_registrations() == registered, "nothing registered"
+    receiver.shutdown(5)
+    sender = PeerSender(source, agent=shared)  # the receiver is shut down: the agent is free
+    with pytest.raises(ValueError, match="agent 'engine-x' is a PeerSender's already"):
+        PeerReceiver(torch.zeros(4, 64), agent=shared)
+    PeerSender(source, agent=shared).shutdown(5)  # (a sender drops only its own probes)
+    sender.shutdown(5)
+    PeerReceiver(torch.zeros(4, 64), agent=shared).shutdown(5)

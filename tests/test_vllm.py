@@ -778,8 +778,10 @@ def test_kvfsm_imports_without_vllm() -> None:
     ("retry", {"max_running_seconds": 30}, "FileTier: retry: max_running_seconds=30 is refused "
      "under vLLM: a transfer given up while NIXL still runs it would go on reading or writing "
      "chunks vLLM reuses once it has the job's result"),  # (its failure freed them under NIXL)
-    ("shutdown_timeout", "30", "FileTier: shutdown_timeout must be a number of seconds or "
-     "None, got '30'"),
+    ("shutdown_timeout", "30", "FileTier: shutdown_timeout must be a number of seconds >= 0 "
+     "or None, got '30'"),
+    ("shutdown_timeout", -5, "FileTier: shutdown_timeout must be a number of seconds >= 0 "
+     "or None, got -5"),  # (was taken as a shutdown that waits for nothing)
     ("durable", "false", "FileTier: durable must be True or False, got 'false'"),
     ("read_only", "yes", "FileTier: read_only must be a bool, got 'yes'"),
     ("poll_interval", -1, "FileTier: poll_interval must be a finite number of seconds >= 0"),
@@ -818,7 +820,12 @@ def test_a_bad_setting_of_one_of_two_tiers_of_a_kind_names_that_tier_by_its_labe
             ("retry", {"max_seconds": -1}, "far: retry: "),
             ("in_flight", {"jobs": 0}, "far: in_flight: InFlightLimit.jobs must be"),
             ("machine", "kvfsm.machines.peer_link:PEER_LINK", "far: machine 'peer_link' "),
-            ("durable", "no", "far: durable must be True or False, got 'no'")):
+            ("durable", "no", "far: durable must be True or False, got 'no'"),
+            ("locality", "moon", "far: locality must be one of"),
+            ("enable_kv_events", "yes", "far: enable_kv_events must be true or false"),
+            ("steps", "nope", "far: steps: 'nope'"),
+            ("shutdown_timeout", "x", "far: shutdown_timeout must be"),
+            ("capacity_byte", 1, "far: unknown setting(s) capacity_byte")):
         bad = file_entry(tmp_path / "far", label="far", **{setting: value})
         with pytest.raises(ValueError, match=re.escape(message)):
             engines(good, bad)
