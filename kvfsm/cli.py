@@ -66,8 +66,23 @@ def console() -> int:
     the demo past ``--timeout`` leaves them): the wait is not a silent one. A second Ctrl-C
     stops it."""
     status = main()
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setLevel(logging.WARNING)
-    handler.setFormatter(logging.Formatter("kvfsm: %(message)s"))
-    logging.getLogger("kvfsm").addHandler(handler)
+    library = logging.getLogger("kvfsm")
+    if not any(isinstance(handler, _ExitHandler) for handler in library.handlers):
+        library.addHandler(_ExitHandler())
     return status
+
+
+class _ExitHandler(logging.Handler):
+    """kvfsm's warnings and errors, a line each on the process's stderr (whichever it is when
+    one is written)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("kvfsm: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:
+            self.handleError(record)

@@ -160,11 +160,14 @@ class Books:
         on another thread, or an interrupt cut it short (the books are mended before the next
         poll, and a result not queued then is published again: taken now, it would be handed
         out twice). Takers take turns (:attr:`turn`): one that comes while another takes
-        (another thread, or a signal handler's call on this one) gets nothing this time, as
+        (another thread, where no lock serializes the interpreter) gets nothing this time, as
         it would had the other come first; it could otherwise come between the other's look
         at a result's record and its taking the result, take that one and leave the next, not
         looked at, to the other. A result is kept before it leaves the queue: an interrupt as
-        a call returns (where a signal is checked) never holds one that is in neither."""
+        a call returns (where a signal is checked) never holds one that is in neither; what
+        was taken goes back to the queue first, in one call, and then its job ids are marked
+        again (a second interrupt between the two leaves the ids unmarked while their results
+        wait: their jobs' ids are taken early, none is lost)."""
         results, turn = self.results, self.turn
         taken: list[JobResult] = []
         if not results:
@@ -188,8 +191,8 @@ class Books:
         except BaseException:  # an interrupt: what was taken is handed out by the next call
             if taken and results and results[0] is taken[-1]:  # kept, not yet out of the queue
                 del taken[-1]
-            self.unreported.update(result.job_id for result in taken)
-            results.extendleft(reversed(taken))
+            results.extendleft(taken[::-1])  # (back first, in one call: see above)
+            self.unreported.update(map(_JOB_ID, taken))
             raise
         finally:
             turn[0] = True

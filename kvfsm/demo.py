@@ -158,8 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, as a usage error, options for another place than the one the demo runs on:
     ignoring them would run the demo somewhere the user did not ask for."""
-    if args.dir == "":  # (read as no --dir, a temporary directory: not what was asked)
-        parser.error("--dir needs a directory's path, got ''")
+    for option, what in (("dir", "a directory's path"), ("trace", "a file's path"),
+                         ("s3_endpoint", "a URL"), ("bucket", "a bucket's name")):
+        if getattr(args, option) == "":  # (read as not given: the default, not what was asked)
+            parser.error(f"--{option.replace('_', '-')} needs {what}, got ''")
     s3 = [f"--{name.replace('_', '-')}" for name in ("s3_endpoint", "bucket")
           if getattr(args, name)]
     if args.fake and (s3 or args.dir):

@@ -304,6 +304,10 @@ def run(args: Any) -> int:
     """
     from kvfsm.machines import load_machine  # noqa: PLC0415 - the CLI's own import
 
+    if not args.file:
+        raise ValueError("replay needs a trace file's path, got ''")
+    if args.machine == "":
+        raise ValueError("--machine needs module:ATTRIBUTE, got ''")
     fixed = load_machine(args.machine) if args.machine else None
     machines: dict[str, Declaration[Any, Any]] = {}
     count = steps = 0

@@ -195,14 +195,23 @@ def test_a_directory_that_cannot_be_made_or_is_a_file_is_a_bad_option_named_as_t
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["demo", "--dir", ""], "kvfsm demo: error: --dir needs a directory's path, got ''\n"),
+    (["demo", "--fake", "--trace", ""], "kvfsm demo: error: --trace needs a file's path, got "
+     "''\n"),  # (ran, and wrote no trace)
+    (["demo", "--s3-endpoint", "", "--bucket", ""], "kvfsm demo: error: --s3-endpoint needs a "
+     "URL, got ''\n"),  # (ran on files, in a temporary directory)
     (["diagrams", "--out", ""], "kvfsm diagrams: --out needs a directory's path, got ''\n"),
-], ids=["demo --dir", "diagrams --out"])
+    (["replay", ""], "kvfsm replay: ValueError: replay needs a trace file's path, got ''\n"),
+    (["replay", "t.jsonl", "--machine", ""], "kvfsm replay: ValueError: --machine needs "
+     "module:ATTRIBUTE, got ''\n"),
+], ids=["demo --dir", "demo --trace", "demo --s3-endpoint", "diagrams --out", "replay FILE",
+        "replay --machine"])
 def test_an_empty_path_is_a_bad_option_not_the_default_place(
     argv: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """An unset variable in a script gives ``--dir ""``: the demo ran in a temporary directory
-    of its own, and ``kvfsm diagrams --out ""`` drew into the current one. Refused, nothing
+    of its own, and ``kvfsm diagrams --out ""`` drew into the current one; ``kvfsm replay ""``
+    said ": cannot read the trace file: Is a directory". Refused, naming the option, nothing
     made."""
     monkeypatch.chdir(tmp_path)
     try:
@@ -212,6 +221,27 @@ def test_an_empty_path_is_a_bad_option_not_the_default_place(
     assert status == 2
     assert capsys.readouterr().err.endswith(message)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_shows_kvfsms_warnings_once_however_often_it_is_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The command's entry point adds a handler for kvfsm's warnings (the exit's wait is said
+    there) once: run twice in a process, it printed each warning twice."""
+    import logging  # noqa: PLC0415
+
+    from kvfsm.cli import console  # noqa: PLC0415
+
+    monkeypatch.setattr(sys, "argv", ["kvfsm", "replay", ""])
+    library = logging.getLogger("kvfsm")
+    before = list(library.handlers)
+    try:
+        assert console() == 2 and console() == 2
+        capsys.readouterr()
+        library.warning("interpreter exit: one warning")
+        assert capsys.readouterr().err == "kvfsm: interpreter exit: one warning\n"
+    finally:
+        library.handlers[:] = before
 
 
 #: the ``kvfsm`` command as its entry point runs it, with the exit's wait for NIXL cut to 3 s
@@ -253,7 +283,7 @@ def test_a_demo_past_its_timeout_says_that_its_exit_waits_for_nixl(tmp_path: Pat
     assert "Traceback" not in err
 
 
-def test_a_second_ctrl_c_stops_the_exits_wait_for_nixl_and_prints_no_traceback(
+def test_a_ctrl_c_during_the_exits_wait_for_nixl_stops_it_and_prints_no_traceback(
     tmp_path: Path,
 ) -> None:
     """A phase past ``--timeout``: the exit waits for NIXL, saying so, and a Ctrl-C (after a

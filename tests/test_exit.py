@@ -108,6 +108,49 @@ def test_a_transfer_given_up_while_nixl_runs_it_is_waited_for_at_exit(
     assert "exiting with them in flight" not in child.stderr
 
 
+SHUT_DOWN_WITH_A_TRANSFER_GIVEN_UP = """
+import logging, time
+import torch
+import kvfsm.tiers.base
+from kvfsm import TransferJob
+from kvfsm.policy import RetryPolicy
+from kvfsm.testing import FakeNixlAgent
+from kvfsm.tiers import ObjectStoreTier
+logging.basicConfig(format="%(message)s")
+kvfsm.tiers.base.EXIT_WAIT_SECONDS = 1.0
+
+class NixlLike(FakeNixlAgent):  # taken for NIXL's own agent: the exit waits for its transfers
+    def check_xfer_state(self, handle):
+        super().check_xfer_state(handle)
+        return "PROC"  # (a transfer NIXL never ends)
+NixlLike.__module__ = "nixl.fake"
+
+tier = ObjectStoreTier(torch.zeros(4, 8), agent=NixlLike("a"),
+                       policy=RetryPolicy(max_running_seconds=0.01))
+tier.submit_store(TransferJob(1, ["x"], [0]))
+time.sleep(0.05)
+[result] = tier.get_finished_jobs()  # given up by the running bound: NIXL may still run it
+tier.shutdown(timeout=1)
+print("closed", tier.closed, "may run", tier.stats()["quarantined_running"], flush=True)
+"""
+
+
+def test_a_shut_down_tier_whose_transfer_nixl_may_still_run_says_the_exit_waits_for_it() -> None:
+    """The tier is shut down, nothing unpublished, but NIXL may still run a transfer the running
+    bound gave up: the exit says it waits for it, and then that it gave up on it (the wait was
+    said only at its end)."""
+    child = run_child(SHUT_DOWN_WITH_A_TRANSFER_GIVEN_UP)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert "closed True may run 1" in child.stdout
+    said, gave_up = child.stderr.splitlines()[-2:]
+    assert re.fullmatch(r"interpreter exit: ObjectStoreTier: NIXL still runs 1 transfer\(s\) "
+                        r"\(jobs \[1\]\); waiting up to [0-9.]+ s for it to end them \(a "
+                        r"process must not exit with one in flight\)", said), child.stderr
+    assert gave_up == ("interpreter exit: ObjectStoreTier: NIXL still runs 1 transfer(s) (jobs "
+                       "[1]) at the exit's deadline (EXIT_WAIT_SECONDS, 1 s); exiting with them "
+                       "in flight"), child.stderr
+
+
 DAEMON_KEEPS_STORING = """
 import itertools, logging, threading, time
 import torch

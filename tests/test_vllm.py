@@ -353,7 +353,8 @@ def test_a_prefix_or_directory_that_is_not_one_is_refused_by_name() -> None:
 
     view = memoryview(bytearray(4 * 64)).cast("B", (4, 64))
     agent = FakeNixlAgent("prefix")
-    with pytest.raises(ValueError, match=r"ObjectStoreTier: prefix must be a str, got bytes"):
+    with pytest.raises(ValueError,
+                       match=r"ObjectStoreTier: prefix must be a str, got bytes b'kv/'"):
         ObjectStoreTier(offloading_spec(chunk_bytes=64), view, "ObjectStoreTier", agent=agent,
                         prefix=b"kv/")
     # named as the setting is, with the value given (the folder of the model is joined after)

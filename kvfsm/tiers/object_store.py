@@ -521,7 +521,7 @@ def check_key_prefix(prefix: object, name: str = "key_prefix") -> None:
         ValueError: names the prefix (as ``name``) and what is wrong with it.
     """
     if not isinstance(prefix, str):
-        raise ValueError(f"{name} must be a str, got {type(prefix).__name__}")
+        raise ValueError(f"{name} must be a str, got {type(prefix).__name__} {prefix!r}")
     if "\n" in prefix:
         raise ValueError(f"{name} {prefix!r} holds a line feed: NIXL's request for an "
                          "object so named fails")
