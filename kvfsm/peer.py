@@ -721,7 +721,11 @@ class PeerReceiver(JobSide):
 
         It waits for nothing NIXL does (what a sender owed fails at once); ``timeout`` bounds
         its wait for another thread's call to let go of the receiver (None: as long as it
-        takes), as a tier's shutdown does.
+        takes), as a tier's shutdown does. From then on nothing polls this agent, and on UCX a
+        write to it ends only while the receiving agent is polled too: a sender's write still
+        in flight stays running (its drain and shutdown time out, its blocks stay in use)
+        until this process exits. Shut a receiver down once its senders' writes are over, or
+        as its process ends.
 
         Raises:
             DrainTimeout: another thread's call held the receiver past the deadline; nothing
