@@ -211,37 +211,56 @@ def _parse_sender_metadata(metadata: object) -> tuple[str, bytes]:
     return found.group(1).decode(), data[found.end():]
 
 
-#: the peer sides made on each agent, by the agent's id (a side holds its agent, so the id is
-#: that agent's while a side on it lives): a receiver's agent must be its alone
+#: the peer sides on each agent, by the id of the agent under any wrappers (a side holds its
+#: agent, so the id is that agent's while a side on it lives): a receiver's agent must be its
+#: alone; under :data:`_sides_lock`
 _sides_on: dict[int, weakref.WeakSet[Any]] = {}
+_sides_lock = threading.Lock()
 
 
-def _check_agent_free(agent: Any, side: str) -> None:
-    """Refuse ``agent`` for a new ``side`` ("PeerReceiver" or "PeerSender") when a receiver
-    not shut down reads its notifications, or, for a receiver, when any side does: NIXL hands
-    each notification to one ``get_new_notifs`` call, and a sender drops what its calls
-    take (it expects none), so a receiver sharing its agent would lose its jobs'
-    notifications, and they would stay expected for good, with nothing to say why.
+def _innermost(agent: Any) -> Any:
+    """The agent under its wrappers (a :class:`~kvfsm.testing.FaultyAgent`'s ``wrapped``):
+    a wrapper's calls reach that agent's notifications."""
+    seen = 0
+    while hasattr(agent, "wrapped") and seen < 100:  # (a wrapper of itself: no loop for ever)
+        agent, seen = agent.wrapped, seen + 1
+    return agent
+
+
+def _claim_agent(agent: Any, side: Any) -> None:
+    """``side`` (a PeerReceiver or a PeerSender being made) takes ``agent``, refused when a
+    receiver still on it reads its notifications, or, for a receiver, when any side still
+    on it may call it: NIXL hands each notification to one ``get_new_notifs`` call, and a
+    sender drops what its calls take (it expects none), so a receiver sharing its agent would
+    lose its jobs' notifications, and they would stay expected for good, with nothing to say
+    why. Checked and taken at once (two sides made on two threads); given back with
+    :func:`_free_agent` if the side is not made after all. A side holds its agent until it
+    lets go of it (``_let_go``: a shut-down receiver, a sender once its shutdown made its last
+    call of the agent).
 
     Raises:
         ValueError: names the agent and the side already on it.
     """
-    live = [other for other in _sides_on.get(id(agent), ()) if not other._closed]
-    readers = [other for other in live if isinstance(other, PeerReceiver)]
-    if readers or (side == "PeerReceiver" and live):
-        other = type((readers or live)[0]).__name__
-        raise ValueError(
-            f"agent {getattr(agent, 'name', agent)!r} is a {other}'s already: NIXL hands each "
-            "notification to one get_new_notifs call, so a receiver sharing its agent with "
-            "another side loses its jobs' notifications (they stay expected for good); give "
-            f"the {side} an agent of its own")
+    key = id(_innermost(agent))
+    with _sides_lock:
+        live = [other for other in _sides_on.get(key, ()) if not getattr(other, "_let_go", False)]
+        readers = [other for other in live if isinstance(other, PeerReceiver)]
+        if readers or (isinstance(side, PeerReceiver) and live):
+            other = type((readers or live)[0]).__name__
+            raise ValueError(
+                f"agent {getattr(agent, 'name', agent)!r} is a {other}'s already: NIXL hands "
+                "each notification to one get_new_notifs call, so a receiver sharing its agent "
+                "with another side loses its jobs' notifications (they stay expected for good); "
+                f"give the {type(side).__name__} an agent of its own")
+        for empty in [other for other, sides in _sides_on.items() if not sides]:
+            del _sides_on[empty]
+        _sides_on.setdefault(key, weakref.WeakSet()).add(side)
 
 
-def _take_agent(agent: Any, side: Any) -> None:
-    """``side`` is made on ``agent`` (:func:`_check_agent_free` said it may be)."""
-    for key in [key for key, sides in _sides_on.items() if not sides]:
-        del _sides_on[key]
-    _sides_on.setdefault(id(agent), weakref.WeakSet()).add(side)
+def _free_agent(agent: Any, side: Any) -> None:
+    """``side`` was not made after all: ``agent`` is not its."""
+    with _sides_lock:
+        _sides_on.get(id(_innermost(agent)), weakref.WeakSet()).discard(side)
 
 
 def _peer_name(name: Any) -> str:
@@ -318,7 +337,16 @@ class PeerReceiver(JobSide):
         check_interval("poll_interval", poll_interval)
         check_agent(agent, RECEIVER_CALLS, "a nixl_agent with the UCX backend, or "
                     "kvfsm.testing.fake_ucx.FakeUcxAgent")
-        _check_agent_free(agent, "PeerReceiver")
+        _claim_agent(agent, self)
+        try:
+            self._made(primary, agent, peer_timeout, poll_interval)
+        except BaseException:
+            _free_agent(agent, self)
+            raise
+
+    def _made(self, primary: torch.Tensor, agent: Any, peer_timeout: float | None,
+              poll_interval: float) -> None:
+        """(``__init__``, the agent claimed.)"""
         self.primary = primary
         self.agent = agent
         self.name = _peer_name(agent.name)
@@ -365,7 +393,8 @@ class PeerReceiver(JobSide):
         self._writing: dict[int, int] = {}
         self._lock = threading.RLock()
         self._closed = False
-        _take_agent(agent, self)
+        #: True once shut down: no call of the agent is made from then on
+        self._let_go = False
 
     def metadata(self) -> bytes:
         """This agent's metadata, for the sender's :meth:`PeerSender.connect`."""
@@ -564,6 +593,8 @@ class PeerReceiver(JobSide):
         """Take the notifications NIXL delivered since it was last asked; False when NIXL's
         call raised (nothing was taken)."""
         dropped = self._dropped
+        if self._let_go:  # (shut down: another side may have its agent now)
+            return False
         try:
             arrived = self.agent.get_new_notifs()
         except Exception as error:  # a NIXL error is the receiver's to report, not to raise
@@ -748,7 +779,7 @@ class PeerReceiver(JobSide):
                 self._leaks.append(("deregister_memory", f"{type(error).__name__}: {error}"))
                 logger.warning("shutdown: deregister_memory of the receiver's cache raised: "
                                "%s: %s", type(error).__name__, error)
-            self._closed = True
+            self._closed = self._let_go = True
         finally:
             self._lock.release()
 
@@ -893,7 +924,18 @@ class PeerSender(SecondaryTier):
     def __init__(self, primary: torch.Tensor, *, agent: Any,
                  policy: RetryPolicy | None = None, poll_interval: float = 0.0002) -> None:
         check_agent(agent)  # (before the links are made on it)
-        _check_agent_free(agent, "PeerSender")
+        #: True once shutdown made its last call of the agent: none is made from then on
+        self._let_go = False
+        _claim_agent(agent, self)
+        try:
+            self._made(primary, agent, policy, poll_interval)
+        except BaseException:
+            _free_agent(agent, self)
+            raise
+
+    def _made(self, primary: torch.Tensor, agent: Any, policy: RetryPolicy | None,
+              poll_interval: float) -> None:
+        """(``__init__``, the agent claimed.)"""
         self.links = PeerLinks(agent, self.leak_record)
         self._receiver = _Receiver()
         #: the nonce of the link being made, or open; a new one is drawn when it closes
@@ -901,7 +943,6 @@ class PeerSender(SecondaryTier):
         super().__init__(primary, agent=agent, remote=_PeerMemory(self._receiver),
                          poll_interval=poll_interval, policy=policy)
         self._runner.on_final.append(functools.partial(_heard, self._receiver, self.links))
-        _take_agent(agent, self)
 
     @property
     def link(self) -> PeerLink | None:
@@ -1023,6 +1064,7 @@ class PeerSender(SecondaryTier):
                 self._close_link(link)
             else:
                 self._progress()
+            self._let_go = True  # (the agent's last call made: another side may have it)
         finally:
             self._lock.release()
 
@@ -1098,7 +1140,10 @@ class PeerSender(SecondaryTier):
         self._nonce = new_nonce()  # the next link is told apart from this one
 
     def _progress(self) -> None:
-        """Let the UCX worker progress once (see the class docstring); best effort."""
+        """Let the UCX worker progress once (see the class docstring); best effort; not once
+        shutdown let go of the agent (another side may have it)."""
+        if self._let_go:
+            return
         try:
             self.agent.get_new_notifs()  # type: ignore[attr-defined]
         except Exception as error:

@@ -1114,3 +1114,83 @@ def test_a_receivers_agent_is_its_alone_while_it_is_open() -> None:
     PeerSender(source, agent=shared).shutdown(5)  # (a sender drops only its own probes)
     sender.shutdown(5)
     PeerReceiver(torch.zeros(4, 64), agent=shared).shutdown(5)
+
+
+def test_a_shut_down_side_makes_no_call_of_the_agent_a_new_receiver_has() -> None:
+    """A sender shut down frees its agent, and a receiver is made on it; the old sender shut
+    down again (a cleanup's second call) let UCX progress once more, taking the new receiver's
+    job notification and dropping it: the write landed, the job stayed expected. A shut-down
+    side makes no call of the agent again, the receiver's polls neither."""
+    from kvfsm.testing.fake_ucx import FakeUcxFabric  # noqa: PLC0415
+
+    fabric = FakeUcxFabric()
+    x, y = fabric.agent("engine-x"), fabric.agent("engine-y")
+    old_sender = PeerSender(torch.zeros(4, 64, dtype=torch.uint8), agent=x)
+    old_sender.shutdown(5)
+    old_receiver = PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=x)
+    old_receiver.shutdown(5)
+    receiver = PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=x)
+    sender = PeerSender(torch.full((4, 64), 0xAA, dtype=torch.uint8), agent=y)
+    receiver.connect(sender.metadata())
+    sender.connect(receiver.metadata(), receiver.block_descs())
+    receiver.expect(TransferJob(1, ["2"], [2], is_promotion=True), "engine-y")
+    sender.submit_store(TransferJob(1, ["2"], [0]))
+    sender.drain_jobs(5)
+    assert [(r.job_id, r.success) for r in sender.get_finished_jobs()] == [(1, True)]
+    old_sender.shutdown(5)  # again
+    assert old_receiver.get_finished_jobs() == []  # (a shut-down receiver's poll)
+    receiver.drain_jobs(5)
+    assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(1, True)]
+    sender.shutdown(5)
+    receiver.shutdown(5)
+
+
+def test_a_wrapped_agent_is_the_agent_it_wraps_and_a_side_not_made_frees_it() -> None:
+    """A FaultyAgent over a receiver's agent reaches that agent's notifications: a sender on
+    it is refused as one on the agent itself. A side whose making fails (a registration NIXL
+    refuses) leaves its agent free. Two sides made at once on two threads, one of them slow to
+    register its cache, do not both get it."""
+    from kvfsm.testing import FaultyAgent  # noqa: PLC0415
+    from kvfsm.testing.fake_ucx import FakeUcxFabric  # noqa: PLC0415
+
+    fabric = FakeUcxFabric()
+    agent = fabric.agent("engine-b")
+    receiver = PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=agent)
+    with pytest.raises(ValueError, match="agent 'engine-b' is a PeerReceiver's already"):
+        PeerSender(torch.zeros(4, 64, dtype=torch.uint8), agent=FaultyAgent(agent))
+    receiver.shutdown(5)
+
+    failing = fabric.agent("engine-c")
+    failing.faults.inject("register_memory", Raise("NIXL_ERR_BACKEND"), times=1)
+    with pytest.raises(Exception, match="NIXL_ERR_BACKEND"):
+        PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=failing)
+    PeerReceiver(torch.zeros(4, 64, dtype=torch.uint8), agent=failing).shutdown(5)
+
+    shared = fabric.agent("engine-d")
+    real_register = shared.register_memory
+    registering = threading.Event()
+
+    def slow_register(*args: Any, **kwargs: Any) -> Any:
+        registering.set()
+        time.sleep(0.2)
+        return real_register(*args, **kwargs)
+
+    shared.register_memory = slow_register  # type: ignore[method-assign]
+    made: list[Any] = []
+    refused: list[Exception] = []
+
+    def make(side: type) -> None:
+        try:
+            made.append(side(torch.zeros(4, 64, dtype=torch.uint8), agent=shared))
+        except ValueError as error:
+            refused.append(error)
+
+    first = threading.Thread(target=make, args=(PeerReceiver,))
+    first.start()
+    assert registering.wait(5)  # the receiver is being made, its agent claimed
+    make(PeerSender)
+    first.join(10)
+    assert [type(side).__name__ for side in made] == ["PeerReceiver"]
+    assert [str(error).split(":")[0] for error in refused] == [
+        "agent 'engine-d' is a PeerReceiver's already"]
+    made[0].shutdown(5)
