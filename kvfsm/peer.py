@@ -337,8 +337,8 @@ class PeerReceiver(JobSide):
         check_interval("poll_interval", poll_interval)
         check_agent(agent, RECEIVER_CALLS, "a nixl_agent with the UCX backend, or "
                     "kvfsm.testing.fake_ucx.FakeUcxAgent")
-        _claim_agent(agent, self)
-        try:
+        try:  # (a Ctrl-C as the claim returns: given back all the same)
+            _claim_agent(agent, self)
             self._made(primary, agent, peer_timeout, poll_interval)
         except BaseException:
             _free_agent(agent, self)
@@ -393,7 +393,7 @@ class PeerReceiver(JobSide):
         self._writing: dict[int, int] = {}
         self._lock = threading.RLock()
         self._closed = False
-        #: True once shut down: no call of the agent is made from then on
+        #: True once shut down: no call of the agent that takes notifications from then on
         self._let_go = False
 
     def metadata(self) -> bytes:
@@ -924,10 +924,11 @@ class PeerSender(SecondaryTier):
     def __init__(self, primary: torch.Tensor, *, agent: Any,
                  policy: RetryPolicy | None = None, poll_interval: float = 0.0002) -> None:
         check_agent(agent)  # (before the links are made on it)
-        #: True once shutdown made its last call of the agent: none is made from then on
+        #: True once shutdown made its last call of the agent that takes notifications: none
+        #: is made from then on
         self._let_go = False
-        _claim_agent(agent, self)
-        try:
+        try:  # (a Ctrl-C as the claim returns: given back all the same)
+            _claim_agent(agent, self)
             self._made(primary, agent, policy, poll_interval)
         except BaseException:
             _free_agent(agent, self)
