@@ -105,7 +105,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -263,6 +263,18 @@ def _free_agent(agent: Any, side: Any) -> None:
         _sides_on.get(id(_innermost(agent)), weakref.WeakSet()).discard(side)
 
 
+def _made_on(agent: Any, side: Any, made: Callable[[], None]) -> None:
+    """Makes ``side`` with ``made()`` on ``agent`` claimed for it (:func:`_claim_agent`),
+    giving the agent back if the side is not made (an error, or a Ctrl-C as the claim
+    returns)."""
+    try:
+        _claim_agent(agent, side)
+        made()
+    except BaseException:
+        _free_agent(agent, side)
+        raise
+
+
 def _peer_name(name: Any) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
@@ -337,12 +349,7 @@ class PeerReceiver(JobSide):
         check_interval("poll_interval", poll_interval)
         check_agent(agent, RECEIVER_CALLS, "a nixl_agent with the UCX backend, or "
                     "kvfsm.testing.fake_ucx.FakeUcxAgent")
-        try:  # (a Ctrl-C as the claim returns: given back all the same)
-            _claim_agent(agent, self)
-            self._made(primary, agent, peer_timeout, poll_interval)
-        except BaseException:
-            _free_agent(agent, self)
-            raise
+        _made_on(agent, self, lambda: self._made(primary, agent, peer_timeout, poll_interval))
 
     def _made(self, primary: torch.Tensor, agent: Any, peer_timeout: float | None,
               poll_interval: float) -> None:
@@ -927,12 +934,7 @@ class PeerSender(SecondaryTier):
         #: True once shutdown made its last call of the agent that takes notifications: none
         #: is made from then on
         self._let_go = False
-        try:  # (a Ctrl-C as the claim returns: given back all the same)
-            _claim_agent(agent, self)
-            self._made(primary, agent, policy, poll_interval)
-        except BaseException:
-            _free_agent(agent, self)
-            raise
+        _made_on(agent, self, lambda: self._made(primary, agent, policy, poll_interval))
 
     def _made(self, primary: torch.Tensor, agent: Any, policy: RetryPolicy | None,
               poll_interval: float) -> None:

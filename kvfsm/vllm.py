@@ -92,11 +92,11 @@ from kvfsm import tiers
 from kvfsm.contract import DrainTimeout, check_timeout
 from kvfsm.driver import MachineRefused
 from kvfsm.machines import load_machine, load_steps
-from kvfsm.nixl_agents import StoreConfig
+from kvfsm.nixl_agents import BucketUnreachable, StoreConfig
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.tiers.base import Lookup, SecondaryTier, shown_keys
 from kvfsm.tiers.object_store import check_key_prefix
-from kvfsm.transfer import TransferJob
+from kvfsm.transfer import JobResult, TransferJob
 
 __all__ = ["FileTier", "HandlesHeld", "ObjectStoreTier", "namespace"]
 
@@ -232,7 +232,8 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                 record_events=capacity_bytes is not None, in_flight=limit, **settings)
         except MachineRefused as error:  # (which of the configuration's tiers refused it)
             raise MachineRefused(f"{who}: {error}") from None
-        except ValueError as error:  # a setting the tier refused: which tier's, too
+        except (ValueError, BucketUnreachable) as error:  # a setting the tier refused, a
+            # store it cannot reach: which tier's, too
             if (len(error.args) == 1 and isinstance(error.args[0], str)
                     and not error.args[0].startswith(f"{who}:")):
                 error.args = (f"{who}: {error.args[0]}",)
@@ -242,6 +243,10 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         self._jobs: dict[int, _Job] = {}
         #: results made without a transfer (refused jobs, stores with nothing to move)
         self._ready: list[VllmResult] = []
+        #: the tier's results not yet made vLLM's (a Ctrl-C cut the making short), and those
+        #: made, with the tier's result each was made of, not yet handed out
+        self._taken: deque[JobResult] = deque()
+        self._made: list[tuple[JobResult, VllmResult]] = []
         #: what get_stats reported last (its counters report what grew since)
         self._reported: dict[str, float] = {}
         self._observed: list[tuple[str, float]] = []  # (kind, seconds) since get_stats
@@ -373,29 +378,44 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                                       transfer_time=0.0, transfer_bytes=0))
 
     def get_finished_jobs(self) -> Iterable[VllmResult]:
+        """The jobs finished since the last call, as vLLM's results. A Ctrl-C landing in the
+        call loses none: the tier's results are kept until each is made vLLM's, and a result
+        made is kept until handed out, each once."""
         tier = self._tier
-        finished = tier.get_finished_jobs() if tier is not None else []  # (should it raise,
-        results, self._ready = self._ready, []  # the results ready wait for the next call)
-        for done in finished:
-            job = self._jobs.pop(done.job_id)
-            kind = "load" if job.load else "store"
-            success = done.success and not job.missing
-            self._bytes[kind] += done.transfer_size
-            self._observed.append((kind, done.transfer_time))
-            self._count(kind, "ok" if success else "failed")
-            if success and not job.load and self._report_stores and self._events is not None:
-                self._events.append(self._event(job.moved, removed=False))
-            results.append(VllmResult(
-                job_id=done.job_id, success=success,
-                successful_keys=None if success else (list(job.moved) if done.success else []),
-                transfer_time=done.transfer_time, transfer_bytes=done.transfer_size))
+        if tier is not None:  # (should it raise, the results ready wait for the next call)
+            self._taken.extend(tier.get_finished_jobs())
+        taken, made = self._taken, self._made
+        while taken:
+            done = taken[0]
+            if not made or made[-1][0] is not done:  # (else made, its popleft cut short)
+                job = self._jobs[done.job_id]
+                success = done.success and not job.missing
+                made.append((done, VllmResult(
+                    job_id=done.job_id, success=success,
+                    successful_keys=None if success else (list(job.moved) if done.success
+                                                          else []),
+                    transfer_time=done.transfer_time, transfer_bytes=done.transfer_size)))
+                self._tell(job, done, success)
+            self._jobs.pop(done.job_id, None)
+            taken.popleft()
+        results = self._ready + [result for _, result in made]
+        self._ready, self._made = [], []
         return results
+
+    def _tell(self, job: _Job, done: JobResult, success: bool) -> None:
+        """The stats and events of a tier's result, made vLLM's."""
+        kind = "load" if job.load else "store"
+        self._bytes[kind] += done.transfer_size
+        self._observed.append((kind, done.transfer_time))
+        self._count(kind, "ok" if success else "failed")
+        if success and not job.load and self._report_stores and self._events is not None:
+            self._events.append(self._event(job.moved, removed=False))
 
     def has_pending_work(self) -> bool:
         tier = self._tier
         # a job is pending until vLLM has its result (a tier's progress thread may publish
         # it while another of vLLM's threads is taking results)
-        return (bool(self._ready) or bool(self._jobs)
+        return (bool(self._ready) or bool(self._jobs) or bool(self._taken)
                 or (tier is not None and tier.has_pending_work()))
 
     def drain_jobs(self) -> None:

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -832,6 +833,23 @@ def test_a_bad_setting_of_one_of_two_tiers_of_a_kind_names_that_tier_by_its_labe
             engines(good, bad)
 
 
+def test_a_store_one_of_the_tiers_cannot_reach_is_named_by_that_tiers_label(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """Nothing answers at the second object-store tier's endpoint: the error says which of
+    the configuration's tiers cannot reach its store (it named only the bucket and the
+    endpoint)."""
+    from kvfsm.nixl_agents import BucketUnreachable  # noqa: PLC0415
+
+    from .real_nixl import ACCESS_KEY, SECRET_KEY, free_port  # noqa: PLC0415
+
+    far = {"type": "ObjectStoreTier", "module_path": "kvfsm.vllm", "label": "far",
+           "bucket": "nowhere", "endpoint": f"http://127.0.0.1:{free_port()}",
+           "access_key": ACCESS_KEY, "secret_key": SECRET_KEY}
+    with pytest.raises(BucketUnreachable, match=r"^far: cannot reach bucket 'nowhere'"):
+        engines(file_entry(tmp_path, label="near"), far)
+
+
 def test_a_configuration_names_its_lifecycle_and_steps_as_kvfsm_explore_does(
     tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:
@@ -958,3 +976,76 @@ def test_a_tier_takes_the_locality_its_entry_names(
 
     engine = engines(file_entry(tmp_path, locality="REMOTE"))
     assert the_tier(engine).locality is Locality.REMOTE
+
+
+@contextmanager
+def ctrl_c_at_event(landing: int, own: set[Any]) -> Iterator[list[int]]:
+    """The block is interrupted (a KeyboardInterrupt raised, and taken here) at the
+    ``landing``-th place a signal handler may run in the functions of the code objects
+    ``own``: a C call one makes returns, or a function one calls is entered. Yields the count
+    of those places the block passed (a list of one)."""
+    events = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        entering = event == "call" and frame.f_back is not None and frame.f_back.f_code in own
+        if entering or (event == "c_return" and frame.f_code in own):
+            events[0] += 1
+            if events[0] == landing:
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+
+    sys.setprofile(profile)
+    try:
+        yield events
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+
+
+def test_a_ctrl_c_as_vllm_takes_a_tiers_results_loses_none_and_hands_none_out_twice(
+    tmp_path: Path, engines: Callable[..., Engine]
+) -> None:
+    """Stores over in the tier, vLLM's step takes their results, and a Ctrl-C lands in the
+    adapter's making of them: as each call it makes returns, or as it enters a function of
+    its own, in turn. The next steps hand each job to vLLM once: no block stays pinned, each
+    loads back. (A Ctrl-C as the second result was made lost it and the ones after: their
+    chunks pinned for good.)"""
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+    from kvfsm.vllm import _Adapter  # noqa: PLC0415
+
+    agent = FaultyAgent(make_agent("vllm-ctrl-c", "POSIX"))
+    engine = engines(file_entry(tmp_path, agent=agent), primary_chunks=8)
+    adapter = the_tier(engine)
+    own = {_Adapter.get_finished_jobs.__code__, _Adapter._tell.__code__}
+    handed: list[int] = []  # the job ids of the results vLLM got
+
+    def get_finished_jobs() -> list[Any]:
+        results = list(_Adapter.get_finished_jobs(adapter))
+        handed.extend(result.job_id for result in results)
+        return results
+
+    adapter.get_finished_jobs = get_finished_jobs
+    seeds = iter(range(1, 10_000))
+    for landing in range(1, 200):
+        handed.clear()
+        stored: dict[bytes, bytes] = {}
+        agent.inject("transfer", StayProc(20), times=3)  # running through the requests' steps
+        for request in range(3):  # three jobs, two blocks each
+            two = blocks(next(seeds), next(seeds))
+            engine.offload(f"R{landing}.{request}", two)
+            stored.update(two)
+        adapter._tier.drain_jobs(5)  # over, not yet vLLM's
+        assert adapter._tier.has_pending_work(), "the results are waiting for the step"
+        with ctrl_c_at_event(landing, own) as events:
+            engine.end_step()
+        engine.settle()
+        assert engine.pinned_chunks() == 0, f"a chunk pinned, Ctrl-C at event {landing}"
+        assert engine.fetch(f"F{landing}", list(stored)) == stored
+        engine.settle()
+        assert len(handed) == len(set(handed)) >= 3, f"Ctrl-C at event {landing}: {handed}"
+        if events[0] < landing:  # every place swept: the step ran whole
+            break
+    else:
+        raise AssertionError("more places than expected")
+    assert landing > 10
