@@ -362,8 +362,10 @@ class PeerReceiver(JobSide):
         self.peer_timeout = peer_timeout
         self.machine = PEER_RECEIVE.compile(trace=True)
         self.links = PeerLinks(agent)
+        #: where the primary cache's memory was when NIXL registered it (senders write there)
+        self._primary_at = primary.data_ptr()
         self._registration = agent.register_memory(
-            [(primary.data_ptr(), self.num_blocks * self.block_bytes, 0, "")], "DRAM")
+            [(self._primary_at, self.num_blocks * self.block_bytes, 0, "")], "DRAM")
         self.poll_interval = poll_interval
         self._books = Books()
         #: the expected jobs not yet published, by job id
@@ -472,6 +474,8 @@ class PeerReceiver(JobSide):
                 raise TierClosedError(f"PeerReceiver is shut down; job "
                                       f"{getattr(job, 'job_id', job)!r} refused")
             self._check_expected(job)
+            if self.primary.data_ptr() != self._primary_at:
+                raise InvalidJobError(f"job {job.job_id} refused: {self._moved()}")
             # kept as it is now: the caller's lists may change after this call returns
             job = TransferJob(job.job_id, tuple(job.keys),
                               tuple(block.__index__() for block in job.block_ids),
@@ -494,6 +498,15 @@ class PeerReceiver(JobSide):
                 self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
             else:
                 inbox.waiting[message] = job.job_id
+
+    def _moved(self) -> str:
+        """What is wrong with a primary cache whose memory moved since the receiver was
+        made."""
+        return (f"the primary cache's memory moved since this PeerReceiver was made (from "
+                f"{self._primary_at:#x} to {self.primary.data_ptr():#x}: share_memory_(), "
+                "resize_() or setting .data moves it), and senders write into the memory "
+                "registered then; move the cache before making the receiver, and make a new "
+                "one now")
 
     def _fresh(self, inbox: _Inbox, message: bytes, job: TransferJob) -> bool:
         """Take the oldest copy of ``message`` kept in ``inbox`` that came after the job's
@@ -578,10 +591,14 @@ class PeerReceiver(JobSide):
         self._watch_links(now)
         if not self._expected:
             return
+        moved = self.primary.data_ptr() != self._primary_at
         for expected in list(self._expected.values()):
             if expected.state is ReceiveState.EXPECTING:
                 link = expected.link
-                if link.state in RECEIVE_FAILS_WHEN_LINK_IN:
+                if moved:  # a write lands in the memory the cache left: none may count
+                    self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE,
+                                      self._moved())
+                elif link.state in RECEIVE_FAILS_WHEN_LINK_IN:
                     self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE,
                                       f"sender {expected.peer} is gone: "
                                       f"{link.error or 'forgotten'}")

@@ -1192,3 +1192,69 @@ def test_a_ctrl_c_as_a_durable_store_is_handed_to_the_flusher_leaves_it_flushing
     assert sorted((r.job_id, r.success) for r in results) == [(1, True), (2, True)]
     tier.shutdown(timeout=10)
     assert tier.closed
+
+
+# -- the primary cache's memory moved -------------------------------------------------------------
+
+@real_nixl
+@pytest.mark.parametrize("move", ["share_memory_", "resize_", "data"])
+def test_a_cache_whose_memory_moved_since_its_tier_was_made_is_refused_not_stored_from_old_memory(
+    tmp_path: Path, cache: torch.Tensor, tiers: list[FileTier], move: str
+) -> None:
+    """The engine moves its cache after making the tier (into shared memory to hand it to a
+    worker, a resize, another tensor's memory set as its data). NIXL has the old memory
+    registered: a store would write what lies there (freed memory) to the file and succeed, a
+    load would fill memory the cache left. Each is refused, naming the move, and nothing is
+    written. (Both were published as successes: a file of other bytes, a HIT anywhere.)"""
+    tier = FileTier(cache, tmp_path, agent=posix(), durable=False)
+    tiers.append(tier)
+    tier.submit_store(TransferJob(1, ["before"], [0]))
+    assert results_of(tier)[1].success
+    if move == "share_memory_":
+        cache.share_memory_()
+    elif move == "resize_":
+        cache.resize_(BLOCKS * 4, BLOCK_BYTES)
+    else:
+        cache.data = cache.clone()
+    for job, load in ((TransferJob(2, ["after"], [1]), False),
+                      (TransferJob(3, ["before"], [2], is_promotion=True), True)):
+        with pytest.raises(InvalidJobError,
+                           match=rf"job {job.job_id} refused: the primary cache's memory moved "
+                                 r"since this FileTier was made \(from 0x"):
+            (tier.submit_load if load else tier.submit_store)(job)
+    assert not tier.has_pending_work()
+    assert not tier.path_of("after").exists()
+    assert tier.get_finished_jobs() == []
+
+
+@real_nixl
+@pytest.mark.parametrize("load", [False, True], ids=["store", "load"])
+def test_jobs_running_as_the_caches_memory_moves_fail_and_say_why(
+    tmp_path: Path, cache: torch.Tensor, tiers: list[FileTier], load: bool,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two jobs NIXL runs as the cache's memory moves (its old memory kept alive here, so
+    NIXL's copies land somewhere): the next poll cancels them, and each fails, saying the
+    memory moved; an error says so once. (Both were published as successes: the store of the
+    old memory's bytes, the load into memory the cache no longer has.)"""
+    agent = posix(faulty=True)
+    tier = FileTier(cache, tmp_path, agent=agent, durable=False)
+    tiers.append(tier)
+    if load:
+        tier.submit_store(TransferJob(9, ["k1", "k2"], [0, 1]))
+        assert results_of(tier)[9].success
+    agent.inject("check_xfer_state", StayProc(5), times=2)
+    for job_id, name, block_id in ((1, "k1", 2), (2, "k2", 3)):
+        job = TransferJob(job_id, [name], [block_id], is_promotion=load)
+        (tier.submit_load if load else tier.submit_store)(job)
+    old = cache.data
+    cache.data = cache.clone()  # (old keeps the memory NIXL copies alive)
+    results = results_of(tier)
+    assert sorted(results) == [1, 2]
+    for result in results.values():
+        assert not result.success
+        assert result.reason is not None
+        assert "the primary cache's memory moved" in str(result.reason)
+    assert sum("unpublished job(s) are cancelled" in record.message
+               for record in caplog.records) == 1
+    del old

@@ -1194,3 +1194,24 @@ def test_a_wrapped_agent_is_the_agent_it_wraps_and_a_side_not_made_frees_it() ->
     assert [str(error).split(":")[0] for error in refused] == [
         "agent 'engine-d' is a PeerReceiver's already"]
     made[0].shutdown(5)
+
+
+def test_a_receivers_cache_whose_memory_moved_counts_no_write_and_refuses_new_ones() -> None:
+    """The receiving engine moves its cache (into shared memory, say) while job 1 is
+    expected: senders write into the memory registered when the receiver was made, so job 1
+    fails, saying why, and job 2 is refused. (Job 1 was published as arrived, its blocks
+    holding none of the sender's bytes.)"""
+    pair = FakePair()
+    receiver, name = pair.receiver, pair.name
+    receiver.expect(TransferJob(1, ["3"], [3], is_promotion=True), name)
+    pair.target.share_memory_()
+    receiver.drain_jobs(5)
+    (result,) = receiver.get_finished_jobs()
+    assert (result.job_id, result.success) == (1, False)
+    assert "the primary cache's memory moved since this PeerReceiver was made" in str(
+        result.reason)
+    with pytest.raises(InvalidJobError, match="job 2 refused: the primary cache's memory moved"):
+        receiver.expect(TransferJob(2, ["2"], [2], is_promotion=True), name)
+    assert not receiver.has_pending_work()
+    pair.sender.shutdown(5)
+    receiver.shutdown(5)

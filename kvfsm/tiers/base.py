@@ -414,7 +414,9 @@ class SecondaryTier(JobSide):
 
     Args:
         primary: the primary KV cache, a contiguous CPU tensor whose first dimension indexes
-            blocks.
+            blocks. Its memory must stay where it is while the tier lives (NIXL copies to and
+            from the memory registered here): once it moved (``share_memory_()``,
+            ``resize_()``, ``.data`` set), jobs are refused and those unpublished are cancelled.
         agent: a NIXL agent (``nixl_agent`` or :class:`kvfsm.testing.FakeNixlAgent`).
         poll_interval: seconds :meth:`drain_jobs` sleeps between polls while transfers run.
         machine: the lifecycle to run, by default :data:`~kvfsm.machines.transfer.TRANSFER_MACHINE`
@@ -517,6 +519,11 @@ class SecondaryTier(JobSide):
         self._stop_lock = threading.RLock()
         self._background_stopped = False
         base = primary.data_ptr()
+        #: where the primary cache's memory was when NIXL registered it: a cache whose memory
+        #: moved since (share_memory_(), resize_(), .data set) is no longer what NIXL copies
+        #: to and from, so no job may use it (:meth:`_moved`)
+        self._primary_at = base
+        self._moved_cancelled = False
         self._dram = agent.register_memory(
             [(base, self.num_blocks * self.block_bytes, 0, "")], "DRAM")
         try:
@@ -1050,6 +1057,9 @@ class SecondaryTier(JobSide):
         if self._closed or self._closing:
             raise TierClosedError(f"{type(self).__name__} is shut down; job {job.job_id} refused")
         names, block_ids = self._validate(job, load=load)
+        if self.primary.data_ptr() != self._primary_at:
+            raise InvalidJobError(f"job {job.job_id} refused: {self._moved()}; nothing was "
+                                  "registered, and no result will come")
         if type(job.keys) is not tuple or job.block_ids is not block_ids:  # the job as it is
             # now, for the transfer: the caller may reuse its lists once this call returns
             job = (TransferJob(job.job_id, tuple(job.keys), block_ids, job.is_promotion)
@@ -1128,6 +1138,8 @@ class SecondaryTier(JobSide):
         """
         runner, driver = self._runner, self._driver
         with runner.guarded:
+            if self.primary.data_ptr() != self._primary_at and not self._moved_cancelled:
+                self._cancel_moved()
             waiting = runner.waiting_now()  # those in it now, not backing off: one round each
             answered = runner.check_round(driver.check, everything, limit, driver.check_all)
             if answered:
@@ -1140,6 +1152,30 @@ class SecondaryTier(JobSide):
         if self._kept and not runner.records and not runner.may_run:  # nothing unpublished:
             self._kept = False  # it may be dropped
             _live_tiers.discard(self)
+
+    def _moved(self) -> str:
+        """What is wrong with a primary cache whose memory moved since the tier was made."""
+        return (f"the primary cache's memory moved since this {type(self).__name__} was made "
+                f"(from {self._primary_at:#x} to {self.primary.data_ptr():#x}: share_memory_(),"
+                " resize_() or setting .data moves it), and NIXL copies to and from the memory "
+                "registered then; move the cache before making its tiers, and make a new tier "
+                "now")
+
+    def _cancel_moved(self) -> None:
+        """(a poll, under the tier's lock) The primary cache's memory moved while jobs were
+        unpublished: each is cancelled, once (a transfer NIXL runs fails when it ends; one
+        over keeps its outcome, as :meth:`cancel` says), and an error says so."""
+        runner = self._runner
+        unpublished = self.unpublished()
+        if unpublished:
+            logger.error("%s: %s; its %d unpublished job(s) are cancelled (those NIXL ran "
+                         "copied to or from the memory the cache left)", type(self).__name__,
+                         self._moved(), len(unpublished))
+        why = f"cancelled: {self._moved()}"
+        for transfer in unpublished:
+            if transfer.job_id in runner.records:
+                runner.cancel(transfer, why)
+        self._moved_cancelled = True
 
     def _take_polls(self, answered: list[tuple[Transfer, Any]]) -> None:
         """Fire each state check's answer; then take each transfer that is no longer running
