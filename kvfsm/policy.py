@@ -107,8 +107,9 @@ class RetryPolicy:
             number; ``max_attempts`` is an int; NaN is refused everywhere (every comparison
             with it is false, so a NaN bound would silently never be reached); an infinite
             ``max_seconds`` or ``max_running_seconds`` means no bound and is kept as None (one
-            spelling, and the tier's fast path); an infinite ``backoff`` or ``max_backoff`` is
-            refused (a release would never be tried again, so no bound would be reached);
+            spelling, and the tier's fast path); a ``backoff`` or ``max_backoff`` above 1e9
+            seconds (infinity too) is refused (a release would never be tried again, so no
+            bound would be reached);
             ``max_unpolled`` is a positive number of seconds of at most 1e9 (a wait longer
             than that fails), ``check_all_below`` an int of at least 0, ``progress_interval``
             a positive number of seconds of at most 1e9 or None.
@@ -144,9 +145,10 @@ class RetryPolicy:
         for name in ("backoff", "max_backoff"):
             value = getattr(self, name)
             _check_seconds(name, value, "")
-            if math.isinf(value):
-                raise ValueError(f"RetryPolicy.{name} must be finite, got {value!r} (a wait "
-                                 "that long never retries, so no bound is ever reached)")
+            if not value <= MAX_INTERVAL:
+                raise ValueError(f"RetryPolicy.{name} must be at most {MAX_INTERVAL:.0e} "
+                                 f"seconds, got {value!r} (a wait that long never retries, so "
+                                 "no bound is ever reached)")
         _check_period("max_unpolled", self.max_unpolled, "")
         if self.progress_interval is not None:
             _check_period("progress_interval", self.progress_interval, " or None")
@@ -183,7 +185,8 @@ class RetryPolicy:
 class InFlightLimit:
     """Back-pressure: a bound on a tier's stores and loads in flight, in jobs and in bytes: its
     unpublished transfers (submitted, not yet published; a job that failed at submit is
-    published at once, and one quarantined is published, though NIXL may still run it).
+    published at once), and those the running bound gave up while NIXL ran them: published,
+    they may still run and hold what they took, so they count for as long as the tier lives.
 
     Past it, what happens is declared here, and is the same on every tier: a store that would
     take the tier past either bound is refused at submit with

@@ -64,6 +64,33 @@ def test_a_store_past_the_jobs_bound_is_refused_and_changes_nothing() -> None:
     assert agent.live_xfer_handles() == 0
 
 
+def test_stores_given_up_while_nixl_runs_them_still_take_their_room() -> None:
+    """A disk that hangs: two stores run past the running bound and are published as given
+    up, and NIXL may still run them (a file tier's files stay open, their blocks in use).
+    They keep counting against the bound, so a third is refused and the tier reads as
+    saturated: the manager goes elsewhere. (They stopped counting: a tier bounded to 2 jobs
+    took a store every step its disk hung, 283 open files in 2 s.)"""
+    agent = Held()
+    primary = torch.arange(BLOCKS * 64, dtype=torch.float32).view(BLOCKS, 64)
+    tier = ObjectStoreTier(primary, agent=agent, in_flight=InFlightLimit(jobs=2),
+                           policy=RetryPolicy(max_running_seconds=0.01))
+    store(tier, 1, 1)
+    store(tier, 2, 2)
+    time.sleep(0.02)
+    given_up = tier.get_finished_jobs()
+    assert [(r.job_id, r.success, r.blocks_in_use) for r in given_up] == [
+        (1, False, True), (2, False, True)]
+    assert tier.saturated()
+    with pytest.raises(TierSaturatedError, match=r"store job 3 \(256 bytes\) refused: 2 job\(s\) "
+                       r"and 512 bytes in flight, bound 2 job\(s\)"):
+        store(tier, 3, 3)
+    assert tier.stats()["in_flight_limit"] == {"jobs": 2, "bytes": 512, "max_jobs": 2,
+                                               "max_bytes": None, "stores_refused": 1}
+    agent.held.clear()  # NIXL ends them; only the exit asks of them again
+    assert tier.saturated()
+    tier.shutdown(timeout=5)
+
+
 def test_loads_go_first_they_are_never_refused_and_take_the_room_of_stores() -> None:
     agent = Held()
     tier = tier_on(agent, jobs=2)

@@ -37,11 +37,17 @@ NAN, INF = math.nan, math.inf
     ("backoff", None, "RetryPolicy.backoff must be a number of seconds, got None (NoneType)"),
     ("backoff", False, "RetryPolicy.backoff must be a number of seconds, got False (bool)"),
     ("backoff", NAN, "RetryPolicy.backoff must be a number of seconds, got nan"),
-    ("backoff", INF, "RetryPolicy.backoff must be finite, got inf (a wait that long never "
-                     "retries, so no bound is ever reached)"),
+    ("backoff", INF, "RetryPolicy.backoff must be at most 1e+09 seconds, got inf (a wait that "
+                     "long never retries, so no bound is ever reached)"),
+    # (a finite wait past any the process lives: a bound of attempts was never reached)
+    ("backoff", 1e300, "RetryPolicy.backoff must be at most 1e+09 seconds, got 1e+300 (a wait "
+                       "that long never retries, so no bound is ever reached)"),
     ("max_backoff", "1s", "RetryPolicy.max_backoff must be a number of seconds, got '1s' (str)"),
-    ("max_backoff", INF, "RetryPolicy.max_backoff must be finite, got inf (a wait that long "
-                         "never retries, so no bound is ever reached)"),
+    ("max_backoff", INF, "RetryPolicy.max_backoff must be at most 1e+09 seconds, got inf (a "
+                         "wait that long never retries, so no bound is ever reached)"),
+    ("max_backoff", 1e12, "RetryPolicy.max_backoff must be at most 1e+09 seconds, got "
+                          "1000000000000.0 (a wait that long never retries, so no bound is "
+                          "ever reached)"),
 ])
 def test_a_bad_field_is_refused_naming_field_and_value(field: str, value: Any,
                                                        message: str) -> None:

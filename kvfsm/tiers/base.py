@@ -758,8 +758,7 @@ class SecondaryTier(JobSide):
         """
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"saturated: nbytes must be an int >= 0, got {nbytes!r}")
-        runner = self._runner
-        return not self.in_flight.admits(len(runner.records), runner.bytes_in_flight, nbytes)
+        return not self.in_flight.admits(*self._in_flight(), nbytes)
 
     def lookup(self, key: bytes | str) -> Lookup:
         """HIT, MISS, or RETRY while the answer is being found out; never blocks on I/O.
@@ -911,12 +910,24 @@ class SecondaryTier(JobSide):
         return stats
 
     def in_flight_figures(self) -> dict[str, int]:
-        """The jobs and bytes in flight (the unpublished transfers) and the stores refused
-        past :attr:`in_flight`, without the rest of :meth:`stats` (and, like it, without the
+        """The jobs and bytes in flight (the unpublished transfers, and those published as
+        given up while NIXL ran them: :meth:`_in_flight`) and the stores refused past
+        :attr:`in_flight`, without the rest of :meth:`stats` (and, like it, without the
         tier's lock)."""
+        jobs, nbytes = self._in_flight()
+        return {"jobs": jobs, "bytes": nbytes, "stores_refused": self._stores_refused}
+
+    def _in_flight(self) -> tuple[int, int]:
+        """The jobs and bytes :attr:`in_flight` bounds: the unpublished transfers, and those
+        published as given up while NIXL ran them (the running bound's), which NIXL may run
+        still and which hold what they took for good (a file tier's open files, the blocks)."""
         runner = self._runner
-        return {"jobs": len(runner.records), "bytes": runner.bytes_in_flight,
-                "stores_refused": self._stores_refused}
+        jobs, nbytes = len(runner.records), runner.bytes_in_flight
+        records = runner.records
+        for transfer in list(runner.may_run) if runner.may_run else ():
+            if records.get(transfer.job_id) is not transfer:  # (published: not counted above)
+                jobs, nbytes = jobs + 1, nbytes + transfer.nbytes
+        return jobs, nbytes
 
     @property
     def closed(self) -> bool:
@@ -1070,11 +1081,12 @@ class SecondaryTier(JobSide):
         nbytes = len(block_ids) * self.block_bytes
         limit = self.in_flight
         if (not load and (limit.jobs is not None or limit.bytes is not None)
-                and not limit.admits(len(runner.records), runner.bytes_in_flight, nbytes)):
+                and not limit.admits(*self._in_flight(), nbytes)):
             self._stores_refused += 1
+            jobs, held = self._in_flight()
             raise TierSaturatedError(
                 f"{type(self).__name__}: store job {job.job_id} ({nbytes} bytes) refused: "
-                f"{len(runner.records)} job(s) and {runner.bytes_in_flight} bytes in flight, "
+                f"{jobs} job(s) and {held} bytes in flight, "
                 f"bound {limit.jobs} job(s) and {limit.bytes} bytes (InFlightLimit); nothing "
                 "was registered, and no result will come")
         transfer = Transfer(job, nbytes, time.monotonic(), runner.initial)
