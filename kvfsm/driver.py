@@ -600,8 +600,12 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     bound and the shutdown deadline need one (``post`` is made once, at submit: nothing retries
     it). A step's event carries RAISED, which a step that raises answers, and no step takes the
     name of a call the tier makes itself; only the initial state waits on ``post``, and no edge
-    leads back into it; each state on a circle of waits has a give-up edge; and every way into
-    a final state that is no failure state passes a ``release`` NIXL answered OK (F2).
+    leads back into it; each state on a circle of waits (through running states too) has a
+    give-up edge; a running state is left before NIXL's end (a cancel, a give-up) only for a
+    running state or a final failure state; every way into a final state that is no failure
+    state passes a ``release`` NIXL answered OK (F2); a final failure state is entered before
+    it only by giving up; and every way from the release into a final state passes a
+    ``clean`` (F8).
 
     Raises:
         MachineRefused: one line naming the machine, the state and what is missing.
@@ -638,6 +642,7 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
         _check_state(declaration, table.get(state, {}), state, effect, steps, policy)
     _check_give_ups_end(declaration, table)
     _check_circles(declaration, table)
+    _check_running_left_when_over(declaration, table)
     _check_released_before_final(declaration, table)
     posted = table[initial][TransferEvent.POST][Answer.PROC].dest
     if posted not in declaration.running:
@@ -743,18 +748,18 @@ def _check_give_ups_end(declaration: Declaration[Any, Any], table: Mapping[Any, 
 
 
 def _check_circles(declaration: Declaration[Any, Any], table: Mapping[Any, Any]) -> None:
-    """Each state on a circle of waits (states waiting on calls or steps, not running ones,
-    whose effects' answers lead round back to it) has a give-up edge: the retry bound counts
-    the tries a state's effect makes in place, so a circle goes on round after round (a round
-    making a bounded number of calls) until its steps stop it or shutdown's deadline gives the
-    transfer up, which is its effect answering EXHAUSTED."""
-    effects, running = declaration.effects, declaration.running
+    """Each state on a circle of waits (states waiting on calls, steps or NIXL's end, whose
+    effects' answers lead round back to it; a step may send a transfer back to a running state,
+    to be asked about again) has a give-up edge: the retry bound counts the tries a state's
+    effect makes in place, so a circle goes on round after round (a round making a bounded
+    number of calls) until its steps stop it or shutdown's deadline gives the transfer up,
+    which is its effect answering EXHAUSTED."""
+    effects = declaration.effects
     waits = {state: {step.dest for answer, step in table.get(state, {}).get(effect, {}).items()
                      if answer is not Answer.EXHAUSTED and step.dest is not state}
              for state, effect in effects.items()
-             if state not in running and effect != TransferEvent.POST
-             and state not in declaration.unreachable}
-    for start, following_start in waits.items():
+             if effect != TransferEvent.POST and state not in declaration.unreachable}
+    for start, following_start in sorted(waits.items(), key=lambda item: _by_name(item[0])):
         path = _way_back(start, following_start, waits)
         if path is None:
             continue
@@ -795,36 +800,86 @@ def _by_name(state: Any) -> str:
 
 def _check_released_before_final(declaration: Declaration[Any, Any],
                                  table: Mapping[Any, Any]) -> None:
-    """Every way from the initial state into a final state that is no failure state passes a
-    ``release`` (a result published before its transfer handle is released lets the engine
-    reuse memory NIXL may still use, F2); a final failure state may be entered before (a
-    quarantine, the handle held for good)."""
-    held_ok = declaration.final & declaration.failure_states
-    before = {declaration.initial: None}  # state -> the state it was reached from
-    queue = collections.deque([declaration.initial])  # breadth first: a shortest way is named
+    """What a transfer holds is let go of before it ends, on every way from the initial state
+    into a final state (a walk through the states, with what each way let go of so far):
+
+    - a final state that is no failure state is entered past a ``release`` NIXL answered OK (a
+      result published before its transfer handle is released lets the engine reuse memory
+      NIXL may still use, F2);
+    - a final failure state entered before the release (the handle held for good, and the
+      primary cache's registration with it: quarantined) only by giving up (EXHAUSTED): a
+      transfer that is over and merely failed would hold them for nothing;
+    - and none past the release without its ``clean`` (its descriptors and registrations would
+      leak, F8).
+    """
+    name, final = declaration.name, declaration.final
+    held_ok = final & declaration.failure_states
+    held, released, cleaned = 0, 1, 2
+    start = (declaration.initial, held)
+    before: dict[tuple[Any, int], tuple[Any, int] | None] = {start: None}
+    queue = collections.deque([start])  # breadth first: a shortest way is named
     while queue:
-        state = queue.popleft()
+        state, phase = here = queue.popleft()
         for event, row in sorted(table.get(state, {}).items()):
             for answer, step in sorted(row.items(), key=lambda item: item[0].name):
-                if event == TransferEvent.RELEASE and answer is Answer.OK:
-                    continue  # past a release NIXL answered: the handle was let go
+                after = phase
+                if phase == held and event == TransferEvent.RELEASE and answer is Answer.OK:
+                    after = released  # past a release NIXL answered: the handle was let go
+                elif phase == released and event == TransferEvent.CLEAN:
+                    after = cleaned
                 dest = step.dest
-                if dest in before:
+                if dest in final and (after == released or (after == held and (
+                        dest not in held_ok or answer is not Answer.EXHAUSTED))):
+                    way = [dest, state]
+                    back = before[here]
+                    while back is not None:
+                        way.append(back[0])
+                        back = before[back]
+                    path = " -> ".join(s.name for s in reversed(way))
+                    raise MachineRefused(f"machine {name!r}: " + (
+                        f"{dest.name}, a final state, is reached after the release without a "
+                        f"'clean' ({path}): the transfer's descriptors and registrations "
+                        "would leak; lead every way from the release into a final state "
+                        "through a state waiting on 'clean'" if after == released else
+                        f"{dest.name}, a final state that is no failure state, is reached "
+                        f"without a 'release' ({path}): a result published before its transfer "
+                        "handle is released lets the engine reuse memory NIXL may still use; "
+                        "lead every way into it through a state waiting on 'release' (or make "
+                        "the state a failure state: its transfer's handles are then held for "
+                        "good)" if dest not in held_ok else
+                        f"{dest.name}, a final failure state, is entered holding the transfer "
+                        f"handle on {event} answering {answer.name}, not by giving up ({path}): "
+                        "the transfer would hold its handles, and the primary cache's "
+                        "registration, for good (quarantined) though nothing made it give up; "
+                        "lead it through the release first (to FAILED, say), or into this "
+                        "state only on EXHAUSTED"))
+                if (dest, after) not in before:
+                    before[(dest, after)] = here
+                    queue.append((dest, after))
+
+
+def _check_running_left_when_over(declaration: Declaration[Any, Any],
+                                  table: Mapping[Any, Any]) -> None:
+    """A transfer leaves the running states (for a state whose effect may release it) only
+    once its state check said NIXL's transfer is over (DONE, ERR, or the check raised); on
+    another answer (a cancel, a give-up) it goes to a running state, which waits for NIXL's
+    end (as CANCELLING does), or, giving up, to a final failure state (its handle held for
+    good): NIXL crashes on a handle released while it runs the transfer."""
+    running = declaration.running
+    keep = running | (declaration.final & declaration.failure_states)
+    over = (Answer.DONE, Answer.ERR, Answer.RAISED)
+    for state in sorted(running, key=_by_name):
+        for event, row in sorted(table.get(state, {}).items()):
+            for answer, step in sorted(row.items(), key=lambda item: item[0].name):
+                if (event == TransferEvent.POLL and answer in over) or step.dest in keep:
                     continue
-                before[dest] = state
-                if dest in declaration.final and dest not in held_ok:
-                    path = [dest]
-                    while before[path[-1]] is not None:
-                        path.append(before[path[-1]])
-                    raise MachineRefused(
-                        f"machine {declaration.name!r}: {dest.name}, a final state that is no "
-                        f"failure state, is reached without a 'release' ("
-                        + " -> ".join(s.name for s in reversed(path))
-                        + "): a result published before its transfer handle is released lets "
-                        "the engine reuse memory NIXL may still use; lead every way into it "
-                        "through a state waiting on 'release' (or make the state a failure "
-                        "state: its transfer's handles are then held for good)")
-                queue.append(dest)
+                raise MachineRefused(
+                    f"machine {declaration.name!r}: {state.name} -{event}({answer.name})-> "
+                    f"{step.dest.name} leaves a running state on an answer that does not say "
+                    "NIXL's transfer is over, for a state neither running nor a final failure "
+                    "state: its release would come while NIXL may still run the transfer (NIXL "
+                    "crashes on that); lead it to a running state that waits for NIXL's end (as "
+                    "CANCELLING does), or, giving up, to a final failure state")
 
 
 def _check_give_up(where: str, moves: Mapping[str, Any], effect: str, who: str) -> None:

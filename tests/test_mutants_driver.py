@@ -53,14 +53,15 @@ ANY_POLICY = RetryPolicy()
 # -- check_runnable: every refusal, word for word ----------------------------------------------
 
 class Tiny(enum.Enum):
-    """The smallest lifecycle a tier runs: posted, running, over, gone (or held, its release
-    having raised)."""
+    """The smallest lifecycle a tier runs: posted, running, over, freed (its handle released),
+    gone (its descriptors too), or held (its release given up)."""
 
     SENT = 1
     RUNNING = 2
     OVER = 3
     GONE = 4
     HELD = 5
+    FREED = 6
 
 
 def tiny(name: str, *, post: tuple[Answer, ...] = (A.PROC, A.DONE, A.ERR, A.RAISED),
@@ -71,10 +72,12 @@ def tiny(name: str, *, post: tuple[Answer, ...] = (A.PROC, A.DONE, A.ERR, A.RAIS
     return Declaration(
         name, states=Tiny, initial=Tiny.SENT,
         answers={"post": post, "poll": (A.PROC, A.DONE, A.ERR, A.RAISED),
-                 "release": (A.OK, A.RAISED), "cancel": (A.OK,)},
+                 "release": (A.OK, A.RAISED, A.EXHAUSTED), "clean": (A.OK, A.LEAKED),
+                 "cancel": (A.OK,)},
         guards={"running": (A.PROC,), "posted": tuple(a for a in post if a is not A.PROC),
                 "polled": (A.DONE, A.ERR, A.RAISED), "released": (A.OK,),
-                "release_raised": (A.RAISED,)},
+                "release_raised": (A.RAISED,), "gave_up": (A.EXHAUSTED,),
+                "cleaned": (A.OK, A.LEAKED)},
         actions={}, transitions=[
             {"trigger": "post", "source": Tiny.SENT, "dest": posted, "conditions": "running"},
             {"trigger": "post", "source": Tiny.SENT, "dest": Tiny.OVER, "conditions": "posted"},
@@ -82,15 +85,19 @@ def tiny(name: str, *, post: tuple[Answer, ...] = (A.PROC, A.DONE, A.ERR, A.RAIS
              "conditions": "running"},
             {"trigger": "poll", "source": Tiny.RUNNING, "dest": Tiny.OVER, "conditions": "polled"},
             {"trigger": "cancel", "source": Tiny.RUNNING, "dest": Tiny.RUNNING},
-            {"trigger": "release", "source": Tiny.OVER, "dest": Tiny.GONE,
+            {"trigger": "release", "source": Tiny.OVER, "dest": Tiny.FREED,
              "conditions": "released"},
-            {"trigger": "release", "source": Tiny.OVER, "dest": Tiny.HELD,
+            {"trigger": "release", "source": Tiny.OVER, "dest": Tiny.OVER,
              "conditions": "release_raised"},
+            {"trigger": "release", "source": Tiny.OVER, "dest": Tiny.HELD,
+             "conditions": "gave_up"},
             {"trigger": "cancel", "source": Tiny.OVER, "dest": Tiny.OVER},
+            {"trigger": "clean", "source": Tiny.FREED, "dest": Tiny.GONE, "conditions": "cleaned"},
+            {"trigger": "cancel", "source": Tiny.FREED, "dest": Tiny.FREED},
             *extra],
         final=(Tiny.GONE, Tiny.HELD), failure_states=(Tiny.HELD,), unreachable=unreachable,
-        effects=({Tiny.SENT: "post", Tiny.RUNNING: "poll", Tiny.OVER: "release"} if effects is None
-                 else effects),
+        effects=({Tiny.SENT: "post", Tiny.RUNNING: "poll", Tiny.OVER: "release",
+                  Tiny.FREED: "clean"} if effects is None else effects),
         running=running)
 
 
@@ -134,7 +141,7 @@ def test_an_initial_state_that_does_not_wait_on_post_is_refused_naming_what_it_w
     compared with ``==`` refused every machine but that one, and one asking the effect of
     another state went unnoticed."""
     machine = tiny("released_first", effects={Tiny.SENT: "release", Tiny.RUNNING: "poll",
-                                              Tiny.OVER: "release"},
+                                              Tiny.OVER: "release", Tiny.FREED: "clean"},
                    extra=({"trigger": "release", "source": Tiny.SENT, "dest": Tiny.OVER},))
     assert refusal(machine) == (
         "machine 'released_first': the initial state SENT waits on 'release'; a tier posts a "
@@ -154,7 +161,7 @@ def test_a_running_state_waiting_on_another_effect_than_the_state_check_is_refus
     """The other half of ``(state in running) != (effect == poll)``: only a state that polls
     but is not running was refused by a test."""
     machine = tiny("run_release", effects={Tiny.SENT: "post", Tiny.RUNNING: "release",
-                                           Tiny.OVER: "release"},
+                                           Tiny.OVER: "release", Tiny.FREED: "clean"},
                    extra=({"trigger": "release", "source": Tiny.RUNNING, "dest": Tiny.OVER},))
     assert refusal(machine) == (
         "machine 'run_release': state RUNNING is running and waits on 'release', not on the "
@@ -262,15 +269,16 @@ class Again(enum.Enum):
 
 def settle_again() -> Declaration[Any, Any]:
     """The lifecycle with a step ``settle`` after NIXL's DONE that may send the transfer back
-    to PROCESSING, to be asked about by the state check again."""
+    to PROCESSING, to be asked about by the state check again (and a give-up, which fails
+    it: a state on a circle needs one)."""
     base: Declaration[Any, Any] = TRANSFER_MACHINE
     return base.extend(
         "settle_again", states=["SETTLING"],
         replace={("SUBMITTED", "post", "finished"): {"dest": "SETTLING", "after": []},
                  ("PROCESSING", "poll", "finished"): {"dest": "SETTLING", "after": []}},
-        answers={"settle": (Again.SETTLED, Again.AGAIN, A.RAISED)},
+        answers={"settle": (Again.SETTLED, Again.AGAIN, A.RAISED, A.EXHAUSTED)},
         guards={"settled": (Again.SETTLED,), "again": (Again.AGAIN,),
-                "step_raised": (A.RAISED,)},
+                "step_raised": (A.RAISED, A.EXHAUSTED)},
         transitions=[
             {"trigger": "settle", "source": "SETTLING", "dest": "DONE",
              "conditions": "settled", "after": "latch_success"},

@@ -179,6 +179,30 @@ CHECK_IN_A_CIRCLE = TRANSFER_MACHINE.extend(
     ],
     effects={"CHECKING": "check", "WAITING": "wait"})
 
+#: "not yet: ask NIXL again": a check whose "not yet" sends the transfer back to PROCESSING,
+#: without a give-up
+CHECK_AND_POLL_AGAIN = TRANSFER_MACHINE.extend(
+    "check_and_poll_again", states=["CHECKING"],
+    replace={("PROCESSING", "poll", "finished"): {"dest": "CHECKING", "after": []},
+             ("SUBMITTED", "post", "finished"): {"dest": "CHECKING", "after": []}},
+    answers={"check": (Pending.MATCH, Pending.NOT_YET, Answer.RAISED)},
+    guards={"matched": (Pending.MATCH,), "pending": (Pending.NOT_YET,),
+            "raised": (Answer.RAISED,)},
+    transitions=[
+        {"trigger": "check", "source": "CHECKING", "dest": "DONE", "conditions": "matched",
+         "after": "latch_success"},
+        {"trigger": "check", "source": "CHECKING", "dest": "PROCESSING", "conditions": "pending"},
+        {"trigger": "check", "source": "CHECKING", "dest": "FAILED", "conditions": "raised",
+         "after": "latch_failure"},
+        {"trigger": "cancel", "source": "CHECKING", "dest": "CHECKING"},
+    ],
+    effects={"CHECKING": "check"})
+
+#: a check made as soon as NIXL finished whose mismatch ends the job in CORRUPT, a final
+#: failure state, before the release
+CHECK_INTO_CORRUPT = checked("check_into_corrupt", "CORRUPT", states=["CORRUPT"],
+                             final=["CORRUPT"], failure_states=["CORRUPT"])
+
 #: "post again after an error": a state other than the initial one waiting on the post
 REPOST = TRANSFER_MACHINE.extend(
     "repost", states=["REPOSTING"],
@@ -216,6 +240,17 @@ def always(answer: Any) -> Any:
     (CHECK_IN_A_CIRCLE, {"check": always(Pending.NOT_YET), "wait": always(Waited.WAITED)},
      "state CHECKING is on a circle of waits, CHECKING -> WAITING -> CHECKING, and has no "
      "give-up edge"),
+    # a check answering "not yet" for good sent its job round PROCESSING and CHECKING some
+    # 3,000 times a second, for ever: the circle ran through a running state, which the check
+    # of circles left out
+    (CHECK_AND_POLL_AGAIN, {"check": always(Pending.NOT_YET)},
+     "state CHECKING is on a circle of waits, CHECKING -> PROCESSING -> CHECKING, and has no "
+     "give-up edge"),
+    # each mismatch held its finished transfer's handle for good, and the primary cache
+    # registered (quarantined), though nothing had given up
+    (CHECK_INTO_CORRUPT, {"check": always(Checked.MISMATCH)},
+     r"CORRUPT, a final failure state, is entered holding the transfer handle on check "
+     r"answering MISMATCH, not by giving up \(SUBMITTED -> CHECKING -> CORRUPT\)"),
     # a transfer whose state check raised sat in REPOSTING until its drain timed out
     (REPOST, {}, "state REPOSTING waits on 'post', but a tier posts a transfer once, from the "
                  "initial state SUBMITTED"),

@@ -600,11 +600,18 @@ def test_an_action_that_raises_at_one_jobs_done_leaves_no_job_of_its_round_behin
     tier.shutdown()
 
 
-def test_an_action_that_raises_on_a_done_that_ends_the_job_leaves_it_published() -> None:
+def test_an_action_that_raises_on_a_done_that_ends_the_job_leaves_it_published(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A lifecycle of the user's whose DONE leads straight to a final state, with an action
     there that raises once: the round raises it, and the job is filed where its state says,
     final, so it is published (it stayed in the running list, in a final state, for good:
-    drain never ended, stats counted it as running, and shutdown raised)."""
+    drain never ended, stats counted it as running, and shutdown raised). A tier refuses
+    this lifecycle now (a final failure state entered on DONE holds the handle for nothing):
+    its check is bypassed, for the runner's books are what is tested."""
+    import kvfsm.driver  # noqa: PLC0415
+
+    monkeypatch.setattr(kvfsm.driver, "_check_released_before_final", lambda *args: None)
     raised: list[int] = []
 
     def audit(transfer: Transfer, answer: Any, detail: Any) -> None:
