@@ -16,8 +16,12 @@ What the drawing says, beyond what ``transitions``' own drawing shows:
   (:attr:`Edge.order`, from 1). ``call()``, in italics, is what the event calls, in order, as
   the declaration's optional ``calls`` mapping names it (``{"poll": "check_xfer_state"}``;
   :func:`declared_calls`); an event it leaves out, or a declaration without it, shows none;
-* a self-loop that runs an action is a *retry*: labelled ``retry: event ...`` and drawn dotted
-  in orange. A self-loop with no action is a plain *stay* (waiting), drawn in grey;
+* a self-loop of the effect a state waits on (``Declaration.effects``; a release that raised,
+  a step's "not yet"), but the state check's and the post's, is a *retry*, as a tier runs it
+  (tried again, bounded by the retry policy): labelled ``retry: event ...`` and drawn dotted
+  in orange. Any other self-loop (NIXL still running, a cancel where the outcome stands) is a
+  plain *stay* (waiting), drawn in grey. In a machine that declares no effects, a self-loop
+  that runs an action is a retry;
 * the initial state is entered from a small black entry point; final states are double circles;
   failure states (``Declaration.failure_states``) are filled red;
 * the success path is bold green and failure paths are dashed red, by this rule, which holds for
@@ -194,9 +198,13 @@ def edge_kinds(declaration: Declaration[Any, Any]) -> dict[Edge, EdgeKind]:
     anywhere = _reachable({initial}, moves, forward=True)
     after_failure = _reachable(failure, moves, forward=True)
     kinds: dict[Edge, EdgeKind] = {}
+    retried = {state.name: effect for state, effect in declaration.effects.items()
+               if effect not in ("poll", "post")}  # (the runner's rule: Runner._retry_steps)
     for edge in declaration.edges:
         if edge.is_loop:
-            kinds[edge] = EdgeKind.RETRY if edge.actions else EdgeKind.STAY
+            retry = (retried.get(edge.source) == edge.event if declaration.effects
+                     else bool(edge.actions))
+            kinds[edge] = EdgeKind.RETRY if retry else EdgeKind.STAY
         elif not failure or edge.source not in anywhere:
             kinds[edge] = EdgeKind.PLAIN
         elif edge in safe and edge.source in from_start and edge.dest in to_end:

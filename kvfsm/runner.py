@@ -729,11 +729,12 @@ class Runner(Books):
             # was heard, not from the submit (the latch stamps the end again)
             transfer.finished_at = now
         if self.policy.spent(failures, transfer.finished_at, now):
-            if effect not in _NIXL_WAITS:  # name the step, and say why when it did not
-                if _alone(detail):
-                    detail = CallFailed(effect, "retry bound spent")
-                elif not isinstance(detail, CallFailed):
-                    detail = CallFailed(effect, detail)
+            if effect not in _NIXL_WAITS:  # name the step, what it answered last and why
+                why = detail.error if isinstance(detail, CallFailed) else detail
+                if not isinstance(why, BaseException):  # (a step that raised: as it raised)
+                    detail = CallFailed(effect, f"gave up after {failures} tries, the last "
+                                                f"answered {getattr(answer, 'name', answer)}"
+                                                + ("" if _alone(detail) else f": {why}"))
             self.machine.fire(transfer, effect, Answer.EXHAUSTED, detail)
             logger.error("job %d %s after %d failed %s(s): %s", transfer.job_id,
                          self._gave_up(transfer), failures, self._call_of[effect],

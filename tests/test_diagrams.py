@@ -449,12 +449,39 @@ def test_edges_of_one_state_and_event_are_numbered_in_the_order_their_guards_are
             assert orders == list(range(1, len(declared) + 1)), (source, event)
 
 
-def test_a_self_loop_that_runs_an_action_is_drawn_and_labelled_as_a_retry(
+def retried_by_a_tier(machine: Declaration[Any, Any], edge: DrawnEdge) -> bool:
+    """Whether a tier tries ``edge`` again, bounded by its policy: a self-loop of the effect
+    its state waits on, but the state check's and the post's (a machine declaring no effects:
+    a self-loop that runs an action)."""
+    if edge.source != edge.dest:
+        return False
+    if not machine.effects:
+        return bool(edge.actions)
+    effect = {state.name: e for state, e in machine.effects.items()}.get(edge.source)
+    return edge.event == effect and edge.event not in ("poll", "post")
+
+
+def test_a_self_loop_a_tier_tries_again_is_drawn_and_labelled_as_a_retry(
     machine: Declaration[Any, Any],
 ) -> None:
     for edge, retry, attrs in drawn_edges(parse_dot(to_dot(machine))):
-        assert retry == (edge.source == edge.dest and bool(edge.actions)), edge
+        assert retry == retried_by_a_tier(machine, edge), edge
         assert (attrs.get("style") == "dotted") == retry, edge
+
+
+def test_a_steps_not_yet_is_drawn_as_the_retry_a_tier_makes_of_it_with_no_action_of_its_own(
+) -> None:
+    """A check's "not yet" loops back with no action: a tier tries the check again, bounded
+    by its policy, and the drawing says so (it was a grey stay, "waits"); the cancel's loop
+    beside it stays a stay."""
+    from .test_own_lifecycles import CHECK_UNTIL_GIVEN_UP  # noqa: PLC0415
+
+    loops = {(e.source, e.event): retry
+             for e, retry, _ in drawn_edges(parse_dot(to_dot(CHECK_UNTIL_GIVEN_UP)))
+             if e.source == e.dest}
+    assert loops[("CHECKING", "check")] is True
+    assert loops[("CHECKING", "cancel")] is False
+    assert loops[("PROCESSING", "poll")] is False
 
 
 def test_the_release_that_raised_is_a_retry_in_done_and_in_failed() -> None:

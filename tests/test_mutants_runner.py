@@ -196,9 +196,10 @@ def test_the_latency_percentiles_are_read_from_the_sorted_latencies(
 
 
 def test_a_users_step_whose_retry_bound_is_spent_is_quarantined_naming_the_step() -> None:
-    """A step answering "not yet" (no detail) is quarantined with "retry bound spent" said of
-    the step; one that raised keeps what it raised as the last error, named once (the
-    ``CallFailed`` the driver made is passed on, not wrapped in another)."""
+    """A step answering "not yet" (no detail) is quarantined with how many tries were given
+    up and what it answered last, said of the step; one that raised keeps what it raised as
+    the last error, named once (the ``CallFailed`` the driver made is passed on, not wrapped
+    in another)."""
     books = Runner(verify_pending().compile(listen=False),
                    RetryPolicy(max_attempts=2, max_seconds=None))
     pending = submitted(books, 1)
@@ -207,7 +208,8 @@ def test_a_users_step_whose_retry_bound_is_spent_is_quarantined_naming_the_step(
         assert answer_due(books, {"verify": Outcome(Pending.PENDING)}) == ["verify"]
     [result] = books.take_results()
     assert result.reason == FailureReason(FailureKind.QUARANTINED, "verify",
-                                          "retry bound spent", None)
+                                          "gave up after 2 tries, the last answered PENDING",
+                                          None)
 
     books = Runner(failing_verify_machine().compile(listen=False),
                    RetryPolicy(max_attempts=2, max_seconds=None))

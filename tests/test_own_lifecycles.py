@@ -307,6 +307,22 @@ def test_shutdown_gives_up_a_step_whose_give_up_leads_to_another_wait_and_publis
     assert (agent.live_xfer_handles(), agent.live_registrations()) == (0, 0)
 
 
+def test_a_step_whose_tries_are_given_up_fails_its_job_saying_how_many_and_what_it_answered(
+    tmp_path: Path,
+) -> None:
+    """The check answers "not yet" until the policy's two tries are spent; its give-up edge
+    latches a failure. The reason names the check, the tries and the last answer, as an
+    error of the step's (it said "check answered 'retry bound spent'", an answer the check
+    never gave, of kind unknown)."""
+    tier, _ = file_tier(tmp_path, CHECK_UNTIL_GIVEN_UP, {"check": always(Pending.NOT_YET)},
+                        policy=RetryPolicy(max_attempts=2, max_seconds=None))
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    [result] = finished(tier)
+    assert not result.success and result.reason is not None
+    assert (result.reason.kind, result.reason.call, result.reason.error) == (
+        FailureKind.ERR, "check", "gave up after 2 tries, the last answered NOT_YET")
+
+
 def test_a_steps_retry_bound_before_the_latch_counts_from_nixls_end_not_the_submit(
     tmp_path: Path,
 ) -> None:

@@ -487,6 +487,8 @@ def _describe(answer: Answer, detail: Any) -> str:
             detail = detail.error
         elif detail.error == "":  # a step's answer given alone
             return f"{detail.call} answered {getattr(answer, 'name', answer)}"
+        elif answer is Answer.EXHAUSTED:  # a step's tries given up: the runner's words
+            return f"{detail.call}: {detail.error}"
         else:
             return f"{detail.call} answered {detail.error!r}"
     if isinstance(detail, BaseException):
@@ -526,6 +528,10 @@ def _failure(answer: Answer, detail: Any) -> FailureReason:
     if isinstance(error, BaseException):
         return FailureReason(FailureKind.RAISED, call, f"{type(error).__name__}: {error}",
                              type(error).__name__)
+    if answer is Answer.EXHAUSTED and call is not None and isinstance(error, str) and error:
+        # a step's tries given up, on an edge of the user's that fails the job: the step,
+        # what it answered last and how many tries (the runner's words)
+        return FailureReason(FailureKind.ERR, call, error)
     if answer is Answer.ERR:  # the status answered, or a message saying so
         return FailureReason(FailureKind.ERR, call, f"answered {error or 'ERR'!r}"
                              if call is not None or error is None else str(error))
