@@ -714,3 +714,45 @@ def test_kvfsm_explore_fails_on_a_step_that_always_raises_and_reports_one_failin
                      r"on the path with no fault injected \(mode=1\), 2 of 2 jobs whose "
                      r"transfers NIXL finished failed: jobs 0, 1: verify answered MISMATCH\n",
                      out), out
+
+
+def test_the_report_names_the_transitions_no_path_took_and_cancels_reach_every_round(
+) -> None:
+    """Every unpublished job is cancelled before one poll round or another, so a job is
+    cancelled in CANCELLING too (that edge was never taken: the one cancel of the scenario
+    came before the load's submit); what no path takes is named in the report, so a reader
+    knows what the invariants were never put to (XFER_RELEASED and CLEANED are passed within
+    a poll: no cancel between two finds a job there)."""
+    found = explore(max_faults=2, stop_at_first=False)
+    assert found.ok, found.report()
+    taken = {(edge.source, str(edge.event), answer): count
+             for (edge, answer), count in found.taken.items()}
+    assert taken[("CANCELLING", "cancel", "OK")] > 0
+    assert taken[("PROCESSING", "cancel", "OK")] > 0
+    untaken = {(edge.source, str(edge.event)) for edge, _ in found.untaken}
+    assert {("XFER_RELEASED", "cancel"), ("CLEANED", "cancel")} <= untaken
+    assert len(found.taken) == 29 and len(untaken) < 5
+    assert (f"{len(found.untaken)} of 29 declared transitions no path took (nothing was "
+            "checked of them): ") in found.report()
+    assert "XFER_RELEASED -cancel(OK)-> XFER_RELEASED" in found.report()
+    assert str(parse_path("mode=1;round:cancel@2")) == "mode=1;round:cancel@2"
+    with pytest.raises(ValueError, match="a round is cancelled as round:cancel@N, N from 1"):
+        parse_path("mode=1;round:raise@2")
+
+
+def test_a_step_answering_otherwise_from_run_to_run_stops_the_exploration_saying_so() -> None:
+    """A step whose answers come from one counter shared by every path (a lambda over it:
+    the explorer cannot copy it per path) answers "not yet" on one run of a path and "match"
+    on the next: the fault the explorer meant for a call lands elsewhere. It stops, naming
+    the path and where the runs parted. (It crashed: "inject: register_memory calls #4-#4
+    already have Raise(...) armed".)"""
+    import itertools  # noqa: PLC0415
+
+    from kvfsm.testing.explore import NotRepeatable  # noqa: PLC0415
+
+    from .test_own_lifecycles import CHECK_UNTIL_GIVEN_UP, Pending  # noqa: PLC0415
+
+    answers = itertools.cycle([Pending.NOT_YET, Pending.MATCH, Pending.MATCH])
+    with pytest.raises(NotRepeatable, match=r"path mode=\d;\S+: run again, it made \w+ as call "
+                                            r"\d+, where the run it came from made \w+"):
+        explore(CHECK_UNTIL_GIVEN_UP, steps={"check": lambda transfer, primary: next(answers)})

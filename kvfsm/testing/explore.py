@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from kvfsm.driver import MachineRefused, StepFunction, _step_answer, check_runnable
-from kvfsm.engine import Declaration
+from kvfsm.engine import COMPILE_LISTENERS, CompiledMachine, Declaration, Edge
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_agent import FakeNixlAgent
@@ -77,11 +77,13 @@ from kvfsm.trace import BareRecord, trace_steps
 from kvfsm.transfer import NO_REASON, FailureKind, JobResult, TransferJob
 
 __all__ = [
+    "CancelAll",
     "Choice",
     "Exploration",
     "FaultFree",
     "Invariant",
     "Late",
+    "NotRepeatable",
     "Path",
     "Violation",
     "explore",
@@ -128,15 +130,23 @@ class Late:
 
 
 @dataclass(frozen=True, slots=True)
+class CancelAll:
+    """As a poll round begins, every job not yet published is cancelled (``cancel()``, as an
+    engine aborting its requests does), wherever each is. The rounds are counted among the
+    calls, as ``round``: written ``round:cancel@N`` in a path."""
+
+
+@dataclass(frozen=True, slots=True)
 class Choice:
     """One injected fault: the ``occurrence``-th call of ``call`` answers ``fault``."""
 
     call: str
     occurrence: int
-    fault: Fault | Late
+    fault: Fault | Late | CancelAll
 
     def __str__(self) -> str:
-        kind = "late" if isinstance(self.fault, Late) else fault_kind(self.fault)
+        kind = ("late" if isinstance(self.fault, Late) else "cancel"
+                if isinstance(self.fault, CancelAll) else fault_kind(self.fault))
         return f"{self.call}:{kind}@{self.occurrence}"
 
 
@@ -246,12 +256,22 @@ class _WatchedAgent(FakeNixlAgent):
         self._by_handle: dict[int, int] = {}
         #: the state checks (by number) after which the clock passes the running bound
         self.late: set[int] = set()
+        #: the poll rounds (by number) before which every unpublished job is cancelled
+        self.cancel_rounds: set[int] = set()
+        self._rounds = 0
         self.tier: SecondaryTier | None = None
         self._checks = 0
         #: the calls of the machine's own steps that raised by themselves (no fault injected
         #: into them) and so decided their job's outcome, at once or when their tries were
         #: given up (EXHAUSTED): (job id, what it raised)
         self.step_errors: list[tuple[int | None, str]] = []
+
+    def next_round(self) -> bool:
+        """A poll round begins: counted among the calls (``round``); True when the path
+        cancels every unpublished job before it."""
+        self.calls.append(ROUND)
+        self._rounds += 1
+        return self._rounds in self.cancel_rounds
 
     def job_of(self, handle: Any) -> _Job | None:
         job_id = self._by_handle.get(id(handle))
@@ -432,6 +452,9 @@ def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
     for _ in range(max_polls):
         if not tier.has_pending_work():
             break
+        if agent.next_round():
+            for job_id in sorted(agent.jobs):
+                _cancel(agent, tier, job_id)
         collect()
     _check_end(agent, tier, max_polls, busy=tier.has_pending_work(), fault_free=not path.choices)
     return list(agent.calls), violations, tier, agent.jobs
@@ -469,6 +492,8 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
         if isinstance(choice.fault, Late):  # a check that answers PROC, then the bound
             agent.late.add(choice.occurrence)
             agent.inject(choice.call, StayProc(1), at=choice.occurrence)
+        elif isinstance(choice.fault, CancelAll):
+            agent.cancel_rounds.add(choice.occurrence)
         elif choice.call not in steps:
             agent.inject(choice.call, choice.fault, at=choice.occurrence)
     counts = dict.fromkeys(steps, 0)
@@ -792,11 +817,17 @@ def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
 _CONSTRUCTION_CALLS = 2
 
 
-def _alternatives(call: str, max_stall: int) -> list[Fault | Late]:
+def _alternatives(call: str, max_stall: int) -> list[Fault | Late | CancelAll]:
+    if call == ROUND:
+        return [CancelAll()]
     if call in STATUS_CALLS:
-        late: list[Fault | Late] = [Late()] if call == "check_xfer_state" else []
+        late: list[Fault | Late | CancelAll] = [Late()] if call == "check_xfer_state" else []
         return [Raise(), ReturnErr(), *(StayProc(k) for k in range(1, max_stall + 1)), *late]
     return [Raise()]
+
+
+#: how a poll round of the tier's scenario is counted among the calls
+ROUND = "round"
 
 
 @dataclass(frozen=True, slots=True)
@@ -854,6 +885,15 @@ class Exploration:
     #: what the jobs NIXL finished published on each path with no fault injected (one per
     #: mode the scenario ran in); a job failing there failed by a step's own answer
     fault_free: list[FaultFree] = field(default_factory=list)
+    #: each declared transition (edge, and the answer taking it) and how often the paths
+    #: explored took it; those never taken (:attr:`untaken`) are where the invariants were
+    #: never put to the test
+    taken: dict[tuple[Edge, str], int] = field(default_factory=dict)
+
+    @property
+    def untaken(self) -> list[tuple[Edge, str]]:
+        """The declared transitions no path explored took, as (edge, answer name)."""
+        return [pair for pair, count in self.taken.items() if not count]
 
     @property
     def ok(self) -> bool:
@@ -866,6 +906,13 @@ class Exploration:
                  f"{self.seconds:.2f} s: "
                  + ("0 violations" if self.ok else "VIOLATION")]
         lines += [str(run) for run in self.fault_free if run.failed]
+        untaken = self.untaken
+        if untaken and self.counterexample is None:  # (a run stopped at its first violation
+            # took what it took: its counterexample is what to read)
+            lines.append(f"{len(untaken)} of {len(self.taken)} declared transitions no path "
+                         "took (nothing was checked of them): " + ", ".join(
+                             f"{edge.source} -{edge.event}({answer})-> {edge.dest}"
+                             for edge, answer in untaken))
         if self.counterexample is not None:
             lines.append(f"shortest violating path: {self.counterexample}")
             lines += [f"  {v}" for v in self.violations]
@@ -912,19 +959,43 @@ def explore(
             with one more fault are known once these ran): rate and time left.
     """
     found = Exploration(options=_options(machine, spec, parent, steps, steps_spec))
+    found.taken = {(step.edge, step.answer.name): 0
+                   for step in machine.compile(listen=False).steps()}
+    compiled: list[CompiledMachine[Any, Any]] = []
+
+    def listen(made: CompiledMachine[Any, Any]) -> None:
+        if made.declaration is machine:
+            compiled.append(made)
+
+    COMPILE_LISTENERS.append(listen)
+    try:
+        return _explore(found, compiled, machine, steps, parent, max_faults, max_stall,
+                        max_calls, max_polls, stop_at_first, progress)
+    finally:
+        COMPILE_LISTENERS.remove(listen)
+
+
+def _explore(found: Exploration, compiled: list[CompiledMachine[Any, Any]],
+             machine: Declaration[Any, Any], steps: dict[str, StepFunction] | None,
+             parent: bool, max_faults: int, max_stall: int, max_calls: int, max_polls: int,
+             stop_at_first: bool, progress: bool) -> Exploration:
+    """(:func:`explore`, the transitions each path's tier takes counted in ``found``.)"""
     started = time.perf_counter()
     for polls in (1, 0):  # transfers that complete on a poll, and ones that complete at once
-        level: list[tuple[Path, int]] = [(Path(polls), -1)]
+        level: list[tuple[Path, int, list[str] | None]] = [(Path(polls), -1, None)]
         for depth in range(max_faults + 1):
-            children: list[tuple[Path, int]] = []
+            children: list[tuple[Path, int, list[str] | None]] = []
             with _level_bar(progress, len(level), polls, depth) as bar:
-                for path, last in level:
+                for path, last, before in level:
                     calls, violations, _, jobs = (_run_with_parent if parent else _run)(
                         path, machine, max_polls, steps)
+                    _count_taken(found, compiled)
+                    if before is not None and calls[:last + 1] != before[:last + 1]:
+                        raise NotRepeatable(_not_repeated(path, last, calls, before))
                     if not path.choices:
                         found.fault_free.append(_fault_free(path, jobs))
                     found.paths += 1
-                    found.calls += len(calls)
+                    found.calls += len(calls) - calls.count(ROUND)
                     bar.update()
                     if violations and found.counterexample is None:
                         found.counterexample, found.violations = path, violations
@@ -933,10 +1004,42 @@ def explore(
                             return found
                     if depth < max_faults:
                         first = max(last, _CONSTRUCTION_CALLS - 1)
-                        children += _children(path, first, calls, max_stall, max_calls)
+                        children += ((child, position, calls) for child, position in
+                                     _children(path, first, calls, max_stall, max_calls))
             level = children
     found.seconds = time.perf_counter() - started
     return found
+
+
+class NotRepeatable(RuntimeError):
+    """A path, run again with one more fault, made other calls before that fault than the run
+    it came from: the explorer cannot put a fault where it meant to (a step answering
+    differently from run to run)."""
+
+
+def _not_repeated(path: Path, last: int, calls: list[str], before: list[str]) -> str:
+    """What :class:`NotRepeatable` says: where the runs parted."""
+    at = next((i for i, (ours, theirs) in enumerate(zip(calls, before, strict=False))
+               if ours != theirs), min(len(calls), len(before)))
+    ours = calls[at] if at < len(calls) else "nothing more"
+    theirs = before[at] if at < len(before) else "nothing more"
+    return (f"path {path}: run again, it made {ours} as call {at + 1}, where the run it came "
+            f"from made {theirs} (before the fault it adds, at call {last + 1}): the paths are "
+            "not repeatable, so the faults cannot be put where they were meant to be. A step "
+            "answering differently from run to run does this (one keeping state across paths "
+            "that the explorer cannot copy per path, a clock, chance): give explore steps that "
+            "answer the same on every run of a path")
+
+
+def _count_taken(found: Exploration, compiled: list[CompiledMachine[Any, Any]]) -> None:
+    """Add the transitions the machines compiled for the last path took to ``found``."""
+    taken = found.taken
+    for made in compiled:
+        for step in made.steps():
+            if step.count:
+                pair = (step.edge, step.answer.name)
+                taken[pair] = taken.get(pair, 0) + step.count
+    compiled.clear()
 
 
 def _options(machine: Declaration[Any, Any], spec: str | None, parent: bool,
@@ -990,6 +1093,13 @@ def parse_path(text: str) -> Path:
                          f"first poll), the two the explorer runs; got {mode}")
     choices = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
+        if item.startswith(f"{ROUND}:"):
+            cancel = re.fullmatch(rf"{ROUND}:cancel@(\d+)", item)
+            if cancel is None or int(cancel[1]) == 0:
+                raise ValueError(f"bad fault {item!r}: a round is cancelled as {ROUND}:cancel@N, "
+                                 "N from 1")
+            choices.append(Choice(ROUND, int(cancel[1]), CancelAll()))
+            continue
         if re.match(r"\w+:late\b", item):
             late = re.fullmatch(r"(\w+):late@(\d+)", item)
             if late is None or late[1] != "check_xfer_state" or int(late[2]) == 0:
