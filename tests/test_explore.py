@@ -756,3 +756,26 @@ def test_a_step_answering_otherwise_from_run_to_run_stops_the_exploration_saying
     with pytest.raises(NotRepeatable, match=r"path mode=\d;\S+: run again, it made \w+ as call "
                                             r"\d+, where the run it came from made \w+"):
         explore(CHECK_UNTIL_GIVEN_UP, steps={"check": lambda transfer, primary: next(answers)})
+
+
+def test_a_cancel_that_latches_again_in_a_steps_state_is_caught_once_a_ctrl_c_leaves_a_job_there(
+) -> None:
+    """The tutorial's checksum lifecycle, broken: a cancel in VERIFYING latches a failure
+    (its outcome latched already by then, or the step's match latching success after it).
+    A job waits in VERIFYING only when a Ctrl-C cut its step short; the explorer now makes
+    one at each step call, and the scenario's cancel finds the job there: the next match
+    raises out of the tier. (2195 paths said 0 violations: no path took that edge.)"""
+    from examples.verify_lifecycle import VERIFY_MACHINE, Checksums  # noqa: PLC0415
+    from kvfsm.testing.explore import Interrupt  # noqa: PLC0415
+
+    broken = VERIFY_MACHINE.extend("cancel_latches_in_verifying", replace={
+        ("VERIFYING", "cancel", ""): {"after": "latch_cancelled"}})
+    found = explore(broken, steps={"verify": Checksums()})
+    assert not found.ok
+    assert found.counterexample is not None
+    assert any(isinstance(choice.fault, Interrupt) for choice in found.counterexample.choices)
+    assert Invariant.NO_ESCAPE in {v.invariant for v in found.violations}, found.report()
+    assert "OutcomeAlreadyLatched" in found.report()
+    assert str(parse_path("mode=1;verify:interrupt@2")) == "mode=1;verify:interrupt@2"
+    with pytest.raises(ValueError, match="only a step of the machine's own is interrupted"):
+        replay(parse_path("mode=1;check_xfer_state:interrupt@1"))

@@ -81,6 +81,7 @@ __all__ = [
     "Choice",
     "Exploration",
     "FaultFree",
+    "Interrupt",
     "Invariant",
     "Late",
     "NotRepeatable",
@@ -137,16 +138,25 @@ class CancelAll:
 
 
 @dataclass(frozen=True, slots=True)
+class Interrupt:
+    """A call of one of the machine's own steps is cut short by a Ctrl-C: KeyboardInterrupt
+    is raised as it is made, as a signal handler's would be, out of the tier's call that made
+    it; the next poll mends the books and makes the step again. Written ``verify:interrupt@N``
+    (steps only: NIXL's own calls are the driver's tests'; not with ``parent``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Choice:
     """One injected fault: the ``occurrence``-th call of ``call`` answers ``fault``."""
 
     call: str
     occurrence: int
-    fault: Fault | Late | CancelAll
+    fault: Fault | Late | CancelAll | Interrupt
 
     def __str__(self) -> str:
         kind = ("late" if isinstance(self.fault, Late) else "cancel"
-                if isinstance(self.fault, CancelAll) else fault_kind(self.fault))
+                if isinstance(self.fault, CancelAll) else "interrupt"
+                if isinstance(self.fault, Interrupt) else fault_kind(self.fault))
         return f"{self.call}:{kind}@{self.occurrence}"
 
 
@@ -427,6 +437,8 @@ def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
     def collect() -> None:
         try:
             results = tier.get_finished_jobs()
+        except KeyboardInterrupt:  # (a step's Ctrl-C the path made: the next round goes on)
+            return
         except Exception as error:
             violations.append(Violation(Invariant.NO_ESCAPE, None,
                                         f"get_finished_jobs raised {_described(error)}"))
@@ -443,6 +455,8 @@ def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
         try:
             submitted = TransferJob(job_id, keys, blocks, is_promotion=load)
             (tier.submit_load if load else tier.submit_store)(submitted)
+        except KeyboardInterrupt:  # (a step made at once, over at the post: the job is in)
+            pass
         except Exception as error:
             violations.append(Violation(Invariant.NO_ESCAPE, job_id,
                                         f"submit raised {_described(error)}"))
@@ -475,6 +489,28 @@ def _pass_running_bound(tier: SecondaryTier) -> None:
         transfer.started_at -= _RUNNING_BOUND
 
 
+def _arm(agent: _WatchedAgent, path: Path, steps: dict[str, StepFunction],
+         ) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
+    """(:func:`_inject`) Arm the path's faults in NIXL's calls and its rounds; returns the
+    step calls (name, number) that raise and those a Ctrl-C cuts short."""
+    armed = {(c.call, c.occurrence) for c in path.choices
+             if c.call in steps and not isinstance(c.fault, Interrupt)}
+    interrupted = {(c.call, c.occurrence) for c in path.choices if isinstance(c.fault, Interrupt)}
+    for choice in path.choices:
+        if isinstance(choice.fault, Late):  # a check that answers PROC, then the bound
+            agent.late.add(choice.occurrence)
+            agent.inject(choice.call, StayProc(1), at=choice.occurrence)
+        elif isinstance(choice.fault, CancelAll):
+            agent.cancel_rounds.add(choice.occurrence)
+        elif isinstance(choice.fault, Interrupt):
+            if choice.call not in steps:
+                raise ValueError(f"{choice}: only a step of the machine's own is interrupted "
+                                 f"(its steps: {', '.join(sorted(steps)) or 'none'})")
+        elif choice.call not in steps:
+            agent.inject(choice.call, choice.fault, at=choice.occurrence)
+    return armed, interrupted
+
+
 def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
             steps: dict[str, StepFunction]) -> dict[str, StepFunction]:
     """Arm the path's faults: NIXL's in the agent, the steps' in the steps, which are
@@ -487,15 +523,7 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
 
     failing = failure_answers(machine)
     table = machine.compile(listen=False).table
-    armed = {(c.call, c.occurrence) for c in path.choices if c.call in steps}
-    for choice in path.choices:
-        if isinstance(choice.fault, Late):  # a check that answers PROC, then the bound
-            agent.late.add(choice.occurrence)
-            agent.inject(choice.call, StayProc(1), at=choice.occurrence)
-        elif isinstance(choice.fault, CancelAll):
-            agent.cancel_rounds.add(choice.occurrence)
-        elif choice.call not in steps:
-            agent.inject(choice.call, choice.fault, at=choice.occurrence)
+    armed, interrupted = _arm(agent, path, steps)
     counts = dict.fromkeys(steps, 0)
 
     def decides(transfer: Any, name: str, answer: Any) -> bool:
@@ -515,6 +543,8 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
             seen = agent.jobs.get(transfer.job_id)
             if seen is not None and transfer.success is None:
                 seen.deciding.add(name)  # (its give-up then decides the outcome: _final)
+            if (name, counts[name]) in interrupted:
+                raise KeyboardInterrupt  # (before the step: it answered nothing)
             injected = (name, counts[name]) in armed
             try:
                 if injected:
@@ -1005,7 +1035,8 @@ def _explore(found: Exploration, compiled: list[CompiledMachine[Any, Any]],
                     if depth < max_faults:
                         first = max(last, _CONSTRUCTION_CALLS - 1)
                         children += ((child, position, calls) for child, position in
-                                     _children(path, first, calls, max_stall, max_calls))
+                                     _children(path, first, calls, max_stall, max_calls,
+                                               () if parent else tuple(steps or ())))
             level = children
     found.seconds = time.perf_counter() - started
     return found
@@ -1069,13 +1100,14 @@ def _level_bar(enabled: bool, paths: int, polls: int, depth: int) -> Any:
 
 
 def _children(path: Path, last: int, calls: list[str], max_stall: int,
-              max_calls: int) -> Iterator[tuple[Path, int]]:
+              max_calls: int, interruptible: Sequence[str] = ()) -> Iterator[tuple[Path, int]]:
     occurrences: dict[str, int] = {}
     for position, call in enumerate(calls[:max_calls]):
         occurrences[call] = occurrences.get(call, 0) + 1
         if position <= last:
             continue
-        for fault in _alternatives(call, max_stall):
+        for fault in [*_alternatives(call, max_stall),
+                      *([Interrupt()] if call in interruptible else [])]:
             choice = Choice(call, occurrences[call], fault)
             yield Path(path.polls, (*path.choices, choice)), position
 
@@ -1099,6 +1131,10 @@ def parse_path(text: str) -> Path:
                 raise ValueError(f"bad fault {item!r}: a round is cancelled as {ROUND}:cancel@N, "
                                  "N from 1")
             choices.append(Choice(ROUND, int(cancel[1]), CancelAll()))
+            continue
+        interrupt = re.fullmatch(r"(\w+):interrupt@(\d+)", item)
+        if interrupt is not None and int(interrupt[2]):
+            choices.append(Choice(interrupt[1], int(interrupt[2]), Interrupt()))
             continue
         if re.match(r"\w+:late\b", item):
             late = re.fullmatch(r"(\w+):late@(\d+)", item)
