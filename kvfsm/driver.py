@@ -604,8 +604,8 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     give-up edge; a running state is left before NIXL's end (a cancel, a give-up) only for a
     running state or a final failure state; every way into a final state that is no failure
     state passes a ``release`` NIXL answered OK (F2); a final failure state is entered before
-    it only by giving up; and every way from the release into a final state passes a
-    ``clean`` (F8).
+    it on a step's answer only by giving up; and every way from the release into a final state
+    passes a ``clean`` (F8).
 
     Raises:
         MachineRefused: one line naming the machine, the state and what is missing.
@@ -807,8 +807,10 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
       result published before its transfer handle is released lets the engine reuse memory
       NIXL may still use, F2);
     - a final failure state entered before the release (the handle held for good, and the
-      primary cache's registration with it: quarantined) only by giving up (EXHAUSTED): a
-      transfer that is over and merely failed would hold them for nothing;
+      primary cache's registration with it: quarantined) on a step of the machine's own only
+      by giving up (EXHAUSTED): NIXL's transfer is over, and one that merely failed the step
+      would hold them for nothing (on NIXL's answers, a release that raised, a cancel, it
+      is the lifecycle's choice to hold them);
     - and none past the release without its ``clean`` (its descriptors and registrations would
       leak, F8).
     """
@@ -829,7 +831,8 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
                     after = cleaned
                 dest = step.dest
                 if dest in final and (after == released or (after == held and (
-                        dest not in held_ok or answer is not Answer.EXHAUSTED))):
+                        dest not in held_ok or (answer is not Answer.EXHAUSTED
+                                                and event not in _TIER_EVENTS)))):
                     way = [dest, state]
                     back = before[here]
                     while back is not None:
@@ -848,14 +851,18 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
                         "the state a failure state: its transfer's handles are then held for "
                         "good)" if dest not in held_ok else
                         f"{dest.name}, a final failure state, is entered holding the transfer "
-                        f"handle on {event} answering {answer.name}, not by giving up ({path}): "
-                        "the transfer would hold its handles, and the primary cache's "
-                        "registration, for good (quarantined) though nothing made it give up; "
-                        "lead it through the release first (to FAILED, say), or into this "
-                        "state only on EXHAUSTED"))
+                        f"handle on the step {event!r} answering {answer.name} ({path}): "
+                        "NIXL's transfer is over, yet it would hold its handles, and the "
+                        "primary cache's registration, for good (quarantined); lead the "
+                        "step's failure through the release (to FAILED, say), or into this "
+                        "state only on EXHAUSTED (its tries given up)"))
                 if (dest, after) not in before:
                     before[(dest, after)] = here
                     queue.append((dest, after))
+
+
+#: the events of the calls a tier makes itself (the others are the machine's own steps)
+_TIER_EVENTS = frozenset(event.value for event in TransferEvent)
 
 
 def _check_running_left_when_over(declaration: Declaration[Any, Any],
@@ -879,7 +886,7 @@ def _check_running_left_when_over(declaration: Declaration[Any, Any],
                     "NIXL's transfer is over, for a state neither running nor a final failure "
                     "state: its release would come while NIXL may still run the transfer (NIXL "
                     "crashes on that); lead it to a running state that waits for NIXL's end (as "
-                    "CANCELLING does), or, giving up, to a final failure state")
+                    "CANCELLING does), or to a final failure state (its handle held for good)")
 
 
 def _check_give_up(where: str, moves: Mapping[str, Any], effect: str, who: str) -> None:

@@ -499,6 +499,14 @@ class PeerReceiver(JobSide):
             else:
                 inbox.waiting[message] = job.job_id
 
+    def _fail_moved(self) -> None:
+        """(a poll) The cache's memory moved: every job still expected fails, before another
+        notification is taken (a write it tells of may have landed in the memory the cache
+        left, so none taken from now on counts)."""
+        for expected in list(self._expected.values()):
+            if expected.state is ReceiveState.EXPECTING:
+                self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE, self._moved())
+
     def _moved(self) -> str:
         """What is wrong with a primary cache whose memory moved since the receiver was
         made."""
@@ -587,18 +595,16 @@ class PeerReceiver(JobSide):
         if self._early_stale:
             self._recount_early()
         now = time.monotonic()
+        if self._expected and self.primary.data_ptr() != self._primary_at:
+            self._fail_moved()  # (before any notification is taken)
         self._take_new(now)
         self._watch_links(now)
         if not self._expected:
             return
-        moved = self.primary.data_ptr() != self._primary_at
         for expected in list(self._expected.values()):
             if expected.state is ReceiveState.EXPECTING:
                 link = expected.link
-                if moved:  # a write lands in the memory the cache left: none may count
-                    self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE,
-                                      self._moved())
-                elif link.state in RECEIVE_FAILS_WHEN_LINK_IN:
+                if link.state in RECEIVE_FAILS_WHEN_LINK_IN:
                     self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE,
                                       f"sender {expected.peer} is gone: "
                                       f"{link.error or 'forgotten'}")
@@ -710,7 +716,9 @@ class PeerReceiver(JobSide):
         """A notification of an open link, that came when ``came`` hand-backs were made: it
         completes the job waiting for it, or waits."""
         job_id = inbox.waiting.pop(message, None)
-        if job_id is None:
+        expected = None if job_id is None else self._expected.get(job_id)
+        if expected is None or expected.state is not ReceiveState.EXPECTING:
+            # (no job waits for it, or the one waiting failed meanwhile: its cache moved)
             try:
                 inbox.early.setdefault(message, []).append(came)
                 self._early += 1
@@ -718,7 +726,7 @@ class PeerReceiver(JobSide):
                 self._early_stale = True
                 raise
         else:
-            self.machine.fire(self._expected[job_id], ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
+            self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
 
     def _adopt(self, inbox: _Inbox) -> None:
         """A link was made: the notifications of it that came before are its own now."""

@@ -732,7 +732,8 @@ class Runner(Books):
             if effect not in _NIXL_WAITS:  # name the step, what it answered last and why
                 why = detail.error if isinstance(detail, CallFailed) else detail
                 if not isinstance(why, BaseException):  # (a step that raised: as it raised)
-                    detail = CallFailed(effect, f"gave up after {failures} tries, the last "
+                    tries = "1 try" if failures == 1 else f"{failures} tries"
+                    detail = CallFailed(effect, f"gave up after {tries}, the last "
                                                 f"answered {getattr(answer, 'name', answer)}"
                                                 + ("" if _alone(detail) else f": {why}"))
             self.machine.fire(transfer, effect, Answer.EXHAUSTED, detail)

@@ -380,7 +380,8 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
     def get_finished_jobs(self) -> Iterable[VllmResult]:
         """The jobs finished since the last call, as vLLM's results. A Ctrl-C landing in the
         call loses none: the tier's results are kept until each is made vLLM's, and a result
-        made is kept until handed out, each once."""
+        made is kept until handed out, each once (its stats and KV event told at least once:
+        a Ctrl-C between telling and keeping it tells them again)."""
         tier = self._tier
         if tier is not None:  # (should it raise, the results ready wait for the next call)
             self._taken.extend(tier.get_finished_jobs())
@@ -390,12 +391,13 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
             if not made or made[-1][0] is not done:  # (else made, its popleft cut short)
                 job = self._jobs[done.job_id]
                 success = done.success and not job.missing
+                self._tell(job, done, success)  # (first: told again, rather than never, if
+                # a Ctrl-C comes before the result is kept)
                 made.append((done, VllmResult(
                     job_id=done.job_id, success=success,
                     successful_keys=None if success else (list(job.moved) if done.success
                                                           else []),
                     transfer_time=done.transfer_time, transfer_bytes=done.transfer_size)))
-                self._tell(job, done, success)
             self._jobs.pop(done.job_id, None)
             taken.popleft()
         results = self._ready + [result for _, result in made]
@@ -415,7 +417,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         tier = self._tier
         # a job is pending until vLLM has its result (a tier's progress thread may publish
         # it while another of vLLM's threads is taking results)
-        return (bool(self._ready) or bool(self._jobs) or bool(self._taken)
+        return (bool(self._ready) or bool(self._jobs) or bool(self._taken) or bool(self._made)
                 or (tier is not None and tier.has_pending_work()))
 
     def drain_jobs(self) -> None:

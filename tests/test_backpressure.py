@@ -91,6 +91,46 @@ def test_stores_given_up_while_nixl_runs_them_still_take_their_room() -> None:
     tier.shutdown(timeout=5)
 
 
+def test_a_store_given_up_that_nixl_then_ended_and_was_released_takes_no_room() -> None:
+    """A lifecycle whose running bound gives up softly: past it a store waits in OVERDUE for
+    NIXL's end, then is released and published as usual. Once released it holds nothing, and
+    the bound has room again. (It kept counting for good: the tier refused every store.)"""
+    from kvfsm import TRANSFER_MACHINE  # noqa: PLC0415
+
+    soft = TRANSFER_MACHINE.extend(
+        "soft_give_up", states=["OVERDUE"],
+        replace={("PROCESSING", "poll", "exhausted"): {"dest": "OVERDUE",
+                                                       "after": "latch_failure"}},
+        transitions=[
+            {"trigger": "poll", "source": "OVERDUE", "dest": "OVERDUE", "conditions": "running"},
+            {"trigger": "poll", "source": "OVERDUE", "dest": "FAILED", "conditions": "finished",
+             "after": "note_ended"},
+            {"trigger": "poll", "source": "OVERDUE", "dest": "FAILED", "conditions": "errored",
+             "after": ["note_ended", "note_error"]},
+            {"trigger": "poll", "source": "OVERDUE", "dest": "QUARANTINED",
+             "conditions": "exhausted", "after": "quarantine"},
+            {"trigger": "cancel", "source": "OVERDUE", "dest": "OVERDUE"}],
+        effects={"OVERDUE": "poll"}, running=["OVERDUE"], failure_states=["OVERDUE"])
+    agent = Held()
+    primary = torch.arange(BLOCKS * 64, dtype=torch.float32).view(BLOCKS, 64)
+    tier = ObjectStoreTier(primary, agent=agent, machine=soft, in_flight=InFlightLimit(jobs=1),
+                           policy=RetryPolicy(max_running_seconds=0.01))
+    store(tier, 1, 1)
+    time.sleep(0.02)
+    tier.get_finished_jobs()
+    assert tier.state_of(1) is not None and tier.state_of(1).name == "OVERDUE"
+    agent.held.clear()  # NIXL ends it
+    tier.drain_jobs(timeout=5)
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False)]
+    assert agent.live_xfer_handles() == 0
+    assert tier.in_flight_figures()["jobs"] == 0 and not tier.saturated()
+    store(tier, 2, 2)
+    agent.held.clear()
+    tier.drain_jobs(timeout=5)
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(2, True)]
+    tier.shutdown(timeout=5)
+
+
 def test_loads_go_first_they_are_never_refused_and_take_the_room_of_stores() -> None:
     agent = Held()
     tier = tier_on(agent, jobs=2)

@@ -779,3 +779,14 @@ def test_a_cancel_that_latches_again_in_a_steps_state_is_caught_once_a_ctrl_c_le
     assert str(parse_path("mode=1;verify:interrupt@2")) == "mode=1;verify:interrupt@2"
     with pytest.raises(ValueError, match="only a step of the machine's own is interrupted"):
         replay(parse_path("mode=1;check_xfer_state:interrupt@1"))
+
+
+def test_a_job_cancelled_while_running_then_again_once_over_is_expected_to_fail() -> None:
+    """Job 1 is cancelled while NIXL runs it (the scenario's cancel), NIXL then says DONE, and a
+    cancel-all round cancels it again: it fails (cancelled while running), and the explorer
+    expects so. (The second cancel made it expect success: a false OUTCOME violation on the
+    shipped lifecycle, three faults deep.)"""
+    _, violations, taken = replay(parse_path(
+        "mode=1;transfer:proc=2@3,release_xfer_handle:raise@3,round:cancel@2"))
+    assert violations == [], violations
+    assert taken["PROCESSING -cancel[]-> CANCELLING"] == 1  # the first cancel, while it ran

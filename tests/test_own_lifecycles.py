@@ -249,8 +249,9 @@ def always(answer: Any) -> Any:
     # each mismatch held its finished transfer's handle for good, and the primary cache
     # registered (quarantined), though nothing had given up
     (CHECK_INTO_CORRUPT, {"check": always(Checked.MISMATCH)},
-     r"CORRUPT, a final failure state, is entered holding the transfer handle on check "
-     r"answering MISMATCH, not by giving up \(SUBMITTED -> CHECKING -> CORRUPT\)"),
+     r"CORRUPT, a final failure state, is entered holding the transfer handle on the step "
+     r"'check' answering MISMATCH \(SUBMITTED -> CHECKING -> CORRUPT\): NIXL's transfer is "
+     r"over"),
     # a transfer whose state check raised sat in REPOSTING until its drain timed out
     (REPOST, {}, "state REPOSTING waits on 'post', but a tier posts a transfer once, from the "
                  "initial state SUBMITTED"),
@@ -419,3 +420,25 @@ def test_a_mismatch_latched_on_the_way_to_done_names_the_step(tmp_path: Path) ->
     [result] = finished(tier)
     assert str(result.reason) == "check answered MISMATCH"
     tier.shutdown(timeout=2)
+
+
+@pytest.mark.parametrize("replace", [
+    # a release that raised holds the handle for good at once (no retry)
+    {("DONE", "release", "release_raised"): {"dest": "QUARANTINED", "after": "quarantine"},
+     ("FAILED", "release", "release_raised"): {"dest": "QUARANTINED", "after": "quarantine"}},
+    # an error NIXL answered holds the handle for good (other requests may still run)
+    {("PROCESSING", "poll", "errored"): {"dest": "QUARANTINED", "after": "quarantine"}},
+    # a cancel while NIXL runs the transfer holds it for good instead of waiting
+    {("PROCESSING", "cancel", ""): {"dest": "QUARANTINED", "after": "quarantine"}},
+], ids=["release_raised", "poll_err", "cancel"])
+def test_holding_the_handle_for_good_on_nixls_own_answers_is_the_lifecycles_choice(
+    tmp_path: Path, replace: dict[Any, Any],
+) -> None:
+    """Entering a final failure state with the handle held is refused on a step's own answer
+    (NIXL's transfer is over), not on NIXL's answers, where holding it is the cautious
+    choice (such lifecycles were refused as 'not by giving up', the advice impossible)."""
+    unreachable = ["CANCELLING"] if ("PROCESSING", "cancel", "") in replace else []
+    machine = TRANSFER_MACHINE.extend("held_" + "_".join(key[0] for key in replace),
+                                      replace=replace, unreachable=unreachable)
+    tier, _ = file_tier(tmp_path, machine, {})
+    tier.shutdown(timeout=5)

@@ -1215,3 +1215,24 @@ def test_a_receivers_cache_whose_memory_moved_counts_no_write_and_refuses_new_on
     assert not receiver.has_pending_work()
     pair.sender.shutdown(5)
     receiver.shutdown(5)
+
+
+def test_a_write_landing_after_the_receivers_cache_moved_is_not_counted() -> None:
+    """Job 1 is expected, the cache moves (its old memory kept alive, so the write lands
+    somewhere), then the sender writes: the receiver's next poll fails job 1 before it takes
+    the write's notification. (The notification was taken first, and job 1 published as
+    arrived, its block in the cache holding none of the sender's bytes.)"""
+    pair = FakePair()
+    receiver, sender, name = pair.receiver, pair.sender, pair.name
+    receiver.expect(TransferJob(1, ["3"], [3], is_promotion=True), name)
+    old = pair.target.data
+    pair.target.data = pair.target.clone()
+    sender.submit_store(TransferJob(1, ["3"], [0]))
+    sender.drain_jobs(5)
+    receiver.drain_jobs(5)
+    (result,) = receiver.get_finished_jobs()
+    assert (result.job_id, result.success) == (1, False)
+    assert "the primary cache's memory moved" in str(result.reason)
+    assert torch.equal(old[3], pair.source[0])  # where it landed
+    sender.shutdown(5)
+    receiver.shutdown(5)

@@ -1037,9 +1037,14 @@ def test_a_ctrl_c_as_vllm_takes_a_tiers_results_loses_none_and_hands_none_out_tw
             stored.update(two)
         adapter._tier.drain_jobs(5)  # over, not yet vLLM's
         assert adapter._tier.has_pending_work(), "the results are waiting for the step"
+        told = adapter._counts.get(("store", "ok"), 0)
         with ctrl_c_at_event(landing, own) as events:
             engine.end_step()
+        if adapter._taken or adapter._made:  # results owed to vLLM: pending work
+            assert adapter.has_pending_work(), f"Ctrl-C at event {landing}"
         engine.settle()
+        # each store's stats (and KV event) told at least once
+        assert adapter._counts.get(("store", "ok"), 0) >= told + 3, f"Ctrl-C at event {landing}"
         assert engine.pinned_chunks() == 0, f"a chunk pinned, Ctrl-C at event {landing}"
         assert engine.fetch(f"F{landing}", list(stored)) == stored
         engine.settle()

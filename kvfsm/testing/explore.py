@@ -613,7 +613,8 @@ def _cancel(agent: _WatchedAgent, tier: SecondaryTier, job_id: int) -> None:
     if tier.state_of(job_id) is None:
         return  # published already: nothing to cancel
     seen = agent.jobs[job_id]
-    seen.cancelled_running = seen.status in {None, "PROC"} and seen.outcome is None
+    seen.cancelled_running = seen.cancelled_running or (  # (a cancel before stands)
+        seen.status in {None, "PROC"} and seen.outcome is None)
     try:
         tier.cancel(job_id)
     except Exception as error:
@@ -920,10 +921,15 @@ class Exploration:
     #: never put to the test
     taken: dict[tuple[Edge, str], int] = field(default_factory=dict)
 
+    #: the states the machine declares unreachable (their transitions are not reported)
+    unreachable: frozenset[str] = frozenset()
+
     @property
     def untaken(self) -> list[tuple[Edge, str]]:
-        """The declared transitions no path explored took, as (edge, answer name)."""
-        return [pair for pair, count in self.taken.items() if not count]
+        """The declared transitions no path explored took, as (edge, answer name), but those
+        of states the machine declares unreachable."""
+        return [pair for pair, count in self.taken.items()
+                if not count and pair[0].source not in self.unreachable]
 
     @property
     def ok(self) -> bool:
@@ -991,6 +997,7 @@ def explore(
     found = Exploration(options=_options(machine, spec, parent, steps, steps_spec))
     found.taken = {(step.edge, step.answer.name): 0
                    for step in machine.compile(listen=False).steps()}
+    found.unreachable = frozenset(state.name for state in machine.unreachable)
     compiled: list[CompiledMachine[Any, Any]] = []
 
     def listen(made: CompiledMachine[Any, Any]) -> None:

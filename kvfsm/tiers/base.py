@@ -919,13 +919,16 @@ class SecondaryTier(JobSide):
 
     def _in_flight(self) -> tuple[int, int]:
         """The jobs and bytes :attr:`in_flight` bounds: the unpublished transfers, and those
-        published as given up while NIXL ran them (the running bound's), which NIXL may run
-        still and which hold what they took for good (a file tier's open files, the blocks)."""
+        published as given up while NIXL ran them (the running bound's) still holding their
+        transfer handle, which NIXL may run still and which hold what they took for good (a
+        file tier's open files, the blocks)."""
         runner = self._runner
         jobs, nbytes = len(runner.records), runner.bytes_in_flight
         records = runner.records
         for transfer in list(runner.may_run) if runner.may_run else ():
-            if records.get(transfer.job_id) is not transfer:  # (published: not counted above)
+            if records.get(transfer.job_id) is not transfer and transfer.xfer is not None:
+                # (published: not counted above; holding its handle: not released since,
+                # as a lifecycle whose give-up waits for NIXL's end releases it)
                 jobs, nbytes = jobs + 1, nbytes + transfer.nbytes
         return jobs, nbytes
 
