@@ -602,10 +602,10 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     name of a call the tier makes itself; only the initial state waits on ``post``, and no edge
     leads back into it; each state on a circle of waits (through running states too) has a
     give-up edge; a running state is left before NIXL's end (a cancel, a give-up) only for a
-    running state or a final failure state; every way into a final state that is no failure
-    state passes a ``release`` NIXL answered OK (F2); a final failure state is entered before
-    it on a step's answer only by giving up; and every way from the release into a final state
-    passes a ``clean`` (F8).
+    running state, or by a give-up (EXHAUSTED) for a final failure state; every way into a
+    final state that is no failure state passes a ``release`` NIXL answered OK (F2); a final
+    failure state is entered before it on a step's answer only by giving up; and every way
+    from the release into a final state passes a ``clean`` (F8).
 
     Raises:
         MachineRefused: one line naming the machine, the state and what is missing.
@@ -870,23 +870,35 @@ def _check_running_left_when_over(declaration: Declaration[Any, Any],
     """A transfer leaves the running states (for a state whose effect may release it) only
     once its state check said NIXL's transfer is over (DONE, ERR, or the check raised); on
     another answer (a cancel, a give-up) it goes to a running state, which waits for NIXL's
-    end (as CANCELLING does), or, giving up, to a final failure state (its handle held for
-    good): NIXL crashes on a handle released while it runs the transfer."""
+    end (as CANCELLING does), or, giving up (EXHAUSTED), to a final failure state (its handle
+    held for good, and its result saying its blocks are in use: only a give-up tells the
+    runner NIXL may run it): NIXL crashes on a handle released while it runs the transfer,
+    and a block reused under a running transfer is overwritten."""
     running = declaration.running
-    keep = running | (declaration.final & declaration.failure_states)
+    held_ok = declaration.final & declaration.failure_states
     over = (Answer.DONE, Answer.ERR, Answer.RAISED)
     for state in sorted(running, key=_by_name):
         for event, row in sorted(table.get(state, {}).items()):
             for answer, step in sorted(row.items(), key=lambda item: item[0].name):
-                if (event == TransferEvent.POLL and answer in over) or step.dest in keep:
+                if ((event == TransferEvent.POLL and answer in over) or step.dest in running
+                        or (step.dest in held_ok and answer is Answer.EXHAUSTED)):
                     continue
+                if step.dest in held_ok:
+                    raise MachineRefused(
+                        f"machine {declaration.name!r}: {state.name} -{event}({answer.name})-> "
+                        f"{step.dest.name} ends a transfer NIXL may still run in a final "
+                        "failure state on an answer that is no give-up: its result would not "
+                        "say its blocks are in use (blocks_in_use), so they would be reused "
+                        "under the running transfer; give up there only on EXHAUSTED (the "
+                        "runner then knows NIXL may run it), or lead it to a running state that "
+                        "waits for NIXL's end (as CANCELLING does)")
                 raise MachineRefused(
                     f"machine {declaration.name!r}: {state.name} -{event}({answer.name})-> "
                     f"{step.dest.name} leaves a running state on an answer that does not say "
                     "NIXL's transfer is over, for a state neither running nor a final failure "
                     "state: its release would come while NIXL may still run the transfer (NIXL "
                     "crashes on that); lead it to a running state that waits for NIXL's end (as "
-                    "CANCELLING does), or to a final failure state (its handle held for good)")
+                    "CANCELLING does), or, giving up (EXHAUSTED), to a final failure state")
 
 
 def _check_give_up(where: str, moves: Mapping[str, Any], effect: str, who: str) -> None:

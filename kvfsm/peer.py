@@ -725,6 +725,9 @@ class PeerReceiver(JobSide):
             except BaseException:  # (as in _fresh)
                 self._early_stale = True
                 raise
+        elif self.primary.data_ptr() != self._primary_at:  # (moved as the poll ran: the
+            # write may have landed in the memory the cache left)
+            self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE, self._moved())
         else:
             self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
 

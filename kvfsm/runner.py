@@ -834,7 +834,7 @@ class Runner(Books):
         held = transfer.state in self.failed_final and self._settle_failed(transfer)
         if not transfer.success and not published:  # (published: they were, before it)
             self._failing(transfer)
-        result = self._held_result(transfer) if held else transfer.result()
+        result = self._held_result(transfer) if held else self._free_result(transfer)
         # the result is queued before the record goes: a progress thread publishes while the
         # caller may be taking results (Books) or asking has_pending_work, which must never
         # see neither the record nor the result
@@ -875,6 +875,14 @@ class Runner(Books):
             self._compact_backoffs()
         if not result.success or transfer.leaks or self.on_published:
             self._announce(transfer, result)
+
+    def _free_result(self, transfer: Transfer) -> JobResult:
+        """The result of a transfer that ended holding no transfer handle: one given up while
+        NIXL ran it, in a lifecycle whose give-up waited for NIXL's end and then released it,
+        is no longer among those NIXL may run."""
+        if self.may_run and transfer.xfer is None and transfer.split is None:
+            self.may_run.discard(transfer)
+        return transfer.result()
 
     def _held_result(self, transfer: Transfer) -> JobResult:
         """The result of a transfer that ended holding its transfer handle: one given up while

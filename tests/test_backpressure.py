@@ -93,8 +93,10 @@ def test_stores_given_up_while_nixl_runs_them_still_take_their_room() -> None:
 
 def test_a_store_given_up_that_nixl_then_ended_and_was_released_takes_no_room() -> None:
     """A lifecycle whose running bound gives up softly: past it a store waits in OVERDUE for
-    NIXL's end, then is released and published as usual. Once released it holds nothing, and
-    the bound has room again. (It kept counting for good: the tier refused every store.)"""
+    NIXL's end, then is released and published as usual. Once released it holds nothing: the
+    bound has room again, a store of its key vouches for it, and shutdown lets the cache go.
+    (It stayed among those NIXL may run: the tier refused every store, the key stayed a MISS,
+    and shutdown kept the cache registered.)"""
     from kvfsm import TRANSFER_MACHINE  # noqa: PLC0415
 
     soft = TRANSFER_MACHINE.extend(
@@ -124,11 +126,14 @@ def test_a_store_given_up_that_nixl_then_ended_and_was_released_takes_no_room() 
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False)]
     assert agent.live_xfer_handles() == 0
     assert tier.in_flight_figures()["jobs"] == 0 and not tier.saturated()
-    store(tier, 2, 2)
+    assert tier.stats()["quarantined_running"] == 0  # nothing NIXL may still run
+    store(tier, 2, 1)  # the same key again
     agent.held.clear()
     tier.drain_jobs(timeout=5)
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(2, True)]
+    assert tier.lookup("block-1") is Lookup.HIT  # (it stayed doubted for good)
     tier.shutdown(timeout=5)
+    assert agent.live_registrations() == 0  # (the cache stayed registered)
 
 
 def test_loads_go_first_they_are_never_refused_and_take_the_room_of_stores() -> None:

@@ -4,6 +4,7 @@ steps and answers a user declares, and what it refuses before any NIXL call."""
 from __future__ import annotations
 
 import enum
+import re
 from pathlib import Path
 from typing import Any
 
@@ -428,17 +429,35 @@ def test_a_mismatch_latched_on_the_way_to_done_names_the_step(tmp_path: Path) ->
      ("FAILED", "release", "release_raised"): {"dest": "QUARANTINED", "after": "quarantine"}},
     # an error NIXL answered holds the handle for good (other requests may still run)
     {("PROCESSING", "poll", "errored"): {"dest": "QUARANTINED", "after": "quarantine"}},
-    # a cancel while NIXL runs the transfer holds it for good instead of waiting
-    {("PROCESSING", "cancel", ""): {"dest": "QUARANTINED", "after": "quarantine"}},
-], ids=["release_raised", "poll_err", "cancel"])
+], ids=["release_raised", "poll_err"])
 def test_holding_the_handle_for_good_on_nixls_own_answers_is_the_lifecycles_choice(
     tmp_path: Path, replace: dict[Any, Any],
 ) -> None:
     """Entering a final failure state with the handle held is refused on a step's own answer
-    (NIXL's transfer is over), not on NIXL's answers, where holding it is the cautious
-    choice (such lifecycles were refused as 'not by giving up', the advice impossible)."""
-    unreachable = ["CANCELLING"] if ("PROCESSING", "cancel", "") in replace else []
+    (NIXL's transfer is over), not on NIXL's answers once it is over, where holding it is the
+    cautious choice (such lifecycles were refused as 'not by giving up', the advice
+    impossible)."""
     machine = TRANSFER_MACHINE.extend("held_" + "_".join(key[0] for key in replace),
-                                      replace=replace, unreachable=unreachable)
+                                      replace=replace)
     tier, _ = file_tier(tmp_path, machine, {})
     tier.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize(("replace", "edge"), [
+    ({("PROCESSING", "cancel", ""): {"dest": "QUARANTINED", "after": "quarantine"}},
+     "PROCESSING -cancel(OK)-> QUARANTINED"),
+    ({("PROCESSING", "poll", "running"): {"dest": "QUARANTINED", "after": "quarantine"}},
+     "PROCESSING -poll(PROC)-> QUARANTINED"),
+], ids=["cancel", "poll_proc"])
+def test_a_transfer_nixl_runs_ended_in_a_final_failure_state_but_by_a_give_up_is_refused(
+    tmp_path: Path, replace: dict[Any, Any], edge: str,
+) -> None:
+    """A cancel (or a PROC) while NIXL runs the transfer that ends it in QUARANTINED at once:
+    only a give-up tells the runner NIXL may still run it, so its result said its blocks
+    were free (blocks_in_use false) and the parent reused them under the running transfer
+    (the explorer's first path). Refused, naming the edge."""
+    machine = TRANSFER_MACHINE.extend("ended_running", replace=replace,
+                                      unreachable=["CANCELLING"] if "cancel" in edge else [])
+    with pytest.raises(MachineRefused, match=re.escape(edge) + " ends a transfer NIXL may "
+                       "still run in a final failure state on an answer that is no give-up"):
+        file_tier(tmp_path, machine, {})

@@ -1236,3 +1236,31 @@ def test_a_write_landing_after_the_receivers_cache_moved_is_not_counted() -> Non
     assert torch.equal(old[3], pair.source[0])  # where it landed
     sender.shutdown(5)
     receiver.shutdown(5)
+
+
+def test_a_cache_moved_as_the_receivers_poll_takes_a_notification_counts_no_write() -> None:
+    """The sender's write landed; as the receiver's poll asks NIXL for notifications the
+    engine (on another thread) swaps in other memory for the cache: the notification taken
+    then fails the job instead of counting it. (The move was checked before the take only:
+    job 1 was published as arrived, the cache's block holding zeros.)"""
+    pair = FakePair()
+    receiver, sender, name = pair.receiver, pair.sender, pair.name
+    receiver.expect(TransferJob(1, ["3"], [3], is_promotion=True), name)
+    other = pair.target.clone()  # (zeros: before the write)
+    sender.submit_store(TransferJob(1, ["3"], [0]))
+    sender.drain_jobs(5)
+    agent = pair.receiver_agent
+    take = agent.get_new_notifs
+
+    def moved_meanwhile() -> Any:
+        pair.target.data = other
+        agent.get_new_notifs = take
+        return take()
+
+    agent.get_new_notifs = moved_meanwhile
+    receiver.drain_jobs(5)
+    (result,) = receiver.get_finished_jobs()
+    assert (result.job_id, result.success) == (1, False)
+    assert "the primary cache's memory moved" in str(result.reason)
+    sender.shutdown(5)
+    receiver.shutdown(5)

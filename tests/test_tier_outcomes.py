@@ -566,9 +566,10 @@ def ends_then_stored_alone(tier: ObjectStoreTier, agent: Held) -> Lookup:
 def test_a_store_given_up_into_a_running_state_stays_held_through_a_ctrl_c_elsewhere() -> None:
     """A lifecycle of the user's gives a store up past the running bound into CANCELLING, a
     running state (NIXL may still run it). A Ctrl-C then lands in an unrelated poll, and the
-    next call mends the books: the store stays counted as given up while NIXL ran it, and its
-    key MISS once a later store of it succeeds. (The mend took every store still in a running
-    state for one whose give-up never fired.)"""
+    next call mends the books: the store stays counted as given up while NIXL runs it, and
+    its key MISS though a later store of it succeeds meanwhile. (The mend took every store
+    still in a running state for one whose give-up never fired.) Once NIXL ended it and its
+    handle was released, it is no longer counted."""
     machine = TRANSFER_MACHINE.extend("given_up_to_cancelling", replace={
         ("PROCESSING", "poll", "exhausted"): {"dest": "CANCELLING",
                                               "after": ["latch_cancelled"]}})
@@ -583,8 +584,15 @@ def test_a_store_given_up_into_a_running_state_stays_held_through_a_ctrl_c_elsew
         tier.get_finished_jobs()
     assert published(tier) == {}  # (mended)
     assert tier.stats()["quarantined_running"] == 1
-    assert ends_then_stored_alone(tier, agent) is Lookup.MISS, "given up, yet vouched for"
+    tier.submit_store(TransferJob(2, ["x"], [1]))  # transfer 1, while the given-up one runs
+    agent.end(1)
+    assert [r.success for r in published(tier).values()] == [True]
+    assert tier.lookup("x") is Lookup.MISS, "given up and running, yet vouched for"
+    agent.end(0)  # NIXL ends it: released, over
+    assert [r.success for r in published(tier).values()] == [False]
+    assert tier.stats()["quarantined_running"] == 0
     tier.shutdown(timeout=1)
+    assert agent.live_registrations() == 0
 
 
 def test_a_ctrl_c_as_a_store_is_counted_out_leaves_no_key_unloadable_for_good() -> None:

@@ -3,12 +3,18 @@
 A *path* is one run of a scenario (a few stores and a load in flight together, polled to the
 end) on :class:`~kvfsm.testing.FakeNixlAgent`, with a set of faults injected into numbered calls:
 a call that raises, a status call that answers "ERR", or one that answers "PROC" k more times;
-and a state check after which the tier's clock has passed its running bound
-(``max_running_seconds``), so that every transfer NIXL still runs is given up (``late``).
+a state check after which the tier's clock has passed its running bound
+(``max_running_seconds``), so that every transfer NIXL still runs is given up (``late``); a
+poll round before which every job not yet published is cancelled (``round:cancel@N``: the
+rounds are counted among the calls); and a call of a user step cut short by a Ctrl-C
+(``verify:interrupt@N``), after which the job waits in the step's state for the next poll.
 The explorer runs the scenario with no fault, then with every single fault at every call that
 run made, then every pair, and so on up to a bound, in order of the number of faults (so the
 first violation found is a shortest one). The real tier and driver run every path, with the
-lifecycle under test (the shipped one, or a user's own declaration).
+lifecycle under test (the shipped one, or a user's own declaration). The report names the
+declared transitions no path took, of which nothing was checked; and a path whose run makes
+other calls before its fault than the run it came from stops the exploration
+(:class:`NotRepeatable`: a step answering otherwise from run to run).
 
 Checked on every path (:class:`Invariant`):
 
