@@ -790,3 +790,17 @@ def test_a_job_cancelled_while_running_then_again_once_over_is_expected_to_fail(
         "mode=1;transfer:proc=2@3,release_xfer_handle:raise@3,round:cancel@2"))
     assert violations == [], violations
     assert taken["PROCESSING -cancel[]-> CANCELLING"] == 1  # the first cancel, while it ran
+
+
+def test_a_lifecycle_whose_give_up_waits_for_nixls_end_explores_clean() -> None:
+    """The running bound gives a store up into CANCELLING, which waits for NIXL's end; an
+    error then holds its handle for good. The explorer expects a failure of a job given up,
+    whatever NIXL said after (it expected success of one NIXL then finished: a false
+    OUTCOME violation on the first path with a late check), and the tier's result says its
+    blocks are free once NIXL said it is over (it said they were in use: BLOCKS_IN_USE)."""
+    machine = TRANSFER_MACHINE.extend("given_up_then_waited", replace={
+        (S.PROCESSING, "poll", "exhausted"): {"dest": S.CANCELLING,
+                                              "after": ["latch_cancelled"]},
+        (S.CANCELLING, "poll", "errored"): {"dest": S.QUARANTINED, "after": ["quarantine"]}})
+    found = explore(machine, stop_at_first=False)
+    assert found.ok, found.report()

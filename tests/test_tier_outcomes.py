@@ -595,6 +595,39 @@ def test_a_store_given_up_into_a_running_state_stays_held_through_a_ctrl_c_elsew
     assert agent.live_registrations() == 0
 
 
+def test_a_store_given_up_that_nixl_then_ended_in_an_error_held_for_good_runs_no_more() -> None:
+    """A lifecycle of the user's gives a store up into CANCELLING past the running bound,
+    then NIXL ends it with an error, which the lifecycle quarantines (its handle held for
+    good, as it may choose). NIXL said it is over: its result does not say its blocks are in
+    use, nothing counts it as running, and a bound of one job has room again. (Only a
+    released handle took it out of those NIXL may run: blocks_in_use stayed true, the parent
+    kept its pins, and the tier stayed saturated for good.)"""
+    from kvfsm.policy import InFlightLimit  # noqa: PLC0415
+
+    machine = TRANSFER_MACHINE.extend("given_up_then_held", replace={
+        ("PROCESSING", "poll", "exhausted"): {"dest": "CANCELLING",
+                                              "after": ["latch_cancelled"]},
+        ("CANCELLING", "poll", "errored"): {"dest": "QUARANTINED", "after": ["quarantine"]}})
+    agent = Held()
+    tier = ObjectStoreTier(torch.zeros((8, 64), dtype=torch.uint8), agent=agent,
+                           machine=machine, policy=RetryPolicy(max_running_seconds=0.2),
+                           in_flight=InFlightLimit(jobs=1))
+    tier.submit_store(TransferJob(1, ["x"], [0]))  # transfer 0
+    time.sleep(0.3)  # past the running bound
+    assert published(tier) == {} and tier.state_of(1).name == "CANCELLING"
+    assert tier.saturated()
+    agent.inject("check_xfer_state", ReturnErr())
+    agent.end(0)
+    (result,) = published(tier).values()
+    assert (result.success, result.blocks_in_use) == (False, False)
+    assert tier.stats()["quarantined_running"] == 0 and tier.stats()["quarantined"] == 1
+    assert not tier.saturated()
+    tier.submit_store(TransferJob(2, ["y"], [1]))  # transfer 1: taken
+    agent.end(1)
+    assert [r.success for r in published(tier).values()] == [True]
+    tier.shutdown(timeout=1)
+
+
 def test_a_ctrl_c_as_a_store_is_counted_out_leaves_no_key_unloadable_for_good() -> None:
     """Two stores of KEYS at once; a Ctrl-C lands in the poll that publishes the first, as its
     keys are about to be counted out. The next call counts the unpublished stores again: once

@@ -217,6 +217,9 @@ class _Job:
     results: list[JobResult] = field(default_factory=list)
     #: cancelled while NIXL still ran it: its outcome must be failure
     cancelled_running: bool = False
+    #: given up by the running bound while NIXL ran it (its state check's EXHAUSTED): its
+    #: outcome must be failure, whatever NIXL said after (a lifecycle may wait for NIXL's end)
+    given_up_running: bool = False
     #: the final state it was published from (PUBLISHED, or QUARANTINED)
     final: Any = None
     #: published from a final failure state: its outcome must be failure
@@ -606,6 +609,9 @@ def _final(agent: _WatchedAgent, transfer: Any, machine: Declaration[Any, Any]) 
         # and never released (one published from any other state so is a release skipped)
         seen.failed_final = transfer.state in machine.final & machine.failure_states
         seen.held = seen.failed_final and bool(seen.xfers) and not seen.released
+        seen.given_up_running = any(
+            event == TransferEvent.POLL and answer == Answer.EXHAUSTED.name
+            for event, answer, *_ in trace_steps(transfer))
         if seen.deciding:  # a deciding step's tries given up: it decides the outcome, and
             # the raises that spent them count as deciding (STEP_RAISED: _check_end)
             given_up = {event for event, answer, *_ in trace_steps(transfer)
@@ -652,12 +658,14 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
                                     f"it published success={result.success} while its "
                                     "transfer handle was still held", why))
     expected = (bool(job.outcome) and not job.cancelled_running and not job.failed_final
-                and not job.step_failed)
+                and not job.step_failed and not job.given_up_running)
     if result.success != expected:
         what = {True: "NIXL said the transfer finished (DONE)", False: "NIXL said the "
                 "transfer failed", None: "NIXL had not said the transfer ended"}[job.outcome]
         if job.cancelled_running:
             what += ", after it was cancelled while running"
+        if job.given_up_running:
+            what += ", after the running bound gave it up"
         if job.held:
             what += ", then it was quarantined"
         elif job.failed_final:

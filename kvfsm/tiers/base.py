@@ -409,6 +409,10 @@ class KnownNames:
             known.popitem(last=False)
 
 
+#: a state check's answers saying NIXL's transfer is over (a per-block job's: every block's)
+_NIXL_OVER = frozenset({Answer.DONE, Answer.ERR, Answer.RAISED})
+
+
 class SecondaryTier(JobSide):
     """A tier that copies primary KV blocks out and back with NIXL, one machine per transfer.
 
@@ -1209,6 +1213,7 @@ class SecondaryTier(JobSide):
         records, running = runner.records, runner.running_states
         take, polled, file = runner.take, driver.polled, runner.file
         fire, poll, done = runner.machine.fire, TransferEvent.POLL, Answer.DONE
+        may_run = runner.may_run
         outer = runner.unfiled  # (a listener's round inside this one: its own, then this's)
         over: list[Transfer] = []  # no longer running: their calls are due this round
         runner.unfiled, runner.round_thread = over, threading.get_ident()
@@ -1217,6 +1222,8 @@ class SecondaryTier(JobSide):
                 if records.get(transfer.job_id) is not transfer or transfer.state not in running:
                     continue  # moved meanwhile (a listener polled again)
                 outcome = polled(transfer, status)
+                if may_run and outcome.answer in _NIXL_OVER:  # one given up, NIXL says it is
+                    may_run.discard(transfer)  # over: it runs no more, whatever comes of it
                 if outcome is DONE:  # (a state check's answer is never a retry: fired as is)
                     fire(transfer, poll, done)
                     if transfer.state not in running:
