@@ -675,11 +675,16 @@ class SecondaryTier(JobSide):
     def _cancel_all(self) -> None:
         """Shutdown's cancel of every unfinished job (under the tier's lock), once the books
         are mended if an interrupt went through a call before."""
+        with self._runner.guarded:
+            self._cancel_each(self.unpublished(), "cancelled by shutdown()")
+
+    def _cancel_each(self, transfers: Sequence[Transfer], why: str) -> None:
+        """Cancel each of ``transfers`` still unpublished, saying ``why`` (under the tier's
+        lock and the runner's guard)."""
         runner = self._runner
-        with runner.guarded:
-            for transfer in self.unpublished():
-                if transfer.job_id in runner.records:  # (not published by a listener meanwhile)
-                    runner.cancel(transfer, "cancelled by shutdown()")
+        for transfer in transfers:
+            if transfer.job_id in runner.records:  # (not published by a listener meanwhile)
+                runner.cancel(transfer, why)
 
     def _stop_background(self, deadline: float | None) -> None:
         """Wait for the tier's background work (:meth:`_stop_probes`) until ``deadline``, once:
@@ -923,16 +928,14 @@ class SecondaryTier(JobSide):
 
     def _in_flight(self) -> tuple[int, int]:
         """The jobs and bytes :attr:`in_flight` bounds: the unpublished transfers, and those
-        published as given up while NIXL ran them (the running bound's) still holding their
-        transfer handle, which NIXL may run still and which hold what they took for good (a
-        file tier's open files, the blocks)."""
+        published as given up while NIXL ran them (the running bound's) that NIXL may run
+        still (``may_run``: until its state check says it is over), which hold what they took
+        (a file tier's open files, the blocks)."""
         runner = self._runner
         jobs, nbytes = len(runner.records), runner.bytes_in_flight
         records = runner.records
         for transfer in list(runner.may_run) if runner.may_run else ():
-            if records.get(transfer.job_id) is not transfer and transfer.xfer is not None:
-                # (published: not counted above; holding its handle: not released since,
-                # as a lifecycle whose give-up waits for NIXL's end releases it)
+            if records.get(transfer.job_id) is not transfer:  # (published: not counted above)
                 jobs, nbytes = jobs + 1, nbytes + transfer.nbytes
         return jobs, nbytes
 
@@ -1184,16 +1187,12 @@ class SecondaryTier(JobSide):
         """(a poll, under the tier's lock) The primary cache's memory moved while jobs were
         unpublished: each is cancelled, once (a transfer NIXL runs fails when it ends; one
         over keeps its outcome, as :meth:`cancel` says), and an error says so."""
-        runner = self._runner
         unpublished = self.unpublished()
         if unpublished:
             logger.error("%s: %s; its %d unpublished job(s) are cancelled (those NIXL ran "
                          "copied to or from the memory the cache left)", type(self).__name__,
                          self._moved(), len(unpublished))
-        why = f"cancelled: {self._moved()}"
-        for transfer in unpublished:
-            if transfer.job_id in runner.records:
-                runner.cancel(transfer, why)
+        self._cancel_each(unpublished, f"cancelled: {self._moved()}")
         self._moved_cancelled = True
 
     def _take_polls(self, answered: list[tuple[Transfer, Any]]) -> None:
