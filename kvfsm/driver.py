@@ -443,25 +443,29 @@ class TransferDriver:
 
     def clean(self, transfer: Transfer) -> Outcome:
         """Release the remote descriptor list, deregister, close, best effort: OK, or LEAKED
-        with what could not be released."""
-        leaks: list[Leak] = []
-        if transfer.remote is not None:
-            try:
-                self.agent.release_dlist_handle(transfer.remote)
-            except Exception as error:
-                leaks.append(Leak("release_dlist_handle", _describe(error)))
-            transfer.remote = None
-        if transfer.files is not None:
-            try:
-                self.agent.deregister_memory(transfer.files)
-            except Exception as error:
-                leaks.append(Leak("deregister_memory", _describe(error)))
-            transfer.files = None
-        if self._closes:
-            try:
-                leaks += self.remote.close(transfer)
-            except Exception as error:
-                leaks.append(Leak("close", _describe(error)))
+        with what could not be released (and what a cleanup an interrupt cut short found)."""
+        leaks: list[Leak] = list(transfer.leaks)
+        try:
+            if transfer.remote is not None:
+                try:
+                    self.agent.release_dlist_handle(transfer.remote)
+                except Exception as error:
+                    leaks.append(Leak("release_dlist_handle", _describe(error)))
+                transfer.remote = None
+            if transfer.files is not None:
+                try:
+                    self.agent.deregister_memory(transfer.files)
+                except Exception as error:
+                    leaks.append(Leak("deregister_memory", _describe(error)))
+                transfer.files = None
+            if self._closes:
+                try:
+                    leaks += self.remote.close(transfer)
+                except Exception as error:
+                    leaks.append(Leak("close", _describe(error)))
+        except BaseException:  # cut short: the leaks found so far stay for the cleanup's rest
+            transfer.leaks = tuple(leaks)
+            raise
         return Outcome(Answer.LEAKED, tuple(leaks)) if leaks else _CLEAN
 
     def step(self, transfer: Transfer, *, name: str) -> Outcome:

@@ -722,19 +722,21 @@ def test_the_report_names_the_transitions_no_path_took_and_cancels_reach_every_r
     cancelled in CANCELLING too (that edge was never taken: the one cancel of the scenario
     came before the load's submit); what no path takes is named in the report, so a reader
     knows what the invariants were never put to (XFER_RELEASED and CLEANED are passed within
-    a poll: no cancel between two finds a job there)."""
+    a poll: only a Ctrl-C in a cleanup call leaves a job in XFER_RELEASED for a cancel to find,
+    and no NIXL call comes between CLEANED and its publish)."""
     found = explore(max_faults=2, stop_at_first=False)
     assert found.ok, found.report()
     taken = {(edge.source, str(edge.event), answer): count
              for (edge, answer), count in found.taken.items()}
     assert taken[("CANCELLING", "cancel", "OK")] > 0
     assert taken[("PROCESSING", "cancel", "OK")] > 0
+    assert taken[("XFER_RELEASED", "cancel", "OK")] > 0
     untaken = {(edge.source, str(edge.event)) for edge, _ in found.untaken}
-    assert {("XFER_RELEASED", "cancel"), ("CLEANED", "cancel")} <= untaken
-    assert len(found.taken) == 29 and len(untaken) < 5
+    assert ("CLEANED", "cancel") in untaken
+    assert len(found.taken) == 29 and len(untaken) < 4
     assert (f"{len(found.untaken)} of 29 declared transitions no path took (nothing was "
             "checked of them): ") in found.report()
-    assert "XFER_RELEASED -cancel(OK)-> XFER_RELEASED" in found.report()
+    assert "CLEANED -cancel(OK)-> CLEANED" in found.report()
     assert str(parse_path("mode=1;round:cancel@2")) == "mode=1;round:cancel@2"
     with pytest.raises(ValueError, match="a round is cancelled as round:cancel@N, N from 1"):
         parse_path("mode=1;round:raise@2")
@@ -777,8 +779,53 @@ def test_a_cancel_that_latches_again_in_a_steps_state_is_caught_once_a_ctrl_c_le
     assert Invariant.NO_ESCAPE in {v.invariant for v in found.violations}, found.report()
     assert "OutcomeAlreadyLatched" in found.report()
     assert str(parse_path("mode=1;verify:interrupt@2")) == "mode=1;verify:interrupt@2"
-    with pytest.raises(ValueError, match="only a step of the machine's own is interrupted"):
-        replay(parse_path("mode=1;check_xfer_state:interrupt@1"))
+    with pytest.raises(ValueError, match="a Ctrl-C cuts short a NIXL call or a step of the "
+                                         "machine's own"):
+        replay(parse_path("mode=1;frobnicate:interrupt@1"))
+
+
+@pytest.mark.parametrize("path", [
+    # the shutdown's release of the primary cache's descriptor list (call 4: jobs' three
+    # cleanups came first), then the shutdown made again: it left the list and the
+    # registration held for good (the tier was closed already, so it did nothing more)
+    "mode=1;release_dlist_handle:interrupt@4",
+    # a cleanup whose descriptor list's release raised (a leak), cut short at the
+    # deregistration: the leak was forgotten as the cleanup went on
+    "mode=1;release_dlist_handle:raise@1,deregister_memory:interrupt@1",
+])
+def test_a_ctrl_c_in_a_nixl_call_loses_no_release_and_no_leak(path: str) -> None:
+    """The explorer cuts NIXL's own calls short with a Ctrl-C too: two faults it found, each
+    a descriptor list still held after the shutdown that no recorded leak accounted for."""
+    _, violations, _ = replay(parse_path(path))
+    assert violations == [], violations
+
+
+def test_an_answer_a_ctrl_c_kept_from_the_tier_is_not_expected_of_it() -> None:
+    """A poll's state checks, cut short by a Ctrl-C at the third: NIXL said job 1's transfer
+    is DONE at the second, but the tier never heard it (it asks again on its next poll), so
+    the scenario's cancel is of a transfer running as far as the tier knows, and its failure
+    is expected; and a post cut short before NIXL had it, then answered PROC by a stall past
+    the running bound, is given up with its blocks said to be in use, as NIXL's answer says."""
+    for path in ("mode=1;check_xfer_state:interrupt@3",
+                 "mode=1;transfer:interrupt@1,check_xfer_state:late@1"):
+        _, violations, _ = replay(parse_path(path))
+        assert violations == [], (path, violations)
+
+
+def test_the_explorer_cuts_nixl_calls_short_too() -> None:
+    """Each kind of NIXL call the scenario makes after the tier is built is cut short by a
+    Ctrl-C (its last call, say), not the machine's own steps only, and the shipped lifecycle
+    holds: every job one result, nothing leaked."""
+    calls, _, _ = replay(parse_path("mode=1;"))
+    made = [call for call in calls[2:] if call != "round"]
+    assert set(made) == {"register_memory", "prep_xfer_dlist", "make_prepped_xfer", "transfer",
+                         "check_xfer_state", "release_xfer_handle", "release_dlist_handle",
+                         "deregister_memory"}
+    for call in sorted(set(made)):
+        path = parse_path(f"mode=1;{call}:interrupt@{calls.count(call)}")
+        interrupted, violations, _ = replay(path)
+        assert violations == [], (str(path), violations)
+        assert interrupted.count(call) >= calls.count(call), (str(path), interrupted)
 
 
 def test_a_job_cancelled_while_running_then_again_once_over_is_expected_to_fail() -> None:

@@ -780,3 +780,42 @@ def test_a_second_ctrl_c_as_a_take_gives_its_results_back_loses_none() -> None:
     assert tier.get_finished_jobs() == [] and not tier.has_pending_work()
     assert not tier._books.unreported
     tier.shutdown(5)
+
+
+@pytest.mark.parametrize("call", ["release_dlist_handle", "deregister_memory"])
+def test_a_ctrl_c_as_shutdown_releases_the_caches_registration_leaves_it_to_the_next(
+        call: str) -> None:
+    """A Ctrl-C lands as shutdown releases the tier's registration of the primary cache (the
+    tier is closed by then): the next shutdown makes the rest of it, each call once. (It did
+    nothing, the tier being closed: the registration stayed held for good.)"""
+
+    class CtrlCOnce(FakeNixlAgent):
+        armed = False
+
+        def _enter(self, name: str) -> Any:
+            fault = super()._enter(name)
+            if self.armed and name == call:
+                self.armed = False
+                raise KeyboardInterrupt
+            return fault
+
+    agent = CtrlCOnce(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent)
+    tier.submit_store(TransferJob(1, ["k"], [0]))
+    tier.drain_jobs(timeout=5)
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    agent.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        tier.shutdown(timeout=1)
+    assert tier.closed and agent.live_registrations()
+    def cleanup_calls() -> int:
+        return agent.faults.count("release_dlist_handle") + agent.faults.count(
+            "deregister_memory")
+
+    made = cleanup_calls()
+    tier.shutdown(timeout=1)
+    assert agent.live_dlist_handles() == 0 and agent.live_registrations() == 0
+    assert cleanup_calls() == made + (2 if call == "release_dlist_handle" else 1)
+    assert agent.misuses == [] and tier.stats()["leaked"] == []
+    tier.shutdown(timeout=1)  # nothing left: no call at all
+    assert cleanup_calls() == made + (2 if call == "release_dlist_handle" else 1)

@@ -6,8 +6,10 @@ a call that raises, a status call that answers "ERR", or one that answers "PROC"
 a state check after which the tier's clock has passed its running bound
 (``max_running_seconds``), so that every transfer NIXL still runs is given up (``late``); a
 poll round before which every job not yet published is cancelled (``round:cancel@N``: the
-rounds are counted among the calls); and a call of a user step cut short by a Ctrl-C
-(``verify:interrupt@N``), after which the job waits in the step's state for the next poll.
+rounds are counted among the calls); and a call, NIXL's or a user step's, cut short by a
+Ctrl-C as it starts (``release_dlist_handle:interrupt@N``, ``verify:interrupt@N``), after
+which the job waits where the call left it (in the step's state, say) for the next poll
+(not with ``parent``).
 The explorer runs the scenario with no fault, then with every single fault at every call that
 run made, then every pair, and so on up to a bound, in order of the number of faults (so the
 first violation found is a shortest one). The real tier and driver run every path, with the
@@ -69,6 +71,7 @@ from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_agent import FakeNixlAgent
 from kvfsm.testing.faults import (
+    FAULTABLE_CALLS,
     STATUS_CALLS,
     FakeNixlError,
     Fault,
@@ -145,10 +148,12 @@ class CancelAll:
 
 @dataclass(frozen=True, slots=True)
 class Interrupt:
-    """A call of one of the machine's own steps is cut short by a Ctrl-C: KeyboardInterrupt
-    is raised as it is made, as a signal handler's would be, out of the tier's call that made
-    it; the next poll mends the books and makes the step again. Written ``verify:interrupt@N``
-    (steps only: NIXL's own calls are the driver's tests'; not with ``parent``)."""
+    """A call, NIXL's or one of the machine's own steps, is cut short by a Ctrl-C as it
+    starts: KeyboardInterrupt is raised before it does anything, as a signal handler's would
+    be, out of the tier's call that made it (a submit, a poll, a shutdown); the next call of
+    the tier mends its books and makes the call again, or asks NIXL where the transfer is.
+    Written ``release_dlist_handle:interrupt@N`` or ``verify:interrupt@N`` (not with
+    ``parent``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +208,12 @@ class _Xfer:
     status: str | None = None  # the last status NIXL answered for it: PROC, DONE, FAILED
     released: bool = False
 
+    @property
+    def may_run(self) -> bool:
+        """NIXL may be running it: posted and not said to be over since, or said to run (a
+        stall answers PROC for a transfer whose post a Ctrl-C cut short, too)."""
+        return self.status == "PROC" or (self.posted and self.status is None)
+
 
 @dataclass
 class _Job:
@@ -239,6 +250,9 @@ class _Job:
     #: submitted before a ``late`` check: past the running bound, NIXL may still run it when
     #: it is given up
     past_bound: bool = False
+    #: NIXL answered its state in a call of the tier that a Ctrl-C then cut short: the tier
+    #: may not have heard the answer (it asks again on its next poll)
+    unheard: bool = False
 
     @property
     def status(self) -> str | None:
@@ -260,8 +274,7 @@ class _Job:
     def may_run(self) -> bool:
         """A transfer of it was posted, NIXL never said it is over, and its handle is held:
         NIXL may still move its blocks."""
-        return any(xfer.posted and xfer.status in {None, "PROC"} and not xfer.released
-                   for xfer in self.xfers.values())
+        return any(xfer.may_run and not xfer.released for xfer in self.xfers.values())
 
 
 class _WatchedAgent(FakeNixlAgent):
@@ -277,6 +290,10 @@ class _WatchedAgent(FakeNixlAgent):
         self.late: set[int] = set()
         #: the poll rounds (by number) before which every unpublished job is cancelled
         self.cancel_rounds: set[int] = set()
+        #: the NIXL calls (name, number) a Ctrl-C cuts short as they start
+        self.interrupted: set[tuple[str, int]] = set()
+        #: the jobs whose state NIXL answered since the tier's call under way began
+        self.answered: set[int] = set()
         self._rounds = 0
         self.tier: SecondaryTier | None = None
         self._checks = 0
@@ -291,6 +308,18 @@ class _WatchedAgent(FakeNixlAgent):
         self.calls.append(ROUND)
         self._rounds += 1
         return self._rounds in self.cancel_rounds
+
+    def _enter(self, call: str) -> Any:
+        fault = super()._enter(call)
+        if self.interrupted and (call, self.faults.count(call)) in self.interrupted:
+            raise KeyboardInterrupt  # as the call starts: it did nothing
+        return fault
+
+    def cut_short(self) -> None:
+        """A Ctrl-C cut the tier's call short: what NIXL answered in it may be unheard."""
+        for job_id in self.answered:
+            self.jobs[job_id].unheard = True
+        self.answered.clear()
 
     def job_of(self, handle: Any) -> _Job | None:
         job_id = self._by_handle.get(id(handle))
@@ -352,9 +381,16 @@ class _WatchedAgent(FakeNixlAgent):
 
     def transfer(self, handle: Any, notif_msg: bytes | str = b"") -> str:
         job = self.job_of(handle)
-        if job is not None and id(handle) in job.xfers:
-            job.xfers[id(handle)].posted = True
-        return self._status(handle, lambda: super(_WatchedAgent, self).transfer(handle, notif_msg))
+        seen = None if job is None else job.xfers.get(id(handle))
+        if seen is not None:
+            seen.posted = True
+        try:
+            return self._status(handle,
+                                lambda: super(_WatchedAgent, self).transfer(handle, notif_msg))
+        except KeyboardInterrupt:  # (the fake posts nothing a Ctrl-C cuts short)
+            if seen is not None:
+                seen.posted = False
+            raise
 
     def check_xfer_state(self, handle: Any) -> str:
         self._checks += 1
@@ -375,6 +411,7 @@ class _WatchedAgent(FakeNixlAgent):
             self._failed(job)
             raise
         if job is not None and seen is not None:
+            self.answered.add(self._by_handle[id(handle)])
             seen.status = status if status in {"DONE", "PROC"} else "FAILED"
             if seen.status == "FAILED":
                 self._failed(job)
@@ -389,7 +426,7 @@ class _WatchedAgent(FakeNixlAgent):
             if seen.released:
                 self._violation(Invariant.RELEASE_ONCE, self._by_handle[id(handle)],
                                 "release_xfer_handle after it had succeeded")
-            if seen.posted and seen.status in {None, "PROC"}:
+            if seen.may_run:
                 self._violation(Invariant.RELEASE_WHEN_OVER, self._by_handle[id(handle)],
                                 f"NIXL's last answer for the transfer was {seen.status}")
         super().release_xfer_handle(handle)
@@ -444,9 +481,11 @@ def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
     violations = agent.violations
 
     def collect() -> None:
+        agent.answered.clear()
         try:
             results = tier.get_finished_jobs()
-        except KeyboardInterrupt:  # (a step's Ctrl-C the path made: the next round goes on)
+        except KeyboardInterrupt:  # (a Ctrl-C the path made: the next round goes on)
+            agent.cut_short()
             return
         except Exception as error:
             violations.append(Violation(Invariant.NO_ESCAPE, None,
@@ -461,11 +500,14 @@ def _run(path: Path, machine: Declaration[Any, Any], max_polls: int,
             _cancel(agent, tier, 1)  # a job cancelled while the others go on
         agent.jobs[job_id] = _Job()
         agent.current = job_id
+        agent.answered.clear()
         try:
             submitted = TransferJob(job_id, keys, blocks, is_promotion=load)
             (tier.submit_load if load else tier.submit_store)(submitted)
-        except KeyboardInterrupt:  # (a step made at once, over at the post: the job is in)
-            pass
+        except KeyboardInterrupt:  # a Ctrl-C in a call the submit made: the job is in if
+            agent.cut_short()
+            if not tier.owes(job_id):  # the tier owes it a result
+                agent.jobs[job_id].results.append(JobResult(job_id, False))  # none is due
         except Exception as error:
             violations.append(Violation(Invariant.NO_ESCAPE, job_id,
                                         f"submit raised {_described(error)}"))
@@ -512,9 +554,12 @@ def _arm(agent: _WatchedAgent, path: Path, steps: dict[str, StepFunction],
         elif isinstance(choice.fault, CancelAll):
             agent.cancel_rounds.add(choice.occurrence)
         elif isinstance(choice.fault, Interrupt):
+            if choice.call not in steps and choice.call not in agent.faults.faultable:
+                raise ValueError(f"{choice}: a Ctrl-C cuts short a NIXL call or a step of "
+                                 f"the machine's own (its steps: "
+                                 f"{', '.join(sorted(steps)) or 'none'})")
             if choice.call not in steps:
-                raise ValueError(f"{choice}: only a step of the machine's own is interrupted "
-                                 f"(its steps: {', '.join(sorted(steps)) or 'none'})")
+                agent.interrupted.add((choice.call, choice.occurrence))
         elif choice.call not in steps:
             agent.inject(choice.call, choice.fault, at=choice.occurrence)
     return armed, interrupted
@@ -626,7 +671,10 @@ def _cancel(agent: _WatchedAgent, tier: SecondaryTier, job_id: int) -> None:
         return  # published already: nothing to cancel
     seen = agent.jobs[job_id]
     seen.cancelled_running = seen.cancelled_running or (  # (a cancel before stands)
-        seen.status in {None, "PROC"} and seen.outcome is None)
+        seen.status in {None, "PROC"} and seen.outcome is None) or (
+        # NIXL said it is over, and a Ctrl-C cut short the poll that heard it: to the tier
+        # it still runs (it asks again); a cancel now is of a running transfer
+        seen.unheard and tier.state_of(job_id) in tier._runner.running_states)
     try:
         tier.cancel(job_id)
     except Exception as error:
@@ -841,7 +889,12 @@ def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
                                     f"the tier counts {counted} quarantined transfer(s); "
                                     f"{held} published still holding a handle"))
     if not busy:
-        tier.shutdown(timeout=0)
+        for _ in range(3):  # a Ctrl-C the path put into the shutdown's calls: once more
+            try:
+                tier.shutdown(timeout=0)
+                break
+            except KeyboardInterrupt:
+                continue
         stats = tier.stats()
         if tier.closed and not stats["quarantined"]:  # (a quarantined transfer's handle is
             # held for good, and with it what it uses: its descriptors, the primary's)
@@ -1057,7 +1110,8 @@ def _explore(found: Exploration, compiled: list[CompiledMachine[Any, Any]],
                         first = max(last, _CONSTRUCTION_CALLS - 1)
                         children += ((child, position, calls) for child, position in
                                      _children(path, first, calls, max_stall, max_calls,
-                                               () if parent else tuple(steps or ())))
+                                               () if parent else
+                                               (*FAULTABLE_CALLS, *(steps or ()))))
             level = children
     found.seconds = time.perf_counter() - started
     return found

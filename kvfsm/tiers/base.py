@@ -646,6 +646,8 @@ class SecondaryTier(JobSide):
                 self._wake_progress()
                 progress = self._progress_last
                 self._cancel_all()
+            elif not (self._runner.quarantined or self._runner.may_run):
+                self._release_primary()  # (the rest of one an interrupt cut short, if any)
         finally:
             self._lock.release()
         if closed:  # (an earlier shutdown's wait for the background work may be under way, or
@@ -749,13 +751,22 @@ class SecondaryTier(JobSide):
                          "run); the primary cache stays registered", len(runner.quarantined),
                          len(runner.may_run))
             return
-        # nothing runs any more: release the primary cache's handles, best effort
-        for call, handle in (("release_dlist_handle", self._local),
-                             ("deregister_memory", self._dram)):
+        self._release_primary()  # nothing runs any more
+
+    def _release_primary(self) -> None:
+        """Release the tier's registration of the primary cache, its descriptor list first,
+        each once, best effort (a call that raises is a leak). A shutdown that an interrupt
+        cut short here (the tier is closed by then) leaves the rest to the next one."""
+        runner = self._runner
+        for name, call in (("_local", "release_dlist_handle"), ("_dram", "deregister_memory")):
+            handle = getattr(self, name)
+            if handle is None:
+                continue
             try:
                 getattr(self.agent, call)(handle)
             except Exception as error:
                 runner.record_leaks(-1, (Leak(call, f"{type(error).__name__}: {error}"),))
+            setattr(self, name, None)  # (released or leaked: never handed to NIXL again)
 
     def saturated(self, nbytes: int = 0) -> bool:
         """True when a store of ``nbytes`` bytes submitted now would be refused for the
