@@ -216,6 +216,9 @@ def _parse_sender_metadata(metadata: object) -> tuple[str, bytes]:
 #: alone; under :data:`_sides_lock`
 _sides_on: dict[int, weakref.WeakSet[Any]] = {}
 _sides_lock = threading.Lock()
+#: the spent nonces of each agent's receivers (:func:`_spent_on`), under :data:`_sides_lock`
+_spent_nonces: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+_spent_by_id: dict[int, dict[str, str]] = {}
 
 
 def _innermost(agent: Any) -> Any:
@@ -255,6 +258,20 @@ def _claim_agent(agent: Any, side: Any) -> None:
         for empty in [other for other, sides in _sides_on.items() if not sides]:
             del _sides_on[empty]
         _sides_on.setdefault(key, weakref.WeakSet()).add(side)
+
+
+def _spent_on(agent: Any) -> dict[str, str]:
+    """The nonces of the links the receivers on ``agent`` closed, with their senders: shared
+    by every receiver made on it, one after another. A sender whose link to a receiver shut
+    down is still open writes, once a new receiver is on the agent, where the old one's cache
+    was: the new one must refuse that link (and count none of its notifications), so it
+    must know its nonce is spent."""
+    inner = _innermost(agent)
+    with _sides_lock:
+        try:
+            return _spent_nonces.setdefault(inner, {})
+        except TypeError:  # (an agent no weak reference can name: by its id, for good)
+            return _spent_by_id.setdefault(id(inner), {})
 
 
 def _free_agent(agent: Any, side: Any) -> None:
@@ -378,7 +395,8 @@ class PeerReceiver(JobSide):
         self._early = 0
         self._early_stale = False
         #: nonces of links that closed, with their sender: their notifications never count
-        self._spent: dict[str, str] = {}
+        #: (those a receiver on this agent before it closed too: :func:`_spent_on`)
+        self._spent = _spent_on(agent)
         #: (sender, nonce, notification, when it came) with a nonce no link has yet, oldest
         #: first
         self._unknown: collections.deque[tuple[str, str, bytes, int]] = collections.deque(
@@ -444,8 +462,11 @@ class PeerReceiver(JobSide):
             if nonce in self._spent:
                 raise PeerLinkError(
                     f"sender {self._spent[nonce]!r}: this metadata is that of a link that "
-                    f"closed (nonce {nonce} is spent); a new link needs the sender's "
-                    "PeerSender.metadata() taken after its old link closed")
+                    f"closed (nonce {nonce} is spent): by this receiver, or by one on its "
+                    "agent before it; a new link needs the sender's PeerSender.metadata() taken "
+                    "after its old link closed: the sender forget_peer() and connect() again, "
+                    "with this receiver's metadata() and block_descs() (a sender still linked "
+                    "to a receiver shut down writes where that one's cache was)")
             link = self.links.connect(agent_metadata, nonce)
             inbox = self._inboxes[nonce] = _Inbox(link)
             self._adopt(inbox)
@@ -514,7 +535,8 @@ class PeerReceiver(JobSide):
                 f"{self._primary_at:#x} to {self.primary.data_ptr():#x}: share_memory_(), "
                 "resize_() or setting .data moves it), and senders write into the memory "
                 "registered then; move the cache before making the receiver, and make a new "
-                "one now")
+                "one now (each sender then forget_peer() and connect() to the new one: one "
+                "still linked to this one writes where its cache was)")
 
     def _fresh(self, inbox: _Inbox, message: bytes, job: TransferJob) -> bool:
         """Take the oldest copy of ``message`` kept in ``inbox`` that came after the job's

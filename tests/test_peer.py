@@ -90,6 +90,49 @@ def test_two_real_agents_move_torch_blocks_and_both_sides_publish_once(pair: Pai
     assert pair.sender.stats()["leaks"] == 0
 
 
+def test_a_receiver_made_again_on_its_agent_refuses_the_link_the_old_one_closed() -> None:
+    """The receiving engine shuts its receiver down and makes another on the same agent and
+    a new cache, while the sender's link to the old one is still open: that link writes where
+    the old cache was. The new receiver took the old link's metadata, and published the
+    sender's next write as arrived while its bytes went into the old cache (and, once that
+    memory was freed, corrupted the heap). Its nonce is spent on the agent now, so the new
+    receiver refuses it; once the sender links to the new one, its write lands there."""
+    pair = Pair()
+    receiver = None
+    try:
+        pair.receiver.expect(promotion(1, 3), pair.sender_name)
+        pair.sender.submit_store(TransferJob(1, ["3"], [0]))
+        sent, received = pair.step_until(1, 1)
+        assert [r.success for r in sent + received] == [True, True]
+        agent = pair.receiver.agent
+        pair.receiver.shutdown(5)
+        target = torch.zeros_like(pair.target)
+        receiver = PeerReceiver(target, agent=agent)
+        with pytest.raises(PeerLinkError, match=r"nonce [0-9a-f]+ is spent\): by this receiver,"
+                                                " or by one on its agent before it"):
+            receiver.connect(pair.sender.metadata())
+        assert receiver.link_state(pair.sender_name) is LinkState.UNKNOWN
+
+        pair.sender.forget_peer()  # what the refusal says to do
+        pair.sender.connect(receiver.metadata(), receiver.block_descs())
+        name = receiver.connect(pair.sender.metadata())
+        receiver.expect(promotion(2, 5), name)
+        pair.sender.submit_store(TransferJob(2, ["5"], [1]))
+        sent, received = [], []
+        for _ in range(20_000):
+            sent += pair.sender.get_finished_jobs()
+            received += receiver.get_finished_jobs()
+            if sent and received:
+                break
+        assert [(r.job_id, r.success) for r in sent + received] == [(2, True), (2, True)]
+        assert torch.equal(target[5], pair.source[1]), "the write landed in the new cache"
+        assert torch.count_nonzero(pair.target[5]) == 0, "and not in the old one"
+    finally:
+        pair.sender.shutdown(5)
+        if receiver is not None:
+            receiver.shutdown(5)
+
+
 def test_peers_that_forget_each_other_refuse_new_jobs_and_fail_what_was_owed(
     pair: Pair,
 ) -> None:
