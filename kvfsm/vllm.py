@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import re
+import time
 import warnings
 import weakref
 from collections import deque
@@ -194,6 +195,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
                  label: str | None = None, in_flight: Mapping[str, Any] | None = None,
                  **settings: Any) -> None:
         who, where = _named_tier(tier_type, label, shutdown_timeout, locality)
+        _log_where_vllm_does()
         limit = _limit(who, in_flight)
         if backpressure_detector is None and (limit is not None
                                               or settings.get("read_only") is True):
@@ -422,17 +424,20 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
 
     def drain_jobs(self) -> None:
         """Wait until NIXL finished every transfer (never aborting one); the results come
-        with the next ``get_finished_jobs()``. A transfer still running after 5 s is logged
-        (with its state) and waited for; a release that keeps failing ends in quarantine as
-        the retry policy says, a failure result like any other."""
+        with the next ``get_finished_jobs()``. Transfers still running are logged (with their
+        states, the first five) every 5 s, and waited for; a release that keeps failing ends
+        in quarantine as the retry policy says, a failure result like any other."""
         tier = self._tier
         if tier is None:
             return
-        try:
-            tier.drain_jobs(5.0)
-        except DrainTimeout as waiting:
-            logger.warning("%s: drain_jobs still waiting after 5 s: %s", self.label, waiting)
-            tier.drain_jobs(None)
+        started = time.monotonic()
+        while True:
+            try:
+                tier.drain_jobs(DRAIN_LOG_SECONDS)
+                return
+            except DrainTimeout as waiting:
+                logger.warning("%s: drain_jobs still waiting after %.0f s: %s", self.label,
+                               time.monotonic() - started, _first_lines(str(waiting)))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -701,6 +706,39 @@ class _Saturation(BackpressureDetector):  # type: ignore[misc]
             return {}
         figures: dict[str, float] = {**tier.in_flight_figures()}
         return figures
+
+
+#: a drain waiting on NIXL logs what it waits for this often
+DRAIN_LOG_SECONDS = 5.0
+
+
+def _first_lines(text: str, shown: int = 5) -> str:
+    """``text``'s first line and ``shown`` more (a DrainTimeout's jobs, one a line), and how
+    many more it had."""
+    lines = text.split("\n")
+    more = len(lines) - 1 - shown
+    return "\n".join(lines[:shown + 1]) + (f"\n  ... and {more} more" if more > 0 else "")
+
+
+def _log_where_vllm_does() -> None:
+    """In a vLLM process, kvfsm's log goes where vLLM's does: vLLM's result has no reason,
+    so kvfsm's log is all an operator has to say why a job failed, why a submit was refused or
+    what a drain waits for. vLLM's logging configuration gives its own logger handlers and
+    leaves the root logger none, and kvfsm's logger has only its NullHandler, so Python's
+    last resort is not used either, and every record of kvfsm's was dropped. So when the
+    application gave neither kvfsm's logger nor the root logger a handler, kvfsm's logger
+    takes vLLM's handlers, or, if vLLM's logging is not configured, Python's last resort
+    (stderr); its records at WARNING and above, as the root logger's level says, unless the
+    application sets kvfsm's level."""
+    ours = logging.getLogger("kvfsm")
+    if logging.getLogger().handlers or any(
+            not isinstance(handler, logging.NullHandler) for handler in ours.handlers):
+        return  # the application's, or done already
+    theirs = [handler for handler in logging.getLogger("vllm").handlers
+              if not isinstance(handler, logging.NullHandler)]
+    last = [] if logging.lastResort is None else [logging.lastResort]
+    for handler in theirs or last:
+        ours.addHandler(handler)
 
 
 def _named_tier(tier_type: str, label: object, shutdown_timeout: object,

@@ -8,6 +8,7 @@ The scheduler steps are played as vLLM's connector plays them (tests/vllm_engine
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -555,6 +556,87 @@ def test_reset_cache_drains_transfers_still_running_without_aborting_them(
     assert engine.manager._jobs == {}
     assert agent.call_count("check_xfer_state") >= 40
     assert path_of(the_tier(engine), 1).exists()
+
+
+def test_a_drain_waiting_on_nixl_logs_what_it_waits_for_each_time_its_period_passes(
+    tmp_path: Path, engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``reset_cache()`` behind a transfer NIXL says it runs for 0.6 s: the drain says what it
+    waits for each period (5 s; a tenth of a second here), not once (it waited on in silence
+    after the first, for as long as NIXL took, holding vLLM's lock)."""
+    import time  # noqa: PLC0415
+
+    import kvfsm.vllm  # noqa: PLC0415
+    from kvfsm.nixl_agents import make_agent  # noqa: PLC0415
+
+    class RunsUntil(FaultyAgent):
+        """NIXL says every transfer runs until ``until`` (monotonic seconds)."""
+
+        until = 0.0
+
+        def check_xfer_state(self, handle: Any) -> str:
+            if time.monotonic() < self.until:
+                return "PROC"
+            answer: str = super().check_xfer_state(handle)
+            return answer
+
+    monkeypatch.setattr(kvfsm.vllm, "DRAIN_LOG_SECONDS", 0.1)
+    agent = RunsUntil(make_agent("vllm-drain-log", "POSIX"))
+    engine = engines(file_entry(tmp_path, agent=agent))
+    agent.until = time.monotonic() + 0.6
+    context = engine.request("A")
+    with engine.locked() as manager:
+        manager.prepare_store([key(1)], context)
+    engine.end_step()
+    with caplog.at_level(logging.WARNING, logger="kvfsm.vllm"):
+        with engine.locked() as manager:
+            manager.complete_store({key(1)}, context)
+        engine.reset_cache()
+    waits = [r.getMessage() for r in caplog.records if "drain_jobs still waiting" in r.message]
+    assert len(waits) >= 3, waits
+    assert all("PROCESSING" in wait for wait in waits), waits
+    assert time.monotonic() >= agent.until
+    assert engine.manager._jobs == {}
+
+
+def test_a_tier_made_by_vllm_logs_where_vllms_log_goes(tmp_path: Path) -> None:
+    """vLLM's results carry no reason: kvfsm's log says why a job failed. In a vLLM process,
+    whose logging configuration gives vLLM's logger its handlers and the root logger none, a
+    store that failed said nothing anywhere (kvfsm's logger had only its NullHandler): now it
+    is told through vLLM's handler, formatted as vLLM's own lines; and on stderr where vLLM's
+    logging is not configured."""
+    script = tmp_path / "engine.py"
+    script.write_text(f"""
+import sys, tempfile, warnings
+sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+warnings.simplefilter("ignore")
+if sys.argv[1] == "vllm":  # as vLLM's engine core configures its logging as it starts
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+    configure_logging(LoggingConfig())
+from tests.vllm_engine import Engine, block, key
+from kvfsm.testing import FakeNixlAgent, Raise
+agent = FakeNixlAgent("logged")
+engine = Engine([{{"type": "FileTier", "module_path": "kvfsm.vllm",
+                  "directory": tempfile.mkdtemp(dir={str(tmp_path)!r}), "durable": False,
+                  "agent": agent}}], primary_chunks=2)
+agent.inject("make_prepped_xfer", Raise("NIXL_ERR_BACKEND"))
+engine.offload("A", {{key(1): block(1)}})
+engine.settle()
+engine.shutdown()
+""")
+    for configured in ("vllm", "plain"):
+        done = subprocess.run([sys.executable, str(script), configured], capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        said = [line for line in (done.stdout + done.stderr).splitlines()
+                if "store of 1 block(s) failed: make_prepped_xfer raised" in line]
+        assert len(said) == 1, (configured, done.stdout, done.stderr)
+        if configured == "vllm":
+            assert "WARNING" in said[0] and "[runner.py:" in said[0], said  # vLLM's format
+        else:
+            assert said[0].startswith("job 0: store of 1 block(s) failed"), said
 
 
 def test_past_its_in_flight_bound_vllms_manager_stops_cascading_to_the_tier(
