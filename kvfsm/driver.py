@@ -207,6 +207,8 @@ class TransferDriver:
         self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
         self._closes = getattr(type(remote), "close", None) is not StorageSide.close
         self._per_block = bool(getattr(remote, "transfer_per_block", False))
+        #: the leaks a cleanup an interrupt cut short had found, by transfer, for its rest
+        self._cut_short: dict[Transfer, list[Leak]] = {}
 
     def makers(self) -> dict[str, Callable[[Transfer], Outcome | tuple[Outcome, Outcome]]]:
         """For each effect the runner may say is due after the post, the function that makes
@@ -443,28 +445,48 @@ class TransferDriver:
 
     def clean(self, transfer: Transfer) -> Outcome:
         """Release the remote descriptor list, deregister, close, best effort: OK, or LEAKED
-        with what could not be released (and what a cleanup an interrupt cut short found)."""
-        leaks: list[Leak] = list(transfer.leaks)
+        with what could not be released.
+
+        Each handle is taken off the transfer before its call, so none is handed to NIXL
+        twice: a call an interrupt cut short (as it started, or as it returned: NIXL may have
+        released it) is a leak, never made again, and the registration under a descriptor
+        list so cut short is kept (a leak too), since the list may still hold it. The leaks
+        found before an interrupt are kept for the cleanup's rest, made on a later round."""
+        cut = self._cut_short
+        leaks: list[Leak] = cut.pop(transfer, []) if cut else []
+        call = ""
         try:
-            if transfer.remote is not None:
-                try:
-                    self.agent.release_dlist_handle(transfer.remote)
-                except Exception as error:
-                    leaks.append(Leak("release_dlist_handle", _describe(error)))
+            remote = transfer.remote
+            if remote is not None:
                 transfer.remote = None
-            if transfer.files is not None:
+                call = "release_dlist_handle"
                 try:
-                    self.agent.deregister_memory(transfer.files)
+                    self.agent.release_dlist_handle(remote)
                 except Exception as error:
-                    leaks.append(Leak("deregister_memory", _describe(error)))
+                    leaks.append(Leak(call, _describe(error)))
+            files = transfer.files
+            if files is not None:
                 transfer.files = None
+                call = "deregister_memory"
+                try:
+                    self.agent.deregister_memory(files)
+                except Exception as error:
+                    leaks.append(Leak(call, _describe(error)))
+            call = ""
             if self._closes:
                 try:
                     leaks += self.remote.close(transfer)
                 except Exception as error:
                     leaks.append(Leak("close", _describe(error)))
-        except BaseException:  # cut short: the leaks found so far stay for the cleanup's rest
-            transfer.leaks = tuple(leaks)
+        except BaseException as interrupt:  # cut short: what is known stays for the rest
+            if call:
+                leaks.append(Leak(call, f"cut short by {type(interrupt).__name__}: whether "
+                                        "NIXL released it is unknown, so it is not asked again"))
+            if call == "release_dlist_handle" and transfer.files is not None:
+                leaks.append(Leak("deregister_memory", "not asked: the descriptor list on "
+                                  "the registration may still hold it"))
+                transfer.files = None
+            cut[transfer] = leaks
             raise
         return Outcome(Answer.LEAKED, tuple(leaks)) if leaks else _CLEAN
 

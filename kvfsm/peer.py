@@ -397,6 +397,11 @@ class PeerReceiver(JobSide):
         #: nonces of links that closed, with their sender: their notifications never count
         #: (those a receiver on this agent before it closed too: :func:`_spent_on`)
         self._spent = _spent_on(agent)
+        #: the nonces of its open links, with their senders: spent on the agent when the
+        #: receiver is collected without a shutdown too (a receiver made on the agent next
+        #: must refuse them: their senders write where this one's cache was)
+        self._linked: dict[str, str] = {}
+        weakref.finalize(self, self._spent.update, self._linked)
         #: (sender, nonce, notification, when it came) with a nonce no link has yet, oldest
         #: first
         self._unknown: collections.deque[tuple[str, str, bytes, int]] = collections.deque(
@@ -468,6 +473,7 @@ class PeerReceiver(JobSide):
                     "with this receiver's metadata() and block_descs() (a sender still linked "
                     "to a receiver shut down writes where that one's cache was)")
             link = self.links.connect(agent_metadata, nonce)
+            self._linked[nonce] = str(link.name)
             inbox = self._inboxes[nonce] = _Inbox(link)
             self._adopt(inbox)
             return str(link.name)
@@ -784,6 +790,7 @@ class PeerReceiver(JobSide):
             self._early_stale = True
             raise
         self._spent[link.nonce] = str(link.name)
+        self._linked.pop(link.nonce, None)
         if count:
             self._discarded += count
             logger.info("sender %s: %d notification(s) no job claimed were discarded with its "

@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import re
+import sys
 import time
 import warnings
 import weakref
@@ -720,25 +721,41 @@ def _first_lines(text: str, shown: int = 5) -> str:
     return "\n".join(lines[:shown + 1]) + (f"\n  ... and {more} more" if more > 0 else "")
 
 
+class _WhereVllmLogs(logging.Handler):
+    """On kvfsm's logger in a vLLM process: each record goes to vLLM's handlers (at their
+    levels), or to stderr if vLLM's logging is not configured, for as long as the application
+    gave neither the root logger nor kvfsm's another handler; from when it does, that handler
+    has it alone (no line told twice)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers or any(
+                handler is not self and not isinstance(handler, logging.NullHandler)
+                for handler in logging.getLogger("kvfsm").handlers):
+            return  # the application's handlers have it
+        theirs = [handler for handler in logging.getLogger("vllm").handlers
+                  if not isinstance(handler, logging.NullHandler)]
+        if not theirs:
+            try:
+                sys.stderr.write(self.format(record) + "\n")
+            except Exception:
+                self.handleError(record)
+            return
+        for handler in theirs:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def _log_where_vllm_does() -> None:
     """In a vLLM process, kvfsm's log goes where vLLM's does: vLLM's result has no reason,
     so kvfsm's log is all an operator has to say why a job failed, why a submit was refused or
     what a drain waits for. vLLM's logging configuration gives its own logger handlers and
     leaves the root logger none, and kvfsm's logger has only its NullHandler, so Python's
-    last resort is not used either, and every record of kvfsm's was dropped. So when the
-    application gave neither kvfsm's logger nor the root logger a handler, kvfsm's logger
-    takes vLLM's handlers, or, if vLLM's logging is not configured, Python's last resort
-    (stderr); its records at WARNING and above, as the root logger's level says, unless the
-    application sets kvfsm's level."""
+    last resort is not used either, and every record of kvfsm's was dropped. So kvfsm's
+    logger gets a :class:`_WhereVllmLogs` (once): its records at WARNING and above, as the
+    root logger's level says, unless the application sets kvfsm's level."""
     ours = logging.getLogger("kvfsm")
-    if logging.getLogger().handlers or any(
-            not isinstance(handler, logging.NullHandler) for handler in ours.handlers):
-        return  # the application's, or done already
-    theirs = [handler for handler in logging.getLogger("vllm").handlers
-              if not isinstance(handler, logging.NullHandler)]
-    last = [] if logging.lastResort is None else [logging.lastResort]
-    for handler in theirs or last:
-        ours.addHandler(handler)
+    if not any(isinstance(handler, _WhereVllmLogs) for handler in ours.handlers):
+        ours.addHandler(_WhereVllmLogs())
 
 
 def _named_tier(tier_type: str, label: object, shutdown_timeout: object,

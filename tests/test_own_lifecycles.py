@@ -461,3 +461,34 @@ def test_a_transfer_nixl_runs_ended_in_a_final_failure_state_but_by_a_give_up_is
     with pytest.raises(MachineRefused, match=re.escape(edge) + " ends a transfer NIXL may "
                        "still run in a final failure state on an answer that is no give-up"):
         file_tier(tmp_path, machine, {})
+
+
+def test_a_lifecycle_retrying_its_cleanup_on_a_leak_ends_once_nothing_is_left() -> None:
+    """A lifecycle that makes its cleanup again when it leaked (a loop on LEAKED, bounded by
+    the policy, giving up into CLEANED): the second cleanup has nothing left to release and
+    answers OK. (When a cleanup started from the leaks the transfer had recorded, every later
+    one answered LEAKED again, and the job took the policy's whole minute to end.)"""
+    from kvfsm import JobResult  # noqa: PLC0415
+    from kvfsm.tiers import ObjectStoreTier  # noqa: PLC0415
+
+    retry_clean = TRANSFER_MACHINE.extend(
+        "retry_clean",
+        replace={("XFER_RELEASED", "clean", "leaked"): {"dest": "XFER_RELEASED",
+                                                         "after": ["record_leaks"]}},
+        answers={"clean": (Answer.OK, Answer.LEAKED, Answer.EXHAUSTED)},
+        transitions=[{"trigger": "clean", "source": "XFER_RELEASED", "dest": "CLEANED",
+                      "conditions": "exhausted"}])
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent, machine=retry_clean,
+                           policy=RetryPolicy(max_attempts=4, backoff=0))
+    agent.inject("release_dlist_handle", Raise(), times=1)  # the first cleanup leaks once
+    tier.submit_store(TransferJob(1, ["k"], [0]))
+    results: list[JobResult] = []
+    polls = 0
+    while not results and polls < 10:
+        results += tier.get_finished_jobs()
+        polls += 1
+    assert [(r.job_id, r.success) for r in results] == [(1, True)]
+    assert polls <= 3, polls
+    assert agent.faults.count("release_dlist_handle") == 1, "released once, never twice"
+    tier.shutdown(1)

@@ -90,13 +90,18 @@ def test_two_real_agents_move_torch_blocks_and_both_sides_publish_once(pair: Pai
     assert pair.sender.stats()["leaks"] == 0
 
 
-def test_a_receiver_made_again_on_its_agent_refuses_the_link_the_old_one_closed() -> None:
+@pytest.mark.parametrize("gone", ["shut down", "dropped"])
+def test_a_receiver_made_again_on_its_agent_refuses_the_link_the_old_one_closed(
+        gone: str) -> None:
     """The receiving engine shuts its receiver down and makes another on the same agent and
     a new cache, while the sender's link to the old one is still open: that link writes where
     the old cache was. The new receiver took the old link's metadata, and published the
     sender's next write as arrived while its bytes went into the old cache (and, once that
     memory was freed, corrupted the heap). Its nonce is spent on the agent now, so the new
-    receiver refuses it; once the sender links to the new one, its write lands there."""
+    receiver refuses it; once the sender links to the new one, its write lands there. The
+    same when the old receiver was dropped without a shutdown, its links still open."""
+    import gc  # noqa: PLC0415
+
     pair = Pair()
     receiver = None
     try:
@@ -105,7 +110,11 @@ def test_a_receiver_made_again_on_its_agent_refuses_the_link_the_old_one_closed(
         sent, received = pair.step_until(1, 1)
         assert [r.success for r in sent + received] == [True, True]
         agent = pair.receiver.agent
-        pair.receiver.shutdown(5)
+        if gone == "shut down":
+            pair.receiver.shutdown(5)
+        else:
+            del pair.receiver
+            gc.collect()
         target = torch.zeros_like(pair.target)
         receiver = PeerReceiver(target, agent=agent)
         with pytest.raises(PeerLinkError, match=r"nonce [0-9a-f]+ is spent\): by this receiver,"

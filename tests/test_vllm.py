@@ -605,13 +605,14 @@ def test_a_tier_made_by_vllm_logs_where_vllms_log_goes(tmp_path: Path) -> None:
     whose logging configuration gives vLLM's logger its handlers and the root logger none, a
     store that failed said nothing anywhere (kvfsm's logger had only its NullHandler): now it
     is told through vLLM's handler, formatted as vLLM's own lines; and on stderr where vLLM's
-    logging is not configured."""
+    logging is not configured. Once the application gives the root logger a handler, after
+    the tier was made, that handler alone tells it (it was told twice)."""
     script = tmp_path / "engine.py"
     script.write_text(f"""
 import sys, tempfile, warnings
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
 warnings.simplefilter("ignore")
-if sys.argv[1] == "vllm":  # as vLLM's engine core configures its logging as it starts
+if sys.argv[1] != "plain":  # as vLLM's engine core configures its logging as it starts
     from vllm.config.logging import LoggingConfig
     from vllm.logger import configure_logging
     configure_logging(LoggingConfig())
@@ -621,12 +622,15 @@ agent = FakeNixlAgent("logged")
 engine = Engine([{{"type": "FileTier", "module_path": "kvfsm.vllm",
                   "directory": tempfile.mkdtemp(dir={str(tmp_path)!r}), "durable": False,
                   "agent": agent}}], primary_chunks=2)
+if sys.argv[1] == "later":  # the application configures its logging once vLLM's is
+    import logging
+    logging.basicConfig(format="APP %(name)s: %(message)s")
 agent.inject("make_prepped_xfer", Raise("NIXL_ERR_BACKEND"))
 engine.offload("A", {{key(1): block(1)}})
 engine.settle()
 engine.shutdown()
 """)
-    for configured in ("vllm", "plain"):
+    for configured in ("vllm", "plain", "later"):
         done = subprocess.run([sys.executable, str(script), configured], capture_output=True,
                               text=True, timeout=120, check=False)
         assert done.returncode == 0, done.stderr
@@ -635,6 +639,8 @@ engine.shutdown()
         assert len(said) == 1, (configured, done.stdout, done.stderr)
         if configured == "vllm":
             assert "WARNING" in said[0] and "[runner.py:" in said[0], said  # vLLM's format
+        elif configured == "later":
+            assert said[0].startswith("APP kvfsm: job 0: store"), said
         else:
             assert said[0].startswith("job 0: store of 1 block(s) failed"), said
 

@@ -292,8 +292,9 @@ class _WatchedAgent(FakeNixlAgent):
         self.cancel_rounds: set[int] = set()
         #: the NIXL calls (name, number) a Ctrl-C cuts short as they start
         self.interrupted: set[tuple[str, int]] = set()
-        #: the jobs whose state NIXL answered since the tier's call under way began
-        self.answered: set[int] = set()
+        #: the jobs whose state NIXL answered since the tier's call under way began, with
+        #: what the explorer knew of their end before (failed, outcome)
+        self.answered: dict[int, tuple[bool, bool | None]] = {}
         self._rounds = 0
         self.tier: SecondaryTier | None = None
         self._checks = 0
@@ -316,9 +317,20 @@ class _WatchedAgent(FakeNixlAgent):
         return fault
 
     def cut_short(self) -> None:
-        """A Ctrl-C cut the tier's call short: what NIXL answered in it may be unheard."""
-        for job_id in self.answered:
-            self.jobs[job_id].unheard = True
+        """A Ctrl-C cut the tier's call short: what NIXL answered in it may be unheard. The
+        tier heard a job's end if its record left the running states; if not, the end NIXL
+        answered is not the job's outcome yet: the answer the tier hears when it asks again
+        is (F3: the first it hears)."""
+        tier = self.tier
+        running = () if tier is None else tier._runner.running_states
+        for job_id, (failed, outcome) in self.answered.items():
+            job = self.jobs[job_id]
+            job.unheard = True
+            if tier is not None and tier.state_of(job_id) in running:
+                transfer = tier.transfer_of(job_id)
+                split = None if transfer is None else transfer.split
+                if split is None or split.failure is None:  # (a block's failure is kept)
+                    job.failed, job.outcome = failed, outcome
         self.answered.clear()
 
     def job_of(self, handle: Any) -> _Job | None:
@@ -403,6 +415,8 @@ class _WatchedAgent(FakeNixlAgent):
     def _status(self, handle: Any, call: Callable[[], str]) -> str:
         job = self.job_of(handle)
         seen = None if job is None else job.xfers.get(id(handle))
+        if job is not None and seen is not None:  # (what the explorer expected before it)
+            self.answered.setdefault(self._by_handle[id(handle)], (job.failed, job.outcome))
         try:
             status = call()
         except Exception:
@@ -411,7 +425,6 @@ class _WatchedAgent(FakeNixlAgent):
             self._failed(job)
             raise
         if job is not None and seen is not None:
-            self.answered.add(self._by_handle[id(handle)])
             seen.status = status if status in {"DONE", "PROC"} else "FAILED"
             if seen.status == "FAILED":
                 self._failed(job)
@@ -700,7 +713,7 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
                                         f"success={r.success}" for r in job.results), why))
     # quarantined, its handle is held for good: once NIXL said the transfer is over, or, past
     # the running bound, while NIXL may still run it (the bound's give-up)
-    quarantined = job.held and (job.status not in {None, "PROC"} or job.past_bound)
+    quarantined = job.held and (not job.may_run or job.past_bound)
     if job.xfers and not job.released and not quarantined:
         violations.append(Violation(Invariant.RELEASE_BEFORE_PUBLISH, result.job_id,
                                     f"it published success={result.success} while its "
@@ -889,7 +902,8 @@ def _check_end(agent: _WatchedAgent, tier: SecondaryTier, max_polls: int, *,
                                     f"the tier counts {counted} quarantined transfer(s); "
                                     f"{held} published still holding a handle"))
     if not busy:
-        for _ in range(3):  # a Ctrl-C the path put into the shutdown's calls: once more
+        for _ in range(len(agent.interrupted) + 1):  # a Ctrl-C the path put into the
+            # shutdown's calls: once more
             try:
                 tier.shutdown(timeout=0)
                 break

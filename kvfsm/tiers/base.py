@@ -755,18 +755,30 @@ class SecondaryTier(JobSide):
 
     def _release_primary(self) -> None:
         """Release the tier's registration of the primary cache, its descriptor list first,
-        each once, best effort (a call that raises is a leak). A shutdown that an interrupt
-        cut short here (the tier is closed by then) leaves the rest to the next one."""
+        best effort (a call that raises is a leak). Each handle is taken before its call, so
+        none is handed to NIXL twice: a call an interrupt cut short (as it started, or as it
+        returned: NIXL may have released it) is a leak, never made again, and so is the
+        registration under a descriptor list so cut short, which is kept. A shutdown cut
+        short before these calls leaves them to the next one."""
         runner = self._runner
         for name, call in (("_local", "release_dlist_handle"), ("_dram", "deregister_memory")):
             handle = getattr(self, name)
             if handle is None:
                 continue
+            setattr(self, name, None)
             try:
                 getattr(self.agent, call)(handle)
             except Exception as error:
                 runner.record_leaks(-1, (Leak(call, f"{type(error).__name__}: {error}"),))
-            setattr(self, name, None)  # (released or leaked: never handed to NIXL again)
+            except BaseException as interrupt:
+                leaks = [Leak(call, f"cut short by {type(interrupt).__name__}: whether NIXL "
+                                    "released it is unknown, so it is not asked again")]
+                if self._dram is not None:  # (its list may still hold it)
+                    self._dram = None
+                    leaks.append(Leak("deregister_memory", "not asked: the descriptor list on "
+                                      "the registration may still hold it"))
+                runner.record_leaks(-1, tuple(leaks))
+                raise
 
     def saturated(self, nbytes: int = 0) -> bool:
         """True when a store of ``nbytes`` bytes submitted now would be refused for the
