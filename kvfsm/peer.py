@@ -413,6 +413,8 @@ class PeerReceiver(JobSide):
         self._handed_back: dict[int, int] = {}
         #: links whose sender's notifications came with another nonce (warned once each)
         self._relinked: set[PeerLink] = set()
+        #: the links the receiver's shutdown closed
+        self._shut_off: set[PeerLink] = set()
         #: notifications pushed out of the unknown store; notifications that could never count
         self._dropped = 0
         self._discarded = 0
@@ -634,8 +636,11 @@ class PeerReceiver(JobSide):
                 link = expected.link
                 if link.state in RECEIVE_FAILS_WHEN_LINK_IN:
                     self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE,
-                                      f"sender {expected.peer} is gone: "
-                                      f"{link.error or 'forgotten'}")
+                                      f"sender {expected.peer} is gone: {link.error}"
+                                      if link.error else
+                                      f"sender {expected.peer} cut off: the receiver was "
+                                      "shut down" if link in self._shut_off else
+                                      f"sender {expected.peer} is gone: forgotten")
                 else:
                     self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.PRESENT)
         if all(e.state is ReceiveState.EXPECTING for e in self._expected.values()):
@@ -835,6 +840,7 @@ class PeerReceiver(JobSide):
             if self._closed:
                 return
             for link in self.links.open_links():
+                self._shut_off.add(link)  # (what it owed fails saying so)
                 self._close(link)
             self._poll(closing=True)  # also lets UCX retire a lost sender
             try:

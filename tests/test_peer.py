@@ -653,6 +653,28 @@ def test_shutdown_publishes_what_was_owed_even_when_nixl_cannot_say_what_arrived
     assert outcomes(receiver) == [(1, False)]
 
 
+def test_a_job_the_receivers_shutdown_fails_says_so() -> None:
+    """A job still expected when the receiver is shut down fails saying the receiver was
+    shut down (it said its sender was gone, forgotten: a cause that was not one); one whose
+    sender was forgotten before still says that."""
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    receiver.connect(sender_metadata())
+    receiver.expect(promotion(1, 0), "engine-a")
+    receiver.shutdown()
+    [result] = receiver.get_finished_jobs()
+    assert (result.job_id, result.success) == (1, False)
+    assert str(result.reason) == "failed: sender engine-a cut off: the receiver was shut down"
+
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=NotifyingAgent())
+    receiver.connect(sender_metadata("engine-b"))
+    receiver.expect(promotion(2, 0), "engine-b")
+    receiver.forget_peer("engine-b")
+    receiver.shutdown()
+    [result] = receiver.get_finished_jobs()
+    assert str(result.reason) == "failed: sender engine-b is gone: forgotten"
+
+
 def test_a_second_early_copy_of_a_notification_counts_only_until_its_blocks_go_back() -> None:
     """A sender writes job 5 into block 2 twice before the receiver expects it. The first
     expect takes one copy; once that job is published, block 2 is the engine's again, so the
