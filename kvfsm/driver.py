@@ -445,15 +445,20 @@ class TransferDriver:
 
     def clean(self, transfer: Transfer) -> Outcome:
         """Release the remote descriptor list, deregister, close, best effort: OK, or LEAKED
-        with what could not be released.
+        with what could not be released, as they stand on the transfer (``leaks``: those of
+        its cleanups before, and the ones this one found).
 
         Each handle is taken off the transfer before its call, so none is handed to NIXL
         twice: a call an interrupt cut short (as it started, or as it returned: NIXL may have
         released it) is a leak, never made again, and the registration under a descriptor
         list so cut short is kept (a leak too), since the list may still hold it. The leaks
-        found before an interrupt are kept for the cleanup's rest, made on a later round."""
+        an interrupted cleanup found are kept for its rest, made on a later round, and the
+        leaks a cleanup found are on the transfer before it answers, so an interrupt before
+        its answer is taken loses none. (Each step here is a plain attribute or item store,
+        or inside the ``try``: an interrupt lands between two calls, where no store is half
+        made.)"""
         cut = self._cut_short
-        leaks: list[Leak] = cut.pop(transfer, []) if cut else []
+        leaks: list[Leak] = cut[transfer] if cut and transfer in cut else []
         call = ""
         try:
             remote = transfer.remote
@@ -479,16 +484,23 @@ class TransferDriver:
                 except Exception as error:
                     leaks.append(Leak("close", _describe(error)))
         except BaseException as interrupt:  # cut short: what is known stays for the rest
+            cut[transfer] = leaks  # (first: the same list gets what follows)
+            kept = call == "release_dlist_handle" and transfer.files is not None
+            if kept:
+                transfer.files = None  # (the list may still hold it)
             if call:
                 leaks.append(Leak(call, f"cut short by {type(interrupt).__name__}: whether "
-                                        "NIXL released it is unknown, so it is not asked again"))
-            if call == "release_dlist_handle" and transfer.files is not None:
+                                  "NIXL released it is unknown, so it is not asked again"))
+            if kept:
                 leaks.append(Leak("deregister_memory", "not asked: the descriptor list on "
                                   "the registration may still hold it"))
-                transfer.files = None
-            cut[transfer] = leaks
             raise
-        return Outcome(Answer.LEAKED, tuple(leaks)) if leaks else _CLEAN
+        if not leaks:
+            return _CLEAN
+        transfer.leaks = found = (*transfer.leaks, *leaks)
+        if cut:
+            cut.pop(transfer, None)
+        return Outcome(Answer.LEAKED, found)
 
     def step(self, transfer: Transfer, *, name: str) -> Outcome:
         """Make the user's step ``name``: what it answered.

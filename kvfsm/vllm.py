@@ -724,14 +724,19 @@ def _first_lines(text: str, shown: int = 5) -> str:
 class _WhereVllmLogs(logging.Handler):
     """On kvfsm's logger in a vLLM process: each record goes to vLLM's handlers (at their
     levels), or to stderr if vLLM's logging is not configured, for as long as the application
-    gave neither the root logger nor kvfsm's another handler; from when it does, that handler
-    has it alone (no line told twice)."""
+    gave neither the root logger nor kvfsm's (nor the one the record came from, nor one
+    between) another handler; from when it does, that handler has it alone (no line told
+    twice)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if logging.getLogger().handlers or any(
-                handler is not self and not isinstance(handler, logging.NullHandler)
-                for handler in logging.getLogger("kvfsm").handlers):
+        if logging.getLogger().handlers:
             return  # the application's handlers have it
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:  # (from the record's logger up to kvfsm's)
+            if any(handler is not self and not isinstance(handler, logging.NullHandler)
+                   for handler in logger.handlers):
+                return
+            logger = logger.parent if logger.name != "kvfsm" else None
         theirs = [handler for handler in logging.getLogger("vllm").handlers
                   if not isinstance(handler, logging.NullHandler)]
         if not theirs:

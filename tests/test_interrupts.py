@@ -850,3 +850,74 @@ def test_a_ctrl_c_as_shutdown_releases_the_caches_registration_asks_nixl_nothing
         assert agent.live_dlist_handles() == (0 if returned else 1)
     else:
         assert len(leaked) == 1 and agent.live_dlist_handles() == 0
+
+
+@pytest.mark.parametrize("call", ["release_dlist_handle", "deregister_memory"])
+def test_a_ctrl_c_as_a_jobs_cleanup_call_returns_never_makes_it_again(call: str) -> None:
+    """A Ctrl-C lands as a job's cleanup call returns (NIXL made it: where CPython raises a
+    signal that came during a call). The cleanup goes on at the next poll without making that
+    call again (it released the descriptor list a second time: NIXL's binding crashes on
+    that), and the job's leaks say so; a descriptor list so cut short keeps its registration
+    (not deregistered under it), a leak too; the tier's leaks say both."""
+
+    class CtrlCAsItReturns(FakeNixlAgent):
+        armed = False
+
+        def release_dlist_handle(self, handle: Any) -> None:
+            super().release_dlist_handle(handle)
+            self._cut("release_dlist_handle")
+
+        def deregister_memory(self, dereg_list: Any, backends: Any = ()) -> None:
+            super().deregister_memory(dereg_list, backends)
+            self._cut("deregister_memory")
+
+        def _cut(self, name: str) -> None:
+            if self.armed and name == call:
+                self.armed = False
+                raise KeyboardInterrupt
+
+    agent = CtrlCAsItReturns(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent)
+    tier.submit_store(TransferJob(1, ["k"], [0]))
+    agent.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        while not tier.get_finished_jobs():
+            pass
+    made = agent.faults.count(call)
+    [result] = tier.get_finished_jobs()
+    assert (result.job_id, result.success) == (1, True)
+    assert agent.faults.count(call) == made and agent.misuses == []
+    cut = ("cut short by KeyboardInterrupt: whether NIXL released it is unknown, so it is not "
+           "asked again")
+    expected = [(call, cut)] + ([("deregister_memory", "not asked: the descriptor list on the "
+                                  "registration may still hold it")]
+                                if call == "release_dlist_handle" else [])
+    assert [(job, leak.call, leak.error) for job, leak in tier.stats()["leaked"]] == [
+        (1, *leak) for leak in expected]
+    tier.shutdown(timeout=1)
+
+
+@pytest.mark.parametrize(("entering", "called_from"), [("Outcome", "clean"), ("file", "_end")])
+def test_a_ctrl_c_once_a_cleanup_made_its_calls_loses_none_of_its_leaks(
+        entering: str, called_from: str) -> None:
+    """A cleanup's descriptor list release raised (a leak); a Ctrl-C lands before the runner
+    took its answer (as the answer is made, or as it is filed). The job still publishes that
+    leak (it published none, the handle leaked all the same: the cleanup made again had
+    nothing left to release and answered OK)."""
+    from kvfsm.runner import Outcome, Runner  # noqa: PLC0415
+
+    function = Outcome.__init__ if entering == "Outcome" else Runner.file
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent)
+    agent.inject("release_dlist_handle", Raise(), times=1)
+    tier.submit_store(TransferJob(1, ["k"], [0]))
+    with ctrl_c_entering(function, called_from=called_from):
+        for _ in range(6):
+            tier.get_finished_jobs()
+    results = []
+    for _ in range(6):
+        results += tier.get_finished_jobs()
+    assert [(r.job_id, r.success) for r in results] == [(1, True)]
+    assert [(job, leak.call) for job, leak in tier.stats()["leaked"]] == [
+        (1, "release_dlist_handle")]
+    tier.shutdown(timeout=1)

@@ -590,7 +590,8 @@ def test_a_remote_sides_close_is_made_once_after_the_nixl_cleanup_and_its_leaks_
     """The cleanup releases the descriptor list, deregisters, then closes the remote side:
     the leaks of all three are kept (a mutant kept only the side's), a close that raises is a
     leak of ``close`` with its error, and a cleanup made again (resumed after an interrupt)
-    makes no NIXL call twice."""
+    makes no NIXL call twice. The leaks stand on the transfer as each cleanup answers, and a
+    cleanup that finds more answers them all."""
     stale = Leak("unlink", "FileNotFoundError: a.tmp")
     side = FailingSide(32, close_leaks=(stale,))
     agent = FakeNixlAgent("cleaning", complete_after_polls=0)
@@ -607,8 +608,12 @@ def test_a_remote_sides_close_is_made_once_after_the_nixl_cleanup_and_its_leaks_
     assert driver.clean(transfer) == Outcome(A.OK, ()), "nothing left to release"
     assert agent.calls[calls:] == [] and side.closed == [1, 1]
 
+    assert transfer.leaks == (Leak("deregister_memory", "FakeNixlError: NIXL_ERR_BACKEND"),
+                              stale)
     side.close_error = OSError("busy")
-    assert driver.clean(transfer) == Outcome(A.LEAKED, (Leak("close", "OSError: busy"),))
+    assert driver.clean(transfer) == Outcome(A.LEAKED, (
+        Leak("deregister_memory", "FakeNixlError: NIXL_ERR_BACKEND"), stale,
+        Leak("close", "OSError: busy")))
     tier.shutdown(timeout=5)
 
 

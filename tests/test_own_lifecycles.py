@@ -3,6 +3,7 @@ steps and answers a user declares, and what it refuses before any NIXL call."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import re
 from pathlib import Path
@@ -491,4 +492,26 @@ def test_a_lifecycle_retrying_its_cleanup_on_a_leak_ends_once_nothing_is_left() 
     assert [(r.job_id, r.success) for r in results] == [(1, True)]
     assert polls <= 3, polls
     assert agent.faults.count("release_dlist_handle") == 1, "released once, never twice"
+    tier.shutdown(1)
+
+    # its cleanup given up on its first leak (one try), a descriptor list's release cut short
+    # by a Ctrl-C: the leaks stand (they were the LEAKED answer's, which the give-up dropped)
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent, machine=retry_clean,
+                           policy=RetryPolicy(max_attempts=1, backoff=0))
+    tier.submit_store(TransferJob(2, ["k"], [0]))
+    real = agent.release_dlist_handle
+
+    def ctrl_c(handle: Any) -> None:
+        agent.release_dlist_handle = real  # type: ignore[method-assign]
+        raise KeyboardInterrupt
+
+    agent.release_dlist_handle = ctrl_c  # type: ignore[method-assign]
+    results = []
+    for _ in range(10):
+        with contextlib.suppress(KeyboardInterrupt):
+            results += tier.get_finished_jobs()
+    assert [(r.job_id, r.success) for r in results] == [(2, True)]
+    assert [(job, leak.call) for job, leak in tier.stats()["leaked"]] == [
+        (2, "release_dlist_handle"), (2, "deregister_memory")]
     tier.shutdown(1)

@@ -645,6 +645,37 @@ engine.shutdown()
             assert said[0].startswith("job 0: store of 1 block(s) failed"), said
 
 
+def test_kvfsms_records_go_to_vllms_handlers_only_where_the_application_gave_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's logging configured (a handler on its logger, none on the root), a tier made by
+    vLLM: kvfsm's records go to vLLM's handler; a record of a logger the application gave a
+    handler of its own (the adapter's, ``kvfsm.vllm``) goes to that handler alone (it was told
+    by both)."""
+    import io  # noqa: PLC0415
+
+    import kvfsm.vllm  # noqa: PLC0415
+
+    told = io.StringIO()
+    theirs, ours = logging.StreamHandler(told), logging.StreamHandler(told)
+    theirs.setFormatter(logging.Formatter("VLLM %(name)s: %(message)s"))
+    ours.setFormatter(logging.Formatter("APP %(name)s: %(message)s"))
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # (pytest's own, put back after)
+    monkeypatch.setattr(logging.getLogger("vllm"), "handlers", [theirs])
+    monkeypatch.setattr(logging.getLogger("kvfsm"), "handlers",
+                        list(logging.getLogger("kvfsm").handlers))
+    monkeypatch.setattr(logging.getLogger("kvfsm.vllm"), "handlers", [])
+    kvfsm.vllm._log_where_vllm_does()
+    kvfsm.vllm._log_where_vllm_does()  # (a second tier: one handler still)
+    logging.getLogger("kvfsm").warning("job 0 failed")
+    logging.getLogger("kvfsm.vllm").warning("job 7 refused")
+    logging.getLogger("kvfsm.vllm").addHandler(ours)
+    logging.getLogger("kvfsm.vllm").warning("job 8 refused")
+    logging.getLogger("kvfsm").warning("job 1 failed")
+    assert told.getvalue().splitlines() == [
+        "VLLM kvfsm: job 0 failed", "VLLM kvfsm.vllm: job 7 refused",
+        "APP kvfsm.vllm: job 8 refused", "VLLM kvfsm: job 1 failed"]
+
+
 def test_past_its_in_flight_bound_vllms_manager_stops_cascading_to_the_tier(
     tmp_path: Path, engines: Callable[..., Engine]
 ) -> None:

@@ -759,26 +759,46 @@ class SecondaryTier(JobSide):
         none is handed to NIXL twice: a call an interrupt cut short (as it started, or as it
         returned: NIXL may have released it) is a leak, never made again, and so is the
         registration under a descriptor list so cut short, which is kept. A shutdown cut
-        short before these calls leaves them to the next one."""
-        runner = self._runner
-        for name, call in (("_local", "release_dlist_handle"), ("_dram", "deregister_memory")):
-            handle = getattr(self, name)
-            if handle is None:
-                continue
-            setattr(self, name, None)
+        short before these calls leaves them to the next one. (Each handle is taken with a
+        plain attribute store right before the ``try``: no call comes between, where an
+        interrupt could land with the handle taken and its call not made.)"""
+        local = self._local
+        if local is not None:
+            self._local = None
             try:
-                getattr(self.agent, call)(handle)
+                self.agent.release_dlist_handle(local)
             except Exception as error:
-                runner.record_leaks(-1, (Leak(call, f"{type(error).__name__}: {error}"),))
+                self._primary_leaked("release_dlist_handle", error)
             except BaseException as interrupt:
-                leaks = [Leak(call, f"cut short by {type(interrupt).__name__}: whether NIXL "
-                                    "released it is unknown, so it is not asked again")]
-                if self._dram is not None:  # (its list may still hold it)
-                    self._dram = None
-                    leaks.append(Leak("deregister_memory", "not asked: the descriptor list on "
-                                      "the registration may still hold it"))
-                runner.record_leaks(-1, tuple(leaks))
+                self._primary_leaked("release_dlist_handle", interrupt)
                 raise
+        dram = self._dram
+        if dram is not None:
+            self._dram = None
+            try:
+                self.agent.deregister_memory(dram)
+            except Exception as error:
+                self._primary_leaked("deregister_memory", error)
+            except BaseException as interrupt:
+                self._primary_leaked("deregister_memory", interrupt)
+                raise
+
+    def _primary_leaked(self, call: str, error: BaseException) -> None:
+        """(:meth:`_release_primary`) ``call`` raised ``error``, or an interrupt cut it short:
+        a leak; for a descriptor list so cut short, the registration under it is kept (a leak
+        too, its call not made)."""
+        if isinstance(error, Exception):
+            self._runner.record_leaks(-1, (Leak(call, f"{type(error).__name__}: {error}"),))
+            return
+        kept = call == "release_dlist_handle" and self._dram is not None
+        if kept:
+            self._dram = None  # (the list may still hold it)
+        leaks = [Leak(call, f"cut short by {type(error).__name__}: whether NIXL released it "
+                            "is unknown, so it is not asked again")]
+        if kept:
+            leaks.append(Leak("deregister_memory", "not asked: the descriptor list on the "
+                              "registration may still hold it"))
+        self._runner.record_leaks(-1, tuple(leaks))
 
     def saturated(self, nbytes: int = 0) -> bool:
         """True when a store of ``nbytes`` bytes submitted now would be refused for the
