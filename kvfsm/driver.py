@@ -158,6 +158,24 @@ def _raised(error: Exception) -> Exception:
     return error.with_traceback(None)
 
 
+def _cut_short_leak(call: str) -> Leak:
+    """The leak of a cleanup call an interrupt cut short."""
+    what = ("what it could not release is unknown" if call == "close" else
+            "whether NIXL released it is unknown, so it is not asked again")
+    return Leak(call, f"cut short by an interrupt: {what}")
+
+
+#: the leaks of cleanup calls an interrupt cut short, made beforehand (the handler that keeps
+#: them makes no call, so a second interrupt there loses nothing)
+_CUT_SHORT: dict[str, tuple[Leak, ...]] = {
+    call: (_cut_short_leak(call),)
+    for call in ("release_dlist_handle", "deregister_memory", "close")}
+_CUT_SHORT_KEEPING_FILES = (
+    _cut_short_leak("release_dlist_handle"),
+    Leak("deregister_memory", "not asked: the descriptor list on the registration may still "
+         "hold it"))
+
+
 class Split:
     """The NIXL transfers of a job made one per block (:attr:`StorageSide.transfer_per_block`)
     besides the first, which is the job's ``xfer``: the job runs while any of them does, and
@@ -446,17 +464,21 @@ class TransferDriver:
     def clean(self, transfer: Transfer) -> Outcome:
         """Release the remote descriptor list, deregister, close, best effort: OK, or LEAKED
         with what could not be released, as they stand on the transfer (``leaks``: those of
-        its cleanups before, and the ones this one found).
+        its cleanups before, and the ones this one found; an action keeps them by replacing
+        ``leaks`` with them, as ``record_leaks`` does).
 
         Each handle is taken off the transfer before its call, so none is handed to NIXL
         twice: a call an interrupt cut short (as it started, or as it returned: NIXL may have
         released it) is a leak, never made again, and the registration under a descriptor
-        list so cut short is kept (a leak too), since the list may still hold it. The leaks
-        an interrupted cleanup found are kept for its rest, made on a later round, and the
-        leaks a cleanup found are on the transfer before it answers, so an interrupt before
-        its answer is taken loses none. (Each step here is a plain attribute or item store,
-        or inside the ``try``: an interrupt lands between two calls, where no store is half
-        made.)"""
+        list so cut short is kept (a leak too), since the list may still hold it; a remote
+        side's close so cut short is a leak of ``close`` (what it could not release is
+        unknown). The leaks an interrupted cleanup found are kept for its rest, made on a
+        later round, and the leaks a cleanup found are on the transfer before it answers, so
+        an interrupt before its answer is taken loses none. Between taking a handle and
+        keeping what became of it there is no call (plain stores, the cleanup's ``try``, and
+        in its handler only stores and list additions of leaks made beforehand): an interrupt
+        lands in a call, or before or after one, never where a handle is taken and nothing
+        says so, and a second one in the handler loses nothing either."""
         cut = self._cut_short
         leaks: list[Leak] = cut[transfer] if cut and transfer in cut else []
         call = ""
@@ -477,29 +499,27 @@ class TransferDriver:
                     self.agent.deregister_memory(files)
                 except Exception as error:
                     leaks.append(Leak(call, _describe(error)))
-            call = ""
             if self._closes:
+                call = "close"
                 try:
                     leaks += self.remote.close(transfer)
                 except Exception as error:
-                    leaks.append(Leak("close", _describe(error)))
-        except BaseException as interrupt:  # cut short: what is known stays for the rest
+                    leaks.append(Leak(call, _describe(error)))
+                call = ""
+        except BaseException:  # cut short: what is known stays for the rest
             cut[transfer] = leaks  # (first: the same list gets what follows)
-            kept = call == "release_dlist_handle" and transfer.files is not None
-            if kept:
-                transfer.files = None  # (the list may still hold it)
-            if call:
-                leaks.append(Leak(call, f"cut short by {type(interrupt).__name__}: whether "
-                                  "NIXL released it is unknown, so it is not asked again"))
-            if kept:
-                leaks.append(Leak("deregister_memory", "not asked: the descriptor list on "
-                                  "the registration may still hold it"))
+            if call and not (leaks and leaks[-1].call == call):  # (its end not kept yet)
+                if call == "release_dlist_handle" and transfer.files is not None:
+                    transfer.files = None  # (the list may still hold it)
+                    leaks += _CUT_SHORT_KEEPING_FILES
+                else:
+                    leaks += _CUT_SHORT[call]
             raise
+        if cut and transfer in cut:
+            del cut[transfer]
         if not leaks:
             return _CLEAN
         transfer.leaks = found = (*transfer.leaks, *leaks)
-        if cut:
-            cut.pop(transfer, None)
         return Outcome(Answer.LEAKED, found)
 
     def step(self, transfer: Transfer, *, name: str) -> Outcome:

@@ -66,8 +66,10 @@ class Leak:
 class Transfer:
     """One job's transfer: its state, the NIXL resources it holds, and its latched outcome.
 
-    The driver stores the handles it created; only the lifecycle machine's actions change
-    ``success``, ``retries``, ``error`` and ``leaks``.
+    The driver stores the handles it created, and a cleanup's leaks in ``leaks`` before it
+    answers (an interrupt before its answer is taken loses none); only the lifecycle
+    machine's actions change ``success``, ``retries`` and ``error``, and an action keeping
+    the leaks a LEAKED answer carries replaces ``leaks`` with them (they are all of them).
     """
 
     __slots__ = (

@@ -31,7 +31,9 @@ import pytest
 import torch
 
 import kvfsm
+import kvfsm.driver
 import kvfsm.tiers
+import kvfsm.transfer
 from kvfsm import TransferJob
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing import FakeNixlAgent, Raise, ReturnErr
@@ -841,7 +843,7 @@ def test_a_ctrl_c_as_shutdown_releases_the_caches_registration_asks_nixl_nothing
         assert leaked == []
         return
     assert cleanup_calls() == before + (1 if call == "release_dlist_handle" else 2)
-    assert leaked[0] == (call, "cut short by KeyboardInterrupt: whether NIXL released it is "
+    assert leaked[0] == (call, "cut short by an interrupt: whether NIXL released it is "
                                "unknown, so it is not asked again")
     if call == "release_dlist_handle":
         assert leaked[1] == ("deregister_memory", "not asked: the descriptor list on the "
@@ -887,7 +889,7 @@ def test_a_ctrl_c_as_a_jobs_cleanup_call_returns_never_makes_it_again(call: str)
     [result] = tier.get_finished_jobs()
     assert (result.job_id, result.success) == (1, True)
     assert agent.faults.count(call) == made and agent.misuses == []
-    cut = ("cut short by KeyboardInterrupt: whether NIXL released it is unknown, so it is not "
+    cut = ("cut short by an interrupt: whether NIXL released it is unknown, so it is not "
            "asked again")
     expected = [(call, cut)] + ([("deregister_memory", "not asked: the descriptor list on the "
                                   "registration may still hold it")]
@@ -920,4 +922,79 @@ def test_a_ctrl_c_once_a_cleanup_made_its_calls_loses_none_of_its_leaks(
     assert [(r.job_id, r.success) for r in results] == [(1, True)]
     assert [(job, leak.call) for job, leak in tier.stats()["leaked"]] == [
         (1, "release_dlist_handle")]
+    tier.shutdown(timeout=1)
+
+
+@pytest.mark.parametrize("raising", [False, True])
+def test_a_ctrl_c_as_a_file_tiers_close_returns_leaves_nothing_behind(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch, raising: bool) -> None:
+    """A Ctrl-C lands as the file tier's close of a stored job's files returns (whatever it
+    could not release, in its answer, lost with it): the job publishes, its leaks saying the
+    close was cut short, and the driver keeps nothing of it afterwards. (A close whose leaks
+    were lost so published none; one that found none left the driver holding the published
+    transfer for the tier's life.)"""
+    from kvfsm.tiers import FileTier  # noqa: PLC0415
+    from kvfsm.tiers.file import _Files  # noqa: PLC0415
+
+    real = _Files.close
+    armed = [True]
+
+    def close(self: Any, transfer: Any) -> Any:
+        leaks = real(self, transfer)
+        if raising and armed[0]:  # (what this close could not release: lost with it)
+            leaks = [*leaks, kvfsm.transfer.Leak("close", "OSError: injected")]
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return leaks
+
+    monkeypatch.setattr(_Files, "close", close)
+    tier = FileTier(torch.zeros(4, 8), str(tmp_path), agent=FakeNixlAgent(complete_after_polls=1),
+                    durable=False)
+    tier.submit_store(TransferJob(1, ["k"], [0]))
+    results: list[Any] = []
+    for _ in range(10):
+        with suppress(KeyboardInterrupt):
+            results += tier.get_finished_jobs()
+    assert not armed[0]
+    assert [(r.job_id, r.success) for r in results] == [(1, True)]
+    assert [(job, leak.call, leak.error) for job, leak in tier.stats()["leaked"]] == [
+        (1, "close", "cut short by an interrupt: what it could not release is unknown")]
+    assert tier._driver._cut_short == {}
+    tier.shutdown(timeout=1)
+
+
+def test_a_ctrl_c_once_a_raising_release_is_kept_counts_its_leak_once() -> None:
+    """A descriptor list's release raised, and its leak is kept; a Ctrl-C lands as the keeping
+    returns. The leak is counted once, and the registration is deregistered on the next poll
+    as it would have been (the call was counted again as cut short, the registration kept and
+    a third leak said so)."""
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(4, 8), agent=agent)
+    agent.inject("release_dlist_handle", Raise(), times=1)
+    tier.submit_store(TransferJob(1, ["k"], [0]))
+    clean = kvfsm.driver.TransferDriver.clean.__code__
+    armed = [True]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if (armed[0] and event == "c_return" and frame.f_code is clean
+                and getattr(arg, "__name__", "") == "append"):
+            armed[0] = False
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    results: list[Any] = []
+    sys.setprofile(profile)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(10):
+                results += tier.get_finished_jobs()
+    finally:
+        sys.setprofile(None)
+    for _ in range(10):
+        results += tier.get_finished_jobs()
+    assert [(r.job_id, r.success) for r in results] == [(1, True)]
+    assert [(job, leak.call, leak.error) for job, leak in tier.stats()["leaked"]] == [
+        (1, "release_dlist_handle", "FakeNixlError: NIXL_ERR_BACKEND")]
+    assert agent.faults.count("deregister_memory") == 1 and agent.misuses == []
     tier.shutdown(timeout=1)

@@ -760,45 +760,41 @@ class SecondaryTier(JobSide):
         returned: NIXL may have released it) is a leak, never made again, and so is the
         registration under a descriptor list so cut short, which is kept. A shutdown cut
         short before these calls leaves them to the next one. (Each handle is taken with a
-        plain attribute store right before the ``try``: no call comes between, where an
-        interrupt could land with the handle taken and its call not made.)"""
+        plain attribute store right before the ``try``, and what became of it is kept without
+        a call in between, nor in the handler, which adds leaks made beforehand: an interrupt
+        never lands where a handle is taken and nothing says so, a second one neither.)"""
+        runner = self._runner
+        counted = runner.leak_count
         local = self._local
         if local is not None:
             self._local = None
             try:
-                self.agent.release_dlist_handle(local)
-            except Exception as error:
-                self._primary_leaked("release_dlist_handle", error)
-            except BaseException as interrupt:
-                self._primary_leaked("release_dlist_handle", interrupt)
+                try:
+                    self.agent.release_dlist_handle(local)
+                except Exception as error:
+                    _tier_leak(runner, Leak("release_dlist_handle",
+                                            f"{type(error).__name__}: {error}"))
+            except BaseException:
+                if runner.leak_count == counted:  # (its end not kept yet)
+                    self._dram = None  # (the list may still hold it)
+                    runner.leaks += _PRIMARY_CUT_SHORT_KEEPING
+                    runner.leak_count += len(_PRIMARY_CUT_SHORT_KEEPING)
                 raise
+        counted = runner.leak_count
         dram = self._dram
         if dram is not None:
             self._dram = None
             try:
-                self.agent.deregister_memory(dram)
-            except Exception as error:
-                self._primary_leaked("deregister_memory", error)
-            except BaseException as interrupt:
-                self._primary_leaked("deregister_memory", interrupt)
+                try:
+                    self.agent.deregister_memory(dram)
+                except Exception as error:
+                    _tier_leak(runner, Leak("deregister_memory",
+                                            f"{type(error).__name__}: {error}"))
+            except BaseException:
+                if runner.leak_count == counted:
+                    runner.leaks += _PRIMARY_CUT_SHORT
+                    runner.leak_count += len(_PRIMARY_CUT_SHORT)
                 raise
-
-    def _primary_leaked(self, call: str, error: BaseException) -> None:
-        """(:meth:`_release_primary`) ``call`` raised ``error``, or an interrupt cut it short:
-        a leak; for a descriptor list so cut short, the registration under it is kept (a leak
-        too, its call not made)."""
-        if isinstance(error, Exception):
-            self._runner.record_leaks(-1, (Leak(call, f"{type(error).__name__}: {error}"),))
-            return
-        kept = call == "release_dlist_handle" and self._dram is not None
-        if kept:
-            self._dram = None  # (the list may still hold it)
-        leaks = [Leak(call, f"cut short by {type(error).__name__}: whether NIXL released it "
-                            "is unknown, so it is not asked again")]
-        if kept:
-            leaks.append(Leak("deregister_memory", "not asked: the descriptor list on the "
-                              "registration may still hold it"))
-        self._runner.record_leaks(-1, tuple(leaks))
 
     def saturated(self, nbytes: int = 0) -> bool:
         """True when a store of ``nbytes`` bytes submitted now would be refused for the
@@ -1630,6 +1626,23 @@ def _handles(transfer: Transfer) -> list[Any]:
 
 atexit.register(_wait_at_exit)  # (after the interpreter joined its threads)
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _tier_leak(runner: Any, leak: Leak) -> None:
+    """Keep a leak of the tier's own (job -1), its entry first: a count that moved says it
+    is kept (:meth:`SecondaryTier._release_primary`)."""
+    runner.leaks += ((-1, leak),)
+    runner.leak_count += 1
+
+
+#: the leaks of the primary cache's release calls an interrupt cut short, made beforehand
+_PRIMARY_CUT_SHORT_KEEPING = (
+    (-1, Leak("release_dlist_handle", "cut short by an interrupt: whether NIXL released it is "
+              "unknown, so it is not asked again")),
+    (-1, Leak("deregister_memory", "not asked: the descriptor list on the registration may "
+              "still hold it")))
+_PRIMARY_CUT_SHORT = ((-1, Leak("deregister_memory", "cut short by an interrupt: whether NIXL "
+                                "released it is unknown, so it is not asked again")),)
 
 
 def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Collection[Transfer],
