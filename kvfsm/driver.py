@@ -435,9 +435,13 @@ class TransferDriver:
 
         An interrupt during the call leaves the handle on the transfer, and a later round
         releases it: leaving its descriptors registered under a handle that may still hold them
-        would be worse. (One that lands after NIXL released it but before this method noted it
-        makes that later call a second one, which NIXL's Python wrapper ignores: its handle
-        keeps a released flag.)
+        would be worse. One that lands as the call returns, NIXL having released it, left it
+        on the transfer too, so the later round asked NIXL to release it again (the fake agent
+        and the FaultyAgent refused that, and the release was tried again on every poll for
+        good): a handle whose own released flag is set (NIXL's Python wrapper keeps one,
+        ``_released``, as the fake's handles do) is not handed to NIXL again. (One landing
+        inside NIXL's wrapper, between its release and its flag, is a window kvfsm cannot
+        close.)
         """
         xfer = transfer.xfer
         if xfer is None:
@@ -445,7 +449,8 @@ class TransferDriver:
         try:
             if transfer.split is not None:  # the others first, each once (one that raised
                 self._release_others(transfer.split)  # is tried again with those after it)
-            self.agent.release_xfer_handle(xfer)
+            if not getattr(xfer, "_released", False):
+                self.agent.release_xfer_handle(xfer)
         except Exception as error:  # still held: retried on a later round
             return Outcome(Answer.RAISED,
                            CallFailed("release_xfer_handle", error.with_traceback(None)))
@@ -458,7 +463,8 @@ class TransferDriver:
         (none runs: the job is over only once every posted one is)."""
         release, handles = self.agent.release_xfer_handle, split.handles
         while handles:
-            release(handles[-1])
+            if not getattr(handles[-1], "_released", False):  # (as in :meth:`release`)
+                release(handles[-1])
             handles.pop()  # released: never handed to NIXL again
 
     def clean(self, transfer: Transfer) -> Outcome:

@@ -998,3 +998,39 @@ def test_a_ctrl_c_once_a_raising_release_is_kept_counts_its_leak_once() -> None:
         (1, "release_dlist_handle", "FakeNixlError: NIXL_ERR_BACKEND")]
     assert agent.faults.count("deregister_memory") == 1 and agent.misuses == []
     tier.shutdown(timeout=1)
+
+
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_a_ctrl_c_as_a_transfer_handles_release_returns_never_releases_it_again(
+        blocks: int) -> None:
+    """A Ctrl-C lands as NIXL's release of a transfer handle returns (NIXL released it; a job
+    of two blocks has a handle per block). The next poll goes on without asking NIXL to
+    release it again (it did, on every poll: the fake agent refused each as a misuse, and
+    the job was never published)."""
+    method = (kvfsm.driver.TransferDriver._release_others if blocks > 1
+              else kvfsm.driver.TransferDriver.release)
+    agent = FakeNixlAgent(complete_after_polls=1)
+    tier = ObjectStoreTier(torch.zeros(8, 8), agent=agent)
+    tier.submit_store(TransferJob(1, [f"k{b}" for b in range(blocks)], list(range(blocks))))
+    armed = [True]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if (armed[0] and event == "return" and frame.f_code.co_name == "release_xfer_handle"
+                and frame.f_back is not None and frame.f_back.f_code is method.__code__):
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    results: list[Any] = []
+    sys.setprofile(profile)
+    try:
+        for _ in range(3):
+            with suppress(KeyboardInterrupt):
+                results += tier.get_finished_jobs()
+    finally:
+        sys.setprofile(None)
+    assert not armed[0]
+    tier.drain_jobs(timeout=5)
+    results += tier.get_finished_jobs()
+    assert [(r.job_id, r.success) for r in results] == [(1, True)]
+    assert agent.faults.count("release_xfer_handle") == blocks and agent.misuses == []
+    tier.shutdown(timeout=1)
