@@ -1039,9 +1039,13 @@ class Runner(Books):
         heapq.heapify(self._backing_off)
 
     def record_leaks(self, job_id: int, leaks: Sequence[Leak]) -> None:
-        """Count ``leaks`` and keep the most recent ones (job -1: the tier's own)."""
-        self.leak_count += len(leaks)
-        self.leaks.extend((job_id, leak) for leak in leaks)
+        """Count ``leaks`` and keep the most recent ones (job -1: the tier's own). The entries
+        and the count change with no call between them, so an interrupt finds both changed
+        or neither (a count that moved says the leaks are kept: the tier's release of the
+        primary cache reads it)."""
+        count, entries = len(leaks), tuple((job_id, leak) for leak in leaks)
+        self.leaks += entries
+        self.leak_count += count
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -43,6 +43,8 @@ from kvfsm.contract import (
     take,
 )
 from kvfsm.driver import (
+    _CUT_SHORT,
+    _CUT_SHORT_KEEPING_FILES,
     CLEANED,
     DONE,
     RELEASED,
@@ -772,13 +774,13 @@ class SecondaryTier(JobSide):
                 try:
                     self.agent.release_dlist_handle(local)
                 except Exception as error:
-                    _tier_leak(runner, Leak("release_dlist_handle",
-                                            f"{type(error).__name__}: {error}"))
+                    runner.record_leaks(-1, (Leak("release_dlist_handle",
+                                                  f"{type(error).__name__}: {error}"),))
             except BaseException:
                 if runner.leak_count == counted:  # (its end not kept yet)
                     self._dram = None  # (the list may still hold it)
                     runner.leaks += _PRIMARY_CUT_SHORT_KEEPING
-                    runner.leak_count += len(_PRIMARY_CUT_SHORT_KEEPING)
+                    runner.leak_count += 2  # (its two leaks: no call here, len() neither)
                 raise
         counted = runner.leak_count
         dram = self._dram
@@ -788,12 +790,12 @@ class SecondaryTier(JobSide):
                 try:
                     self.agent.deregister_memory(dram)
                 except Exception as error:
-                    _tier_leak(runner, Leak("deregister_memory",
-                                            f"{type(error).__name__}: {error}"))
+                    runner.record_leaks(-1, (Leak("deregister_memory",
+                                                  f"{type(error).__name__}: {error}"),))
             except BaseException:
                 if runner.leak_count == counted:
                     runner.leaks += _PRIMARY_CUT_SHORT
-                    runner.leak_count += len(_PRIMARY_CUT_SHORT)
+                    runner.leak_count += 1
                 raise
 
     def saturated(self, nbytes: int = 0) -> bool:
@@ -1628,21 +1630,10 @@ atexit.register(_wait_at_exit)  # (after the interpreter joined its threads)
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
-def _tier_leak(runner: Any, leak: Leak) -> None:
-    """Keep a leak of the tier's own (job -1), its entry first: a count that moved says it
-    is kept (:meth:`SecondaryTier._release_primary`)."""
-    runner.leaks += ((-1, leak),)
-    runner.leak_count += 1
-
-
 #: the leaks of the primary cache's release calls an interrupt cut short, made beforehand
-_PRIMARY_CUT_SHORT_KEEPING = (
-    (-1, Leak("release_dlist_handle", "cut short by an interrupt: whether NIXL released it is "
-              "unknown, so it is not asked again")),
-    (-1, Leak("deregister_memory", "not asked: the descriptor list on the registration may "
-              "still hold it")))
-_PRIMARY_CUT_SHORT = ((-1, Leak("deregister_memory", "cut short by an interrupt: whether NIXL "
-                                "released it is unknown, so it is not asked again")),)
+#: (the driver's, as the tier's own: job -1)
+_PRIMARY_CUT_SHORT_KEEPING = tuple((-1, leak) for leak in _CUT_SHORT_KEEPING_FILES)
+_PRIMARY_CUT_SHORT = tuple((-1, leak) for leak in _CUT_SHORT["deregister_memory"])
 
 
 def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Collection[Transfer],
