@@ -359,6 +359,60 @@ def test_a_step_retried_in_place_fails_its_job_only_when_given_up() -> None:
     assert [(v.invariant, v.job_id) for v in violations] == [(Invariant.OUTCOME, 0)]
 
 
+def test_a_step_failing_out_of_a_state_named_a_failure_state_is_its_jobs_failure() -> None:
+    """A user names a step's own state a failure state too (it only changes the drawing):
+    the step's failing answers were then not counted as failing, since the drawing's rule
+    skips the edges out of a failure state, and a MISMATCH that failed a load on the path
+    with no fault injected was reported as a violation. An answer whose edge enters a
+    failure state is a failing answer, wherever it starts."""
+    from examples.verify_lifecycle import Checksums  # noqa: PLC0415
+
+    declared = _verify_machine("verify_failure_state", "VERIFYING", "FAILED")
+    named = TRANSFER_MACHINE.extend(
+        "verifying_failure_state", states=["VERIFYING"],
+        replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
+                 ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+        answers=dict(declared.answers), guards={
+            name: accepted for name, accepted in declared.guards.items()
+            if name in ("matched", "mismatch", "raised", "spent")},
+        transitions=[{"trigger": e.event, "source": e.source, "dest": e.dest,
+                      "conditions": e.conditions[0], "after": list(e.actions)}
+                     for e in declared.edges if e.source == "VERIFYING" and e.conditions]
+        + [{"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
+        effects={"VERIFYING": "verify"}, calls={"verify": "crc32"},
+        failure_states=["VERIFYING"])
+    path = parse_path("mode=1;check_xfer_state:proc=2@3")  # a load verified before its store
+    _, violations, taken = replay(path, named, steps={"verify": Checksums()})
+    assert taken["VERIFYING -verify[mismatch]-> FAILED"] == 1
+    assert violations == []
+
+
+def test_a_cancel_failing_a_job_nixl_finished_is_reported_with_the_cancels_promise() -> None:
+    """A lifecycle whose cancel fails a job once NIXL finished its transfer breaks the tier's
+    promise (a transfer that ended keeps its outcome); the violation says that a cancel came
+    after NIXL's end, not only that NIXL finished it."""
+    from examples.verify_lifecycle import Checksums  # noqa: PLC0415
+
+    declared = _verify_machine("verify_cancel", "VERIFYING", "FAILED")
+    fails = TRANSFER_MACHINE.extend(
+        "verify_cancel_fails", states=["VERIFYING"],
+        replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
+                 ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+        answers=dict(declared.answers), guards=dict(declared.guards),
+        transitions=[{"trigger": e.event, "source": e.source, "dest": e.dest,
+                      "conditions": e.conditions[0], "after": list(e.actions)}
+                     for e in declared.edges if e.source == "VERIFYING" and e.conditions]
+        + [{"trigger": "cancel", "source": "VERIFYING", "dest": "FAILED",
+            "after": "latch_cancelled"}],
+        effects={"VERIFYING": "verify"}, calls={"verify": "crc32"})
+    # a Ctrl-C cuts the first verify short: job 1, NIXL's transfer over, is cancelled there
+    _, violations, _ = replay(parse_path("mode=1;verify:interrupt@1"), fails,
+                              steps={"verify": Checksums()})
+    assert [(v.invariant, v.job_id) for v in violations] == [(Invariant.OUTCOME, 1)]
+    assert "then it was cancelled, which keeps the outcome of a transfer that ended" in (
+        violations[0].detail)
+
+
 def test_a_best_effort_step_after_the_outcome_is_latched_decides_nothing() -> None:
     """A notice sent after the cleanup, whose failure the lifecycle lets go by (as the shipped
     one lets a leaked cleanup go by), was reported as failing its job."""

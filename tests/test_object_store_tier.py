@@ -506,6 +506,29 @@ def test_object_keys_name_the_block_key(primary: torch.Tensor, agent: FakeNixlAg
     tier.shutdown()
 
 
+@pytest.mark.parametrize("capacity", [None, 4 * 256])
+@pytest.mark.parametrize(("keys", "message"), [
+    (["x", 3], "bytes or str, got int 3"),
+    ([None], "bytes or str, got NoneType"),
+    ([""], "must not be empty"),
+    ([b""], "must not be empty"),
+    ([["nested"]], "bytes or str, got list"),
+])
+def test_touch_refuses_a_bad_key_with_or_without_a_capacity(
+    primary: torch.Tensor, agent: FakeNixlAgent, capacity: int | None, keys: list[Any],
+    message: str,
+) -> None:
+    """touch() says it refuses a key that is not a non-empty str or bytes; without a capacity
+    it took any (only a tier counting its blocks named them), so an engine's wrong keys went
+    unnoticed until a capacity was set."""
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=capacity,
+                           remove=None if capacity is None else (lambda names: 0))
+    with pytest.raises(ValueError, match=message):
+        tier.touch(keys)
+    tier.touch(["fine", b"also-fine"])  # (keys the tier does not hold: ignored)
+    tier.shutdown()
+
+
 def test_a_subclass_that_names_its_objects_is_obeyed_by_transfers_and_lookups(
     primary: torch.Tensor, agent: FakeNixlAgent
 ) -> None:

@@ -228,6 +228,9 @@ class _Job:
     results: list[JobResult] = field(default_factory=list)
     #: cancelled while NIXL still ran it: its outcome must be failure
     cancelled_running: bool = False
+    #: cancelled once NIXL had said its transfer ended: its outcome stands (a cancel of a
+    #: transfer that ended keeps its outcome, as the tier's cancel promises)
+    cancelled_over: bool = False
     #: given up by the running bound while NIXL ran it (its state check's EXHAUSTED): its
     #: outcome must be failure, whatever NIXL said after (a lifecycle may wait for NIXL's end)
     given_up_running: bool = False
@@ -603,6 +606,13 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
         taken = table.get(transfer.state, {}).get(name, {}).get(answer)
         return taken is None or taken.dest is not transfer.state
 
+    def into_failure(transfer: Any, name: str, answer: Any) -> bool:
+        """Whether this answer of step ``name`` takes the transfer into a failure state: a
+        failing answer too where the drawing's rule does not count it, on an edge out of a
+        state the machine also names a failure state (a step's own state, say)."""
+        taken = table.get(transfer.state, {}).get(name, {}).get(answer)
+        return taken is not None and taken.dest in machine.failure_states
+
     def watched(name: str, step: StepFunction) -> StepFunction:
         def run(transfer: Any, primary: Any) -> Any:
             agent.calls.append(name)
@@ -640,7 +650,8 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
                                  else f"{name} returned what the tier cannot read: "
                                       f"{_described(error)}")
                 answer = Answer.RAISED
-            if seen is not None and (answer in failing or answer is Answer.RAISED) \
+            if seen is not None and (answer in failing or answer is Answer.RAISED
+                                     or into_failure(transfer, name, answer)) \
                     and decides(transfer, name, answer):
                 seen.step_failed = True
             return answered
@@ -688,6 +699,7 @@ def _cancel(agent: _WatchedAgent, tier: SecondaryTier, job_id: int) -> None:
         # NIXL said it is over, and a Ctrl-C cut short the poll that heard it: to the tier
         # it still runs (it asks again); a cancel now is of a running transfer
         seen.unheard and tier.state_of(job_id) in tier._runner.running_states)
+    seen.cancelled_over = seen.cancelled_over or not seen.cancelled_running
     try:
         tier.cancel(job_id)
     except Exception as error:
@@ -725,6 +737,9 @@ def _published(agent: _WatchedAgent, result: JobResult, violations: list[Violati
                 "transfer failed", None: "NIXL had not said the transfer ended"}[job.outcome]
         if job.cancelled_running:
             what += ", after it was cancelled while running"
+        elif job.cancelled_over and job.outcome and not result.success:
+            what += (", then it was cancelled, which keeps the outcome of a transfer that "
+                     "ended (the tier's cancel: it is never recomputed)")
         if job.given_up_running:
             what += ", after the running bound gave it up"
         if job.held:

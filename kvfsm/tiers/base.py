@@ -867,9 +867,8 @@ class SecondaryTier(JobSide):
             ValueError: a key is not a non-empty str or bytes; nothing was counted.
         """
         holdings = self._holdings
-        _key_list(keys, "touch")
-        if holdings is not None:
-            names = self._remote_names(keys)
+        names = self._remote_names(_key_list(keys, "touch"))  # (checked with or without a
+        if holdings is not None:  # capacity: a bad key is refused whatever the tier counts)
             lock = self._lock
             if not take(lock, 0.0):  # (a deadline passed: only if it is free)
                 for name in names:
