@@ -321,6 +321,52 @@ def test_a_failed_load_writes_nothing_into_its_blocks_once_its_failure_is_publis
     assert changed == [], f"NIXL wrote into blocks {changed} after the failure was published"
 
 
+def logged(caplog: pytest.LogCaptureFixture, text: str, timeout: float = 15) -> str:
+    """The first record logged that holds ``text``, waited for (a thread of the tier's logs
+    it); fails the test when none came by ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [r.getMessage() for r in caplog.records if text in r.getMessage()]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no record holding {text!r} within {timeout} s: "
+                         f"{[r.getMessage() for r in caplog.records]}")
+
+
+def test_a_request_the_store_refused_says_where_it_went_and_the_bucket_is_checked(
+    s3_server: S3Server, tiers: list[SecondaryTier], caplog: pytest.LogCaptureFixture
+) -> None:
+    """NIXL's OBJ backend fails a load of an object that is not there and a store into a
+    bucket that is gone alike: ``nixlBackendError: NIXL_ERR_BACKEND``, all a job's reason
+    said. It now names the request's object, bucket and endpoint, and a check of the bucket
+    after the failure logs which of the two it was."""
+    caplog.set_level("WARNING", logger="kvfsm")
+    cache = torch.zeros(4, 4096, dtype=torch.uint8)
+    bucket = s3_server.new_bucket()
+    tier = ObjectStoreTier(cache, store=s3_server.config(bucket))
+    tiers.append(tier)
+    tier.submit_load(TransferJob(1, ["never-stored"], [0], is_promotion=True))
+    reason = str(collect(tier, 1)[1].reason)
+    assert reason.startswith("check_xfer_state raised nixlBackendError: NIXL_ERR_BACKEND, for "
+                             f"object '4096-bytes/never-stored' in bucket {bucket!r} at "
+                             f"{s3_server.endpoint} (NIXL's OBJ backend says no more: the "
+                             "object may not be there"), reason
+    assert f"bucket {bucket!r} at {s3_server.endpoint} answers (it is there)" in logged(
+        caplog, "the load of job 1 failed with NIXL_ERR_BACKEND; the bucket check after it")
+
+    gone = s3_server.new_bucket()
+    other = ObjectStoreTier(cache, store=s3_server.config(gone))
+    tiers.append(other)
+    s3_server.client().delete_bucket(Bucket=gone)
+    other.submit_store(TransferJob(2, ["k1", "k2"], [1, 2]))
+    reason = str(collect(other, 1)[2].reason)
+    assert (f"for 2 objects ('4096-bytes/k1', ...) in bucket {gone!r} at {s3_server.endpoint}"
+            " (NIXL's OBJ backend says no more: the bucket may be missing") in reason, reason
+    assert f"bucket {gone!r} at {s3_server.endpoint} does not exist (HTTP 404)" in logged(
+        caplog, "the store of job 2 failed with NIXL_ERR_BACKEND; the bucket check after it")
+
+
 def wait_for_lookup(tier: SecondaryTier, key: str, timeout: float = 30) -> Lookup:
     deadline = time.monotonic() + timeout
     answer = tier.lookup(key)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import os
 import re
 import threading
@@ -32,7 +34,7 @@ from kvfsm.tiers.base import (
     logger,
 )
 from kvfsm.tiers.holdings import check_remove, removal_failures
-from kvfsm.transfer import Transfer
+from kvfsm.transfer import FailureKind, Transfer
 
 __all__ = ["ObjectStoreTier", "s3_deleter"]
 
@@ -110,6 +112,85 @@ class _Objects(StorageSide):
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         size, dev_ids = self.block_bytes, _dev_ids
         return [(0, size, next(dev_ids) % _DEV_ID_SPACE, name) for name in transfer.names]
+
+
+#: the calls that carry an OBJ request's outcome: a failure there is the store's answer
+_OBJ_REQUESTS = frozenset({"transfer", "check_xfer_state"})
+#: seconds between two bucket checks after failed requests (one at a time)
+EXPLAIN_EVERY = 10.0
+#: how long a bucket check after a failed request waits for the store's answer
+EXPLAIN_TIMEOUT = 5.0
+_SAYS_NO_MORE = "NIXL's OBJ backend says no more"
+
+
+class _Explainer:
+    """A job the OBJ backend failed: NIXL says ``NIXL_ERR_BACKEND`` whatever the store
+    answered (an object that is not there, a bucket that is not, refused credentials, a
+    server error), so the job's reason also names where its request went (its objects, the
+    bucket and the endpoint); and, for a tier built from a :class:`StoreConfig`, a check of the
+    bucket on a thread of its own (one at a time, at most one every :data:`EXPLAIN_EVERY`
+    seconds, each within :data:`EXPLAIN_TIMEOUT`) logs what the store answers. Holds no
+    reference to its tier (a book of the tier's runner: no cycle keeps a tier alive)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.endpoint = (None if store is None else
+                         store.endpoint or f"https://s3.{store.region}.amazonaws.com")
+        self.where = "" if store is None else f" in bucket {store.bucket!r} at {self.endpoint}"
+        self._lock = threading.Lock()
+        self._next_at = 0.0
+        self.checks = 0  # bucket checks started
+
+    def __call__(self, transfer: Transfer) -> None:
+        reason = transfer.reason
+        if (reason is None or reason.kind is not FailureKind.RAISED
+                or reason.call not in _OBJ_REQUESTS
+                or not (reason.error_type or "").startswith("nixl")
+                or _SAYS_NO_MORE in reason.error):  # (told already: books run twice)
+            return
+        names, load = transfer.names, transfer.job.is_promotion
+        objects = (f"object {names[0]!r}" if len(names) == 1 else
+                   f"{len(names)} objects ({names[0]!r}, ...)")
+        transfer.reason = dataclasses.replace(reason, error=(
+            f"{reason.error}, for {objects}{self.where} ({_SAYS_NO_MORE}: "
+            + ("the object may not be there, " if load else "")
+            + "the bucket may be missing or unreachable, or the credentials refused"
+            + ("; the tier logs what a check of the bucket finds)" if self.store else ")")))
+        if self.store is not None:
+            self._check(transfer.job_id, "load" if load else "store")
+
+    def _check(self, job_id: int, kind: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next_at:
+                return
+            self._next_at = math.inf  # until the check is over, then EXPLAIN_EVERY more
+            self.checks += 1
+        threading.Thread(target=self._check_bucket, args=(job_id, kind),
+                         name="kvfsm-obj-explain", daemon=True).start()
+
+    def _check_bucket(self, job_id: int, kind: str) -> None:
+        from kvfsm.nixl_agents import BucketUnreachable, check_bucket  # noqa: PLC0415
+
+        try:
+            check_bucket(self.store, EXPLAIN_TIMEOUT)
+        except BucketUnreachable as error:
+            logger.error("ObjectStoreTier: the %s of job %d failed with NIXL_ERR_BACKEND; "
+                         "the bucket check after it: %s", kind, job_id, error)
+        except Exception as error:
+            logger.warning("ObjectStoreTier: the %s of job %d failed with NIXL_ERR_BACKEND; "
+                           "the bucket check after it raised %s: %s", kind, job_id,
+                           type(error).__name__, error)
+        else:
+            logger.warning("ObjectStoreTier: the %s of job %d failed with NIXL_ERR_BACKEND; "
+                           "the bucket check after it: bucket %r at %s answers (it is there),"
+                           " so the store refused the request itself (%s)", kind, job_id,
+                           self.store.bucket, self.endpoint,
+                           "its object may not be there, or the credentials were refused"
+                           if kind == "load" else "the credentials, or a server error")
+        finally:
+            with self._lock:
+                self._next_at = time.monotonic() + EXPLAIN_EVERY
 
 
 class _Prober:
@@ -678,6 +759,9 @@ class ObjectStoreTier(SecondaryTier):
         self._prober.settle_seconds = SETTLE_SECONDS if made_probe else 0.0
         # a tier dropped without shutdown() stops its prober (never waiting for it)
         weakref.finalize(self, self._prober.stop, 0.0)
+        #: explains the failures of requests NIXL's OBJ backend tells nothing of
+        self._explainer = _Explainer(store)
+        self._runner.on_failed.append(self._explainer)
         _warn_of_the_running_bound(self.policy)
 
     #: seconds a MISS found by a probe is believed before the store is asked again
