@@ -368,7 +368,8 @@ def test_an_object_store_that_refuses_the_credentials_fails_the_demo_and_says_wh
     out = capsys.readouterr().out
     assert "results: 2 stores (2 failed), 2 loads (2 failed)" in out
     assert re.search(r"^ +2 stores: (transfer|check_xfer_state) raised nixl\w+: NIXL_ERR_\w+ "
-                     r"\(NOT injected\)$", out, re.M), out
+                     r"\(NIXL's OBJ backend says no more: the bucket may be missing or "
+                     r"unreachable, or the credentials refused\) \(NOT injected\)$", out, re.M), out
     assert "failed for a reason that was not injected" in out
 
 

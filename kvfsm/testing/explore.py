@@ -1094,18 +1094,51 @@ def explore(
     found.taken = {(step.edge, step.answer.name): 0
                    for step in machine.compile(listen=False).steps()}
     found.unreachable = frozenset(state.name for state in machine.unreachable)
-    compiled: list[CompiledMachine[Any, Any]] = []
+    with _HeldBack() as held:
+        _explore(found, held.of(machine), machine, steps, parent, max_faults, max_stall,
+                 max_calls, max_polls, stop_at_first, progress)
+        held.counted = found.ok
+    return found
 
-    def listen(made: CompiledMachine[Any, Any]) -> None:
-        if made.declaration is machine:
-            compiled.append(made)
 
-    COMPILE_LISTENERS.append(listen)
-    try:
-        return _explore(found, compiled, machine, steps, parent, max_faults, max_stall,
-                        max_calls, max_polls, stop_at_first, progress)
-    finally:
-        COMPILE_LISTENERS.remove(listen)
+class _HeldBack:
+    """While an exploration (or a replay) runs, the machines its paths' tiers compile are
+    kept here, and the other listeners (transition coverage) are told of them once it is
+    over, only if it found no violation (:attr:`counted`): the transitions a machine breaking
+    an invariant took (a broken variant, a step given wrongly, explored by a test that expects
+    the violation) are no transitions tested. (A machine another thread compiles meanwhile is
+    held back with them.)"""
+
+    def __init__(self) -> None:
+        self.made: list[CompiledMachine[Any, Any]] = []
+        self.counted = False
+        self._others: list[Callable[[CompiledMachine[Any, Any]], None]] = []
+        self._of: list[tuple[Declaration[Any, Any], list[CompiledMachine[Any, Any]]]] = []
+
+    def of(self, machine: Declaration[Any, Any]) -> list[CompiledMachine[Any, Any]]:
+        """The compiled machines of ``machine`` among those made, as they are made."""
+        compiled: list[CompiledMachine[Any, Any]] = []
+        self._of.append((machine, compiled))
+        return compiled
+
+    def _listen(self, made: CompiledMachine[Any, Any]) -> None:
+        self.made.append(made)
+        for machine, compiled in self._of:
+            if made.declaration is machine:
+                compiled.append(made)
+
+    def __enter__(self) -> _HeldBack:
+        self._others = list(COMPILE_LISTENERS)
+        COMPILE_LISTENERS[:] = [self._listen]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        added = [other for other in COMPILE_LISTENERS if other != self._listen]
+        COMPILE_LISTENERS[:] = self._others + added  # (any listener added meanwhile kept)
+        if self.counted and exc[0] is None:
+            for made in self.made:
+                for other in self._others:
+                    other(made)
 
 
 def _explore(found: Exploration, compiled: list[CompiledMachine[Any, Any]],
@@ -1258,9 +1291,12 @@ def replay(path: Path, machine: Declaration[Any, Any] = TRANSFER_MACHINE,
            max_polls: int = 40, *, parent: bool = False,
            steps: dict[str, StepFunction] | None = None,
            ) -> tuple[list[str], list[Violation], dict[str, int]]:
-    """Run one path again: the calls made, the violations, and the transitions taken."""
-    calls, violations, tier, _ = (_run_with_parent if parent else _run)(path, machine,
-                                                                        max_polls, steps)
+    """Run one path again: the calls made, the violations, and the transitions taken (told
+    to transition coverage only if the path violated nothing, as :func:`explore`'s)."""
+    with _HeldBack() as held:
+        calls, violations, tier, _ = (_run_with_parent if parent else _run)(path, machine,
+                                                                            max_polls, steps)
+        held.counted = not violations
     taken = {f"{e.source} -{e.event}[{e.guard_label}]-> {e.dest}": n
              for e, n in tier.machine.transition_counts().items() if n}
     return calls, violations, taken

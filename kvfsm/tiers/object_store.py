@@ -124,19 +124,22 @@ _SAYS_NO_MORE = "NIXL's OBJ backend says no more"
 
 
 class _Explainer:
-    """A job the OBJ backend failed: NIXL says ``NIXL_ERR_BACKEND`` whatever the store
-    answered (an object that is not there, a bucket that is not, refused credentials, a
-    server error), so the job's reason also names where its request went (its objects, the
-    bucket and the endpoint); and, for a tier built from a :class:`StoreConfig`, a check of the
-    bucket on a thread of its own (one at a time, at most one every :data:`EXPLAIN_EVERY`
-    seconds, each within :data:`EXPLAIN_TIMEOUT`) logs what the store answers. Holds no
-    reference to its tier (a book of the tier's runner: no cycle keeps a tier alive)."""
+    """A job real NIXL's OBJ backend failed: NIXL says ``nixlBackendError: NIXL_ERR_BACKEND``
+    whatever the store answered (an object that is not there, a bucket that is not, refused
+    credentials, a server error), so the job's reason also says what it may have been, and
+    where the request went (the bucket and the endpoint, for a tier built from a
+    :class:`StoreConfig`; in the same words for every job of a kind, so failures group by
+    them); for such a tier a check of the bucket, on a thread of its own (one at a time, at
+    most one every :data:`EXPLAIN_EVERY` seconds, each within :data:`EXPLAIN_TIMEOUT`), logs
+    what the store answers. Holds no reference to its tier (a book of the tier's runner: no
+    cycle keeps a tier alive)."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
         self.endpoint = (None if store is None else
                          store.endpoint or f"https://s3.{store.region}.amazonaws.com")
-        self.where = "" if store is None else f" in bucket {store.bucket!r} at {self.endpoint}"
+        self.where = ("" if store is None
+                      else f"a request to bucket {store.bucket!r} at {self.endpoint}; ")
         self._lock = threading.Lock()
         self._next_at = 0.0
         self.checks = 0  # bucket checks started
@@ -145,15 +148,13 @@ class _Explainer:
         reason = transfer.reason
         if (reason is None or reason.kind is not FailureKind.RAISED
                 or reason.call not in _OBJ_REQUESTS
-                or not (reason.error_type or "").startswith("nixl")
+                or reason.error_type != "nixlBackendError"
                 or _SAYS_NO_MORE in reason.error):  # (told already: books run twice)
             return
-        names, load = transfer.names, transfer.job.is_promotion
-        objects = (f"object {names[0]!r}" if len(names) == 1 else
-                   f"{len(names)} objects ({names[0]!r}, ...)")
-        transfer.reason = dataclasses.replace(reason, error=(
-            f"{reason.error}, for {objects}{self.where} ({_SAYS_NO_MORE}: "
-            + ("the object may not be there, " if load else "")
+        load = transfer.job.is_promotion  # (the same words for every job of a kind: failures
+        transfer.reason = dataclasses.replace(reason, error=(  # are told apart by them)
+            f"{reason.error} ({self.where}{_SAYS_NO_MORE}: "
+            + ("an object may not be there, " if load else "")
             + "the bucket may be missing or unreachable, or the credentials refused"
             + ("; the tier logs what a check of the bucket finds)" if self.store else ")")))
         if self.store is not None:
@@ -759,9 +760,9 @@ class ObjectStoreTier(SecondaryTier):
         self._prober.settle_seconds = SETTLE_SECONDS if made_probe else 0.0
         # a tier dropped without shutdown() stops its prober (never waiting for it)
         weakref.finalize(self, self._prober.stop, 0.0)
-        #: explains the failures of requests NIXL's OBJ backend tells nothing of
+        #: explains the failures of requests NIXL's OBJ backend tells nothing of (real NIXL's)
         self._explainer = _Explainer(store)
-        self._runner.on_failed.append(self._explainer)
+        self._runner.on_failed += [self._explainer] * self._on_nixl
         _warn_of_the_running_bound(self.policy)
 
     #: seconds a MISS found by a probe is believed before the store is asked again
