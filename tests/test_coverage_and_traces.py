@@ -339,3 +339,35 @@ def test_a_trace_of_a_users_lifecycle_replays_alike_whatever_the_hash_seed(
             text=True, timeout=60, check=False)
         assert replayed.returncode == 0, (seed, replayed.stdout, replayed.stderr)
         assert "1 traces (6 steps) replay clean" in replayed.stdout
+
+
+def test_an_exploration_or_replay_that_found_a_violation_counts_no_transition_as_tested(
+) -> None:
+    """A test that explores a broken step on purpose (and asserts the violation) counted every
+    transition its paths took as tested: with one such test in a suite, the coverage table of
+    the machine read 21 of 33 taken, and ``--kvfsm-coverage-fail`` came near to passing. An
+    exploration, or a replay, now counts only if it found no violation."""
+    from examples.verify_lifecycle import VERIFY_MACHINE, Checksums  # noqa: PLC0415
+    from kvfsm.testing.coverage import TransitionCoverage  # noqa: PLC0415
+    from kvfsm.testing.explore import explore, parse_path  # noqa: PLC0415
+    from kvfsm.testing.explore import replay as replay_path  # noqa: PLC0415
+
+    coverage = TransitionCoverage({"verify": VERIFY_MACHINE})
+    coverage.start()
+    try:
+        broken = explore(VERIFY_MACHINE, steps={"verify": Checksums},  # the class: it raises
+                         max_faults=0)
+        assert broken.counterexample is not None
+        _, violations, _ = replay_path(broken.counterexample, VERIFY_MACHINE,
+                                       steps={"verify": Checksums})
+        assert violations
+        assert sum(coverage.counts(VERIFY_MACHINE).values()) == 0
+        assert explore(VERIFY_MACHINE, steps={"verify": Checksums()}, max_faults=0).ok
+        counted = coverage.counts(VERIFY_MACHINE)
+        assert sum(counted.values()) > 0
+        _, violations, _ = replay_path(parse_path("mode=1"), VERIFY_MACHINE,
+                                       steps={"verify": Checksums()})
+        assert violations == []
+        assert sum(coverage.counts(VERIFY_MACHINE).values()) > sum(counted.values())
+    finally:
+        coverage.stop()
