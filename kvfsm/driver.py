@@ -668,8 +668,8 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     give-up edge; a running state is left before NIXL's end (a cancel, a give-up) only for a
     running state, or by a give-up (EXHAUSTED) for a final failure state; every way into a
     final state that is no failure state passes a ``release`` NIXL answered OK (F2); a final
-    failure state is entered before it on a step's answer only by giving up; and every way
-    from the release into a final state passes a ``clean`` (F8).
+    failure state is entered before it on a step's answer or a cancel only by giving up; and
+    every way from the release into a final state passes a ``clean`` (F8).
 
     Raises:
         MachineRefused: one line naming the machine, the state and what is missing.
@@ -871,10 +871,11 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
       result published before its transfer handle is released lets the engine reuse memory
       NIXL may still use, F2);
     - a final failure state entered before the release (the handle held for good, and the
-      primary cache's registration with it: quarantined) on a step of the machine's own only
-      by giving up (EXHAUSTED): NIXL's transfer is over, and one that merely failed the step
-      would hold them for nothing (on NIXL's answers, a release that raised, a cancel, it
-      is the lifecycle's choice to hold them);
+      primary cache's registration with it: quarantined) on a step of the machine's own, or
+      on a cancel, only by giving up (EXHAUSTED): NIXL's transfer is over (a cancel of one
+      NIXL runs goes to a running state: :func:`_check_running_left_when_over`), and a step
+      that merely failed, or a cancel, would hold them for nothing (on NIXL's answers, a
+      release that raised, it is the lifecycle's choice to hold them);
     - and none past the release without its ``clean`` (its descriptors and registrations would
       leak, F8).
     """
@@ -895,8 +896,8 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
                     after = cleaned
                 dest = step.dest
                 if dest in final and (after == released or (after == held and (
-                        dest not in held_ok or (answer is not Answer.EXHAUSTED
-                                                and event not in _TIER_EVENTS)))):
+                        dest not in held_ok or (answer is not Answer.EXHAUSTED and (
+                            event not in _TIER_EVENTS or event == TransferEvent.CANCEL))))):
                     way = [dest, state]
                     back = before[here]
                     while back is not None:
@@ -915,11 +916,15 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
                         "the state a failure state: its transfer's handles are then held for "
                         "good)" if dest not in held_ok else
                         f"{dest.name}, a final failure state, is entered holding the transfer "
-                        f"handle on the step {event!r} answering {answer.name} ({path}): "
-                        "NIXL's transfer is over, yet it would hold its handles, and the "
-                        "primary cache's registration, for good (quarantined); lead the "
-                        "step's failure through the release (to FAILED, say), or into this "
-                        "state only on EXHAUSTED (its tries given up)"))
+                        f"handle on {'a ' if event == TransferEvent.CANCEL else 'the step '}"
+                        f"{getattr(event, 'value', event)!r} answering {answer.name} ({path}):"
+                        " NIXL's transfer is over, "
+                        "yet it would hold its handles, and the primary cache's registration, "
+                        "for good (quarantined); lead the "
+                        + ("cancel elsewhere (a stay keeps the job's outcome; FAILED, say, "
+                           "fails it through the release)" if event == TransferEvent.CANCEL
+                           else "step's failure through the release (to FAILED, say), or into "
+                           "this state only on EXHAUSTED (its tries given up)")))
                 if (dest, after) not in before:
                     before[(dest, after)] = here
                     queue.append((dest, after))

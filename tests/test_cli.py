@@ -691,6 +691,26 @@ def test_kvfsm_explore_reports_a_broken_users_machine_with_a_command_that_replay
     assert "RELEASE_BEFORE_PUBLISH" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("path", "says"), [
+    # an unset variable in a script: it explored every path, and exited 0
+    ("", "a path starts with mode=N; got ''"),
+    # a user machine's path, replayed without naming its machine: the fault injector's words
+    ("mode=1;verify:raise@1", "'verify' is neither a NIXL call (one of check_xfer_state, "
+     "deregister_memory,"),
+])
+def test_kvfsm_explore_refuses_a_replay_path_it_cannot_run_saying_why(
+    capsys: pytest.CaptureFixture[str], path: str, says: str,
+) -> None:
+    assert main(["explore", "--replay", path]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    choice = path.partition(";")[2]  # (the choice is named, not the whole path)
+    assert f"kvfsm explore: ValueError: {choice + ': ' if choice else ''}{says}" in captured.err
+    if path:
+        assert captured.err.rstrip().endswith("a path of another machine replays with its "
+                                              "--machine and --steps")
+
+
 def test_kvfsm_explore_runs_a_users_lifecycle_with_the_steps_it_names(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -205,6 +205,11 @@ CHECK_AND_POLL_AGAIN = TRANSFER_MACHINE.extend(
 CHECK_INTO_CORRUPT = checked("check_into_corrupt", "CORRUPT", states=["CORRUPT"],
                              final=["CORRUPT"], failure_states=["CORRUPT"])
 
+#: "a cancel after NIXL's end quarantines the job": a finished store's handle held for good
+CANCEL_INTO_QUARANTINE = TRANSFER_MACHINE.extend(
+    "cancel_into_quarantine",
+    replace={("DONE", "cancel", ""): {"dest": "QUARANTINED", "after": "quarantine"}})
+
 #: "post again after an error": a state other than the initial one waiting on the post
 REPOST = TRANSFER_MACHINE.extend(
     "repost", states=["REPOSTING"],
@@ -254,6 +259,11 @@ def always(answer: Any) -> Any:
      r"CORRUPT, a final failure state, is entered holding the transfer handle on the step "
      r"'check' answering MISMATCH \(SUBMITTED -> CHECKING -> CORRUPT\): NIXL's transfer is "
      r"over"),
+    # a store NIXL had finished, its release raising once, then cancelled: it published
+    # "quarantined ... retry bound spent", untrue, and held its handle for good
+    (CANCEL_INTO_QUARANTINE, {},
+     r"QUARANTINED, a final failure state, is entered holding the transfer handle on a "
+     r"'cancel' answering OK \(SUBMITTED -> DONE -> QUARANTINED\): NIXL's transfer is over"),
     # a transfer whose state check raised sat in REPOSTING until its drain timed out
     (REPOST, {}, "state REPOSTING waits on 'post', but a tier posts a transfer once, from the "
                  "initial state SUBMITTED"),

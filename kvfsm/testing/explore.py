@@ -556,7 +556,7 @@ def _pass_running_bound(tier: SecondaryTier) -> None:
         transfer.started_at -= _RUNNING_BOUND
 
 
-def _arm(agent: _WatchedAgent, path: Path, steps: dict[str, StepFunction],
+def _arm(agent: _WatchedAgent, path: Path, steps: dict[str, StepFunction], machine: str = "",
          ) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
     """(:func:`_inject`) Arm the path's faults in NIXL's calls and its rounds; returns the
     step calls (name, number) that raise and those a Ctrl-C cuts short."""
@@ -577,6 +577,13 @@ def _arm(agent: _WatchedAgent, path: Path, steps: dict[str, StepFunction],
             if choice.call not in steps:
                 agent.interrupted.add((choice.call, choice.occurrence))
         elif choice.call not in steps:
+            if choice.call not in agent.faults.faultable:  # (a step's name, say, of a machine
+                # not given: --replay without --machine and --steps)
+                raise ValueError(f"{choice}: {choice.call!r} is neither a NIXL call (one of "
+                                 f"{', '.join(sorted(agent.faults.faultable))}) nor a step of "
+                                 f"machine {machine!r} (its steps: "
+                                 f"{', '.join(sorted(steps)) or 'none'}); a path of another "
+                                 "machine replays with its --machine and --steps")
             agent.inject(choice.call, choice.fault, at=choice.occurrence)
     return armed, interrupted
 
@@ -593,7 +600,7 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
 
     failing = failure_answers(machine)
     table = machine.compile(listen=False).table
-    armed, interrupted = _arm(agent, path, steps)
+    armed, interrupted = _arm(agent, path, steps, machine.name)
     counts = dict.fromkeys(steps, 0)
 
     def decides(transfer: Any, name: str, answer: Any) -> bool:
@@ -1438,7 +1445,7 @@ def run(args: Any) -> int:
     steps = load_steps(args.steps) if args.steps else None
     if not machine.effects:  # not a lifecycle a tier runs: explore its table
         ignored = [option for option, given in (
-            ("--steps", steps), ("--parent", args.parent), ("--replay", args.replay),
+            ("--steps", steps), ("--parent", args.parent), ("--replay", args.replay is not None),
             ("--max-faults", faults_given), ("--max-stall", args.max_stall != 2),
             ("--all", args.all)) if given]
         if ignored:
@@ -1449,8 +1456,8 @@ def run(args: Any) -> int:
     if args.max_faults < 0 or args.max_stall < 1:
         raise ValueError("--max-faults must be at least 0 and --max-stall at least 1")
     _check_steps(machine, steps)
-    if args.replay:
-        return _replay_command(args, machine, steps)
+    if args.replay is not None:  # (an empty one is refused, not taken for none: a variable
+        return _replay_command(args, machine, steps)  # left unset would explore every path)
     found = explore(machine, steps=steps, parent=args.parent, max_faults=args.max_faults,
                     max_stall=args.max_stall, stop_at_first=not args.all, spec=args.machine,
                     steps_spec=args.steps,
