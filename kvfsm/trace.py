@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvfsm.engine import Chain, Declaration, InvalidTransition
-from kvfsm.machines.transfer import FailureReason
+from kvfsm.machines.transfer import FailureKind, FailureReason
 from kvfsm.transfer import Transfer, TransferJob
 
 #: kvfsm's machines by their state enums, once a recorder needs them
@@ -238,9 +238,9 @@ def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Diverge
         names = ", ".join(sorted(s.name for s in declaration.failure_states))
         return diverged(end, "success=true",
                         f"the steps went through a failure state ({names})")
-    if trace.get("success") is True and trace.get("reason") is not None:
-        return diverged(end, "success=true with a failure's reason",
-                        "a success carries no reason")
+    reasoned = _reason_diverges(trace)
+    if reasoned is not None:
+        return diverged(end, *reasoned)
     if record is not None and isinstance(trace.get("success"), bool):
         latched = bool(record.success) and state not in (
             declaration.final & declaration.failure_states)
@@ -248,6 +248,22 @@ def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Diverge
             return diverged(end, f"success={str(trace['success']).lower()}",
                             f"the declared actions of these steps latch "
                             f"success={str(latched).lower()}")
+    return None
+
+
+def _reason_diverges(trace: dict[str, Any]) -> tuple[str, str] | None:
+    """What a trace's reason records against what its outcome and steps allow (recorded,
+    declared), or None: a success has no reason, a failure has one (a trace written before
+    reasons were has no field for one), and a reason of kind cancelled comes of a cancel."""
+    success, reason = trace.get("success"), trace.get("reason")
+    if success is True and reason is not None:
+        return "success=true with a failure's reason", "a success carries no reason"
+    if success is False and "reason" in trace and reason is None:
+        return "success=false with no reason", "a failure carries its reason"
+    if (reason is not None and reason.get("kind") == FailureKind.CANCELLED.value
+            and not any(row[0] == "cancel" for row in trace["steps"])):
+        return ("a reason of kind cancelled",
+                "the steps took no cancel, so nothing cancelled the job")
     return None
 
 

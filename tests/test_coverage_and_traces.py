@@ -230,6 +230,27 @@ def test_a_trace_that_ends_short_or_says_another_outcome_than_its_steps_diverges
         "reason"), divergence
 
 
+def test_a_trace_whose_reason_its_outcome_or_steps_do_not_allow_diverges() -> None:
+    """A failure recorded with no reason, and a reason of kind cancelled on steps that took no
+    cancel, replayed clean: every failure kvfsm publishes has its reason, and only a cancel
+    gives one of that kind. A trace written before reasons were (no field for one) still
+    replays."""
+    trace = {"machine": "transfer", "job_id": 5, "line": 1, "success": False,
+             "steps": FAILURE_STEPS}
+    assert replay(TRANSFER_MACHINE, trace) is None, "no reason field: written before them"
+    divergence = replay(TRANSFER_MACHINE, {**trace, "reason": None})
+    assert divergence is not None and str(divergence).endswith(
+        "recorded success=false with no reason; the declaration: a failure carries its "
+        "reason"), divergence
+    cancelled = {"kind": "cancelled", "call": None, "error": "cancelled"}
+    divergence = replay(TRANSFER_MACHINE, {**trace, "reason": cancelled})
+    assert divergence is not None and str(divergence).endswith(
+        "recorded a reason of kind cancelled; the declaration: the steps took no cancel, so "
+        "nothing cancelled the job"), divergence
+    raised = {"kind": "raised", "call": "check_xfer_state", "error": "FakeNixlError: x"}
+    assert replay(TRANSFER_MACHINE, {**trace, "reason": raised}) is None
+
+
 def test_a_trace_naming_a_machine_that_does_not_exist_is_refused_by_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
