@@ -921,8 +921,8 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
                         " NIXL's transfer is over, "
                         "yet it would hold its handles, and the primary cache's registration, "
                         "for good (quarantined); lead the "
-                        + ("cancel elsewhere (a stay keeps the job's outcome; FAILED, say, "
-                           "fails it through the release)" if event == TransferEvent.CANCEL
+                        + ("cancel elsewhere (a stay, as the shipped lifecycle's in DONE: "
+                           "the job keeps its outcome)" if event == TransferEvent.CANCEL
                            else "step's failure through the release (to FAILED, say), or into "
                            "this state only on EXHAUSTED (its tries given up)")))
                 if (dest, after) not in before:

@@ -825,7 +825,7 @@ COMPILE_LISTENERS: list[Callable[[CompiledMachine[Any, Any]], None]] = []
 class CompiledMachine(Generic[S, A]):
     """The dispatch table compiled from a :class:`Declaration`; what runs on the hot path."""
 
-    __slots__ = ("_chains", "declaration", "name", "table", "trace")
+    __slots__ = ("_chains", "declaration", "name", "table", "trace", "verdict")
 
     def __init__(
         self, declaration: Declaration[S, A], table: dict[S, dict[str, dict[A, Step[S]]]],
@@ -836,6 +836,10 @@ class CompiledMachine(Generic[S, A]):
         self.table = table
         self.trace = trace
         self._chains: dict[tuple[Any, ...], Chain[S]] = {}
+        #: set by a test tool that ran this machine (an exploration, a replay of one of its
+        #: paths): whether what it took counts as tested (its ``counted``, known once the
+        #: tool is over); None: a machine no such tool ran, whose steps count
+        self.verdict: Any = None
 
     def step(self, state: S, event: str, answer: A) -> Step[S]:
         """The step firing ``event`` with ``answer`` takes in ``state``; raises if undeclared."""

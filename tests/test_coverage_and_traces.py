@@ -392,3 +392,75 @@ def test_an_exploration_or_replay_that_found_a_violation_counts_no_transition_as
         assert sum(coverage.counts(VERIFY_MACHINE).values()) > sum(counted.values())
     finally:
         coverage.stop()
+
+
+def test_two_explorations_at_once_in_two_threads_each_count_their_own() -> None:
+    """The first way of holding an exploration's coverage back swapped the process's
+    listeners for its own and put them back at its end: two explorations overlapping in two
+    threads counted half their transitions (33 of 66), and left a dead listener keeping every
+    machine compiled afterwards. Each now marks what its own thread compiles."""
+    import threading  # noqa: PLC0415
+
+    from examples.verify_lifecycle import VERIFY_MACHINE, Verified  # noqa: PLC0415
+    from kvfsm.engine import COMPILE_LISTENERS  # noqa: PLC0415
+    from kvfsm.testing.coverage import TransitionCoverage  # noqa: PLC0415
+    from kvfsm.testing.explore import explore  # noqa: PLC0415
+
+    b_in, a_done = threading.Event(), threading.Event()
+
+    class Step:  # (a lock: not copied, shared by a run's paths as given)
+        def __init__(self, first: Any) -> None:
+            self.lock, self.first, self.calls = threading.Lock(), first, 0
+
+        def __call__(self, transfer: Any, primary: Any) -> Any:
+            self.calls += 1
+            if self.calls == 1:
+                self.first()
+            return Verified.MATCH
+
+    coverage = TransitionCoverage({"verify": VERIFY_MACHINE})
+    coverage.start()
+    before = list(COMPILE_LISTENERS)
+    try:
+        alone = explore(VERIFY_MACHINE, steps={"verify": Step(lambda: None)}, max_faults=0)
+        once = sum(coverage.counts(VERIFY_MACHINE).values())
+        found: dict[str, Any] = {}
+
+        def run(name: str, first: Any) -> None:
+            found[name] = explore(VERIFY_MACHINE, steps={"verify": Step(first)}, max_faults=0)
+            if name == "a":
+                a_done.set()
+
+        threads = [threading.Thread(target=run, args=("a", lambda: b_in.wait(60))),
+                   threading.Thread(target=run, args=("b", lambda: (b_in.set(),
+                                                                     a_done.wait(60))))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert found["a"].ok and found["b"].ok
+        assert found["a"].taken == found["b"].taken == alone.taken
+        assert sum(coverage.counts(VERIFY_MACHINE).values()) == 3 * once
+        assert before == COMPILE_LISTENERS
+    finally:
+        coverage.stop()
+
+
+def test_a_peer_exploration_that_found_a_violation_counts_no_transition_as_tested() -> None:
+    """Exploring a broken receiver on purpose counted the peer machines' transitions its paths
+    took (53 of the link's, 66 of the receive's) as tested."""
+    from kvfsm.machines import kvfsm_machines  # noqa: PLC0415
+    from kvfsm.testing.coverage import TransitionCoverage  # noqa: PLC0415
+    from kvfsm.testing.explore_peer import BROKEN_RECEIVERS, explore_peer  # noqa: PLC0415
+
+    machines = kvfsm_machines()
+    coverage = TransitionCoverage(machines)
+    coverage.start()
+    try:
+        broken = explore_peer(sorted(BROKEN_RECEIVERS)[0], max_faults=0)
+        assert broken.counterexample is not None
+        assert sum(sum(coverage.counts(machine).values()) for machine in machines.values()) == 0
+        assert explore_peer(max_faults=0).counterexample is None
+        assert sum(coverage.counts(machines["peer_link"]).values()) > 0
+    finally:
+        coverage.stop()

@@ -387,6 +387,47 @@ def test_a_step_failing_out_of_a_state_named_a_failure_state_is_its_jobs_failure
     assert violations == []
 
 
+def test_a_step_answer_into_a_failure_state_the_job_leaves_for_a_success_fails_nothing(
+) -> None:
+    """A first check that is unsure sends the job to a second (both states named failure
+    states, to draw the suspicious path so), which matches: the job succeeds. An answer was
+    taken as failing its job when its edge entered a state named a failure state, and the
+    explorer reported the success as a violation; one fails its job when its edge's actions
+    latch failure, or it ends the job in a final failure state."""
+    from examples.verify_lifecycle import Verified  # noqa: PLC0415
+    from kvfsm.lifecycle import Answer  # noqa: PLC0415
+
+    match, mismatch, raised = Verified.MATCH, Verified.MISMATCH, Answer.RAISED
+    recheck = TRANSFER_MACHINE.extend(
+        "recheck", states=["VERIFYING", "RECHECKING"],
+        replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
+                 ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+        answers={"verify": (match, mismatch, raised), "recheck": (match, mismatch, raised)},
+        guards={"matched": (match,), "mismatch": (mismatch,), "raised": (raised,),
+                "unverified": (mismatch, raised)},
+        transitions=[
+            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
+             "conditions": "matched", "after": "latch_success"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "RECHECKING",
+             "conditions": "mismatch"},
+            {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
+             "conditions": "raised", "after": "latch_failure"},
+            {"trigger": "recheck", "source": "RECHECKING", "dest": "DONE",
+             "conditions": "matched", "after": "latch_success"},
+            {"trigger": "recheck", "source": "RECHECKING", "dest": "FAILED",
+             "conditions": "unverified", "after": "latch_failure"},
+            {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"},
+            {"trigger": "cancel", "source": "RECHECKING", "dest": "RECHECKING"}],
+        effects={"VERIFYING": "verify", "RECHECKING": "recheck"},
+        calls={"verify": "crc32", "recheck": "crc32"}, failure_states=["RECHECKING"])
+    steps = {"verify": lambda transfer, primary: mismatch,
+             "recheck": lambda transfer, primary: match}
+    _, violations, taken = replay(parse_path("mode=1"), recheck, steps=steps)
+    assert taken["RECHECKING -recheck[matched]-> DONE"] == 3
+    assert violations == []
+    assert explore(recheck, steps=steps, max_faults=1).ok
+
+
 def test_a_cancel_failing_a_job_nixl_finished_is_reported_with_the_cancels_promise() -> None:
     """A lifecycle whose cancel fails a job once NIXL finished its transfer breaks the tier's
     promise (a transfer that ended keeps its outcome); the violation says that a cancel came

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -857,3 +858,43 @@ def test_a_key_or_a_prefix_no_object_name_can_hold_is_refused_naming_it() -> Non
     tier.drain_jobs(5)
     assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
     tier.shutdown(5)
+
+
+def test_a_bucket_check_that_could_not_start_leaves_the_next_failure_its_own(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The bucket check after a failure NIXL's OBJ backend tells nothing of was switched off
+    for good when its thread could not start (no thread to be had, or a Ctrl-C in its start):
+    the next failure now checks again."""
+    import threading  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    from kvfsm.nixl_agents import StoreConfig  # noqa: PLC0415
+    from kvfsm.tiers import object_store  # noqa: PLC0415
+    from kvfsm.transfer import FailureKind, FailureReason  # noqa: PLC0415
+
+    def failed(job_id: int) -> Any:  # (what the book reads of a transfer real NIXL failed)
+        return types.SimpleNamespace(
+            job_id=job_id, job=types.SimpleNamespace(is_promotion=True),
+            reason=FailureReason(FailureKind.RAISED, "check_xfer_state",
+                                 "nixlBackendError: NIXL_ERR_BACKEND", "nixlBackendError"))
+
+    monkeypatch.setattr(object_store, "EXPLAIN_EVERY", 0.0)  # (a check after each failure)
+    explainer = object_store._Explainer(StoreConfig("b", endpoint="http://127.0.0.1:9"))
+    checked: list[int] = []
+    monkeypatch.setattr(explainer, "_check_bucket", lambda job_id, kind: checked.append(job_id))
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", no_thread)
+        first = failed(1)
+        explainer(first)  # logged, not raised: the job goes on with its explained reason
+    assert "a request to bucket 'b' at http://127.0.0.1:9" in first.reason.error
+    assert "the bucket check after job 1's failure could not start: RuntimeError" in caplog.text
+    explainer(failed(2))
+    deadline = time.monotonic() + 10
+    while not checked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert checked == [2]

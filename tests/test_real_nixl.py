@@ -351,8 +351,8 @@ def test_a_request_the_store_refused_says_where_it_went_and_the_bucket_is_checke
     assert reason == (f"check_xfer_state raised nixlBackendError: NIXL_ERR_BACKEND (a request "
                       f"to bucket {bucket!r} at {s3_server.endpoint}; NIXL's OBJ backend says "
                       "no more: an object may not be there, the bucket may be missing or "
-                      "unreachable, or the credentials refused; the tier logs what a check of "
-                      "the bucket finds)"), reason
+                      "unreachable, or the credentials refused; the tier checks the bucket, "
+                      "and logs what it answers)"), reason
     assert f"bucket {bucket!r} at {s3_server.endpoint} answers (it is there)" in logged(
         caplog, "the load of job 1 failed with NIXL_ERR_BACKEND; the bucket check after it")
 

@@ -48,7 +48,8 @@ class TransitionCoverage:
         """How often each (edge, answer) of ``declaration`` was taken, over all compilations."""
         counts: Counts = Counter()
         for compiled in self._compiled:
-            if compiled.declaration is declaration:
+            verdict = compiled.verdict  # (an exploration that found a violation: not tested)
+            if compiled.declaration is declaration and (verdict is None or verdict.counted):
                 for step in compiled.steps():
                     counts[(step.edge, step.answer.name)] += step.count
         for step in declaration.compile().steps():  # every declared pair, taken or not

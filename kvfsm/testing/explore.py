@@ -29,10 +29,12 @@ Checked on every path (:class:`Invariant`):
 
 A lifecycle with steps of its own (an effect such as ``verify``, made by a function the tier is
 given: ``explore(machine, steps={...})``) runs them on every path, and each step call is a call
-like NIXL's: it raises at every step too (``verify:raise@1``). A step that raises or gives an
-answer the declaration treats as a failure (:func:`kvfsm.diagrams.failure_answers`) makes its
-job's expected outcome a failure, unless the outcome was latched before the step (a
-best-effort step after it decides nothing) or the answer's edge retries the step in place;
+like NIXL's: it raises at every step too (``verify:raise@1``). A step that raises, or gives an
+answer whose edge fails the job (its actions latch failure, or it ends in a final failure
+state; not merely one into a state named a failure state, which the job may leave for a
+success), makes its job's expected outcome a failure, unless the outcome was latched before
+the step (a best-effort step after it decides nothing) or the answer's edge retries the step in
+place;
 a step whose tries are given up (EXHAUSTED) makes it a failure too. A step returning what the
 tier refuses as an answer (what its event does not carry: the driver's own check, in its words)
 is a violation on any path (the tier takes it as RAISED); one raising by itself on the path with
@@ -58,6 +60,7 @@ import enum
 import re
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -596,9 +599,6 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
     replays as it ran, and the step objects given are never called themselves (steps that
     cannot be copied are shared, as given)."""
     steps = _fresh(steps)
-    from kvfsm.diagrams import failure_answers  # noqa: PLC0415 - the drawing's rule
-
-    failing = failure_answers(machine)
     table = machine.compile(listen=False).table
     armed, interrupted = _arm(agent, path, steps, machine.name)
     counts = dict.fromkeys(steps, 0)
@@ -614,11 +614,13 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
         return taken is None or taken.dest is not transfer.state
 
     def into_failure(transfer: Any, name: str, answer: Any) -> bool:
-        """Whether this answer of step ``name`` takes the transfer into a failure state: a
-        failing answer too where the drawing's rule does not count it, on an edge out of a
-        state the machine also names a failure state (a step's own state, say)."""
+        """Whether this answer of step ``name`` fails the job: its edge's actions latch
+        failure (run on a bare record), or it ends the job in a final failure state; not
+        whether its edge enters a state named a failure state (the drawing's rule), which a
+        job may leave for a success (a state that checks again), and which may be the step's
+        own."""
         taken = table.get(transfer.state, {}).get(name, {}).get(answer)
-        return taken is not None and taken.dest in machine.failure_states
+        return taken is not None and _fails(taken, machine)
 
     def watched(name: str, step: StepFunction) -> StepFunction:
         def run(transfer: Any, primary: Any) -> Any:
@@ -657,7 +659,7 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
                                  else f"{name} returned what the tier cannot read: "
                                       f"{_described(error)}")
                 answer = Answer.RAISED
-            if seen is not None and (answer in failing or answer is Answer.RAISED
+            if seen is not None and (answer is Answer.RAISED
                                      or into_failure(transfer, name, answer)) \
                     and decides(transfer, name, answer):
                 seen.step_failed = True
@@ -666,6 +668,21 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
         return run
 
     return {name: watched(name, step) for name, step in steps.items()}
+
+
+def _fails(step: Any, machine: Declaration[Any, Any]) -> bool:
+    """Whether taking ``step`` fails a job whose outcome is not latched yet: its actions
+    latch failure on a bare record, or it ends in a final failure state (an action that needs
+    what a bare record lacks: its destination alone says)."""
+    if step.dest in machine.final & machine.failure_states:
+        return True
+    record = BareRecord(step.source)
+    try:
+        for action in step.actions:
+            action(record, step.answer, None)
+    except Exception:
+        return False
+    return record.success is False
 
 
 def _fresh(steps: dict[str, StepFunction]) -> dict[str, StepFunction]:
@@ -1101,51 +1118,52 @@ def explore(
     found.taken = {(step.edge, step.answer.name): 0
                    for step in machine.compile(listen=False).steps()}
     found.unreachable = frozenset(state.name for state in machine.unreachable)
-    with _HeldBack() as held:
-        _explore(found, held.of(machine), machine, steps, parent, max_faults, max_stall,
+    with Verdict() as verdict:
+        _explore(found, verdict.of(machine), machine, steps, parent, max_faults, max_stall,
                  max_calls, max_polls, stop_at_first, progress)
-        held.counted = found.ok
+        verdict.counted = found.ok
     return found
 
 
-class _HeldBack:
-    """While an exploration (or a replay) runs, the machines its paths' tiers compile are
-    kept here, and the other listeners (transition coverage) are told of them once it is
-    over, only if it found no violation (:attr:`counted`): the transitions a machine breaking
-    an invariant took (a broken variant, a step given wrongly, explored by a test that expects
-    the violation) are no transitions tested. (A machine another thread compiles meanwhile is
-    held back with them.)"""
+class Verdict:
+    """Whether what a test tool ran counts as tested (transition coverage): each machine the
+    tool's thread compiles while it runs is marked with it (:attr:`CompiledMachine.verdict`),
+    and :attr:`counted` is set once the tool is over, True only if it found no violation: the
+    transitions a machine breaking an invariant took (a broken variant, a step given wrongly,
+    explored by a test that expects the violation) are no transitions tested. Machines other
+    threads compile meanwhile are not marked, and one a tool inside another compiles is the
+    inner tool's. As a context manager it marks until its block ends (uncounted if it
+    raised); :meth:`of` lists a declaration's compilations as they come."""
 
     def __init__(self) -> None:
-        self.made: list[CompiledMachine[Any, Any]] = []
         self.counted = False
-        self._others: list[Callable[[CompiledMachine[Any, Any]], None]] = []
+        self._thread = threading.get_ident()
         self._of: list[tuple[Declaration[Any, Any], list[CompiledMachine[Any, Any]]]] = []
 
     def of(self, machine: Declaration[Any, Any]) -> list[CompiledMachine[Any, Any]]:
-        """The compiled machines of ``machine`` among those made, as they are made."""
+        """The compiled machines of ``machine`` the thread makes from now on, as it makes them
+        (a list its user may empty)."""
         compiled: list[CompiledMachine[Any, Any]] = []
         self._of.append((machine, compiled))
         return compiled
 
     def _listen(self, made: CompiledMachine[Any, Any]) -> None:
-        self.made.append(made)
+        if threading.get_ident() != self._thread:
+            return
+        if made.verdict is None:
+            made.verdict = self
         for machine, compiled in self._of:
             if made.declaration is machine:
                 compiled.append(made)
 
-    def __enter__(self) -> _HeldBack:
-        self._others = list(COMPILE_LISTENERS)
-        COMPILE_LISTENERS[:] = [self._listen]
+    def __enter__(self) -> Verdict:
+        COMPILE_LISTENERS.insert(0, self._listen)  # (first: marked before coverage keeps it)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        added = [other for other in COMPILE_LISTENERS if other != self._listen]
-        COMPILE_LISTENERS[:] = self._others + added  # (any listener added meanwhile kept)
-        if self.counted and exc[0] is None:
-            for made in self.made:
-                for other in self._others:
-                    other(made)
+        COMPILE_LISTENERS.remove(self._listen)
+        if exc[0] is not None:
+            self.counted = False
 
 
 def _explore(found: Exploration, compiled: list[CompiledMachine[Any, Any]],
@@ -1300,10 +1318,10 @@ def replay(path: Path, machine: Declaration[Any, Any] = TRANSFER_MACHINE,
            ) -> tuple[list[str], list[Violation], dict[str, int]]:
     """Run one path again: the calls made, the violations, and the transitions taken (told
     to transition coverage only if the path violated nothing, as :func:`explore`'s)."""
-    with _HeldBack() as held:
+    with Verdict() as verdict:
         calls, violations, tier, _ = (_run_with_parent if parent else _run)(path, machine,
                                                                             max_polls, steps)
-        held.counted = not violations
+        verdict.counted = not violations
     taken = {f"{e.source} -{e.event}[{e.guard_label}]-> {e.dest}": n
              for e, n in tier.machine.transition_counts().items() if n}
     return calls, violations, taken

@@ -73,6 +73,7 @@ from kvfsm.machines.peer_receive import PEER_RECEIVE, ReceiveEvent, ReceiveState
 from kvfsm.peer import PeerReceiver, PeerSender
 from kvfsm.peer_link import LinkState, PeerLinkError, PeerNotConnected, loses_link
 from kvfsm.policy import RetryPolicy
+from kvfsm.testing.explore import Verdict
 from kvfsm.testing.fake_ucx import DISCONNECT, FakeUcxAgent, FakeUcxFabric
 from kvfsm.testing.faults import STATUS_CALLS, Fault, Raise, ReturnErr, StayProc, fault_kind
 from kvfsm.tiers.base import InvalidJobError
@@ -876,6 +877,17 @@ def explore_peer(
         raise ValueError("max_faults must be at least 0 and max_stall at least 1")
     skipped = frozenset(skip)
     found = PeerExploration(variant=None if variant is None else variant.name)
+    with Verdict() as verdict:  # (transition coverage counts it only if it found nothing)
+        _explore_peer(found, variant, modes, max_faults, max_stall, max_calls, skipped,
+                      stop_at_first)
+        verdict.counted = found.counterexample is None
+    return found
+
+
+def _explore_peer(found: PeerExploration, variant: ReceiverVariant | None,
+                  modes: Sequence[PeerMode], max_faults: int, max_stall: int, max_calls: int,
+                  skipped: frozenset[str], stop_at_first: bool) -> None:
+    """(:func:`explore_peer`, its paths run.)"""
     started = time.perf_counter()
     for mode in modes:
         level: list[tuple[PeerPath, int]] = [(PeerPath(mode), -1)]
@@ -891,12 +903,11 @@ def explore_peer(
                         found.counterexample, found.violations = path, run.violations
                     if stop_at_first:
                         found.seconds = time.perf_counter() - started
-                        return found
+                        return
                 if depth < max_faults:
                     children += _children(path, last, run.log, max_stall, max_calls, skipped)
             level = children
     found.seconds = time.perf_counter() - started
-    return found
 
 
 def replay_peer(path: PeerPath, variant: ReceiverVariant | str | None = None
@@ -904,7 +915,9 @@ def replay_peer(path: PeerPath, variant: ReceiverVariant | str | None = None
     """Run one path again: the calls made (``role.call#n``) and the violations."""
     if isinstance(variant, str):
         variant = BROKEN_RECEIVERS[variant]
-    run = _run(path, variant)
+    with Verdict() as verdict:
+        run = _run(path, variant)
+        verdict.counted = not run.violations
     return [f"{role}.{call}#{n}" for role, call, n in run.log], run.violations
 
 

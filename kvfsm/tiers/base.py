@@ -867,17 +867,22 @@ class SecondaryTier(JobSide):
             ValueError: a key is not a non-empty str or bytes; nothing was counted.
         """
         holdings = self._holdings
-        names = self._remote_names(_key_list(keys, "touch"))  # (checked with or without a
-        if holdings is not None:  # capacity: a bad key is refused whatever the tier counts)
-            lock = self._lock
-            if not take(lock, 0.0):  # (a deadline passed: only if it is free)
-                for name in names:
-                    holdings.use(name)
-                return
-            try:
-                holdings.touch(names)
-            finally:
-                lock.release()
+        keys = _key_list(keys, "touch")
+        if holdings is None:  # (a bad key is refused all the same: a type and a length each)
+            for key in keys:
+                if (type(key) is not str and type(key) is not bytes) or not key:
+                    key_text(key)  # (raises, naming what is wrong; a subclass: checked)
+            return
+        names = self._remote_names(keys)
+        lock = self._lock
+        if not take(lock, 0.0):  # (a deadline passed: only if it is free)
+            for name in names:
+                holdings.use(name)
+            return
+        try:
+            holdings.touch(names)
+        finally:
+            lock.release()
 
     def forget(self, keys: Sequence[bytes | str]) -> None:
         """The tier no longer vouches for what it holds under ``keys``: they answer MISS, as

@@ -142,6 +142,7 @@ class _Explainer:
                       else f"a request to bucket {store.bucket!r} at {self.endpoint}; ")
         self._lock = threading.Lock()
         self._next_at = 0.0
+        self._started = False  # a check's thread runs
         self.checks = 0  # bucket checks started
 
     def __call__(self, transfer: Transfer) -> None:
@@ -156,7 +157,8 @@ class _Explainer:
             f"{reason.error} ({self.where}{_SAYS_NO_MORE}: "
             + ("an object may not be there, " if load else "")
             + "the bucket may be missing or unreachable, or the credentials refused"
-            + ("; the tier logs what a check of the bucket finds)" if self.store else ")")))
+            + ("; the tier checks the bucket, and logs what it answers)" if self.store
+               else ")")))
         if self.store is not None:
             self._check(transfer.job_id, "load" if load else "store")
 
@@ -167,11 +169,23 @@ class _Explainer:
                 return
             self._next_at = math.inf  # until the check is over, then EXPLAIN_EVERY more
             self.checks += 1
-        threading.Thread(target=self._check_bucket, args=(job_id, kind),
-                         name="kvfsm-obj-explain", daemon=True).start()
+        try:
+            threading.Thread(target=self._check_bucket, args=(job_id, kind),
+                             name="kvfsm-obj-explain", daemon=True).start()
+        except BaseException as error:  # (no thread to be had, or an interrupt in its start:
+            with self._lock:  # a later failure checks again, unless the thread runs after all)
+                if self._next_at == math.inf and not self._started:
+                    self._next_at = time.monotonic() + EXPLAIN_EVERY
+            if not isinstance(error, Exception):
+                raise
+            logger.warning("ObjectStoreTier: the bucket check after job %d's failure could "
+                           "not start: %s: %s", job_id, type(error).__name__, error)
 
     def _check_bucket(self, job_id: int, kind: str) -> None:
         from kvfsm.nixl_agents import BucketUnreachable, check_bucket  # noqa: PLC0415
+
+        with self._lock:
+            self._started = True
 
         try:
             check_bucket(self.store, EXPLAIN_TIMEOUT)
@@ -192,6 +206,7 @@ class _Explainer:
         finally:
             with self._lock:
                 self._next_at = time.monotonic() + EXPLAIN_EVERY
+                self._started = False
 
 
 class _Prober:
