@@ -114,7 +114,8 @@ _CALLS_WIDTH = 40
 _LOOP_SPACER = 12
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_SVG_STAMP = re.compile(r"<!-- kvfsm diagrams: rendered from (\S+), sha256 ([0-9a-f]{64}) -->")
+_SVG_STAMP = re.compile(r"<!-- kvfsm diagrams: rendered from (\S+), sha256 ([0-9a-f]{64}), "
+                        r"drawing sha256 ([0-9a-f]{64}) -->\n")
 
 
 class DiagramError(ValueError):
@@ -325,7 +326,8 @@ def dot_available() -> bool:
 
 
 def render_svg(dot_text: str, source_name: str = "diagram.dot") -> str:
-    """Render DOT text to SVG with ``dot``; the SVG records the hash of the DOT it came from.
+    """Render DOT text to SVG with ``dot``; the SVG records the hash of the DOT it came from,
+    and of the drawing ``dot`` gave (the SVG but that record: one edited by hand is told).
 
     Raises:
         DiagramError: ``dot`` is not installed, or failed.
@@ -342,13 +344,26 @@ def render_svg(dot_text: str, source_name: str = "diagram.dot") -> str:
     at = svg.find("<svg")
     if at < 0:
         raise DiagramError(f"dot gave no <svg> element for {source_name}")
-    return f"{svg[:at]}{_svg_stamp(source_name, dot_text)}\n{svg[at:]}"
+    return f"{svg[:at]}{_svg_stamp(source_name, dot_text, svg)}\n{svg[at:]}"
 
 
 def svg_is_current(svg_text: str, dot_text: str) -> bool:
-    """True when ``svg_text`` was rendered (by :func:`render_svg`) from exactly ``dot_text``."""
+    """True when ``svg_text`` was rendered (by :func:`render_svg`) from exactly ``dot_text``,
+    and is the drawing ``dot`` gave then (:func:`svg_problem`)."""
+    return svg_problem(svg_text, dot_text) is None
+
+
+def svg_problem(svg_text: str, dot_text: str) -> str | None:
+    """What is wrong with ``svg_text`` as the drawing of ``dot_text``, or None: it records no
+    rendering (or one from before the drawing's hash was), it was rendered from other DOT, or
+    it was changed after it was rendered (its drawing is not the one its record hashed)."""
     match = _SVG_STAMP.search(svg_text)
-    return match is not None and match[2] == _sha256(dot_text)
+    if match is None or match[2] != _sha256(dot_text):
+        return "was not rendered from the declaration's current DOT"
+    if _sha256(svg_text[:match.start()] + svg_text[match.end():]) != match[3]:
+        return ("was changed after it was rendered (a drawing is generated, never edited: "
+                "kvfsm diagrams draws it again)")
+    return None
 
 
 def write(declarations: Iterable[Declaration[Any, Any]], out: Path) -> list[Path]:
@@ -400,9 +415,10 @@ def check(declarations: Iterable[Declaration[Any, Any]], out: Path) -> list[Prob
         svg = _read(svg_path)
         if svg is None:
             problems.append(Problem(name, svg_path, "is missing"))
-        elif not svg_is_current(svg, dot_text):
-            problems.append(Problem(name, svg_path,
-                                    "was not rendered from the declaration's current DOT"))
+        else:
+            problem = svg_problem(svg, dot_text)
+            if problem is not None:
+                problems.append(Problem(name, svg_path, problem))
     return problems
 
 
@@ -645,8 +661,9 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _svg_stamp(source_name: str, dot_text: str) -> str:
-    return f"<!-- kvfsm diagrams: rendered from {source_name}, sha256 {_sha256(dot_text)} -->"
+def _svg_stamp(source_name: str, dot_text: str, svg: str) -> str:
+    return (f"<!-- kvfsm diagrams: rendered from {source_name}, sha256 {_sha256(dot_text)}, "
+            f"drawing sha256 {_sha256(svg)} -->")
 
 
 def _read(path: Path) -> str | None:

@@ -898,6 +898,25 @@ def test_the_check_fails_when_the_svg_was_not_rendered_from_the_current_dot(
     assert "transfer.dot" not in err  # the DOT itself is fine
 
 
+def test_the_check_fails_when_the_svg_was_edited_after_it_was_rendered(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A drawing edited by hand (a state renamed in the SVG) kept the record of the DOT it
+    was rendered from, and passed the check; the record now holds the drawing's hash too."""
+    shutil.copytree(COMMITTED, tmp_path, dirs_exist_ok=True)
+    svg = tmp_path / "transfer.svg"
+    drawn = svg.read_text()
+    assert drawn.count(">VERIFYING<") == 0 and drawn.count(">PROCESSING<") > 0
+    svg.write_text(drawn.replace(">PROCESSING<", ">VERIFYING<"))
+    assert main(["diagrams", "--check", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert (f"machine 'transfer': {svg} was changed after it was rendered (a drawing is "
+            "generated, never edited: kvfsm diagrams draws it again)") in err
+    assert "peer_link" not in err
+    svg.write_text(drawn)
+    assert main(["diagrams", "--check", "--out", str(tmp_path)]) == 0
+
+
 ANSWERS_MODULE = """
 import enum
 from kvfsm import Declaration
