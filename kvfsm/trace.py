@@ -22,6 +22,7 @@ version, can be checked against the lifecycle as declared now.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,12 +155,7 @@ def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
                 job_id = trace.get("job_id")
                 if job_id is not None and type(job_id) is not int:  # (JSON: no bool is one)
                     raise ValueError(f"job_id must be an int, got {json.dumps(job_id)[:80]}")
-                for index, row in enumerate(trace["steps"], start=1):
-                    if (not isinstance(row, list) or len(row) < 4
-                            or not all(isinstance(part, str) for part in row[:4])
-                            or (len(row) > 4 and type(row[4]) not in (int, float))):
-                        raise ValueError(f"step {index} is not [event, answer, from, to, "
-                                         f"seconds]: {row!r}")
+                _check_steps(trace["steps"])
                 if "success" in trace and type(trace["success"]) is not bool:  # (checked
                     # against the steps; a trace written before outcomes were has none)
                     raise ValueError(f"success must be true or false, got "
@@ -169,6 +165,29 @@ def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
                 raise ValueError(f"{path}:{number}: not a trace ({error})") from None
             trace["line"] = number
             yield trace
+
+
+def _check_steps(steps: list[Any]) -> None:
+    """Each step is [event, answer, from, to] and, in a trace that times them, the seconds
+    since the first step: a finite number, never below the step's before (a time that goes
+    back, or is negative or NaN, is no time kvfsm's monotonic clock gave)."""
+    before = 0.0
+    for index, row in enumerate(steps, start=1):
+        if (not isinstance(row, list) or len(row) < 4
+                or not all(isinstance(part, str) for part in row[:4])
+                or (len(row) > 4 and type(row[4]) not in (int, float))):
+            raise ValueError(f"step {index} is not [event, answer, from, to, seconds]: "
+                             f"{row!r}")
+        if len(row) > 4:
+            seconds = row[4]
+            if not before <= seconds < math.inf:
+                raise ValueError(f"step {index} is at {seconds!r} s, "
+                                 + (f"earlier than step {index - 1}'s {before!r} s"
+                                    if 0 <= seconds < before
+                                    else "not a time since the first step")
+                                 + ": a trace's times are seconds since its first step, "
+                                 "never decreasing")
+            before = seconds
 
 
 def trace_reason(trace: dict[str, Any]) -> FailureReason | None:

@@ -288,8 +288,17 @@ def test_a_file_that_is_not_traces_is_refused_by_line(tmp_path: Path) -> None:
     ({"steps": "post PROC"}, 'steps must be a list of steps, got "post PROC"'),
     ({"steps": [["post", "PROC", "SUBMITTED", "PROCESSING", "soon"]]},
      "step 1 is not [event, answer, from, to, seconds]"),
+    # (these three replayed clean: no time kvfsm's monotonic clock gives)
+    ({"steps": [[*step[:4], seconds] for step, seconds in zip(
+        SUCCESS_STEPS, (0.3, 0.2, 0.4, 0.5, 0.6), strict=True)]},
+     "step 2 is at 0.2 s, earlier than step 1's 0.3 s: a trace's times are seconds since its "
+     "first step, never decreasing"),
+    ({"steps": [[*step[:4], -5.0] for step in SUCCESS_STEPS]},
+     "step 1 is at -5.0 s, not a time since the first step"),
+    ({"steps": [[*step[:4], float("nan")] for step in SUCCESS_STEPS]},
+     "step 1 is at nan s, not a time since the first step"),
 ], ids=["a job id that is text", "a job id that is a bool", "steps that are text",
-        "a step whose time is text"])
+        "a step whose time is text", "times that go back", "a negative time", "a NaN time"])
 def test_a_trace_with_a_field_of_the_wrong_kind_is_refused_naming_it(
         tmp_path: Path, changes: dict[str, object], why: str) -> None:
     """Each was read as a trace (steps given as text replayed as "no steps")."""
