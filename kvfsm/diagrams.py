@@ -358,6 +358,10 @@ def svg_problem(svg_text: str, dot_text: str) -> str | None:
     rendering (or one from before the drawing's hash was), it was rendered from other DOT, or
     it was changed after it was rendered (its drawing is not the one its record hashed)."""
     match = _SVG_STAMP.search(svg_text)
+    if match is None and "<!-- kvfsm diagrams: rendered from " in svg_text:
+        return ("holds a record of its rendering this kvfsm does not write (an older kvfsm's, "
+                "from before drawings kept their own hash, or one edited): kvfsm diagrams "
+                "renders it again")
     if match is None or match[2] != _sha256(dot_text):
         return "was not rendered from the declaration's current DOT"
     if _sha256(svg_text[:match.start()] + svg_text[match.end():]) != match[3]:

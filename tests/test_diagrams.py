@@ -915,6 +915,11 @@ def test_the_check_fails_when_the_svg_was_edited_after_it_was_rendered(
     assert "peer_link" not in err
     svg.write_text(drawn)
     assert main(["diagrams", "--check", "--out", str(tmp_path)]) == 0
+    # a drawing an older kvfsm rendered records its DOT's hash alone: said so, not "stale"
+    svg.write_text(re.sub(r", drawing sha256 [0-9a-f]{64}", "", drawn))
+    assert main(["diagrams", "--check", "--out", str(tmp_path)]) == 1
+    assert (f"machine 'transfer': {svg} holds a record of its rendering this kvfsm does not "
+            "write (an older kvfsm's") in capsys.readouterr().err
 
 
 ANSWERS_MODULE = """

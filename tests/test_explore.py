@@ -363,8 +363,8 @@ def test_a_step_failing_out_of_a_state_named_a_failure_state_is_its_jobs_failure
     """A user names a step's own state a failure state too (it only changes the drawing):
     the step's failing answers were then not counted as failing, since the drawing's rule
     skips the edges out of a failure state, and a MISMATCH that failed a load on the path
-    with no fault injected was reported as a violation. An answer whose edge enters a
-    failure state is a failing answer, wherever it starts."""
+    with no fault injected was reported as a violation. An answer whose edge latches failure
+    fails its job, wherever it starts."""
     from examples.verify_lifecycle import Checksums  # noqa: PLC0415
 
     declared = _verify_machine("verify_failure_state", "VERIFYING", "FAILED")
@@ -426,6 +426,62 @@ def test_a_step_answer_into_a_failure_state_the_job_leaves_for_a_success_fails_n
     assert taken["RECHECKING -recheck[matched]-> DONE"] == 3
     assert violations == []
     assert explore(recheck, steps=steps, max_faults=1).ok
+
+
+def _verify_then(name: str, failed: dict[str, Any], more: list[dict[str, Any]] | None = None,
+                 **options: Any) -> Declaration[Any, Any]:
+    """The tutorial's checksum lifecycle with its failing answers' edge ``failed`` (its dest
+    and actions), and ``more`` transitions."""
+    from examples.verify_lifecycle import Verified  # noqa: PLC0415
+    from kvfsm.lifecycle import Answer  # noqa: PLC0415
+
+    return TRANSFER_MACHINE.extend(
+        name, replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
+                       ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+        answers={"verify": (Verified.MATCH, Verified.MISMATCH, Answer.RAISED)},
+        guards={"matched": (Verified.MATCH,), "unverified": (Verified.MISMATCH, Answer.RAISED)},
+        transitions=[
+            {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
+             "conditions": "matched", "after": "latch_success"},
+            {"trigger": "verify", "source": "VERIFYING", "conditions": "unverified", **failed},
+            {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}, *(more or [])],
+        effects={"VERIFYING": "verify", **options.pop("effects", {})},
+        calls={"verify": "crc32"}, **options)
+
+
+def test_a_failure_latched_by_an_action_a_bare_record_cannot_run_or_on_the_next_edge_counts(
+) -> None:
+    """The step answers MISMATCH on every path with no fault: each job must fail, and does.
+    Judged by running the edge's actions on a bare record, the failure was missed (and the
+    job's failure reported as a violation) when an action after the latch needed what a bare
+    record lacks (a job id), and when the next edge, the release out of a failure state the
+    answer led to, latched it."""
+    from examples.verify_lifecycle import Verified  # noqa: PLC0415
+
+    def log_mismatch(transfer: Any, answer: Any, detail: Any) -> None:
+        assert transfer.job_id >= 0  # (a transfer has one; a bare record has none)
+
+    logged = _verify_then("verify_logged", {"dest": "FAILED",
+                                            "after": ["latch_failure", "log_mismatch"]},
+                          states=["VERIFYING"], actions={"log_mismatch": log_mismatch})
+    deferred = _verify_then(
+        "verify_deferred", {"dest": "REJECTED"}, [
+            {"trigger": "release", "source": "REJECTED", "dest": "XFER_RELEASED",
+             "conditions": "released", "after": "latch_failure"},
+            {"trigger": "release", "source": "REJECTED", "dest": "REJECTED",
+             "conditions": "release_raised", "after": "count_retry"},
+            {"trigger": "release", "source": "REJECTED", "dest": "QUARANTINED",
+             "conditions": "exhausted", "after": "quarantine"},
+            {"trigger": "cancel", "source": "REJECTED", "dest": "REJECTED"}],
+        states=["VERIFYING", "REJECTED"], effects={"REJECTED": "release"},
+        failure_states=["REJECTED"])
+    steps = {"verify": lambda transfer, primary: Verified.MISMATCH}
+    for machine in (logged, deferred):
+        _, violations, taken = replay(parse_path("mode=1"), machine, steps=steps)
+        assert violations == [], machine.name
+        assert sum(count for edge, count in taken.items()
+                   if edge.startswith("VERIFYING -verify[unverified]")) == 3, taken
+        assert explore(machine, steps=steps, max_faults=1).ok, machine.name
 
 
 def test_a_cancel_failing_a_job_nixl_finished_is_reported_with_the_cancels_promise() -> None:

@@ -514,6 +514,7 @@ def test_object_keys_name_the_block_key(primary: torch.Tensor, agent: FakeNixlAg
     ([""], "must not be empty"),
     ([b""], "must not be empty"),
     ([["nested"]], "bytes or str, got list"),
+    (["a\udc80"], "lone surrogate"),
 ])
 def test_touch_refuses_a_bad_key_with_or_without_a_capacity(
     primary: torch.Tensor, agent: FakeNixlAgent, capacity: int | None, keys: list[Any],
@@ -526,7 +527,7 @@ def test_touch_refuses_a_bad_key_with_or_without_a_capacity(
                            remove=None if capacity is None else (lambda names: 0))
     with pytest.raises(ValueError, match=message):
         tier.touch(keys)
-    tier.touch(["fine", b"also-fine"])  # (keys the tier does not hold: ignored)
+    tier.touch(["fine", b"also-fine", "caf\u00e9"])  # (keys the tier does not hold: ignored)
     tier.shutdown()
 
 

@@ -68,9 +68,16 @@ from typing import Any
 
 import torch
 
-from kvfsm.driver import MachineRefused, StepFunction, _step_answer, check_runnable
+from kvfsm.driver import (
+    _TIER_EVENTS,
+    MachineRefused,
+    StepFunction,
+    _step_answer,
+    check_runnable,
+)
 from kvfsm.engine import COMPILE_LISTENERS, CompiledMachine, Declaration, Edge
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent
+from kvfsm.machines.transfer import CallFailed
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_agent import FakeNixlAgent
 from kvfsm.testing.faults import (
@@ -244,7 +251,8 @@ class _Job:
     #: published from a final failure state with a transfer handle never released
     #: (quarantined): its handles are held for good
     held: bool = False
-    #: a step of the machine's own raised or gave a failure answer: the job must fail
+    #: a step of the machine's own raised, or gave an answer that decides the job fails
+    #: (:func:`_fails`): the job must fail
     step_failed: bool = False
     #: the steps of the machine's own made before its outcome was latched (those whose
     #: give-up, EXHAUSTED, decides it)
@@ -671,18 +679,62 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
 
 
 def _fails(step: Any, machine: Declaration[Any, Any]) -> bool:
-    """Whether taking ``step`` fails a job whose outcome is not latched yet: its actions
-    latch failure on a bare record, or it ends in a final failure state (an action that needs
-    what a bare record lacks: its destination alone says)."""
+    """Whether taking ``step`` decides that a job whose outcome is not latched yet fails: its
+    actions latch failure; or they latch nothing, and it ends the job in a final failure
+    state, or no step the job can take from its destination may latch success (a state that
+    checks again, and may match, decides nothing). What each step latches is read once a
+    machine, its actions run on a bare record (:func:`_latches`)."""
+    latched = _latches(machine)
+    own = latched[(step.source, step.edge.event, step.answer)]
+    if own is not None:
+        return own is False
     if step.dest in machine.final & machine.failure_states:
         return True
-    record = BareRecord(step.source)
-    try:
-        for action in step.actions:
-            action(record, step.answer, None)
-    except Exception:
-        return False
-    return record.success is False
+    table = machine.compile(listen=False).table
+    seen, queue = {step.dest}, [step.dest]
+    while queue:
+        for event, row in table.get(queue.pop(), {}).items():
+            for answer, after in row.items():
+                if latched[(after.source, event, answer)] in (True, _UNKNOWN):
+                    return False  # (the job may yet succeed)
+                if after.dest not in seen:
+                    seen.add(after.dest)
+                    queue.append(after.dest)
+    return True
+
+
+#: a step whose actions raised on a bare record before they latched anything
+_UNKNOWN = "unknown"
+#: each machine explored in this process, with what each of its steps latches
+_LATCHED: dict[int, tuple[Declaration[Any, Any], dict[tuple[Any, str, Any], Any]]] = {}
+
+
+def _latches(machine: Declaration[Any, Any]) -> dict[tuple[Any, str, Any], Any]:
+    """What each step of ``machine`` latches, by (source, event, answer), its actions run once
+    on a bare record with nothing latched (a step's answer carrying the step's name, as the
+    driver gives it): True (success), False (failure), None (nothing), or :data:`_UNKNOWN`
+    (an action needing what a bare record lacks raised before anything was latched; one
+    raising after a latch keeps it). Read once a machine, so a user's action with a side of
+    its own (a count, a log) runs once a step in the process, not on every path."""
+    known = _LATCHED.get(id(machine))
+    if known is not None and known[0] is machine:
+        return known[1]
+    latched: dict[tuple[Any, str, Any], Any] = {}
+    for state, row in machine.compile(listen=False).table.items():
+        for event, answers in row.items():
+            for answer, step in answers.items():
+                record = BareRecord(state)
+                detail = None if event in _TIER_EVENTS else CallFailed(event, "")
+                try:
+                    for action in step.actions:
+                        action(record, answer, detail)
+                except Exception:
+                    if record.success is None:
+                        latched[(state, event, answer)] = _UNKNOWN
+                        continue
+                latched[(state, event, answer)] = record.success
+    _LATCHED[id(machine)] = (machine, latched)
+    return latched
 
 
 def _fresh(steps: dict[str, StepFunction]) -> dict[str, StepFunction]:

@@ -870,8 +870,9 @@ class SecondaryTier(JobSide):
         keys = _key_list(keys, "touch")
         if holdings is None:  # (a bad key is refused all the same: a type and a length each)
             for key in keys:
-                if (type(key) is not str and type(key) is not bytes) or not key:
-                    key_text(key)  # (raises, naming what is wrong; a subclass: checked)
+                if ((type(key) is not str and type(key) is not bytes) or not key
+                        or (type(key) is str and not key.isascii())):
+                    key_text(key)  # (raises, naming what is wrong: a lone surrogate too)
             return
         names = self._remote_names(keys)
         lock = self._lock
