@@ -30,12 +30,12 @@ Checked on every path (:class:`Invariant`):
 A lifecycle with steps of its own (an effect such as ``verify``, made by a function the tier is
 given: ``explore(machine, steps={...})``) runs them on every path, and each step call is a call
 like NIXL's: it raises at every step too (``verify:raise@1``). A step that raises, or gives an
-answer whose edge fails the job (its actions latch failure, or it ends in a final failure
-state; not merely one into a state named a failure state, which the job may leave for a
+answer that decides its job fails (its edge's actions latch failure; or they latch nothing and
+no step the job can take from there may latch success, or it ends in a final failure state:
+not merely an answer into a state named a failure state, which the job may leave for a
 success), makes its job's expected outcome a failure, unless the outcome was latched before
 the step (a best-effort step after it decides nothing) or the answer's edge retries the step in
-place;
-a step whose tries are given up (EXHAUSTED) makes it a failure too. A step returning what the
+place; a step whose tries are given up (EXHAUSTED) makes it a failure too. A step returning what the
 tier refuses as an answer (what its event does not carry: the driver's own check, in its words)
 is a violation on any path (the tier takes it as RAISED); one raising by itself on the path with
 no fault injected, where that decides its job's outcome (at once, or as it keeps raising until
