@@ -479,8 +479,10 @@ def test_a_failure_latched_by_an_action_a_bare_record_cannot_run_or_on_the_next_
     for machine in (logged, deferred):
         _, violations, taken = replay(parse_path("mode=1"), machine, steps=steps)
         assert violations == [], machine.name
+        # (jobs 0 and 1 verified, and failed; job 2's load of job 0's key then failed at
+        # open: the tier forgot the key its failed store held)
         assert sum(count for edge, count in taken.items()
-                   if edge.startswith("VERIFYING -verify[unverified]")) == 3, taken
+                   if edge.startswith("VERIFYING -verify[unverified]")) == 2, taken
         assert explore(machine, steps=steps, max_faults=1).ok, machine.name
 
 

@@ -30,12 +30,13 @@ Checked on every path (:class:`Invariant`):
 A lifecycle with steps of its own (an effect such as ``verify``, made by a function the tier is
 given: ``explore(machine, steps={...})``) runs them on every path, and each step call is a call
 like NIXL's: it raises at every step too (``verify:raise@1``). A step that raises, or gives an
-answer that decides its job fails (its edge's actions latch failure; or they latch nothing and
-no step the job can take from there may latch success, or it ends in a final failure state:
-not merely an answer into a state named a failure state, which the job may leave for a
-success), makes its job's expected outcome a failure, unless the outcome was latched before
-the step (a best-effort step after it decides nothing) or the answer's edge retries the step in
-place; a step whose tries are given up (EXHAUSTED) makes it a failure too. A step returning what the
+answer that decides its job fails (its edge runs one of kvfsm's actions latching failure, or
+enters a state named a failure state from which the job can take no step latching success:
+not an answer into a state that checks again and may match), makes its job's expected outcome
+a failure (the report names the jobs failing so on the path with no fault), unless the outcome
+was latched before the step (a best-effort step after it decides nothing) or the answer's edge
+retries the step in place; a step whose tries are given up (EXHAUSTED) makes it a failure too.
+A step returning what the
 tier refuses as an answer (what its event does not carry: the driver's own check, in its words)
 is a violation on any path (the tier takes it as RAISED); one raising by itself on the path with
 no fault injected, where that decides its job's outcome (at once, or as it keeps raising until
@@ -69,7 +70,6 @@ from typing import Any
 import torch
 
 from kvfsm.driver import (
-    _TIER_EVENTS,
     MachineRefused,
     StepFunction,
     _step_answer,
@@ -77,7 +77,6 @@ from kvfsm.driver import (
 )
 from kvfsm.engine import COMPILE_LISTENERS, CompiledMachine, Declaration, Edge
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent
-from kvfsm.machines.transfer import CallFailed
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_agent import FakeNixlAgent
 from kvfsm.testing.faults import (
@@ -622,13 +621,9 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
         return taken is None or taken.dest is not transfer.state
 
     def into_failure(transfer: Any, name: str, answer: Any) -> bool:
-        """Whether this answer of step ``name`` fails the job: its edge's actions latch
-        failure (run on a bare record), or it ends the job in a final failure state; not
-        whether its edge enters a state named a failure state (the drawing's rule), which a
-        job may leave for a success (a state that checks again), and which may be the step's
-        own."""
+        """Whether this answer of step ``name`` decides its job fails (:func:`_fails`)."""
         taken = table.get(transfer.state, {}).get(name, {}).get(answer)
-        return taken is not None and _fails(taken, machine)
+        return taken is not None and _fails(taken, machine, table)
 
     def watched(name: str, step: StepFunction) -> StepFunction:
         def run(transfer: Any, primary: Any) -> Any:
@@ -678,24 +673,24 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
     return {name: watched(name, step) for name, step in steps.items()}
 
 
-def _fails(step: Any, machine: Declaration[Any, Any]) -> bool:
-    """Whether taking ``step`` decides that a job whose outcome is not latched yet fails: its
-    actions latch failure; or they latch nothing, and it ends the job in a final failure
-    state, or no step the job can take from its destination may latch success (a state that
-    checks again, and may match, decides nothing). What each step latches is read once a
-    machine, its actions run on a bare record (:func:`_latches`)."""
-    latched = _latches(machine)
-    own = latched[(step.source, step.edge.event, step.answer)]
-    if own is not None:
-        return own is False
-    if step.dest in machine.final & machine.failure_states:
+def _fails(step: Any, machine: Declaration[Any, Any], table: Any) -> bool:
+    """Whether taking ``step`` (``table``'s) decides that a job whose outcome is not latched
+    yet fails: one of kvfsm's actions that latch failure runs on its edge; or it enters a
+    state the machine names a failure state, from which the job can take no step that
+    latches success (kvfsm's ``latch_success``). So an answer into a state that checks again,
+    and may match, decides nothing, wherever it starts; a failure latched on a later edge (the
+    release out of the state it led to) counts. Read from the table alone: no action of the
+    user's runs for it (one latching under a name of its own is not seen, nor an outcome an
+    action decides from what it kept elsewhere)."""
+    if _LATCH_FAILURE.intersection(step.edge.actions):
         return True
-    table = machine.compile(listen=False).table
+    if step.dest not in machine.failure_states:
+        return False
     seen, queue = {step.dest}, [step.dest]
     while queue:
-        for event, row in table.get(queue.pop(), {}).items():
-            for answer, after in row.items():
-                if latched[(after.source, event, answer)] in (True, _UNKNOWN):
+        for row in table.get(queue.pop(), {}).values():
+            for after in row.values():
+                if _LATCH_SUCCESS in after.edge.actions:
                     return False  # (the job may yet succeed)
                 if after.dest not in seen:
                     seen.add(after.dest)
@@ -703,38 +698,9 @@ def _fails(step: Any, machine: Declaration[Any, Any]) -> bool:
     return True
 
 
-#: a step whose actions raised on a bare record before they latched anything
-_UNKNOWN = "unknown"
-#: each machine explored in this process, with what each of its steps latches
-_LATCHED: dict[int, tuple[Declaration[Any, Any], dict[tuple[Any, str, Any], Any]]] = {}
-
-
-def _latches(machine: Declaration[Any, Any]) -> dict[tuple[Any, str, Any], Any]:
-    """What each step of ``machine`` latches, by (source, event, answer), its actions run once
-    on a bare record with nothing latched (a step's answer carrying the step's name, as the
-    driver gives it): True (success), False (failure), None (nothing), or :data:`_UNKNOWN`
-    (an action needing what a bare record lacks raised before anything was latched; one
-    raising after a latch keeps it). Read once a machine, so a user's action with a side of
-    its own (a count, a log) runs once a step in the process, not on every path."""
-    known = _LATCHED.get(id(machine))
-    if known is not None and known[0] is machine:
-        return known[1]
-    latched: dict[tuple[Any, str, Any], Any] = {}
-    for state, row in machine.compile(listen=False).table.items():
-        for event, answers in row.items():
-            for answer, step in answers.items():
-                record = BareRecord(state)
-                detail = None if event in _TIER_EVENTS else CallFailed(event, "")
-                try:
-                    for action in step.actions:
-                        action(record, answer, detail)
-                except Exception:
-                    if record.success is None:
-                        latched[(state, event, answer)] = _UNKNOWN
-                        continue
-                latched[(state, event, answer)] = record.success
-    _LATCHED[id(machine)] = (machine, latched)
-    return latched
+#: the action of kvfsm's that latches success, and those that latch failure
+_LATCH_SUCCESS = "latch_success"
+_LATCH_FAILURE = frozenset({"latch_failure", "latch_cancelled", "quarantine"})
 
 
 def _fresh(steps: dict[str, StepFunction]) -> dict[str, StepFunction]:
