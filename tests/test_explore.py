@@ -392,8 +392,8 @@ def test_a_step_answer_into_a_failure_state_the_job_leaves_for_a_success_fails_n
     """A first check that is unsure sends the job to a second (both states named failure
     states, to draw the suspicious path so), which matches: the job succeeds. An answer was
     taken as failing its job when its edge entered a state named a failure state, and the
-    explorer reported the success as a violation; one fails its job when its edge's actions
-    latch failure, or it ends the job in a final failure state."""
+    explorer reported the success as a violation; one into a failure state fails its job only
+    when the job can take no step latching success from there."""
     from examples.verify_lifecycle import Verified  # noqa: PLC0415
     from kvfsm.lifecycle import Answer  # noqa: PLC0415
 
@@ -484,6 +484,39 @@ def test_a_failure_latched_by_an_action_a_bare_record_cannot_run_or_on_the_next_
         assert sum(count for edge, count in taken.items()
                    if edge.startswith("VERIFYING -verify[unverified]")) == 2, taken
         assert explore(machine, steps=steps, max_faults=1).ok, machine.name
+
+
+def test_a_step_answer_is_judged_by_what_kvfsms_actions_on_its_edge_latch() -> None:
+    """An answer whose own edge latches success into a state named a failure state (to draw
+    it red) succeeds, and one running kvfsm's latch_failure under a name of the machine's
+    own, into a state no failure state, fails: each was reported as a violation by a rule
+    reading where the edge goes, or an action's name."""
+    from examples.verify_lifecycle import Verified  # noqa: PLC0415
+    from kvfsm.machines.transfer import latch_failure  # noqa: PLC0415
+
+    release_out_of = [  # (the release, as DONE's, out of the state the answer leads to)
+        {"trigger": "release", "source": "DEGRADED", "dest": "XFER_RELEASED",
+         "conditions": "released"},
+        {"trigger": "release", "source": "DEGRADED", "dest": "DEGRADED",
+         "conditions": "release_raised", "after": "count_retry"},
+        {"trigger": "release", "source": "DEGRADED", "dest": "QUARANTINED",
+         "conditions": "exhausted", "after": "quarantine"},
+        {"trigger": "cancel", "source": "DEGRADED", "dest": "DEGRADED"}]
+    degraded = _verify_then("verify_degraded", {"dest": "DEGRADED", "after": "latch_success"},
+                            release_out_of, states=["VERIFYING", "DEGRADED"],
+                            effects={"DEGRADED": "release"}, failure_states=["DEGRADED"])
+    renamed = _verify_then("verify_renamed", {"dest": "DEGRADED", "after": "fail_check"},
+                           release_out_of, states=["VERIFYING", "DEGRADED"],
+                           effects={"DEGRADED": "release"},
+                           actions={"fail_check": latch_failure})
+    steps = {"verify": lambda transfer, primary: Verified.MISMATCH}
+    for machine in (degraded, renamed):
+        _, violations, taken = replay(parse_path("mode=1"), machine, steps=steps)
+        assert violations == [], machine.name
+        assert taken["VERIFYING -verify[unverified]-> DEGRADED"] >= 2, taken
+        # (no fault: a raise of the step takes the same edge, and a raise latching success
+        # is one the explorer reports, as a raise is taken to fail its job)
+        assert explore(machine, steps=steps, max_faults=0).ok, machine.name
 
 
 def test_a_cancel_failing_a_job_nixl_finished_is_reported_with_the_cancels_promise() -> None:

@@ -30,9 +30,10 @@ Checked on every path (:class:`Invariant`):
 A lifecycle with steps of its own (an effect such as ``verify``, made by a function the tier is
 given: ``explore(machine, steps={...})``) runs them on every path, and each step call is a call
 like NIXL's: it raises at every step too (``verify:raise@1``). A step that raises, or gives an
-answer that decides its job fails (its edge runs one of kvfsm's actions latching failure, or
-enters a state named a failure state from which the job can take no step latching success:
-not an answer into a state that checks again and may match), makes its job's expected outcome
+answer that decides its job fails (its edge runs one of kvfsm's actions latching failure, or,
+latching no success itself, enters a state named a failure state from which the job can take
+no step running kvfsm's ``latch_success``: not an answer into a state that checks again and
+may match; an action of the user's own that latches is not seen), makes its job's expected outcome
 a failure (the report names the jobs failing so on the path with no fault), unless the outcome
 was latched before the step (a best-effort step after it decides nothing) or the answer's edge
 retries the step in place; a step whose tries are given up (EXHAUSTED) makes it a failure too.
@@ -77,6 +78,7 @@ from kvfsm.driver import (
 )
 from kvfsm.engine import COMPILE_LISTENERS, CompiledMachine, Declaration, Edge
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent
+from kvfsm.machines.transfer import latch_cancelled, latch_failure, latch_success, quarantine
 from kvfsm.policy import RetryPolicy
 from kvfsm.testing.fake_agent import FakeNixlAgent
 from kvfsm.testing.faults import (
@@ -675,22 +677,23 @@ def _inject(agent: _WatchedAgent, path: Path, machine: Declaration[Any, Any],
 
 def _fails(step: Any, machine: Declaration[Any, Any], table: Any) -> bool:
     """Whether taking ``step`` (``table``'s) decides that a job whose outcome is not latched
-    yet fails: one of kvfsm's actions that latch failure runs on its edge; or it enters a
-    state the machine names a failure state, from which the job can take no step that
-    latches success (kvfsm's ``latch_success``). So an answer into a state that checks again,
-    and may match, decides nothing, wherever it starts; a failure latched on a later edge (the
-    release out of the state it led to) counts. Read from the table alone: no action of the
-    user's runs for it (one latching under a name of its own is not seen, nor an outcome an
-    action decides from what it kept elsewhere)."""
-    if _LATCH_FAILURE.intersection(step.edge.actions):
+    yet fails: its edge runs one of kvfsm's actions that latch failure (under any name the
+    machine gives it); or it latches no success itself, and enters a state the machine names a
+    failure state from which the job can take no step running kvfsm's ``latch_success``. So an
+    answer into a state that checks again, and may match, decides nothing, wherever it starts;
+    a failure latched on a later edge (the release out of the state it led to) counts. Read
+    from the table alone: no action of the user's runs for it (one of the user's own that
+    latches, a wrapper of kvfsm's say, is not seen, nor an outcome an action decides from what
+    it kept elsewhere)."""
+    if any(action in _LATCHING_FAILURE for action in step.actions):
         return True
-    if step.dest not in machine.failure_states:
+    if latch_success in step.actions or step.dest not in machine.failure_states:
         return False
     seen, queue = {step.dest}, [step.dest]
     while queue:
         for row in table.get(queue.pop(), {}).values():
             for after in row.values():
-                if _LATCH_SUCCESS in after.edge.actions:
+                if latch_success in after.actions:
                     return False  # (the job may yet succeed)
                 if after.dest not in seen:
                     seen.add(after.dest)
@@ -698,9 +701,8 @@ def _fails(step: Any, machine: Declaration[Any, Any], table: Any) -> bool:
     return True
 
 
-#: the action of kvfsm's that latches success, and those that latch failure
-_LATCH_SUCCESS = "latch_success"
-_LATCH_FAILURE = frozenset({"latch_failure", "latch_cancelled", "quarantine"})
+#: kvfsm's actions that latch failure (those of the shipped lifecycle)
+_LATCHING_FAILURE = frozenset({latch_failure, latch_cancelled, quarantine})
 
 
 def _fresh(steps: dict[str, StepFunction]) -> dict[str, StepFunction]:
