@@ -449,6 +449,19 @@ def _verify_then(name: str, failed: dict[str, Any], more: list[dict[str, Any]] |
         calls={"verify": "crc32"}, **options)
 
 
+def _release_out_of(state: str, *released: str) -> list[dict[str, Any]]:
+    """The release out of ``state`` (a state an answer leads to), as DONE's: ``released``
+    the actions of its OK edge; and a cancel there, a stay."""
+    return [
+        {"trigger": "release", "source": state, "dest": "XFER_RELEASED",
+         "conditions": "released", "after": list(released)},
+        {"trigger": "release", "source": state, "dest": state,
+         "conditions": "release_raised", "after": "count_retry"},
+        {"trigger": "release", "source": state, "dest": "QUARANTINED",
+         "conditions": "exhausted", "after": "quarantine"},
+        {"trigger": "cancel", "source": state, "dest": state}]
+
+
 def test_a_failure_latched_by_an_action_a_bare_record_cannot_run_or_on_the_next_edge_counts(
 ) -> None:
     """The step answers MISMATCH on every path with no fault: each job must fail, and does.
@@ -465,14 +478,7 @@ def test_a_failure_latched_by_an_action_a_bare_record_cannot_run_or_on_the_next_
                                             "after": ["latch_failure", "log_mismatch"]},
                           states=["VERIFYING"], actions={"log_mismatch": log_mismatch})
     deferred = _verify_then(
-        "verify_deferred", {"dest": "REJECTED"}, [
-            {"trigger": "release", "source": "REJECTED", "dest": "XFER_RELEASED",
-             "conditions": "released", "after": "latch_failure"},
-            {"trigger": "release", "source": "REJECTED", "dest": "REJECTED",
-             "conditions": "release_raised", "after": "count_retry"},
-            {"trigger": "release", "source": "REJECTED", "dest": "QUARANTINED",
-             "conditions": "exhausted", "after": "quarantine"},
-            {"trigger": "cancel", "source": "REJECTED", "dest": "REJECTED"}],
+        "verify_deferred", {"dest": "REJECTED"}, _release_out_of("REJECTED", "latch_failure"),
         states=["VERIFYING", "REJECTED"], effects={"REJECTED": "release"},
         failure_states=["REJECTED"])
     steps = {"verify": lambda transfer, primary: Verified.MISMATCH}
@@ -494,14 +500,7 @@ def test_a_step_answer_is_judged_by_what_kvfsms_actions_on_its_edge_latch() -> N
     from examples.verify_lifecycle import Verified  # noqa: PLC0415
     from kvfsm.machines.transfer import latch_failure  # noqa: PLC0415
 
-    release_out_of = [  # (the release, as DONE's, out of the state the answer leads to)
-        {"trigger": "release", "source": "DEGRADED", "dest": "XFER_RELEASED",
-         "conditions": "released"},
-        {"trigger": "release", "source": "DEGRADED", "dest": "DEGRADED",
-         "conditions": "release_raised", "after": "count_retry"},
-        {"trigger": "release", "source": "DEGRADED", "dest": "QUARANTINED",
-         "conditions": "exhausted", "after": "quarantine"},
-        {"trigger": "cancel", "source": "DEGRADED", "dest": "DEGRADED"}]
+    release_out_of = _release_out_of("DEGRADED")
     degraded = _verify_then("verify_degraded", {"dest": "DEGRADED", "after": "latch_success"},
                             release_out_of, states=["VERIFYING", "DEGRADED"],
                             effects={"DEGRADED": "release"}, failure_states=["DEGRADED"])
