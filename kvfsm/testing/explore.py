@@ -31,22 +31,21 @@ A lifecycle with steps of its own (an effect such as ``verify``, made by a funct
 given: ``explore(machine, steps={...})``) runs them on every path, and each step call is a call
 like NIXL's: it raises at every step too (``verify:raise@1``). A step that raises, or gives an
 answer that decides its job fails (its edge runs one of kvfsm's actions latching failure, or,
-latching no success itself, enters a state named a failure state from which the job can take
-no step running kvfsm's ``latch_success``: not an answer into a state that checks again and
-may match; an action of the user's own that latches is not seen), makes its job's expected outcome
-a failure (the report names the jobs failing so on the path with no fault), unless the outcome
-was latched before the step (a best-effort step after it decides nothing) or the answer's edge
-retries the step in place; a step whose tries are given up (EXHAUSTED) makes it a failure too.
-A step returning what the
-tier refuses as an answer (what its event does not carry: the driver's own check, in its words)
-is a violation on any path (the tier takes it as RAISED); one raising by itself on the path with
-no fault injected, where that decides its job's outcome (at once, or as it keeps raising until
-its tries are given up), is one there (a step broken, or given wrongly: a class where its
-instance belongs); a raise retried in place, or a best-effort step's after the outcome was
-latched, decides nothing and is none. A step answering a failure on purpose is none, but
-:meth:`Exploration.report` names each job that failed on that path, with its reason
-(:attr:`Exploration.fault_free`). A violation about a failure a job published carries the reason
-it published (:attr:`Violation.reason`).
+latching no success itself, enters a state named a failure state from which the job can take no
+step running kvfsm's ``latch_success``: not an answer into a state that checks again and may
+match; an action of the user's own that latches is not seen), makes its job's expected outcome a
+failure (the report names the jobs failing so on the path with no fault), unless the outcome was
+latched before the step (a best-effort step after it decides nothing) or the answer's edge
+retries the step in place; a step whose tries are given up (EXHAUSTED) makes it a failure too. A
+step returning what the tier refuses as an answer (what its event does not carry: the driver's
+own check, in its words) is a violation on any path (the tier takes it as RAISED); one raising
+by itself on the path with no fault injected, where that decides its job's outcome (at once, or
+as it keeps raising until its tries are given up), is one there (a step broken, or given
+wrongly: a class where its instance belongs); a raise retried in place, or a best-effort step's
+after the outcome was latched, decides nothing and is none. A step answering a failure on
+purpose is none, but :meth:`Exploration.report` names each job that failed on that path, with
+its reason (:attr:`Exploration.fault_free`). A violation about a failure a job published carries
+the reason it published (:attr:`Violation.reason`).
 
 A violating path prints as a fault spec (``mode=1;check_xfer_state:raise@1,...``) that
 :func:`replay` runs again, step by step.
@@ -70,12 +69,7 @@ from typing import Any
 
 import torch
 
-from kvfsm.driver import (
-    MachineRefused,
-    StepFunction,
-    _step_answer,
-    check_runnable,
-)
+from kvfsm.driver import MachineRefused, StepFunction, _step_answer, check_runnable
 from kvfsm.engine import COMPILE_LISTENERS, CompiledMachine, Declaration, Edge
 from kvfsm.lifecycle import TRANSFER_MACHINE, Answer, TransferEvent
 from kvfsm.machines.transfer import latch_cancelled, latch_failure, latch_success, quarantine
@@ -568,7 +562,7 @@ def _pass_running_bound(tier: SecondaryTier) -> None:
         transfer.started_at -= _RUNNING_BOUND
 
 
-def _arm(agent: _WatchedAgent, path: Path, steps: dict[str, StepFunction], machine: str = "",
+def _arm(agent: _WatchedAgent, path: Path, steps: dict[str, StepFunction], machine: str,
          ) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
     """(:func:`_inject`) Arm the path's faults in NIXL's calls and its rounds; returns the
     step calls (name, number) that raise and those a Ctrl-C cuts short."""
@@ -1152,8 +1146,9 @@ class Verdict:
     transitions a machine breaking an invariant took (a broken variant, a step given wrongly,
     explored by a test that expects the violation) are no transitions tested. Machines other
     threads compile meanwhile are not marked, and one a tool inside another compiles is the
-    inner tool's. As a context manager it marks until its block ends (uncounted if it
-    raised); :meth:`of` lists a declaration's compilations as they come."""
+    inner tool's. As a context manager it marks until its block ends (uncounted unless the
+    block set :attr:`counted`, as its last statement: one that raised does not);
+    :meth:`of` lists a declaration's compilations as they come."""
 
     def __init__(self) -> None:
         self.counted = False
@@ -1182,8 +1177,6 @@ class Verdict:
 
     def __exit__(self, *exc: object) -> None:
         COMPILE_LISTENERS.remove(self._listen)
-        if exc[0] is not None:
-            self.counted = False
 
 
 def _explore(found: Exploration, compiled: list[CompiledMachine[Any, Any]],

@@ -143,7 +143,6 @@ class _Explainer:
         self._lock = threading.Lock()
         self._next_at = 0.0
         self._started = False  # a check's thread runs
-        self.checks = 0  # bucket checks started
 
     def __call__(self, transfer: Transfer) -> None:
         reason = transfer.reason
@@ -168,7 +167,6 @@ class _Explainer:
             if now < self._next_at:
                 return
             self._next_at = math.inf  # until the check is over, then EXPLAIN_EVERY more
-            self.checks += 1
         try:
             threading.Thread(target=self._check_bucket, args=(job_id, kind),
                              name="kvfsm-obj-explain", daemon=True).start()
@@ -186,7 +184,6 @@ class _Explainer:
 
         with self._lock:
             self._started = True
-
         try:
             check_bucket(self.store, EXPLAIN_TIMEOUT)
         except BucketUnreachable as error:
@@ -775,9 +772,8 @@ class ObjectStoreTier(SecondaryTier):
         self._prober.settle_seconds = SETTLE_SECONDS if made_probe else 0.0
         # a tier dropped without shutdown() stops its prober (never waiting for it)
         weakref.finalize(self, self._prober.stop, 0.0)
-        #: explains the failures of requests NIXL's OBJ backend tells nothing of (real NIXL's)
-        self._explainer = _Explainer(store)
-        self._runner.on_failed += [self._explainer] * self._on_nixl
+        # explains the failures of requests NIXL's OBJ backend tells nothing of: real NIXL's
+        self._runner.on_failed += [_Explainer(store)] if self._on_nixl else []
         _warn_of_the_running_bound(self.policy)
 
     #: seconds a MISS found by a probe is believed before the store is asked again
