@@ -975,12 +975,13 @@ class PeerSender(SecondaryTier):
     transfer does, later jobs are refused (:class:`~kvfsm.peer_link.PeerNotConnected`), and once
     no transfer to the receiver is unpublished its metadata is removed (CLOSED).
 
-    Before a receiver's metadata is removed, and at shutdown, the sender lets its UCX worker
-    progress once (``get_new_notifs``). Measured on NIXL 1.5.1: a sender whose receiver was
-    killed before taking the notification of a write, and which then posted a write that failed
-    with the disconnect, aborted when its agent was destroyed (UCX assertion
-    ``ucs_arbiter_group_is_empty``), whether or not its handles were released and the receiver
-    removed first; one ``get_new_notifs`` call after the failed write avoided it in every trial.
+    As soon as a write fails with the disconnect, before a receiver's metadata is removed, and at
+    shutdown, the sender lets its UCX worker progress once (``get_new_notifs``). Measured on
+    NIXL 1.5.1: a sender whose receiver was killed before taking the notification of a write,
+    and which then posted a write that failed with the disconnect, aborted when its agent was
+    destroyed (UCX assertion ``ucs_arbiter_group_is_empty``), whether or not its handles were
+    released and the receiver removed first; one ``get_new_notifs`` call after the failed write
+    avoided it in every trial.
     The sender expects no notifications (a receiver's probes are the only ones it gets), so it
     drops what that call returns: a sender is refused an agent a receiver not shut down reads
     (and a receiver one any peer side uses).
@@ -1008,7 +1009,8 @@ class PeerSender(SecondaryTier):
         self._nonce = new_nonce()
         super().__init__(primary, agent=agent, remote=_PeerMemory(self._receiver),
                          poll_interval=poll_interval, policy=policy)
-        self._runner.on_final.append(functools.partial(_heard, self._receiver, self.links))
+        self._runner.on_final.append(
+            functools.partial(_heard, self._receiver, self.links, self._progress))
 
     @property
     def link(self) -> PeerLink | None:
@@ -1216,9 +1218,13 @@ class PeerSender(SecondaryTier):
             logger.warning("get_new_notifs raised while closing a peer link: %s", error)
 
 
-def _heard(receiver: _Receiver, links: PeerLinks, transfer: Transfer, result: JobResult) -> None:
+def _heard(receiver: _Receiver, links: PeerLinks, progress: Callable[[], None],
+           transfer: Transfer, result: JobResult) -> None:
     """A write was published: one whose last error was one of
-    :data:`~kvfsm.machines.peer_link.LINK_LOST_BY` (by type) loses the link."""
+    :data:`~kvfsm.machines.peer_link.LINK_LOST_BY` (by type) loses the link, and the sender's
+    UCX worker progresses once at once (``progress``): what the failed write left queued is
+    retired now, not only when the link is closed, so a sender dropped or left at exit
+    without another poll does not abort as its agent is destroyed (the class docstring)."""
     link = receiver.link
     reason = transfer.reason
     # the failure that ended the write (latched), or an error NIXL gave it afterwards (a
@@ -1228,3 +1234,4 @@ def _heard(receiver: _Receiver, links: PeerLinks, transfer: Transfer, result: Jo
     if (transfer.success is False and link is not None and lost
             and link.state in (LinkState.CONNECTED, LinkState.LOST)):
         links.disconnected(link, transfer.error)
+        progress()

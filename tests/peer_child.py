@@ -10,10 +10,14 @@ that hangs would; ``{"do": "exit"}`` shuts the side down and ends the process wi
 also forgets a sender (``{"do": "forget", "sender": name}``) and says its ``stats``.
 A test may kill the process at any time instead, or have the sender kill the receiver the moment
 a write is over (``"kill_when_done": pid``), before the receiver can take its notification.
+A submit may end the process right after it, with no step and no shutdown (``"then": "exit"``),
+or after dropping the side and collecting it (``"then": "drop"``): an engine that dies of an
+error it does not catch, or lets go of a sender it is done with.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -75,7 +79,7 @@ class Child:
         say(expecting=job)
 
     def submit(self, job: int, keys: list[str], blocks: list[int],
-               kill_when_done: int | None = None) -> None:
+               kill_when_done: int | None = None, then: str | None = None) -> None:
         try:
             self.side.submit_store(TransferJob(job, keys, blocks))
         except Exception as error:
@@ -85,7 +89,15 @@ class Child:
             while not self.results:
                 self.step()
             os.kill(kill_when_done, signal.SIGKILL)
+        if then == "drop":
+            link = self.side.link_state().name
+            self.side = None
+            gc.collect()  # (a side is in reference cycles: the collector tears it down)
+            say(submitted=job, dropped=True, link=link)
+            raise SystemExit(0)
         say(submitted=job)
+        if then == "exit":
+            raise SystemExit(0)
 
     def report(self, count: int, within: float, link: list[str] | None = None) -> None:
         """Step until ``count`` results are in or ``within`` seconds passed; say them."""

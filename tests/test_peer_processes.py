@@ -125,6 +125,31 @@ def test_a_sender_whose_receiver_is_killed_fails_what_it_owed_and_exits_cleanly(
     assert sender.process.wait(10) == 0, sender.stderr()  # no UCX abort at teardown
 
 
+@pytest.mark.parametrize("then", ["exit", "drop"])
+def test_a_sender_left_without_a_poll_after_a_write_to_its_killed_receiver_failed_exits_cleanly(
+    engines: list[Engine], then: str,
+) -> None:
+    """As above, but the sender's engine makes no call after the failed write: it exits at once
+    (an error it did not catch), or drops the sender first. Its UCX worker progressed as the
+    write failed, so its agent's teardown does not abort (it did, in every trial, while the
+    worker progressed only as the link was closed, by a poll or a shutdown)."""
+    receiver, sender = Engine("receiver", "30"), Engine("sender")
+    engines += [receiver, sender]
+    _, sender_name = connect(sender, receiver)
+    receiver.ask(do="expect", job=1, keys=["2"], blocks=[2], sender=sender_name)
+    sender.ask(do="submit", job=1, keys=["2"], blocks=[0])
+    assert sender.ask(do="results", count=1, within=5)["results"] == [[1, True]]
+    assert receiver.ask(do="results", count=1, within=5,
+                        link=[sender_name])["results"] == [[1, True]]
+    sender.ask(do="submit", job=2, keys=["3"], blocks=[1], kill_when_done=receiver.process.pid)
+    assert receiver.process.wait(10) == -signal.SIGKILL
+    answer = sender.ask(do="submit", job=3, keys=["4"], blocks=[2], then=then)
+    assert answer["submitted"] == 3
+    if then == "drop":
+        assert answer["link"] == "LOST"  # (job 2 failed with the disconnect as it was posted)
+    assert sender.process.wait(10) == 0, sender.stderr()  # no UCX abort at teardown
+
+
 def test_a_write_in_flight_to_a_receiver_that_hangs_and_is_killed_fails_only_once_over(
     engines: list[Engine],
 ) -> None:
