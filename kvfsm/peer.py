@@ -128,7 +128,7 @@ from kvfsm.machines.peer_receive import (
     ReceiveEvent,
     ReceiveState,
 )
-from kvfsm.machines.transfer import FailureReason
+from kvfsm.machines.transfer import FailureReason, latch_failure, latch_success
 from kvfsm.peer_link import (
     PROBE_MESSAGE,
     PeerLink,
@@ -331,6 +331,26 @@ class _Expected:
         self.trace: list[Any] = []
 
 
+class _Mending:
+    """``with _Mending(receiver):`` around a call of a receiver that changes its books:
+    :meth:`PeerReceiver._mend` first if an interrupt went through a call before, and this
+    one's noted (as :attr:`kvfsm.runner.Runner.guarded` does for a tier)."""
+
+    __slots__ = ("receiver",)
+
+    def __init__(self, receiver: PeerReceiver) -> None:
+        self.receiver = receiver
+
+    def __enter__(self) -> None:
+        if self.receiver._damaged:
+            self.receiver._mend()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: Any) -> None:
+        if kind is not None and not issubclass(kind, Exception):  # an interrupt: it may
+            self.receiver._damaged = True  # have cut a change of the books short
+
+
 #: the calls a receiver makes of its NIXL agent (its own, and its links')
 RECEIVER_CALLS = ("register_memory", "deregister_memory", "get_new_notifs",
                   "add_remote_agent", "check_remote_metadata", "remove_remote_agent",
@@ -425,6 +445,13 @@ class PeerReceiver(JobSide):
         self._owed: dict[PeerLink, int] = {}
         #: the block ids of the expected jobs, each with the job whose sender writes it
         self._writing: dict[int, int] = {}
+        #: the notifications taken from NIXL and not yet filed, each batch with the count of
+        #: hand-backs when it was taken (what dates its notifications), oldest first: one an
+        #: interrupt cut short goes on where it stopped
+        self._arriving: collections.deque[tuple[int, dict[Any, list[Any]]]] = (
+            collections.deque())
+        #: an interrupt went through a call that changes the books: the next one mends them
+        self._damaged = False
         self._lock = threading.RLock()
         self._closed = False
         #: True once shut down: no call of the agent that takes notifications from then on
@@ -458,7 +485,7 @@ class PeerReceiver(JobSide):
                 connected again).
         """
         nonce, agent_metadata = _parse_sender_metadata(sender_metadata)
-        with self._lock:
+        with self._lock, _Mending(self):
             if self._closed:
                 raise TierClosedError("PeerReceiver is shut down; no sender is connected")
             inbox = self._inboxes.get(nonce)
@@ -498,7 +525,7 @@ class PeerReceiver(JobSide):
                 (:class:`PeerNotConnected`); nothing changed.
             TierClosedError: the receiver is shut down.
         """
-        with self._lock:
+        with self._lock, _Mending(self):
             if self._closed:
                 raise TierClosedError(f"PeerReceiver is shut down; job "
                                       f"{getattr(job, 'job_id', job)!r} refused")
@@ -515,18 +542,27 @@ class PeerReceiver(JobSide):
                 raise PeerNotConnected(f"job {job.job_id}: sender {sender!r} is {state}")
             if not self._owes(link):  # silence counts from when something is owed
                 link.quiet_since = time.monotonic()
-            expected = self._expected[job.job_id] = _Expected(job, sender, link)
+            expected = _Expected(job, sender, link)
+            # taken from here on: what follows is mended from the record if cut short
+            self._expected[job.job_id] = expected
             for block in job.block_ids:
                 self._writing[block] = job.job_id
             self._owed[link] = self._owed.get(link, 0) + 1
-            inbox = self._inboxes[link.nonce]
-            message = notification_for(link.nonce, job.job_id, job.block_ids)
-            if message in inbox.early and self._fresh(inbox, message, job):
-                # it came first, and its blocks were not handed back since: it counts (once),
-                # published at the next poll
-                self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
-            else:
-                inbox.waiting[message] = job.job_id
+            self._claim(expected)
+
+    def _claim(self, expected: _Expected) -> None:
+        """An expected job takes the oldest fresh copy of its notification that came first,
+        if any (it counts, once: published at the next poll); else it waits for one."""
+        job, link = expected.job, expected.link
+        inbox = self._inboxes[link.nonce]
+        message = notification_for(link.nonce, job.job_id, job.block_ids)
+        if message in inbox.early and self._fresh(inbox, message, job):
+            # it came first, and its blocks were not handed back since: it counts
+            self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
+            self._spend(inbox, message)  # (after: cut short, a copy stays, dated before
+            # the job's blocks go back, and so never counts again)
+        else:
+            inbox.waiting[message] = job.job_id
 
     def _fail_moved(self) -> None:
         """(a poll) The cache's memory moved: every job still expected fails, before another
@@ -547,12 +583,13 @@ class PeerReceiver(JobSide):
                 "still linked to this one writes where its cache was)")
 
     def _fresh(self, inbox: _Inbox, message: bytes, job: TransferJob) -> bool:
-        """Take the oldest copy of ``message`` kept in ``inbox`` that came after the job's
-        blocks were last handed back to the engine; True if there was one. Older copies are
-        discarded: the write they report landed before the engine got those blocks back (a
-        job covering them was published since), and the engine may have written the blocks
-        since, so they no longer hold what was written (a job failed, say, and expected again
-        with the same id and blocks once its sender linked again)."""
+        """Whether a copy of ``message`` kept in ``inbox`` came after the job's blocks were
+        last handed back to the engine (the oldest such is the first: :meth:`_spend` takes
+        it once it counted). Older copies are discarded: the write they report landed before
+        the engine got those blocks back (a job covering them was published since), and the
+        engine may have written the blocks since, so they no longer hold what was written (a
+        job failed, say, and expected again with the same id and blocks once its sender linked
+        again)."""
         came = inbox.early[message]
         handed_back = max(self._handed_back.get(block, 0) for block in job.block_ids)
         stale = 0
@@ -564,16 +601,30 @@ class PeerReceiver(JobSide):
                            "were handed back (a job covering them was published since) were "
                            "discarded: the blocks may hold something else now; the job waits "
                            "for a new write", job.job_id, stale, list(job.block_ids))
-        fresh = len(came) > stale
         try:
-            del came[:stale + fresh]
-            self._early -= stale + fresh
+            del came[:stale]
+            self._early -= stale
         except BaseException:  # (an interrupt between the two: counted again at the next poll)
             self._early_stale = True
             raise
         if not came:
             del inbox.early[message]
-        return fresh
+            return False
+        return True
+
+    def _spend(self, inbox: _Inbox, message: bytes) -> None:
+        """The oldest copy of ``message`` kept in ``inbox`` counted for its job: it goes."""
+        came = inbox.early.get(message)
+        if not came:
+            return
+        try:
+            del came[0]
+            self._early -= 1
+        except BaseException:  # (as in _fresh)
+            self._early_stale = True
+            raise
+        if not came:
+            del inbox.early[message]
 
     def _check_expected(self, job: Any) -> None:
         """Raise InvalidJobError naming what is wrong with an expected ``job``."""
@@ -609,7 +660,7 @@ class PeerReceiver(JobSide):
         Its link's notifications never count from now on, even for jobs it owed. Only for a
         sender that is really gone: a live sender's writes are not revoked.
         """
-        with self._lock:
+        with self._lock, _Mending(self):
             link = self.links.get(sender)
             if link is not None and link.state not in PEER_LINK.final:
                 self._close(link)
@@ -622,6 +673,11 @@ class PeerReceiver(JobSide):
         not a poll later. If that take fails, nothing is published this poll (the jobs wait
         for a poll whose take goes through), but when ``closing``: every link is closed then,
         so no notification can count any more."""
+        with _Mending(self):
+            self._poll_once(closing)
+
+    def _poll_once(self, closing: bool) -> None:
+        """(:meth:`_poll`.)"""
         if self._early_stale:
             self._recount_early()
         now = time.monotonic()
@@ -656,10 +712,11 @@ class PeerReceiver(JobSide):
         """Take the notifications NIXL delivered since it was last asked; False when NIXL's
         call raised (nothing was taken)."""
         dropped = self._dropped
+        self._file_arriving(now)  # (what an interrupt left of an earlier take, first)
         if self._let_go:  # (shut down: another side may have its agent now)
             return False
-        try:
-            arrived = self.agent.get_new_notifs()
+        try:  # kept as it is taken (one statement): an interrupt after it loses none
+            self._arriving.append((self._handbacks, self.agent.get_new_notifs()))
         except Exception as error:  # a NIXL error is the receiver's to report, not to raise
             # (F7): no notification this round; the senders are still watched
             self._notif_errors += 1
@@ -667,19 +724,33 @@ class PeerReceiver(JobSide):
                 logger.warning("get_new_notifs raised (%d time(s) so far): %s: %s",
                                self._notif_errors, type(error).__name__, error)
             return False
-        for sender, messages in arrived.items():
-            name = _peer_name(sender)
-            link = self.links.get(name)
-            if link is not None and _says_link_is_there(link, messages):
-                link.quiet_since = now  # heard from: it is there
-            for message in messages:
-                self._take(name, bytes(message), link)
+        self._file_arriving(now)
         if self._dropped > dropped:
             logger.warning("dropped the %d oldest notification(s) carrying a nonce no link "
                            "has: the store of %d was full (%d dropped in all)",
                            self._dropped - dropped, MAX_UNKNOWN_NOTIFICATIONS,
                            self._dropped)
         return True
+
+    def _file_arriving(self, now: float) -> None:
+        """File the notifications taken from NIXL, each taken off once it was filed (at
+        least once: one an interrupt cut short after its filing is filed again, a copy kept
+        for an expect dated as the first, so it never counts twice: :meth:`_fresh`)."""
+        arriving = self._arriving
+        while arriving:
+            came, arrived = arriving[0]
+            while arrived:
+                sender = next(iter(arrived))
+                messages = arrived[sender]
+                name = _peer_name(sender)
+                link = self.links.get(name)
+                if link is not None and messages and _says_link_is_there(link, messages):
+                    link.quiet_since = now  # heard from: it is there
+                while messages:
+                    self._take(name, bytes(messages[0]), link, came)
+                    del messages[0]
+                del arrived[sender]
+            arriving.popleft()
 
     def stats(self) -> dict[str, int]:
         """What the receiver holds and has thrown away.
@@ -707,9 +778,10 @@ class PeerReceiver(JobSide):
                 "notify_errors": self._notif_errors,
                 "leaks": len(self._leaks) + self.links.leak_count}
 
-    def _take(self, sender: str, message: bytes, link: PeerLink | None = None) -> None:
+    def _take(self, sender: str, message: bytes, link: PeerLink | None, came: int) -> None:
         """One notification from NIXL (under the name of ``link``'s sender, when a link has
-        that name): it completes a job, or is kept, dropped or discarded."""
+        that name), taken when ``came`` hand-backs were made: it completes a job, or is kept,
+        dropped or discarded."""
         found = _JOB_NOTIFICATION.match(message)
         if found is None:
             if message != PROBE_MESSAGE:
@@ -719,7 +791,7 @@ class PeerReceiver(JobSide):
         inbox = self._inboxes.get(nonce)
         if inbox is not None:
             if inbox.link.name == sender:
-                self._arrived(inbox, message, self._handbacks)
+                self._arrived(inbox, message, came)
             else:
                 self._discard(sender, message, f"its nonce is {inbox.link.name!r}'s link's")
         elif nonce in self._spent:
@@ -727,7 +799,7 @@ class PeerReceiver(JobSide):
         else:  # a sender not connected yet, maybe: kept while there is room
             if len(self._unknown) == self._unknown.maxlen:
                 self._dropped += 1
-            self._unknown.append((sender, nonce, message, self._handbacks))
+            self._unknown.append((sender, nonce, message, came))
             if (link is not None and link.state not in PEER_LINK.final
                     and link not in self._relinked):
                 self._relinked.add(link)
@@ -748,7 +820,7 @@ class PeerReceiver(JobSide):
     def _arrived(self, inbox: _Inbox, message: bytes, came: int) -> None:
         """A notification of an open link, that came when ``came`` hand-backs were made: it
         completes the job waiting for it, or waits."""
-        job_id = inbox.waiting.pop(message, None)
+        job_id = inbox.waiting.get(message)  # (taken off once it counted: below)
         expected = None if job_id is None else self._expected.get(job_id)
         if expected is None or expected.state is not ReceiveState.EXPECTING:
             # (no job waits for it, or the one waiting failed meanwhile: its cache moved)
@@ -763,21 +835,21 @@ class PeerReceiver(JobSide):
             self.machine.fire(expected, ReceiveEvent.WATCH, PeerAnswer.GONE, self._moved())
         else:
             self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
+        if job_id is not None:
+            inbox.waiting.pop(message, None)
 
     def _adopt(self, inbox: _Inbox) -> None:
         """A link was made: the notifications of it that came before are its own now."""
         nonce = inbox.link.nonce
         if all(entry[1] != nonce for entry in self._unknown):
             return
-        unknown = list(self._unknown)
-        self._unknown.clear()
-        for sender, entry_nonce, message, came in unknown:
-            if entry_nonce != nonce:
-                self._unknown.append((sender, entry_nonce, message, came))
-            elif sender == inbox.link.name:
+        for entry in [entry for entry in self._unknown if entry[1] == nonce]:
+            sender, _, message, came = entry
+            if sender == inbox.link.name:
                 self._arrived(inbox, message, came)
             else:
                 self._discard(sender, message, f"its nonce is {inbox.link.name!r}'s link's")
+            self._unknown.remove(entry)  # (after: at least once, as _file_arriving)
 
     def _discard(self, sender: str, message: bytes, why: str) -> None:
         self._discarded += 1
@@ -786,6 +858,10 @@ class PeerReceiver(JobSide):
     def _close(self, link: PeerLink) -> None:
         """Close a link: remove its metadata, discard what it kept, spend its nonce."""
         self.links.close(link)
+        self._closed_link(link)
+
+    def _closed_link(self, link: PeerLink) -> None:
+        """(:meth:`_close`, once the link is closed.)"""
         self._relinked.discard(link)
         try:
             inbox = self._inboxes.pop(link.nonce, None)
@@ -839,17 +915,22 @@ class PeerReceiver(JobSide):
         try:
             if self._closed:
                 return
-            for link in self.links.open_links():
-                self._shut_off.add(link)  # (what it owed fails saying so)
-                self._close(link)
-            self._poll(closing=True)  # also lets UCX retire a lost sender
-            try:
-                self.agent.deregister_memory(self._registration)
-            except Exception as error:  # best effort, as a tier's cleanup: a leak, kept
-                self._leaks.append(("deregister_memory", f"{type(error).__name__}: {error}"))
-                logger.warning("shutdown: deregister_memory of the receiver's cache raised: "
-                               "%s: %s", type(error).__name__, error)
-            self._closed = self._let_go = True
+            with _Mending(self):
+                for link in self.links.open_links():
+                    self._shut_off.add(link)  # (what it owed fails saying so)
+                    self._close(link)
+                self._poll(closing=True)  # also lets UCX retire a lost sender
+                # taken before the call: one an interrupt cut short is not made again
+                registration, self._registration = self._registration, None
+                if registration is not None:
+                    try:
+                        self.agent.deregister_memory(registration)
+                    except Exception as error:  # best effort, as a tier's cleanup: a leak
+                        self._leaks.append(("deregister_memory",
+                                            f"{type(error).__name__}: {error}"))
+                        logger.warning("shutdown: deregister_memory of the receiver's cache "
+                                       "raised: %s: %s", type(error).__name__, error)
+                self._closed = self._let_go = True
         finally:
             self._lock.release()
 
@@ -859,28 +940,104 @@ class PeerReceiver(JobSide):
         return None if expected is None else expected.state
 
     def _publish(self, expected: _Expected) -> None:
+        """Publish a job that arrived or failed. Its result is queued while its record is kept
+        (it is handed out once the record is gone), and the record goes last: an interrupt
+        anywhere leaves it, PUBLISHED or not, for :meth:`_mend` to finish."""
         self.machine.fire(expected, ReceiveEvent.PUBLISH, PeerAnswer.OK)
-        del self._expected[expected.job.job_id]
-        self._handbacks += 1  # its blocks go back to the engine, whatever the outcome
-        handbacks, handed_back = self._handbacks, self._handed_back
+        self._books.publish(self._result(expected))
+        self._hand_back(expected)
         for block in expected.job.block_ids:
-            del self._writing[block]
-            handed_back[block] = handbacks
-        owed = self._owed[expected.link] - 1
-        if owed:
+            self._writing.pop(block, None)
+        owed = self._owed.get(expected.link, 0) - 1
+        if owed > 0:
             self._owed[expected.link] = owed
         else:
-            del self._owed[expected.link]
+            self._owed.pop(expected.link, None)
         inbox = self._inboxes.get(expected.link.nonce)
         if inbox is not None:  # a later job of the same id must not inherit its wait
             inbox.waiting.pop(notification_for(expected.link.nonce, expected.job.job_id,
                                                expected.job.block_ids), None)
+        del self._expected[expected.job.job_id]
+
+    def _result(self, expected: _Expected) -> JobResult:
         success = bool(expected.success)
-        self._books.publish(JobResult(
-            expected.job.job_id, success,
-            len(expected.job.block_ids) * self.block_bytes if success else 0,
-            expected.finished_at - expected.started_at,
-            None if success else expected.reason))
+        return JobResult(expected.job.job_id, success,
+                         len(expected.job.block_ids) * self.block_bytes if success else 0,
+                         expected.finished_at - expected.started_at,
+                         None if success else expected.reason)
+
+    def _hand_back(self, expected: _Expected) -> None:
+        """The job's blocks go back to the engine, whatever its outcome: a notification kept
+        from before this no longer says what they hold (:meth:`_fresh`)."""
+        self._handbacks += 1
+        handbacks, handed_back = self._handbacks, self._handed_back
+        for block in expected.job.block_ids:
+            handed_back[block] = handbacks
+
+    def _mend(self) -> None:
+        """An interrupt (a signal handler's, which may land between any two statements) went
+        through a call that changes the books: put them right before this call goes on.
+
+        A link whose connect it cut short is taken up (CONNECTING if NIXL had loaded its
+        metadata, then checked by the polls), with its inbox; a link it closed without the
+        rest of its close is finished. A job it left PUBLISHED is published (its result
+        queued if it was not, its blocks handed back once more: a notification kept from
+        before is then stale, on the safe side) and its record dropped. What is kept per job
+        (the blocks being written, what each link owes, which notification each job waits
+        for) is made again from the records; a job whose expect it cut short takes a fresh
+        copy of its notification that came first, as the expect would have; an outcome whose
+        latch it cut short is latched as the job's state says (ARRIVED a success, PEER_LOST a
+        failure saying the sender is gone); notifications
+        left in the unknown store with an open link's nonce are that link's. The
+        notifications taken from NIXL and not yet filed are filed by the next take."""
+        self._mend_links()
+        self._mend_records()
+        self._writing = {block: expected.job_id for expected in self._expected.values()
+                         for block in expected.job.block_ids}
+        self._owed = dict(collections.Counter(
+            expected.link for expected in self._expected.values()))
+        for inbox in self._inboxes.values():
+            inbox.waiting = {}
+        for expected in list(self._expected.values()):
+            if (expected.state is ReceiveState.EXPECTING
+                    and expected.link.nonce in self._inboxes):
+                self._claim(expected)
+        for inbox in list(self._inboxes.values()):
+            self._adopt(inbox)
+        self._recount_early()
+        self._damaged = False
+
+    def _mend_links(self) -> None:
+        """(:meth:`_mend`) The links a connect or a close left half made."""
+        self.links.mend()
+        for link in self.links.open_links():
+            if link.nonce not in self._inboxes:  # (a connect cut short before its inbox)
+                self._linked[link.nonce] = str(link.name)
+                self._inboxes[link.nonce] = _Inbox(link)
+        for inbox in list(self._inboxes.values()):
+            if inbox.link.state in PEER_LINK.final:  # (a close cut short after NIXL's call)
+                self._closed_link(inbox.link)
+
+    def _mend_records(self) -> None:
+        """(:meth:`_mend`) The outcomes and publications an interrupt left half made."""
+        arrived: Any = PeerAnswer.ARRIVED  # (the answers the machine's actions are given)
+        gone: Any = PeerAnswer.GONE
+        for expected in self._expected.values():  # an outcome its latch did not finish
+            if expected.state is ReceiveState.ARRIVED and expected.success is None:
+                latch_success(expected, arrived, None)
+            elif expected.state is ReceiveState.PEER_LOST and (
+                    expected.success is None or expected.reason is None):
+                expected.success = None
+                latch_failure(expected, gone,
+                              f"sender {expected.peer} is gone (what told so was cut short "
+                              "by an interrupt)")
+        queued = {result.job_id for result in self._books.results}
+        for expected in list(self._expected.values()):
+            if expected.state is ReceiveState.PUBLISHED:
+                if expected.job_id not in queued:
+                    self._books.publish(self._result(expected))
+                self._hand_back(expected)
+                del self._expected[expected.job_id]
 
 
 def _block_descs(descs: object) -> list[tuple[int, int, int]]:

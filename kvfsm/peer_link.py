@@ -178,6 +178,14 @@ class PeerLinks:
             raise PeerLinkError(f"peer {name!r}: check_remote_metadata raised: {link.error}")
         return link
 
+    def mend(self) -> None:
+        """After an interrupt: a link whose :meth:`connect` it cut short once NIXL loaded the
+        peer's metadata (kept, its ``add`` not yet fired) is taken up, CONNECTING: checked
+        again by :meth:`recheck`, as a link NIXL does not hold yet."""
+        for link in list(self.links.values()):
+            if link.state is LinkState.UNKNOWN:
+                self.machine.fire(link, LinkEvent.ADD, LinkAnswer.OK)
+
     def recheck(self, link: PeerLink) -> None:
         """Ask NIXL whether it holds a CONNECTING link's metadata; fire ``check``."""
         try:

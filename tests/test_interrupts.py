@@ -64,9 +64,10 @@ def interruptible(frame: Any) -> bool:
 
 
 @contextmanager
-def interrupted_at(line: int | None) -> Iterator[list[int]]:
-    """Count the lines kvfsm runs (returned, in a list of one); with ``line``, raise a
-    KeyboardInterrupt at that one, as a signal handler would."""
+def interrupted_at(line: int | None, files: tuple[str, ...] = BOOKKEEPING
+                   ) -> Iterator[list[int]]:
+    """Count the lines kvfsm runs in ``files`` (returned, in a list of one); with ``line``,
+    raise a KeyboardInterrupt at that one, as a signal handler would."""
     count = [0]
 
     def local(frame: Any, event: str, arg: Any) -> Any:
@@ -77,7 +78,7 @@ def interrupted_at(line: int | None) -> Iterator[list[int]]:
         return local
 
     def calls(frame: Any, event: str, arg: Any) -> Any:
-        return local if frame.f_code.co_filename in BOOKKEEPING else None
+        return local if frame.f_code.co_filename in files else None
 
     sys.settrace(calls)
     try:
@@ -160,13 +161,14 @@ def tier_with_stores_over(blocks: int, failing_release: bool
     return tier, agent
 
 
-def sweep(run: Callable[[int | None], list[str]]) -> dict[tuple[str, ...], list[int]]:
+def sweep(run: Callable[[int | None], list[str]], files: tuple[str, ...] = BOOKKEEPING,
+          least: int = 100) -> dict[tuple[str, ...], list[int]]:
     """``run`` with its interrupt at each line of an uninterrupted run's, in turn: the lines
     after which something was wrong, by what was."""
-    with interrupted_at(None) as count:
+    with interrupted_at(None, files) as count:
         assert run(-1) == []  # (-1: no interrupt, and the lines are counted)
     lines = count[0]
-    assert lines > 100
+    assert lines > least
     wrong: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
     for line in range(1, lines + 1):
         problems = run(line)

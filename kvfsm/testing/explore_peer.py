@@ -996,12 +996,12 @@ class _CompletesOnOtherLink(PeerReceiver):
     """Matches a notification by its sender's name, not its link: an old link's counts for
     the sender's open link."""
 
-    def _take(self, sender: str, message: bytes, link: Any = None) -> None:
+    def _take(self, sender: str, message: bytes, link: Any, came: int) -> None:
         link = self.links.get(sender)
         found = _JOB_NOTIFICATION.match(message)
         if found is not None and link is not None and link.state is LinkState.CONNECTED:
             message = message.replace(found.group(1), link.nonce.encode(), 1)
-        super()._take(sender, message, link)
+        super()._take(sender, message, link, came)
 
 
 class _WatchesBeforeTaking(PeerReceiver):

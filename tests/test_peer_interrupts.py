@@ -1,0 +1,115 @@
+"""A Ctrl-C that lands in a peer receiver's own bookkeeping (as tests/test_interrupts.py raises
+one at each line of a tier's) loses no job: raised at each line a receiver's ``connect``,
+``expect`` or publishing poll runs, in turn, afterwards every job the sender wrote is published
+once, a success, nothing is left kept or expected, and the receiver shuts down.
+
+The caller of the call it cut short does what an engine would: asks whether the call took
+effect (``link_state``, ``state_of``) and makes it again if not."""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Callable
+from contextlib import suppress
+
+import pytest
+import torch
+
+import kvfsm
+from kvfsm import JobResult
+from kvfsm.peer import PeerReceiver, _parse_sender_metadata, notification_for
+from kvfsm.peer_link import LinkState, PeerLinkError
+
+from .test_interrupts import interrupted_at, sweep
+from .test_peer import NotifyingAgent, promotion, sender_metadata
+
+pytestmark = pytest.mark.timeout(300)
+
+KVFSM = os.path.dirname(kvfsm.__file__)
+#: the receiver's bookkeeping: its own code, its machines' engine, the books
+RECEIVER_FILES = tuple(os.path.join(KVFSM, name) for name in (
+    "peer.py", "engine.py", "contract.py"))
+SENDER = "engine-a"
+
+
+def story(interrupted: str, line: int | None) -> list[str]:
+    """A receiver takes a sender's notification before the sender is connected (kept
+    unknown), connects it (the notification is then the link's, early), expects jobs 1, 2 and
+    4 (job 4's write came first), and takes the notifications of jobs 1, 2 and 3 in one poll
+    (job 3's is early: it is expected after); then the sender writes the four jobs again. The
+    call named ``interrupted`` gets the interrupt at ``line``; what went wrong, if anything."""
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(8, 16), agent=agent)
+    metadata = sender_metadata(SENDER)
+    nonce, _ = _parse_sender_metadata(metadata)
+    agent.inbox = {SENDER: [notification_for(nonce, 4, [4])]}
+    results = receiver.get_finished_jobs()
+
+    def call(name: str, do: Callable[[], object]) -> None:
+        """Make a call, interrupted if it is the one."""
+        if name != interrupted:
+            do()
+            return
+        with interrupted_at(line if line != -1 else None, RECEIVER_FILES), \
+                suppress(KeyboardInterrupt):
+            do()
+
+    call("connect", lambda: receiver.connect(metadata))
+    if receiver.link_state(SENDER) is LinkState.UNKNOWN:
+        try:
+            receiver.connect(metadata)
+        except PeerLinkError as error:  # NIXL had loaded it: the receiver took the link up
+            assert "already linked" in str(error)
+    if receiver.link_state(SENDER) is LinkState.CONNECTING:  # NIXL not asked yet: a poll
+        results += receiver.get_finished_jobs()  # asks (as it would a peer slow to load)
+    receiver.expect(promotion(1, 1), SENDER)
+    receiver.expect(promotion(2, 2), SENDER)
+    call("expect", lambda: receiver.expect(promotion(4, 4), SENDER))
+    if receiver.state_of(4) is None and 4 not in {r.job_id for r in results}:
+        receiver.expect(promotion(4, 4), SENDER)
+    agent.inbox = {SENDER: [notification_for(nonce, job, [job]) for job in (1, 2, 3)]}
+    call("poll", lambda: results.extend(receiver.get_finished_jobs()))
+    return afterwards(receiver, agent, nonce, results)
+
+
+def afterwards(receiver: PeerReceiver, agent: NotifyingAgent, nonce: str,
+               results: list[JobResult]) -> list[str]:
+    """The rest of :func:`story`, uninterrupted: job 3 expected, the jobs written again; what
+    went wrong."""
+    problems = []
+    try:
+        results += receiver.get_finished_jobs()
+        receiver.expect(promotion(3, 3), SENDER)
+        receiver.drain_jobs(timeout=0.5)
+        results += receiver.get_finished_jobs()
+        # the same jobs again, into the same blocks: none is completed before its new write
+        # (a copy of a notification an interrupt left filed twice is older than the blocks'
+        # hand-back, and is discarded), each once it is written
+        for job in (1, 2, 3, 4):
+            receiver.expect(promotion(job, job), SENDER)
+        early = receiver.get_finished_jobs()
+        if early:
+            problems.append(f"completed before their write: {early}")
+        agent.inbox = {SENDER: [notification_for(nonce, job, [job]) for job in (1, 2, 3, 4)]}
+        receiver.drain_jobs(timeout=0.5)
+        results += receiver.get_finished_jobs()
+    except Exception as error:
+        problems.append(f"after: {type(error).__name__}: {error}")
+    stats = receiver.stats()
+    try:
+        receiver.shutdown(timeout=0.5)
+    except Exception as error:
+        problems.append(f"shutdown: {type(error).__name__}: {error}")
+    results += receiver.get_finished_jobs()
+    published = collections.Counter((r.job_id, r.success) for r in results)
+    if published != collections.Counter((job, True) for job in (1, 2, 3, 4, 1, 2, 3, 4)):
+        problems.append(f"results: {dict(published)}")
+    if stats["expected"] or stats["early"] or stats["unknown"]:
+        problems.append(f"left: {stats}")
+    return problems
+
+
+@pytest.mark.parametrize("interrupted", ["connect", "expect", "poll"])
+def test_an_interrupt_at_any_line_of_a_receivers_call_loses_no_job(interrupted: str) -> None:
+    assert sweep(lambda line: story(interrupted, line), RECEIVER_FILES, least=20) == {}
