@@ -739,9 +739,14 @@ class PeerReceiver(JobSide):
         arriving = self._arriving
         while arriving:
             came, arrived = arriving[0]
+            if type(arrived) is not dict:  # (an agent's own mapping: taken off as a dict)
+                arrived = dict(arrived)
+                arriving[0] = came, arrived
             while arrived:
                 sender = next(iter(arrived))
                 messages = arrived[sender]
+                if type(messages) is not list:  # (a tuple, say: taken off as a list)
+                    arrived[sender] = messages = list(messages)
                 name = _peer_name(sender)
                 link = self.links.get(name)
                 if link is not None and messages and _says_link_is_there(link, messages):

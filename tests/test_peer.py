@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import types
 from typing import Any
 
 import numpy as np
@@ -1345,4 +1346,22 @@ def test_a_cache_moved_as_the_receivers_poll_takes_a_notification_counts_no_writ
     assert (result.job_id, result.success) == (1, False)
     assert "the primary cache's memory moved" in str(result.reason)
     sender.shutdown(5)
+    receiver.shutdown(5)
+
+
+def test_notifications_handed_over_in_a_read_only_mapping_of_tuples_count() -> None:
+    """The receiver takes each notification off what NIXL handed over once it is filed: an
+    agent that hands them in a mapping it does not let change, in tuples, is filed all the
+    same."""
+    class ReadOnly(NotifyingAgent):
+        def get_new_notifs(self) -> Any:
+            return types.MappingProxyType(
+                {name: tuple(messages) for name, messages in super().get_new_notifs().items()})
+
+    agent = ReadOnly()
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=agent)
+    receiver.connect(sender_metadata())
+    receiver.expect(promotion(1, 2), "engine-a")
+    agent.inbox = {"engine-a": [notification_for(nonce_of(receiver), 1, [2])]}
+    assert outcomes(receiver) == [(1, True)]
     receiver.shutdown(5)
