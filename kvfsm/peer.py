@@ -16,13 +16,15 @@ compiled engine, diagram, explorer and coverage as the first) in
 
     EXPECTING --notified[arrived]--> ARRIVED --publish--> PUBLISHED (success)
     EXPECTING --watch[gone]--> PEER_LOST --publish--> PUBLISHED (failure)
+    EXPECTING --notified[misdirected]--> MISDIRECTED --publish--> PUBLISHED (failure)
 
 A receiver block is written by the sender's NIXL, so the receiver may reuse it only when the
 write is over: when the notification arrived (NIXL sends it after the data; it names the link,
-the job *and* the receiver blocks, so a write into other blocks never counts), or when the
-sender is gone. :meth:`PeerReceiver.forget_peer` removes the sender's metadata before any job
-it owed fails, but that does not revoke the access a live sender already has: a one-sided UCX
-write of a sender that is still running can still land. So call it only when the sender is
+the job *and* the receiver blocks, so a write into other blocks never counts: it fails the
+job, MISDIRECTED, saying where each side put it), or when the sender is gone.
+:meth:`PeerReceiver.forget_peer` removes the sender's metadata before any job it owed fails, but
+that does not revoke the access a live sender already has: a one-sided UCX write of a sender
+that is still running can still land. So call it only when the sender is
 really gone (its process ended, its connection broke), and the same goes for
 :meth:`PeerReceiver.shutdown` with senders still connected.
 
@@ -170,6 +172,9 @@ MAX_UNKNOWN_NOTIFICATIONS = 4096
 
 #: a kvfsm job notification, and the link nonce it carries
 _JOB_NOTIFICATION = re.compile(rb"kvfsm-job:([0-9a-f]{32}):")
+#: the job id and the blocks a kvfsm job notification names (after its nonce)
+_JOB_AND_BLOCKS = re.compile(
+    rb"kvfsm-job:[0-9a-f]{32}:(-?[0-9]{1,30}):([0-9]{1,20}(?:,[0-9]{1,20})*)")
 #: what :meth:`PeerSender.metadata` starts with: the nonce, then the agent's metadata
 _SENDER_METADATA = re.compile(rb"kvfsm-sender:([0-9a-f]{32}):")
 
@@ -827,6 +832,8 @@ class PeerReceiver(JobSide):
         completes the job waiting for it, or waits."""
         job_id = inbox.waiting.get(message)  # (taken off once it counted: below)
         expected = None if job_id is None else self._expected.get(job_id)
+        if job_id is None and self._misdirected(inbox, message):
+            return
         if expected is None or expected.state is not ReceiveState.EXPECTING:
             # (no job waits for it, or the one waiting failed meanwhile: its cache moved)
             try:
@@ -842,6 +849,31 @@ class PeerReceiver(JobSide):
             self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.ARRIVED)
         if job_id is not None:
             inbox.waiting.pop(message, None)
+
+    def _misdirected(self, inbox: _Inbox, message: bytes) -> bool:
+        """Whether ``message``, which no job waits for, names the id of a job expected on its
+        link with other blocks (the same in another order, or others): the sender wrote that
+        job where the receiver did not expect it, so the two engines disagree on its blocks.
+        The job fails, saying where each side put it, and an error is logged; the notification
+        never counts (the job's blocks do not hold what the sender wrote for it)."""
+        found = _JOB_AND_BLOCKS.fullmatch(message)
+        if found is None:
+            return False
+        expected = self._expected.get(int(found.group(1)))
+        if (expected is None or expected.link is not inbox.link
+                or expected.state is not ReceiveState.EXPECTING):
+            return False
+        written = [int(block) for block in found.group(2).split(b",")]
+        lent = list(expected.job.block_ids)
+        stray = sorted(set(written) - set(lent))
+        why = (f"sender {expected.peer} wrote job {expected.job_id} into blocks {written}, not "
+               f"the {lent} it was expected in: the engines disagree on the job's blocks"
+               + (f" (blocks {stray} are no block of the job: the sender wrote them all the "
+                  "same)" if stray else " (its blocks hold each other's bytes)"))
+        logger.error("%s", why)
+        self._discarded += 1
+        self.machine.fire(expected, ReceiveEvent.NOTIFIED, PeerAnswer.MISDIRECTED, why)
+        return True
 
     def _adopt(self, inbox: _Inbox) -> None:
         """A link was made: the notifications of it that came before are its own now."""
@@ -991,8 +1023,8 @@ class PeerReceiver(JobSide):
         (the blocks being written, what each link owes, which notification each job waits
         for) is made again from the records; a job whose expect it cut short takes a fresh
         copy of its notification that came first, as the expect would have; an outcome whose
-        latch it cut short is latched as the job's state says (ARRIVED a success, PEER_LOST a
-        failure saying the sender is gone); notifications
+        latch it cut short is latched as the job's state says (ARRIVED a success, PEER_LOST or
+        MISDIRECTED a failure saying so); notifications
         left in the unknown store with an open link's nonce are that link's. The
         notifications taken from NIXL and not yet filed are filed by the next take."""
         self._mend_links()
@@ -1027,9 +1059,17 @@ class PeerReceiver(JobSide):
         """(:meth:`_mend`) The outcomes and publications an interrupt left half made."""
         arrived: Any = PeerAnswer.ARRIVED  # (the answers the machine's actions are given)
         gone: Any = PeerAnswer.GONE
+        misdirected: Any = PeerAnswer.MISDIRECTED
         for expected in self._expected.values():  # an outcome its latch did not finish
             if expected.state is ReceiveState.ARRIVED and expected.success is None:
                 latch_success(expected, arrived, None)
+            elif expected.state is ReceiveState.MISDIRECTED and (
+                    expected.success is None or expected.reason is None):
+                expected.success = None
+                latch_failure(expected, misdirected,
+                              f"sender {expected.peer} wrote job {expected.job_id} into other "
+                              "blocks than it was expected in (what said which was cut short "
+                              "by an interrupt)")
             elif expected.state is ReceiveState.PEER_LOST and (
                     expected.success is None or expected.reason is None):
                 expected.success = None

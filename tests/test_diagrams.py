@@ -612,7 +612,8 @@ def test_calls_that_name_no_event_or_no_call_are_refused(calls: Any, message: st
 def test_the_failure_answers_are_those_the_declaration_fails_or_retries_on() -> None:
     machines = {d.name: d for d in KVFSM_OWN.values()}
     assert failure_answers(machines["transfer"]) == {Answer.ERR, Answer.RAISED, Answer.EXHAUSTED}
-    assert failure_answers(machines["peer_receive"]) == {PeerAnswer.GONE}
+    assert failure_answers(machines["peer_receive"]) == {PeerAnswer.GONE,
+                                                         PeerAnswer.MISDIRECTED}
     assert failure_answers(machines["peer_link"]) == {LinkAnswer.RAISED,
                                                       LinkAnswer.DISCONNECTED}
     assert failure_answers(door()) == {Push.HARD}  # JAMMED's own retry is past the failure

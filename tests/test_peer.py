@@ -429,8 +429,7 @@ def test_the_receiver_publishes_on_its_notification_and_fails_what_a_lost_peer_o
     assert receiver.get_finished_jobs() == []
     assert receiver.state_of(1) is ReceiveState.EXPECTING
 
-    agent.inbox = {"engine-a": [b"unrelated", notification_for(nonce, 1, [5]),  # other blocks
-                                notification_for(nonce, 1, [0])]}
+    agent.inbox = {"engine-a": [b"unrelated", notification_for(nonce, 1, [0])]}
     assert outcomes(receiver) == [(1, True)]
     receiver.forget_peer(sender)
     assert "engine-a" not in agent.peers, "cut off before anything it owed fails"
@@ -438,8 +437,8 @@ def test_the_receiver_publishes_on_its_notification_and_fails_what_a_lost_peer_o
     agent.inbox = {"engine-a": [notification_for(nonce, 2, [1])]}  # too late: link closed
     assert receiver.get_finished_jobs() == []
     assert receiver.stats() == {"expected": 0, "early": 0, "unknown": 0, "dropped": 0,
-                                "discarded": 3, "notify_errors": 0, "leaks": 0}, (
-        "unrelated; job 1's other blocks; too late")
+                                "discarded": 2, "notify_errors": 0, "leaks": 0}, (
+        "unrelated; too late")
     receiver.shutdown()
     assert agent.registered == 0
 
@@ -744,7 +743,7 @@ def test_a_notification_that_comes_before_its_sender_is_connected_counts_once_it
 def test_the_receiving_machine_explores_clean() -> None:
     found = explore_table(PEER_RECEIVE)
     assert found.ok, found.report()
-    assert found.paths == 5
+    assert found.paths == 7
 
 
 def test_a_receiver_drain_past_its_deadline_raises_drain_timeout_naming_the_job() -> None:
@@ -1364,4 +1363,36 @@ def test_notifications_handed_over_in_a_read_only_mapping_of_tuples_count() -> N
     receiver.expect(promotion(1, 2), "engine-a")
     agent.inbox = {"engine-a": [notification_for(nonce_of(receiver), 1, [2])]}
     assert outcomes(receiver) == [(1, True)]
+    receiver.shutdown(5)
+
+
+@pytest.mark.parametrize(("expected_in", "written_in", "said"), [
+    ([3, 5], [5, 3], "(its blocks hold each other's bytes)"),
+    ([6], [6, 7], "(blocks [7] are no block of the job: the sender wrote them all the same)"),
+], ids=["the-same-blocks-in-another-order", "a-block-not-lent"])
+def test_a_job_its_sender_wrote_into_other_blocks_fails_saying_where_each_put_it(
+    expected_in: list[int], written_in: list[int], said: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The sender's notification of an expected job names other blocks: the two engines
+    disagree on where the job goes. It never counts (the job's blocks do not hold what the
+    sender wrote for it, in that order), and the job fails at once saying where each put it,
+    rather than waiting for a write that will not come while its sender is there."""
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(8, 16), agent=agent)
+    receiver.connect(sender_metadata())
+    receiver.expect(TransferJob(1, [str(b) for b in expected_in], expected_in,
+                                is_promotion=True), "engine-a")
+    agent.inbox = {"engine-a": [notification_for(nonce_of(receiver), 1, written_in)]}
+    with caplog.at_level("ERROR", logger="kvfsm"):
+        [result] = receiver.get_finished_jobs()
+    why = (f"sender engine-a wrote job 1 into blocks {written_in}, not the {expected_in} it "
+           f"was expected in: the engines disagree on the job's blocks {said}")
+    assert (result.job_id, result.success) == (1, False)
+    assert result.reason is not None and why in str(result.reason)
+    assert why in caplog.text
+    assert receiver.stats() | {"discarded": 1} == receiver.stats()
+    assert receiver.stats()["expected"] == receiver.stats()["early"] == 0
+    receiver.expect(TransferJob(1, [str(b) for b in expected_in], expected_in,
+                                is_promotion=True), "engine-a")  # its blocks are free again
     receiver.shutdown(5)

@@ -7,6 +7,7 @@ same compiled engine, diagram, explorer and coverage)::
 
     EXPECTING --notified[arrived]--> ARRIVED --publish--> PUBLISHED (success)
     EXPECTING --watch[gone]--> PEER_LOST --publish--> PUBLISHED (failure)
+    EXPECTING --notified[misdirected]--> MISDIRECTED --publish--> PUBLISHED (failure)
 
 ``watch`` reads the sender's link (:data:`kvfsm.machines.peer_link.PEER_LINK`); which of its
 states mean the sender is gone is declared here as data, :data:`RECEIVE_FAILS_WHEN_LINK_IN`,
@@ -35,6 +36,9 @@ class ReceiveState(enum.Enum):
     ARRIVED = "arrived"
     #: the sender disappeared and was cut off: no write of it can land any more
     PEER_LOST = "peer_lost"
+    #: the sender's notification of the job named other blocks than it is expected in (the
+    #: same blocks in another order, or others): the engines disagree on the job's blocks
+    MISDIRECTED = "misdirected"
     #: the one result was handed out
     PUBLISHED = "published"
 
@@ -55,6 +59,8 @@ class PeerAnswer(enum.Enum):
 
     #: the job's notification was among NIXL's new notifications
     ARRIVED = "ARRIVED"
+    #: a notification of the job's id on its link named other blocks
+    MISDIRECTED = "MISDIRECTED"
     #: the sender is still known
     PRESENT = "PRESENT"
     #: the sender is gone, and its metadata removed
@@ -76,23 +82,26 @@ PEER_RECEIVE: Declaration[ReceiveState, PeerAnswer] = Declaration(
     "peer_receive",
     states=ReceiveState,
     initial=ReceiveState.EXPECTING,
-    answers={E.NOTIFIED: [PeerAnswer.ARRIVED],
+    answers={E.NOTIFIED: [PeerAnswer.ARRIVED, PeerAnswer.MISDIRECTED],
              E.WATCH: [PeerAnswer.PRESENT, PeerAnswer.GONE],
              E.PUBLISH: [PeerAnswer.OK]},
-    guards={"arrived": [PeerAnswer.ARRIVED], "present": [PeerAnswer.PRESENT],
-            "gone": [PeerAnswer.GONE]},
+    guards={"arrived": [PeerAnswer.ARRIVED], "misdirected": [PeerAnswer.MISDIRECTED],
+            "present": [PeerAnswer.PRESENT], "gone": [PeerAnswer.GONE]},
     actions={"latch_success": latch_success, "latch_failure": latch_failure},
     transitions=[
         {"trigger": E.NOTIFIED, "source": R.EXPECTING, "dest": R.ARRIVED,
          "conditions": "arrived", "after": "latch_success"},
+        {"trigger": E.NOTIFIED, "source": R.EXPECTING, "dest": R.MISDIRECTED,
+         "conditions": "misdirected", "after": "latch_failure"},
         {"trigger": E.WATCH, "source": R.EXPECTING, "dest": R.EXPECTING,
          "conditions": "present"},
         {"trigger": E.WATCH, "source": R.EXPECTING, "dest": R.PEER_LOST, "conditions": "gone",
          "after": "latch_failure"},
         {"trigger": E.PUBLISH, "source": R.ARRIVED, "dest": R.PUBLISHED},
         {"trigger": E.PUBLISH, "source": R.PEER_LOST, "dest": R.PUBLISHED},
+        {"trigger": E.PUBLISH, "source": R.MISDIRECTED, "dest": R.PUBLISHED},
     ],
     final=(ReceiveState.PUBLISHED,),
-    failure_states=(ReceiveState.PEER_LOST,),
+    failure_states=(ReceiveState.PEER_LOST, ReceiveState.MISDIRECTED),
     calls={E.NOTIFIED: "get_new_notifs"},  # watch reads the sender's link; publish calls none
 )
