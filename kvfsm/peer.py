@@ -315,6 +315,13 @@ class _Inbox:
         self.early: dict[bytes, list[int]] = {}
 
 
+def _check_sender(sender: object) -> None:
+    """Raise TypeError unless ``sender`` is a sender's name, a str."""
+    if not isinstance(sender, str):
+        raise TypeError(f"sender must be the str name connect() returned, got "
+                        f"{type(sender).__name__} {sender!r}")
+
+
 class _Expected:
     """One job the receiver expects: the record its machine moves."""
 
@@ -519,17 +526,25 @@ class PeerReceiver(JobSide):
 
     def expect(self, job: TransferJob, sender: str) -> None:
         """Expect ``sender``'s write of ``job`` into ``job.block_ids`` (allocated, being
-        written, by the receiver's parent).
+        written, by the receiver's parent). ``job.keys`` (one a block) are kept with it, and
+        its ``is_promotion`` is not read: a receive job is a write into this cache either way.
+
+        Job ids are the receiver's, one space for all its senders: two senders' jobs expected
+        at once need ids apart (a second expect of an id waiting is refused, naming it).
 
         Raises:
-            InvalidJobError: ``job`` is not a TransferJob with an int id and a non-empty list
-                of distinct int block ids in range; its id is already expected, or has a result
+            TypeError: ``sender`` is not a str (the name :meth:`connect` returned); nothing
+                changed.
+            InvalidJobError: ``job`` is not a TransferJob with an int id, a non-empty list
+                of distinct int block ids in range and a list of as many keys; its id is
+                already expected, or has a result
                 not yet collected (the engine would take that result for this job's); a block
                 is one another expected job's sender writes too (both would be published
                 as arrived, one with the other's bytes); or the sender's link is not CONNECTED
                 (:class:`PeerNotConnected`); nothing changed.
             TierClosedError: the receiver is shut down.
         """
+        _check_sender(sender)
         with self._lock, _Mending(self):
             if self._closed:
                 raise TierClosedError(f"PeerReceiver is shut down; job "
@@ -646,6 +661,12 @@ class PeerReceiver(JobSide):
         if not isinstance(blocks, list | tuple) or not blocks:
             raise InvalidJobError(f"job {job_id}: block_ids must be a non-empty list or tuple, "
                                   f"got {blocks!r}")
+        if not isinstance(job.keys, list | tuple):
+            raise InvalidJobError(f"job {job_id}: keys must be a list or tuple (one key a "
+                                  f"block), got {type(job.keys).__name__} {job.keys!r}")
+        if len(job.keys) != len(blocks):
+            raise InvalidJobError(f"job {job_id} has {len(job.keys)} keys but {len(blocks)} "
+                                  "block ids")
         for block in blocks:
             if isinstance(block, bool) or not hasattr(block, "__index__"):  # (numpy's too)
                 raise InvalidJobError(f"job {job_id}: block {block!r} is not an int")
@@ -663,8 +684,13 @@ class PeerReceiver(JobSide):
         """The sender is gone: remove its metadata, then fail what it owed (at the next poll).
 
         Its link's notifications never count from now on, even for jobs it owed. Only for a
-        sender that is really gone: a live sender's writes are not revoked.
+        sender that is really gone: a live sender's writes are not revoked. A name no link has
+        changes nothing.
+
+        Raises:
+            TypeError: ``sender`` is not a str (the name :meth:`connect` returned).
         """
+        _check_sender(sender)
         with self._lock, _Mending(self):
             link = self.links.get(sender)
             if link is not None and link.state not in PEER_LINK.final:

@@ -1396,3 +1396,24 @@ def test_a_job_its_sender_wrote_into_other_blocks_fails_saying_where_each_put_it
     receiver.expect(TransferJob(1, [str(b) for b in expected_in], expected_in,
                                 is_promotion=True), "engine-a")  # its blocks are free again
     receiver.shutdown(5)
+
+
+def test_what_a_receiver_is_given_in_place_of_a_sender_or_a_job_is_refused_by_name() -> None:
+    """A sender that is not its str name, keys that are no list or not one a block: refused,
+    naming what was wrong; nothing is expected, nothing forgotten."""
+    receiver = PeerReceiver(torch.zeros(4, 16), agent=NotifyingAgent())
+    name = receiver.connect(sender_metadata())
+    for sender in (["engine-a"], b"engine-a", 123):
+        with pytest.raises(TypeError, match="sender must be the str name connect"):
+            receiver.expect(promotion(1, 1), sender)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="sender must be the str name connect"):
+            receiver.forget_peer(sender)  # type: ignore[arg-type]
+    with pytest.raises(InvalidJobError, match="job 1: keys must be a list or tuple"):
+        receiver.expect(TransferJob(1, None, [1], is_promotion=True), name)  # type: ignore[arg-type]
+    with pytest.raises(InvalidJobError, match="job 1 has 2 keys but 1 block ids"):
+        receiver.expect(TransferJob(1, ["1", "2"], [1], is_promotion=True), name)
+    assert receiver.stats()["expected"] == 0
+    assert receiver.link_state(name) is LinkState.CONNECTED
+    receiver.expect(promotion(1, 1), name)  # the same job, right: taken
+    assert receiver.state_of(1) is ReceiveState.EXPECTING
+    receiver.shutdown(5)
