@@ -1015,9 +1015,13 @@ def _blame(error: BaseException, machine: str, step: Step[Any], action: Action |
         return
     names = [name for name, known in zip(step.edge.actions, step.actions, strict=True)
              if known is action]
-    error.add_note(
-        f"kvfsm: raised by action {' or '.join(map(repr, names)) or repr(action)} of machine "
-        f"{machine!r}, {firing}; the record is in {where} (actions run after the state changed)")
+    blamed = (f"action {' or '.join(map(repr, names)) or repr(action)} of machine {machine!r}, "
+              f"{firing}")
+    error.add_note(f"kvfsm: raised by {blamed}; the record is in {where} (actions run after the "
+                   "state changed)")
+    if hasattr(type(record), "action_error"):  # (a kvfsm Transfer: a failure this leaves
+        # unlatched says what raised, not that no reason was recorded)
+        record.action_error = f"{blamed} raised {type(error).__name__}: {error}"
 
 
 def _state_names(value: Any) -> list[str]:

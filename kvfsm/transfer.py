@@ -73,6 +73,7 @@ class Transfer:
     """
 
     __slots__ = (
+        "action_error",
         "attempts",
         "doomed",
         "error",
@@ -164,11 +165,14 @@ class Transfer:
         """The job's result, as the record says it once it is final (the runner settles the
         record first: a transfer ending in a final failure state fails, whatever it latched,
         and one that ends there still holding its transfer handle is quarantined); a failure
-        carries its reason (one nothing recorded is UNKNOWN, with the last error)."""
+        carries its reason (one nothing recorded is UNKNOWN, with the action that raised
+        before it could latch one, or the last error)."""
         success = bool(self.success)
         reason = None if success else self.reason
-        if reason is None and not success:
-            reason = FailureReason(FailureKind.UNKNOWN, None, self.error or NO_REASON)
+        if reason is None and not success:  # (an action that raised says what it was: set
+            # only then, by the engine, so no transfer pays for it otherwise)
+            reason = FailureReason(FailureKind.UNKNOWN, None, getattr(
+                self, "action_error", None) or self.error or NO_REASON)
         return JobResult(self.job_id, success, self.nbytes if success else 0,
                          self.finished_at - self.started_at, reason)
 

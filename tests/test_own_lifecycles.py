@@ -527,3 +527,45 @@ def test_a_lifecycle_retrying_its_cleanup_on_a_leak_ends_once_nothing_is_left() 
     assert [(job, leak.call) for job, leak in tier.stats()["leaked"]] == [
         (2, "release_dlist_handle"), (2, "deregister_memory")]
     tier.shutdown(1)
+
+
+@pytest.mark.parametrize("posted", ["PROC", "DONE"])
+def test_a_submit_whose_lifecycle_action_raises_once_it_took_the_job_stands(
+    tmp_path: Path, posted: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An action of the user's on the post's edge raises: the tier took the job already (NIXL
+    may be moving its blocks), so the submit does not raise, as a submit that raises has taken
+    nothing (a caller would reuse the blocks; vLLM's manager then got the job twice, failed
+    and done). The error is logged, and the job has one result: NIXL's outcome, or, when the
+    action raised before the outcome was latched, a failure naming the action (it said "no
+    reason recorded")."""
+    raised = []
+
+    def note_started(transfer: Any, answer: Any, detail: Any) -> None:
+        if not raised:
+            raised.append(transfer.job_id)
+            raise RuntimeError("the user's action failed")
+
+    edge = ("SUBMITTED", "post", "running" if posted == "PROC" else "finished")
+    noting = TRANSFER_MACHINE.extend(
+        "noting", replace={edge: {"dest": "PROCESSING" if posted == "PROC" else "DONE",
+                                  "after": ["note_started"]
+                                  + ([] if posted == "PROC" else ["latch_success"])}},
+        actions={"note_started": note_started})
+    tier, agent = file_tier(tmp_path, noting, {})
+    agent.complete_after_polls = 0 if posted == "DONE" else 1
+    with caplog.at_level("ERROR", logger="kvfsm"):
+        tier.submit_store(TransferJob(1, ["k"], [0]))  # does not raise
+    assert raised == [1] and tier.owes(1)
+    assert "job 1: an action of the lifecycle raised as its post was filed" in caplog.text
+    tier.drain_jobs(timeout=5)
+    [result] = tier.get_finished_jobs()
+    if posted == "PROC":  # (its success is latched as NIXL's DONE comes)
+        assert (result.job_id, result.success) == (1, True)
+    else:  # (the latch after it never ran: the safe side, saying why)
+        assert (result.job_id, result.success) == (1, False)
+        assert str(result.reason).endswith(
+            "action 'note_started' of machine 'noting', firing SUBMITTED -post(DONE)-> DONE "
+            "raised RuntimeError: the user's action failed")
+    assert not tier.owes(1)
+    tier.shutdown(5)

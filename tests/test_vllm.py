@@ -1173,3 +1173,30 @@ def test_a_ctrl_c_as_vllm_takes_a_tiers_results_loses_none_and_hands_none_out_tw
     else:
         raise AssertionError("more places than expected")
     assert landing > 10
+
+
+def test_a_store_whose_lifecycle_action_raises_as_it_is_posted_is_reported_once(
+    engines: Callable[..., Engine], tmp_path: Path,
+) -> None:
+    """An action of the user's lifecycle raises as the store's post is filed: the tier took
+    the job, so vLLM hears of it once, when it is over (it heard a failure at once, and then
+    the success, and its manager raised AssertionError on the second; meanwhile it had
+    unpinned chunks NIXL was reading)."""
+    from kvfsm import TRANSFER_MACHINE  # noqa: PLC0415
+
+    raised: list[int] = []
+
+    def note_started(transfer: Any, answer: Any, detail: Any) -> None:
+        if not raised:
+            raised.append(transfer.job_id)
+            raise RuntimeError("the user's action failed")
+
+    noting = TRANSFER_MACHINE.extend(
+        "noting", replace={("SUBMITTED", "post", "running"): {
+            "dest": "PROCESSING", "after": ["note_started"]}},
+        actions={"note_started": note_started})
+    engine = engines(file_entry(tmp_path, machine=noting), primary_chunks=2)
+    engine.offload("a", blocks(1))
+    engine.settle()
+    assert raised and engine.pinned_chunks() == 0
+    assert stored(the_tier(engine)) == [the_tier(engine).tier.remote_name(key(1))]

@@ -1163,9 +1163,22 @@ class SecondaryTier(JobSide):
                 outcome = Outcome(Answer.PROC if transfer.xfer is not None else Answer.RAISED,
                                   CallFailed("post", PostInterrupted()))
             if transfer.job_id in runner.records:
-                runner.take(transfer, TransferEvent.POST, outcome)
+                self._file_post(transfer, outcome)
+
+    def _file_post(self, transfer: Transfer, outcome: Outcome) -> None:
+        """(submit) Fire what the post answered, and make the calls due if that ended the
+        transfer (DONE or FAILED). The job is taken from the first: an action of the
+        lifecycle that raises here is logged, not raised (:func:`_action_raised`)."""
+        try:
+            self._runner.take(transfer, TransferEvent.POST, outcome)
+        except Exception:  # (filed all the same)
+            _action_raised(transfer, "its post")
+            return
         if transfer.slot < 0:  # over at once: DONE or FAILED
-            self._advance((transfer,))
+            try:
+                self._advance((transfer,))
+            except Exception:  # (the next poll goes on with it)
+                _action_raised(transfer, "the calls due as its post answered")
 
     def _hold(self, transfer: Transfer, *, load: bool) -> None:
         """(submit, with a capacity) A load pins its names, and notes those being removed; a
@@ -1447,6 +1460,17 @@ def _runs_nixl(agent: Any) -> bool:
 #: daemons and kvfsm's own) looked: a progress thread then, else :func:`_wait_at_exit`. The
 #: progress threads' polls and the exit's wait after them share it
 _exit_by: list[float] = []
+
+
+def _action_raised(transfer: Transfer, what: str) -> None:
+    """A submit took its job, and an action of the lifecycle raised as ``what`` was filed:
+    the submit does not raise (a submit that raises has taken nothing, the contract says, and
+    the caller would reuse blocks NIXL may be moving); the error is logged, and the job goes
+    on, its result to come from ``get_finished_jobs`` (the next poll goes on with it, as after
+    an action that raised in a poll)."""
+    logger.exception("job %d: an action of the lifecycle raised as %s was filed; the job is "
+                     "taken (NIXL may be moving its blocks), and its result comes from "
+                     "get_finished_jobs", transfer.job_id, what)
 
 
 def _exit_deadline() -> float:
