@@ -1262,3 +1262,32 @@ def test_jobs_running_as_the_caches_memory_moves_fail_and_say_why(
     assert sum("unpublished job(s) are cancelled" in record.message
                for record in caplog.records) == 1
     del old
+
+
+def test_a_read_only_tier_looks_for_a_block_again_once_a_failed_loads_miss_is_old(
+    cache: torch.Tensor, tmp_path: Path, tiers: list[FileTier]
+) -> None:
+    """A read-only tier never stores, so a failed load's MISS that lasted until a store of its
+    own lasted for good: the block was lost to that engine while others stored it again. It
+    lasts ``failed_load_miss_seconds`` now; then the block is looked for, and loaded, again
+    (a writing tier's MISS stays until it stores the block: no load is made again and again)."""
+    class Reader(FileTier):
+        failed_load_miss_seconds = 0.2
+
+    writer = FileTier(cache, tmp_path, agent=posix(), durable=False)
+    reader = Reader(cache, tmp_path, agent=posix(), read_only=True)
+    tiers += [writer, reader]
+    writer.submit_store(TransferJob(1, ["k"], [1]))
+    assert results_of(writer)[1].success
+    path = tmp_path / writer.remote_name("k")
+    moved = path.rename(tmp_path / "elsewhere")  # (an eviction by the writer, say)
+    assert reader.lookup("k") is Lookup.MISS
+    reader.submit_load(TransferJob(2, ["k"], [3], is_promotion=True))
+    assert not results_of(reader)[2].success
+    moved.rename(path)  # stored again
+    assert reader.lookup("k") is Lookup.MISS, "not at once: the failed load is that recent"
+    time.sleep(0.25)
+    assert reader.lookup("k") is Lookup.HIT
+    cache[3] = 0
+    reader.submit_load(TransferJob(3, ["k"], [3], is_promotion=True))
+    assert results_of(reader)[3].success and block(cache, 3) == block(cache, 1)

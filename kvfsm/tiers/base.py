@@ -193,12 +193,17 @@ class KnownNames:
     """
 
     __slots__ = ("_doubted", "_forgotten", "_lock", "_more", "_names", "_overlapped",
-                 "distrusted", "doubting", "limit", "storing")
+                 "distrusted", "doubting", "failed_load_miss", "limit", "storing")
 
     def __init__(self, limit: int) -> None:
         if type(limit) is not int or limit < 1:
             raise ValueError(f"the lookup cache needs a limit of at least 1, got {limit!r}")
         self.limit = limit
+        #: seconds a failed load's MISS lasts (None: until a store of its name succeeds); a
+        #: tier that never stores sets it (a read-only :class:`~kvfsm.tiers.FileTier`): its
+        #: names are stored again by others only, so one failed load must not be a MISS for
+        #: good
+        self.failed_load_miss: float | None = None
         self._lock = threading.Lock()
         #: a verdict, or (for a probed MISS with an age) the monotonic time it expires; oldest
         #: first. (An OrderedDict: a plain dict whose oldest are deleted one by one makes each
@@ -255,6 +260,17 @@ class KnownNames:
                         forgotten.pop(name, None)
             for name in names:
                 known[name] = verdict
+                known.move_to_end(name)
+            if len(known) > self.limit:
+                self._forget_oldest()
+
+    def miss_for(self, names: Sequence[str], seconds: float) -> None:
+        """A failed load's MISS on each of ``names`` for ``seconds``, now the most recent; then
+        each is looked for again (a probe), as a probed MISS with an age is."""
+        known, until = self._names, time.monotonic() + seconds
+        with self._lock:
+            for name in names:
+                known[name] = until
                 known.move_to_end(name)
             if len(known) > self.limit:
                 self._forget_oldest()
@@ -1676,8 +1692,11 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Coll
         if known.doubting and transfer not in may_run:  # (a store cancelled while NIXL
             known.undoubt(transfer)  # ran it is over; one given up never is)
         if transfer.job.is_promotion:
-            known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
-                         load=True)
+            if result.success or known.failed_load_miss is None:
+                known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
+                             load=True)
+            else:  # (a tier that never stores: looked for again once the MISS is that old)
+                known.miss_for(transfer.names, known.failed_load_miss)
         else:
             vouched = known.store_ended(transfer.names)
             if result.success:

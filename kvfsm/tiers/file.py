@@ -587,7 +587,9 @@ class FileTier(SecondaryTier):
         read_only: only load from ``root`` (stores are refused); a root that cannot be
             written to must say so, so a tier that could never store is refused at once
             rather than failing every store later. A read-only root need not exist yet if
-            its parent does: its lookups answer MISS until other tiers' stores make it.
+            its parent does: its lookups answer MISS until other tiers' stores make it. A
+            failed load's blocks answer MISS for :attr:`failed_load_miss_seconds`, and are
+            then looked for again (a writing tier's stay MISS until it stores them again).
         agent: a NIXL agent with the POSIX backend; None creates one.
         durable: ``fsync`` files and directory before a store succeeds, so a finished store
             survives a power loss too (a process crash never needs it). The flush runs on the
@@ -605,6 +607,12 @@ class FileTier(SecondaryTier):
         in_flight: back-pressure, the bound on jobs and bytes in flight past which a store is
             refused (:class:`~kvfsm.policy.InFlightLimit`).
     """
+
+    #: (read_only) seconds the blocks of a failed load answer MISS before they are looked for
+    #: again: another engine may store them again meanwhile, and a read-only tier never does,
+    #: so a MISS that lasted until a store of its own would last for good; a load that keeps
+    #: failing is made at most once in this time, not again and again (F11)
+    failed_load_miss_seconds: float = 10.0
 
     def __init__(
         self,
@@ -662,6 +670,8 @@ class FileTier(SecondaryTier):
             self._release_at_drop()
             raise
         self._runner.on_failed.append(functools.partial(_abandon_flush, self._flusher))
+        if self.read_only:  # it never stores: others store a block again, not it
+            self._known.failed_load_miss = self.failed_load_miss_seconds
 
     def _submit(self, job: TransferJob, *, load: bool) -> None:
         if self.read_only and not load:
