@@ -78,6 +78,11 @@ def _lenient_verify() -> Declaration[Any, Any]:
 LENIENT_VERIFY = _lenient_verify()
 #: not steps: a list, and a mapping whose value is no function
 NOT_STEPS, STEPS_OF_NOTHING = ["verify"], {"verify": 3}
+#: a cancel while the user's step runs latches the outcome again: found on the path where the
+#: step is interrupted
+CANCEL_LATCHES_AGAIN = VERIFY_MACHINE.extend(
+    "cancel_latches_again",
+    replace={("VERIFYING", "cancel", ""): {"dest": "VERIFYING", "after": "latch_cancelled"}})
 
 
 def test_the_default_demo_verifies_every_byte_through_real_nixl_files() -> None:
@@ -815,8 +820,8 @@ def test_a_replayed_path_whose_fault_never_fires_fails_saying_so(
     capsys.readouterr()
     assert main(["explore", "--machine", "examples.verify_lifecycle:VERIFY_MACHINE", "--steps",
                  "examples.verify_lifecycle:STEPS", "--replay", "mode=1;verify:err@1"]) == 2
-    assert ("--replay: verify:err@1: a step of the machine's own takes raise only"
-            in capsys.readouterr().err)
+    assert ("--replay: verify:err@1: a step of the machine's own takes raise or interrupt "
+            "only" in capsys.readouterr().err)
     assert main(["explore", "--replay", "mode=1;check_xfer_state:proc=100@1"]) == 0, \
         "a stall longer than a run's polls is waited out, not taken for a job that never ends"
     assert "0 violations" in capsys.readouterr().out
@@ -900,3 +905,19 @@ def test_kvfsm_replay_of_a_file_with_no_trace_is_an_error_naming_it(
     captured = capsys.readouterr()
     assert "replay clean" not in captured.out
     assert f"kvfsm replay: ValueError: {empty}: no traces in the file" in captured.err
+
+
+def test_the_replay_command_of_a_path_interrupting_a_step_replays_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The command printed for a violation on a path that interrupts a user step (``verify:
+    interrupt@1``) replays it; it was refused ("a step of the machine's own takes raise
+    only"), exit 2."""
+    options = ["--machine", "tests.test_cli:CANCEL_LATCHES_AGAIN",
+               "--steps", "examples.verify_lifecycle:STEPS"]
+    assert main(["explore", *options]) == 1
+    out = capsys.readouterr().out
+    (command,) = (line.removeprefix("replay it with: ") for line in out.splitlines()
+                  if line.startswith("replay it with: "))
+    assert "verify:interrupt@" in command
+    assert main(shlex.split(command)[1:]) == 1, "the printed command replays the violation"
+    assert "OutcomeAlreadyLatched" in capsys.readouterr().out

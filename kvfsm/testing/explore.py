@@ -1504,10 +1504,10 @@ def _replay_command(args: Any, machine: Declaration[Any, Any],
     """``kvfsm explore --replay PATH``: 1 when the path violates an invariant, or names a
     fault that never fired (it checked less than it says)."""
     path = parse_path(args.replay)
-    for choice in path.choices:  # (a step answers what it answers, or raises)
-        if steps and choice.call in steps and not isinstance(choice.fault, Raise):
+    for choice in path.choices:  # (a step answers what it answers, raises or is interrupted)
+        if steps and choice.call in steps and not isinstance(choice.fault, Raise | Interrupt):
             raise ValueError(f"--replay: {choice}: a step of the machine's own takes "
-                             "raise only")
+                             "raise or interrupt only")
     calls, violations, taken = replay(path, machine, parent=args.parent, steps=steps)
     print(f"path {path}: {len(calls)} NIXL calls")
     print("  calls: " + " ".join(calls))
