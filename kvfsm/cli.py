@@ -10,18 +10,20 @@ when a committed drawing no longer matches its declaration.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from collections.abc import Sequence
-
-from kvfsm import demo, diagrams, trace
-from kvfsm.testing import explore
 
 __all__ = ["build_parser", "console", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvfsm`` argument parser."""
+    """The ``kvfsm`` argument parser (its commands' modules, torch among what they import, are
+    imported here: within :func:`console`'s hold on Ctrl-C)."""
+    from kvfsm import demo, diagrams, trace  # noqa: PLC0415
+    from kvfsm.testing import explore  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(prog="kvfsm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -46,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = getattr(args, "check_arguments", None)  # what argparse cannot say: a usage error
     if check is not None:
         check(args)
+    from kvfsm import demo, diagrams, trace  # noqa: PLC0415 - imported by build_parser
+    from kvfsm.testing import explore  # noqa: PLC0415
+
     if args.command == "diagrams":
         return diagrams.run(args)
     commands = {"demo": demo.run, "explore": explore.run, "replay": trace.run}
@@ -64,8 +69,18 @@ def console() -> int:
     and errors on stderr while the process exits. The exit waits for the transfers NIXL still
     runs, up to :data:`~kvfsm.tiers.base.EXIT_WAIT_SECONDS`, and says so there (a phase of
     the demo past ``--timeout`` leaves them): the wait is not a silent one. A second Ctrl-C
-    stops it."""
-    status = main()
+    stops it.
+
+    A Ctrl-C before the command runs (as its modules are imported) or once it returned is one
+    line and status 130, no traceback: what the command dropped (its NIXL agents) is collected
+    here, not in the interpreter's exit, where Python prints an interrupt as ignored and the
+    status stays 0."""
+    try:
+        status = main()
+        gc.collect()
+    except KeyboardInterrupt:
+        print("kvfsm: interrupted", file=sys.stderr)
+        status = 130
     library = logging.getLogger("kvfsm")
     if not any(isinstance(handler, _ExitHandler) for handler in library.handlers):
         library.addHandler(_ExitHandler())

@@ -33,8 +33,10 @@ import functools
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -436,15 +438,7 @@ def _check_trace(path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Store every block, wipe the cache, load it back and verify every byte."""
-    for name in ("blocks", "block_kib", "blocks_per_job"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if bool(args.s3_endpoint) != bool(args.bucket):
-        raise ValueError("--s3-endpoint and --bucket go together")
-    if not args.retry_seconds > 0:
-        raise ValueError("--retry-seconds must be positive")
-    if not 0 < args.timeout < math.inf:
-        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    _check_numbers(args)
     faults = parse_fault_spec(args.inject_faults)
     _check_faults(faults)
     if args.trace:  # refused now, not once the demo has filled its cache
@@ -494,8 +488,40 @@ def run(args: argparse.Namespace) -> int:
         tier.shutdown(timeout=args.timeout)
 
     _report(tier, stores, loads, duplicates, stored_in, loaded_in)
-    return _verify(args, cache, pattern, (stored_of, stores), (loads_of, loads), duplicates,
-                   faults, progress)
+    status = _verify(args, cache, pattern, (stored_of, stores), (loads_of, loads), duplicates,
+                     faults, progress)
+    with _interrupts_held():  # the tier, and its NIXL agent with it, torn down
+        del tier
+    return status
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold a Ctrl-C back until the block ends, then let it through as an interrupt of the
+    demo: one landing in a NIXL agent's teardown (its ``__del__``) is printed by Python as
+    ignored, and the demo exits 0. On the main thread of a POSIX process; elsewhere, as is."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+            signal, "pthread_sigmask"):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:  # (one that came meanwhile is delivered now, and raised as the demo's)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Refuse, naming the option, a number the demo cannot run with."""
+    for name in ("blocks", "block_kib", "blocks_per_job"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if bool(args.s3_endpoint) != bool(args.bucket):
+        raise ValueError("--s3-endpoint and --bucket go together")
+    if not args.retry_seconds > 0:
+        raise ValueError("--retry-seconds must be positive")
+    if not 0 < args.timeout < math.inf:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
 
 
 def _on_interrupt(tier: SecondaryTier, timeout: float) -> Callable[..., bool]:

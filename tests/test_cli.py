@@ -249,6 +249,35 @@ def test_the_command_shows_kvfsms_warnings_once_however_often_it_is_run(
         library.handlers[:] = before
 
 
+@pytest.mark.parametrize("when", ["imports", "collect"])
+def test_a_ctrl_c_before_or_after_the_command_is_one_line_and_status_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], when: str,
+) -> None:
+    """A Ctrl-C as the command's modules are imported (torch's import takes a second or two),
+    or as what it dropped is collected once it returned: one line, status 130 (a traceback,
+    or an interrupt Python printed as ignored in a NIXL agent's teardown, with status 0)."""
+    import logging  # noqa: PLC0415
+
+    import kvfsm.cli  # noqa: PLC0415
+    import kvfsm.demo  # noqa: PLC0415
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    if when == "imports":
+        monkeypatch.setattr(kvfsm.demo, "add_arguments", interrupted)
+    else:
+        monkeypatch.setattr(kvfsm.cli.gc, "collect", interrupted)
+    monkeypatch.setattr(sys, "argv", ["kvfsm", "replay", ""])
+    before = list(logging.getLogger("kvfsm").handlers)
+    try:
+        assert kvfsm.cli.console() == 130
+    finally:
+        logging.getLogger("kvfsm").handlers[:] = before
+    err = capsys.readouterr().err
+    assert err.endswith("kvfsm: interrupted\n") and "Traceback" not in err
+
+
 #: the ``kvfsm`` command as its entry point runs it, with the exit's wait for NIXL cut to 3 s
 COMMAND_WITH_A_SHORT_EXIT_WAIT = """
 import sys
@@ -921,3 +950,24 @@ def test_the_replay_command_of_a_path_interrupting_a_step_replays_it(
     assert "verify:interrupt@" in command
     assert main(shlex.split(command)[1:]) == 1, "the printed command replays the violation"
     assert "OutcomeAlreadyLatched" in capsys.readouterr().out
+
+
+def test_a_ctrl_c_as_the_demo_ends_is_no_traceback_and_no_success() -> None:
+    """A Ctrl-C as the demo ends, once it verified the blocks (its tier and NIXL agent being
+    torn down, the process exiting): status 130 (or killed by the signal, as the interpreter
+    exits), never a traceback; it printed one, or "Exception ignored" in the agent's
+    ``__del__`` and exited 0."""
+    require_nixl()
+    demo = subprocess.Popen([sys.executable, "-m", "kvfsm", "demo", *SMALL, "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            if line.startswith("verified"):
+                demo.send_signal(signal.SIGINT)
+                break
+        _, err = demo.communicate(timeout=60)
+    finally:
+        demo.kill()
+    assert demo.returncode in (130, -signal.SIGINT), err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
