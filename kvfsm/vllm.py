@@ -206,6 +206,7 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
         #: what the tier's metrics and events are labelled with: ``label``, else its type (two
         #: tiers of one type need labels of their own, or vLLM counts them as one)
         self.label = label or tier_type
+        _check_label(self, offloading_spec)
         self.shutdown_timeout = shutdown_timeout
         if type(enable_kv_events) is not bool:  # ("false" from a configuration is no False)
             raise ValueError(f"{who}: enable_kv_events must be true or false, got "
@@ -665,6 +666,24 @@ class FileTier(_Adapter):
         return tier
 
 
+#: the live tiers of each offloading spec (one manager's), by label
+_LABELLED: weakref.WeakValueDictionary[tuple[int, str], _Adapter] = (
+    weakref.WeakValueDictionary())
+
+
+def _check_label(adapter: _Adapter, spec: Any) -> None:
+    """Warn when another live tier of the same manager (built from the same offloading spec)
+    has ``adapter``'s label: vLLM counts their metrics as one, and their gauges overwrite each
+    other's."""
+    key = (id(spec), adapter.label)
+    other = _LABELLED.get(key)
+    if other is not None and getattr(other, "_offloading_spec", None) is spec:
+        logger.warning("%s: another tier of this engine's is labelled %r too: vLLM counts their "
+                       "metrics as one tier's (their gauges overwrite each other); give each "
+                       "a \"label\" of its own", adapter.label, adapter.label)
+    _LABELLED[key] = adapter
+
+
 class _Saturation(BackpressureDetector):  # type: ignore[misc]
     """vLLM's back-pressure hook on a kvfsm tier's :class:`~kvfsm.policy.InFlightLimit`: under
     pressure while a store of the blocks asked about would be refused (always, for a
@@ -675,6 +694,7 @@ class _Saturation(BackpressureDetector):  # type: ignore[misc]
         super().__init__(DropStorePolicy())
         self._adapter = weakref.ref(adapter)
         self._blocks = 0  # of the store asked about now
+        self._said_never = False  # (a store larger than the bound allows at all: said once)
 
     def should_store(self, num_blocks: int) -> bool:
         self._blocks = num_blocks
@@ -686,8 +706,22 @@ class _Saturation(BackpressureDetector):  # type: ignore[misc]
     def is_under_pressure(self) -> bool:
         adapter = self._adapter()
         tier = None if adapter is None else adapter._tier
-        return tier is not None and (getattr(tier, "read_only", False) is True
-                                     or tier.saturated(self._blocks * tier.block_bytes))
+        if tier is None or adapter is None:
+            return False
+        if getattr(tier, "read_only", False) is True:
+            return True
+        nbytes = self._blocks * tier.block_bytes
+        if not tier.saturated(nbytes):
+            return False
+        if not self._said_never and not tier.in_flight.admits(0, 0, nbytes):
+            self._said_never = True  # (said once: vLLM's backpressure metrics count them)
+            logger.warning(
+                "%s: a store of %d chunk(s) (%d bytes) is more than in_flight bytes %d allow "
+                "with nothing in flight: every such store is dropped (vLLM counts them as "
+                "backpressure_stores_dropped); raise in_flight bytes to the largest store "
+                "vLLM cascades, or drop the bound", adapter.label, self._blocks, nbytes,
+                tier.in_flight.bytes)
+        return True
 
     def on_store_completed(self, elapsed_s: float, num_bytes: int) -> None:
         """Pressure is what is in flight now, not how long stores took."""

@@ -419,6 +419,21 @@ def test_two_tiers_of_one_type_are_told_apart_by_their_labels(
     assert sorted(e.ownership for e in engine.events if e.ownership) == ["disk", "nvme"]
 
 
+def test_two_tiers_of_one_type_without_labels_are_said_to_count_as_one(
+    tmp_path: Path, engines: Callable[..., Engine], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two FileTiers of one engine without labels: vLLM counts their metrics as one tier's,
+    its gauges overwritten by either. kvfsm says so as the second is made (nothing did), and
+    not of a tier of another engine in the process."""
+    with caplog.at_level("WARNING", logger="kvfsm"):
+        engines(file_entry(tmp_path / "other-engine"))
+        engines(file_entry(tmp_path / "fast"), file_entry(tmp_path / "slow"))
+    said = [r.getMessage() for r in caplog.records if "labelled" in r.getMessage()]
+    assert said == ["FileTier: another tier of this engine's is labelled 'FileTier' too: vLLM "
+                    "counts their metrics as one tier's (their gauges overwrite each other); "
+                    "give each a \"label\" of its own"]
+
+
 def test_a_quarantined_transfer_keeps_vllms_cache_mapped_after_shutdown(
     tmp_path: Path
 ) -> None:
@@ -1200,3 +1215,25 @@ def test_a_store_whose_lifecycle_action_raises_as_it_is_posted_is_reported_once(
     engine.settle()
     assert raised and engine.pinned_chunks() == 0
     assert stored(the_tier(engine)) == [the_tier(engine).tier.remote_name(key(1))]
+
+
+def test_an_in_flight_bound_below_one_cascade_says_its_stores_are_all_dropped(
+    engines: Callable[..., Engine], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``in_flight`` bytes of two chunks, and a cascade of three to an idle tier: vLLM drops
+    the store, as back-pressure, and so every such store, for good. kvfsm says so once, naming
+    the bound (nothing in its log said it; only vLLM's dropped-store metrics showed it)."""
+    engine = engines(file_entry(tmp_path, in_flight={"bytes": 2 * CHUNK_BYTES}),
+                     primary_chunks=4)
+    with caplog.at_level("WARNING", logger="kvfsm"):
+        for request in range(2):
+            engine.offload(f"r{request}", blocks(*range(10 * request, 10 * request + 3)))
+            engine.settle()
+    said = [r.getMessage() for r in caplog.records
+            if "with nothing in flight: every such store is dropped" in r.getMessage()]
+    assert said == [f"FileTier: a store of 3 chunk(s) ({3 * CHUNK_BYTES} bytes) is more than "
+                    f"in_flight bytes {2 * CHUNK_BYTES} allow with nothing in flight: every "
+                    "such store is dropped (vLLM counts them as backpressure_stores_dropped); "
+                    "raise in_flight bytes to the largest store vLLM cascades, or drop the "
+                    "bound"], "once"
+    assert stored(the_tier(engine)) == []
