@@ -805,3 +805,36 @@ def test_events_past_the_limit_drop_the_oldest_and_are_counted() -> None:
     assert [event.keys for event in holdings.take_events()] == [("b",), ("c",)]
     assert holdings.stats()["events_dropped"] == 1
     assert holdings.take_events() == []
+
+
+def test_a_shutdown_past_a_delete_in_flight_says_what_is_still_being_deleted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A delete of an evicted object still waiting for the store at shutdown's deadline: the
+    warning says one is in flight and goes on after shutdown (it said "0 were left in the
+    store", the count of deletes that failed before)."""
+    sent, gate = threading.Event(), threading.Event()
+    agent = FakeNixlAgent()
+
+    def slow_remove(names: list[str]) -> int:
+        sent.set()
+        gate.wait(10)
+        return agent.remove_objects(names)
+
+    primary = torch.zeros(4, BLOCK, dtype=torch.uint8)
+    tier = ObjectStoreTier(primary, agent=agent, capacity_bytes=BLOCK, remove=slow_remove)
+    try:
+        for job_id, key in enumerate(("key-a", "key-b")):  # key-b's store evicts key-a
+            tier.submit_store(TransferJob(job_id, [key], [job_id]))
+            tier.drain_jobs(timeout=5)
+        assert sent.wait(10)
+        with caplog.at_level("WARNING", logger="kvfsm"):
+            tier.shutdown(timeout=0.2)
+        assert ("shutdown: deleting evicted objects did not finish by the deadline: a delete "
+                "of 1 object(s) is still waiting for the store, and 0 more wait to be sent "
+                "after it (it goes on after shutdown returns); 0 failed or were never sent "
+                "before, and stay in the store") in caplog.text
+    finally:
+        gate.set()
+    assert tier.wait_for_removals(10)
+    assert tier.object_key("key-a") not in agent.objects

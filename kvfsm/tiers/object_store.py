@@ -874,8 +874,11 @@ class ObjectStoreTier(SecondaryTier):
         remover = self._remover
         if remover is not None and not remover.stop(
                 None if deadline is None else max(0.0, deadline - time.monotonic())):
-            logger.warning("shutdown: deleting evicted objects did not finish by the deadline; "
-                           "%d were left in the store", remover.errors)
+            logger.warning("shutdown: deleting evicted objects did not finish by the deadline: "
+                           "a delete of %d object(s) is still waiting for the store, and %d "
+                           "more wait to be sent after it (it goes on after shutdown returns); "
+                           "%d failed or were never sent before, and stay in the store",
+                           remover.sending, len(remover), remover.errors)
 
 
 #: a block size's folder inside a key prefix (as its tier's names have one after the prefix)
