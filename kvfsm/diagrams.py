@@ -325,6 +325,15 @@ def dot_available() -> bool:
     return shutil.which("dot") is not None
 
 
+def _dot_program() -> str:
+    """Where graphviz's ``dot`` is; DiagramError, saying how to install it, if nowhere."""
+    program = shutil.which("dot")
+    if program is None:
+        raise DiagramError("graphviz's `dot` program is not installed (Debian package "
+                           "graphviz: apt-get install graphviz); cannot render SVG")
+    return program
+
+
 def render_svg(dot_text: str, source_name: str = "diagram.dot") -> str:
     """Render DOT text to SVG with ``dot``; the SVG records the hash of the DOT it came from,
     and of the drawing ``dot`` gave (the SVG but that record: one edited by hand is told).
@@ -332,10 +341,7 @@ def render_svg(dot_text: str, source_name: str = "diagram.dot") -> str:
     Raises:
         DiagramError: ``dot`` is not installed, or failed.
     """
-    program = shutil.which("dot")
-    if program is None:
-        raise DiagramError("graphviz's `dot` program is not installed (Debian package "
-                           "graphviz: apt-get install graphviz); cannot render SVG")
+    program = _dot_program()
     done = subprocess.run([program, "-Tsvg"], input=dot_text.encode(), capture_output=True,
                           check=False, timeout=60)
     if done.returncode != 0:
@@ -375,8 +381,9 @@ def write(declarations: Iterable[Declaration[Any, Any]], out: Path) -> list[Path
 
     Returns the files that changed. Raises :class:`DiagramError`, having written nothing, when
     a machine is named like one of kvfsm's own but is not it (its drawing would take the place
-    of kvfsm's), or ``out`` is not a directory that can be made or written to; and when an SVG
-    needs rendering and ``dot`` is missing (the DOT files are written first).
+    of kvfsm's), or ``out`` is not a directory that can be made or written to, or an SVG needs
+    rendering and ``dot`` is missing (a DOT written without its SVG would leave the old SVG
+    beside it, showing another machine).
     """
     declarations = list(declarations)
     for declaration in declarations:
@@ -388,6 +395,8 @@ def write(declarations: Iterable[Declaration[Any, Any]], out: Path) -> list[Path
     svgs = [(out / f"{name}.svg", text) for name, text in drawn
             if not svg_is_current(_read(out / f"{name}.svg") or "", text)]
     _check_writable(out, [path for path, _ in [*dots, *svgs]])
+    if svgs:
+        _dot_program()
     for path, dot_text in dots:
         _write(path, dot_text)
     for path, dot_text in svgs:
@@ -403,6 +412,9 @@ def check(declarations: Iterable[Declaration[Any, Any]], out: Path) -> list[Prob
     """
     if out.exists() and not out.is_dir():
         raise DiagramError(f"cannot check {out}: it is not a directory")
+    if not out.exists():  # (a mistyped --out: not every drawing missing, one by one)
+        raise DiagramError(f"cannot check {out}: no such directory (kvfsm diagrams --out "
+                           f"{out} draws the machines into it)")
     problems: list[Problem] = []
     for declaration in declarations:
         name = declaration.name

@@ -881,10 +881,22 @@ def test_the_check_fails_when_a_guard_takes_other_answers_under_its_old_name(
 def test_the_check_fails_naming_the_machine_whose_files_are_missing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["diagrams", "--check", "--out", str(tmp_path / "nowhere")]) == 1
+    (tmp_path / "empty").mkdir()
+    assert main(["diagrams", "--check", "--out", str(tmp_path / "empty")]) == 1
     err = capsys.readouterr().err
-    assert f"machine 'transfer': {tmp_path / 'nowhere' / 'transfer.dot'} is missing" in err
-    assert f"machine 'transfer': {tmp_path / 'nowhere' / 'transfer.svg'} is missing" in err
+    assert f"machine 'transfer': {tmp_path / 'empty' / 'transfer.dot'} is missing" in err
+    assert f"machine 'transfer': {tmp_path / 'empty' / 'transfer.svg'} is missing" in err
+
+
+def test_the_check_of_a_directory_that_does_not_exist_says_so_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped ``--out``: one line saying there is no such directory (each drawing was
+    reported missing, one by one, with the advice to draw them there)."""
+    assert main(["diagrams", "--check", "--out", str(tmp_path / "nowhere")]) == 1
+    assert capsys.readouterr().err == (
+        f"kvfsm diagrams: cannot check {tmp_path / 'nowhere'}: no such directory (kvfsm "
+        f"diagrams --out {tmp_path / 'nowhere'} draws the machines into it)\n")
 
 
 def test_the_check_fails_when_the_svg_was_not_rendered_from_the_current_dot(
@@ -1139,15 +1151,22 @@ def test_a_machine_named_like_one_of_kvfsms_never_overwrites_kvfsms_drawing(
 
 # -- rendering ----------------------------------------------------------------------------------
 
-def test_without_dot_the_dot_files_are_written_and_the_missing_program_is_named(
+def test_without_dot_nothing_is_written_and_the_missing_program_is_named(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    """A new DOT written without its SVG left the old SVG beside it, showing another
+    machine: with an SVG to render and no ``dot``, nothing is written."""
+    shutil.copytree(COMMITTED, tmp_path / "drawn")
     out = tmp_path / "drawn"
+    (out / "transfer.dot").write_text("an older drawing's DOT")
+    (out / "transfer.svg").write_text("<svg>an older drawing</svg>")
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert main(["diagrams", "--out", str(out)]) == 1
     assert "`dot` program is not installed" in capsys.readouterr().err
-    assert (out / "transfer.dot").read_text() == to_dot(TRANSFER_MACHINE)
-    assert not (out / "transfer.svg").exists()
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert main(["diagrams", "--out", str(tmp_path / "new")]) == 1
+    assert not (tmp_path / "new" / "transfer.dot").exists()
 
 
 def test_the_svg_shows_every_state_and_edge(
