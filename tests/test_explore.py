@@ -182,6 +182,13 @@ def test_a_bad_path_is_refused_by_name() -> None:
                  "check_xfer_state:late", "check_xfer_state:late@1*2"):
         with pytest.raises(ValueError, match="late applies to check_xfer_state@N, N from 1"):
             parse_path(f"mode=1;{late}")
+    with pytest.raises(ValueError, match=r"an interrupt is CALL:interrupt@N, N from 1"):
+        parse_path("mode=1;verify:interrupt@0")
+    # a mistyped kind names every kind a path takes (it named the demo's three only)
+    with pytest.raises(ValueError, match=re.escape(
+            "bad fault 'verify:intrupt@1': a path's fault is CALL:raise@N, CALL:err@N, "
+            "CALL:proc=K@N, CALL:interrupt@N, check_xfer_state:late@N or round:cancel@N")):
+        parse_path("mode=1;verify:intrupt@1")
 
 
 def test_a_transfer_still_running_past_the_bound_is_given_up_and_its_handle_kept() -> None:

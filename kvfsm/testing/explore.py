@@ -1308,7 +1308,10 @@ def parse_path(text: str) -> Path:
             choices.append(Choice(ROUND, int(cancel[1]), CancelAll()))
             continue
         interrupt = re.fullmatch(r"(\w+):interrupt@(\d+)", item)
-        if interrupt is not None and int(interrupt[2]):
+        if interrupt is not None:
+            if not int(interrupt[2]):
+                raise ValueError(f"bad fault {item!r}: an interrupt is CALL:interrupt@N, N "
+                                 "from 1")
             choices.append(Choice(interrupt[1], int(interrupt[2]), Interrupt()))
             continue
         if re.match(r"\w+:late\b", item):
@@ -1318,7 +1321,13 @@ def parse_path(text: str) -> Path:
                                  "N from 1")
             choices.append(Choice(late[1], int(late[2]), Late()))
             continue
-        for fault in parse_fault_spec(item):
+        try:
+            faults = parse_fault_spec(item)
+        except ValueError:  # (the demo's grammar has no interrupt, late or round)
+            raise ValueError(f"bad fault {item!r}: a path's fault is CALL:raise@N, CALL:err@N, "
+                             f"CALL:proc=K@N, CALL:interrupt@N, check_xfer_state:late@N or "
+                             f"{ROUND}:cancel@N (N the call's number, from 1)") from None
+        for fault in faults:
             if fault.at is None or fault.times != 1:
                 raise ValueError(f"each fault of a path names its call number: {fault.call}@N")
             choices.append(Choice(fault.call, fault.at, fault.fault))
