@@ -743,8 +743,16 @@ def _check_step_names(name: str, steps: Mapping[str, Any], effects: Mapping[Any,
                                  "is a call the tier makes itself (" + ", ".join(_EFFECTS)
                                  + "); a step of your own needs a name of its own")
         if step not in effects.values():
+            own = {effect: sorted(state.name for state, waited in effects.items()
+                                  if waited == effect)
+                   for effect in effects.values() if effect not in _EFFECTS and effect != END}
+            wanted = "; ".join(f"{', '.join(states)} wait(s) on {effect!r}"
+                               + ("" if effect in steps else ", for which no step was given")
+                               for effect, states in sorted(own.items()))
             raise MachineRefused(f"machine {name!r}: a step {step!r} was given, but no state "
-                                 "waits on it")
+                                 "waits on it (" + (f"the machine's own steps: {wanted}"
+                                                    if own else "the machine waits on no "
+                                                    "step of its own") + ")")
 
 
 def _check_state(declaration: Declaration[Any, Any], moves: Mapping[str, Any], state: Any,

@@ -3,6 +3,7 @@ declared, and a machine a tier cannot run is refused when the tier is built, bef
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -105,4 +106,11 @@ def test_a_user_state_whose_effect_nobody_makes_is_refused_instead_of_leaking(
     with pytest.raises(MachineRefused, match="a step 'check' was given, but no state waits"):
         ObjectStoreTier(primary, agent=agent, machine=example.VERIFY_MACHINE,
                         steps={"verify": example.Checksums(), "check": example.Checksums()})
+    # a mistyped step's name: the refusal names the state and the step it waits on (it said
+    # only that no state waits on the one given)
+    with pytest.raises(MachineRefused, match=re.escape(
+            "a step 'verfy' was given, but no state waits on it (the machine's own steps: "
+            "VERIFYING wait(s) on 'verify', for which no step was given)")):
+        ObjectStoreTier(primary, agent=agent, machine=example.VERIFY_MACHINE,
+                        steps={"verfy": example.Checksums()})
     assert agent.calls == []
