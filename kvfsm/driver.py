@@ -571,7 +571,12 @@ def _step_answer(name: str, answered: Any, carried: Collection[Any]) -> tuple[An
     if not (isinstance(answer, enum.Enum) and answer in carried):
         answer = _equal_answer(answer, carried)
     if answer is Answer.RAISED or not (isinstance(answer, enum.Enum) and answer in carried):
-        raise StepMisanswered(name, _misanswered(answer, carried))
+        said = _misanswered(answer, carried)
+        if isinstance(answered, tuple) and isinstance(answered[1], enum.Enum) \
+                and answered[1] in carried:  # (why, answer): the pair the wrong way round
+            said += (f"; it returned {answered!r}: a step returns (answer, why), the answer "
+                     "first")
+        raise StepMisanswered(name, said)
     return answer, why
 
 

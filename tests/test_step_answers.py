@@ -56,6 +56,14 @@ def test_a_step_returning_three_things_is_told_what_it_may_return() -> None:
         "step returns its answer (Checked.BAD, Checked.GOOD), or (answer, why)")
 
 
+def test_a_pair_the_wrong_way_round_is_told_the_answer_goes_first() -> None:
+    """``(why, answer)``: it was told only that the why is no answer."""
+    assert refused(("matched", THEIRS.GOOD)) == (
+        "step 'verify' answered str 'matched', which is not one of its event's answers "
+        "(Checked.BAD, Checked.GOOD); it returned ('matched', <Checked.GOOD: 'GOOD'>): a step "
+        "returns (answer, why), the answer first")
+
+
 def test_a_why_of_any_kind_is_kept_as_text_and_none_is_no_why() -> None:
     """A why is what the step says of its answer: a number is kept as text, as a str is."""
     said = store_with(lambda transfer, primary: (THEIRS.BAD, 3))
