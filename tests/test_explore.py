@@ -738,7 +738,8 @@ def test_a_step_given_as_its_class_instead_of_an_instance_is_caught_on_the_first
     assert [v.job_id for v in raised] == [0, 1], found.report()
     assert raised[0].detail == ("verify raised TypeError('Checksums.__init__() takes 1 "
                                 "positional argument but 3 were given')"), found.report()
-    assert ("on the path with no fault injected (mode=1), 2 of 2 jobs whose transfers NIXL "
+    assert ("on the path with no fault injected, NIXL ending each transfer at its first "
+            "state check (mode=1), 2 of 2 jobs whose transfers NIXL "
             "finished failed: jobs 0, 1: verify raised TypeError: Checksums.__init__() "
             "takes 1 positional argument but 3 were given") in found.report()
 
@@ -819,8 +820,11 @@ def test_a_step_failing_its_jobs_on_purpose_is_no_violation_and_the_report_says_
     assert [(run.path, [r.job_id for r in run.failed], len(run.results))
             for run in found.fault_free] == [(parse_path("mode=1;"), [0, 1], 2),
                                              (parse_path("mode=0;"), [0, 1], 2)]
-    assert ("on the path with no fault injected (mode=1), 2 of 2 jobs whose transfers NIXL "
+    assert ("on the path with no fault injected, NIXL ending each transfer at its first "
+            "state check (mode=1), 2 of 2 jobs whose transfers NIXL "
             "finished failed: jobs 0, 1: verify answered MISMATCH") in found.report()
+    assert ("on the path with no fault injected, NIXL ending each transfer as it is posted "
+            "(mode=0), 2 of 2 jobs") in found.report()
     right = explore(VERIFY_MACHINE, steps={"verify": Checksums()}, max_faults=0)
     assert [run.failed for run in right.fault_free] == [(), ()], right.report()
     assert "no fault injected" not in right.report()
@@ -903,7 +907,8 @@ def test_kvfsm_explore_fails_on_a_step_that_always_raises_and_reports_one_failin
     assert main(["explore", *machine, "--steps", "tests.test_explore:MISMATCHING_STEPS"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"explored \d+ paths \(\d+ NIXL calls\) in [\d.]+ s: 0 violations\n"
-                     r"on the path with no fault injected \(mode=1\), 2 of 2 jobs whose "
+                     r"on the path with no fault injected, NIXL ending each transfer at its "
+                     r"first state check \(mode=1\), 2 of 2 jobs whose "
                      r"transfers NIXL finished failed: jobs 0, 1: verify answered MISMATCH\n",
                      out), out
 

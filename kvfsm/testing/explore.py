@@ -1016,12 +1016,17 @@ class FaultFree:
         return tuple(result for result in self.results if not result.success)
 
     def __str__(self) -> str:
-        """``on the path with no fault injected (mode=1), 2 of 3 jobs whose transfers NIXL
-        finished failed: jobs 0, 2: verify answered MISMATCH`` (the jobs, by reason)."""
+        """``on the path with no fault injected, NIXL ending each transfer at its first state
+        check (mode=1), 2 of 3 jobs whose transfers NIXL finished failed: jobs 0, 2: verify
+        answered MISMATCH`` (the jobs, by reason; the explorer runs a path with no fault in
+        each mode, and each has its line)."""
         by_reason: dict[str, list[str]] = {}
         for result in self.failed:
             by_reason.setdefault(str(result.reason), []).append(str(result.job_id))
-        return (f"on the path with no fault injected (mode={self.path.polls}), "
+        when = {0: "as it is posted", 1: "at its first state check"}.get(
+            self.path.polls, f"after {self.path.polls} state checks")
+        return (f"on the path with no fault injected, NIXL ending each transfer {when} "
+                f"(mode={self.path.polls}), "
                 f"{len(self.failed)} of {len(self.results)} jobs whose transfers NIXL finished "
                 "failed: " + "; ".join(f"job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)}: "
                                        f"{reason}" for reason, jobs in by_reason.items()))
