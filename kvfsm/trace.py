@@ -161,6 +161,10 @@ def read_traces(path: str | Path) -> Iterator[dict[str, Any]]:
                     raise ValueError(f"success must be true or false, got "
                                      f"{json.dumps(trace['success'])}")
                 trace_reason(trace)
+            except json.JSONDecodeError as error:  # (its own "line 2" is the file line's end)
+                raise ValueError(f"{path}:{number}: not a trace (not JSON: {error.msg} at "
+                                 f"character {error.pos + 1} of the line; a line cut short?)"
+                                 ) from None
             except (ValueError, AttributeError) as error:
                 raise ValueError(f"{path}:{number}: not a trace ({error})") from None
             trace["line"] = number
@@ -347,6 +351,11 @@ def run(args: Any) -> int:
     machines: dict[str, Declaration[Any, Any]] = {}
     count = steps = 0
     for trace in _readable_traces(args.file):
+        named = trace.get("machine")
+        if fixed is not None and named is not None and named != fixed.name:
+            raise ValueError(f"{args.file}:{trace.get('line', '?')}: the trace is of machine "
+                             f"{named!r}, not of --machine {args.machine} ({fixed.name!r}): "
+                             "replay it without --machine, or with the machine it names")
         declaration = fixed or machines.get(trace.get("machine", ""))
         if declaration is None and trace.get("machine") is None and "states" in trace:
             raise ValueError(f"{args.file}:{trace.get('line', '?')}: the trace is of a "
@@ -366,7 +375,8 @@ def run(args: Any) -> int:
         steps += len(trace["steps"])
     if not count:
         raise ValueError(f"{args.file}: no traces in the file: nothing to replay")
-    print(f"kvfsm replay: {args.file}: {count} traces ({steps} steps) replay clean")
+    print(f"kvfsm replay: {args.file}: {count} trace{'s' if count != 1 else ''} ({steps} "
+          f"step{'s' if steps != 1 else ''}) replay{'s' if count == 1 else ''} clean")
     return 0
 
 

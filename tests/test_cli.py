@@ -925,6 +925,29 @@ def test_kvfsm_replay_of_a_trace_whose_outcome_is_no_bool_is_bad_input_naming_it
                                        f"(success must be true or false, got {success})\n")
 
 
+def test_kvfsm_replay_of_a_trace_of_another_machine_or_a_line_cut_short_is_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A transfer trace replayed with ``--machine`` of another machine diverged at its first
+    step (exit 1, as if the trace were wrong); a last line cut short was reported with JSON's
+    own "line 2" beside the file's line number."""
+    traces = tmp_path / "t.jsonl"
+    assert main(["demo", "--fake", *SMALL, "--trace", str(traces)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(traces), "--machine", "peer_link"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvfsm replay: ValueError: {traces}:1: the trace is of machine 'transfer', not of "
+        "--machine peer_link ('peer_link'): replay it without --machine, or with the machine "
+        "it names\n")
+    lines = traces.read_text().splitlines()
+    traces.write_text("\n".join([*lines[:-1], lines[-1][:40]]) + "\n")
+    assert main(["replay", str(traces)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvfsm replay: ValueError: {traces}:{len(lines)}: not a trace (not "
+                          "JSON: ") and err.endswith(" of the line; a line cut short?)\n"), err
+    assert "line 2" not in err
+
+
 def test_kvfsm_replay_of_a_file_with_no_trace_is_an_error_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -368,7 +368,7 @@ def test_a_trace_of_a_users_lifecycle_replays_alike_whatever_the_hash_seed(
             cwd=root, env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True,
             text=True, timeout=60, check=False)
         assert replayed.returncode == 0, (seed, replayed.stdout, replayed.stderr)
-        assert "1 traces (6 steps) replay clean" in replayed.stdout
+        assert "1 trace (6 steps) replays clean" in replayed.stdout
 
 
 def test_an_exploration_or_replay_that_found_a_violation_counts_no_transition_as_tested(
