@@ -21,7 +21,8 @@ compiled engine, diagram, explorer and coverage as the first) in
 A receiver block is written by the sender's NIXL, so the receiver may reuse it only when the
 write is over: when the notification arrived (NIXL sends it after the data; it names the link,
 the job *and* the receiver blocks, so a write into other blocks never counts: it fails the
-job, MISDIRECTED, saying where each side put it), or when the sender is gone.
+job expected when it comes, MISDIRECTED, saying where each side put it), or when the sender is
+gone.
 :meth:`PeerReceiver.forget_peer` removes the sender's metadata before any job it owed fails, but
 that does not revoke the access a live sender already has: a one-sided UCX write of a sender
 that is still running can still land. So call it only when the sender is
@@ -460,8 +461,7 @@ class PeerReceiver(JobSide):
         #: the notifications taken from NIXL and not yet filed, each batch with the count of
         #: hand-backs when it was taken (what dates its notifications), oldest first: one an
         #: interrupt cut short goes on where it stopped
-        self._arriving: collections.deque[tuple[int, dict[Any, list[Any]]]] = (
-            collections.deque())
+        self._arriving: collections.deque[tuple[int, dict[Any, Any]]] = collections.deque()
         #: an interrupt went through a call that changes the books: the next one mends them
         self._damaged = False
         self._lock = threading.RLock()
@@ -776,15 +776,15 @@ class PeerReceiver(JobSide):
             while arrived:
                 sender = next(iter(arrived))
                 messages = arrived[sender]
-                if type(messages) is not list:  # (a tuple, say: taken off as a list)
-                    arrived[sender] = messages = list(messages)
                 name = _peer_name(sender)
                 link = self.links.get(name)
                 if link is not None and messages and _says_link_is_there(link, messages):
                     link.quiet_since = now  # heard from: it is there
+                if type(messages) is not collections.deque:  # (taken off at the front)
+                    messages = arrived[sender] = collections.deque(messages)
                 while messages:
                     self._take(name, bytes(messages[0]), link, came)
-                    del messages[0]
+                    messages.popleft()
                 del arrived[sender]
             arriving.popleft()
 
@@ -882,6 +882,8 @@ class PeerReceiver(JobSide):
         job where the receiver did not expect it, so the two engines disagree on its blocks.
         The job fails, saying where each side put it, and an error is logged; the notification
         never counts (the job's blocks do not hold what the sender wrote for it)."""
+        if not self._expected:
+            return False
         found = _JOB_AND_BLOCKS.fullmatch(message)
         if found is None:
             return False
@@ -924,7 +926,9 @@ class PeerReceiver(JobSide):
         self._closed_link(link)
 
     def _closed_link(self, link: PeerLink) -> None:
-        """(:meth:`_close`, once the link is closed.)"""
+        """(:meth:`_close`, once the link is closed.) Its nonce is spent first: from then on
+        no notification of it counts, whatever an interrupt leaves of the rest (mended)."""
+        self._spent[link.nonce] = str(link.name)
         self._relinked.discard(link)
         try:
             inbox = self._inboxes.pop(link.nonce, None)
@@ -933,7 +937,6 @@ class PeerReceiver(JobSide):
         except BaseException:  # (as in _fresh)
             self._early_stale = True
             raise
-        self._spent[link.nonce] = str(link.name)
         self._linked.pop(link.nonce, None)
         if count:
             self._discarded += count
@@ -983,19 +986,30 @@ class PeerReceiver(JobSide):
                     self._shut_off.add(link)  # (what it owed fails saying so)
                     self._close(link)
                 self._poll(closing=True)  # also lets UCX retire a lost sender
-                # taken before the call: one an interrupt cut short is not made again
-                registration, self._registration = self._registration, None
-                if registration is not None:
-                    try:
-                        self.agent.deregister_memory(registration)
-                    except Exception as error:  # best effort, as a tier's cleanup: a leak
-                        self._leaks.append(("deregister_memory",
-                                            f"{type(error).__name__}: {error}"))
-                        logger.warning("shutdown: deregister_memory of the receiver's cache "
-                                       "raised: %s: %s", type(error).__name__, error)
+                self._deregister()
                 self._closed = self._let_go = True
         finally:
             self._lock.release()
+
+    def _deregister(self) -> None:
+        """(shutdown) Release NIXL's registration of the cache, best effort, as a tier's
+        cleanup: one that raises is a leak, kept; one an interrupt cut short once it was
+        taken is one too (whether NIXL released it is unknown, so it is not asked again:
+        twice would be a misuse)."""
+        registration = None
+        try:
+            registration, self._registration = self._registration, None
+            if registration is not None:
+                self.agent.deregister_memory(registration)
+        except Exception as error:
+            self._leaks.append(("deregister_memory", f"{type(error).__name__}: {error}"))
+            logger.warning("shutdown: deregister_memory of the receiver's cache raised: "
+                           "%s: %s", type(error).__name__, error)
+        except BaseException:
+            if registration is not None:
+                self._leaks.append(("deregister_memory", "cut short by an interrupt: whether "
+                                    "NIXL released it is unknown, so it is not asked again"))
+            raise
 
     def state_of(self, job_id: int) -> ReceiveState | None:
         """The state of an expected job, or None once published."""

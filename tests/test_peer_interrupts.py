@@ -20,6 +20,7 @@ import kvfsm
 from kvfsm import JobResult
 from kvfsm.peer import PeerReceiver, _parse_sender_metadata, notification_for
 from kvfsm.peer_link import LinkState, PeerLinkError
+from kvfsm.tiers import TierClosedError
 
 from .test_interrupts import interrupted_at, sweep
 from .test_peer import NotifyingAgent, promotion, sender_metadata
@@ -113,3 +114,65 @@ def afterwards(receiver: PeerReceiver, agent: NotifyingAgent, nonce: str,
 @pytest.mark.parametrize("interrupted", ["connect", "expect", "poll"])
 def test_an_interrupt_at_any_line_of_a_receivers_call_loses_no_job(interrupted: str) -> None:
     assert sweep(lambda line: story(interrupted, line), RECEIVER_FILES, least=20) == {}
+
+
+def closing(interrupted: str, line: int | None) -> list[str]:
+    """A receiver expects job 1 of a sender, which then goes (``forget_peer``), or the
+    receiver is shut down; the call named ``interrupted`` gets the interrupt at ``line`` and
+    is made again if it did not take (the link is not CLOSED; the receiver not closed). Job 1
+    fails once; a late notification of the closed link never counts (its nonce is spent: the
+    metadata is refused, the notification discarded); after a forget, the sender's new link
+    completes job 1 again; after a shutdown, the cache's registration is released, or its
+    release cut short is recorded as a leak."""
+    agent = NotifyingAgent()
+    receiver = PeerReceiver(torch.zeros(8, 16), agent=agent)
+    metadata = sender_metadata(SENDER)
+    nonce, _ = _parse_sender_metadata(metadata)
+    receiver.connect(metadata)
+    receiver.expect(promotion(1, 1), SENDER)
+    call = receiver.forget_peer if interrupted == "forget" else receiver.shutdown
+    with interrupted_at(line if line != -1 else None, RECEIVER_FILES), \
+            suppress(KeyboardInterrupt):
+        call(SENDER) if interrupted == "forget" else call()  # type: ignore[operator]
+    problems = []
+    results: list[JobResult] = []
+    try:
+        if interrupted == "forget":
+            if receiver.link_state(SENDER) is not LinkState.CLOSED:
+                receiver.forget_peer(SENDER)
+        else:
+            receiver.shutdown(timeout=0.5)  # (idempotent: again, whatever the first did)
+        agent.inbox = {SENDER: [notification_for(nonce, 1, [1])]}  # the closed link's, late
+        results += receiver.get_finished_jobs()
+        try:
+            receiver.connect(metadata)
+            problems.append("the closed link's metadata was taken again")
+        except (PeerLinkError, TierClosedError):
+            pass
+        if interrupted == "forget":
+            again = sender_metadata(SENDER)  # (the sender's next link, a nonce of its own)
+            receiver.connect(again)
+            receiver.expect(promotion(1, 1), SENDER)
+            agent.inbox = {SENDER: [notification_for(_parse_sender_metadata(again)[0], 1,
+                                                     [1])]}
+            receiver.drain_jobs(timeout=0.5)
+            results += receiver.get_finished_jobs()
+            receiver.shutdown(timeout=0.5)
+        results += receiver.get_finished_jobs()
+    except Exception as error:
+        problems.append(f"after: {type(error).__name__}: {error}")
+    published = collections.Counter((r.job_id, r.success) for r in results)
+    wanted = [(1, False)] + ([(1, True)] if interrupted == "forget" else [])
+    if published != collections.Counter(wanted):
+        problems.append(f"results: {dict(published)}")
+    stats = receiver.stats()
+    if stats["unknown"] or stats["expected"]:
+        problems.append(f"left: {stats}")
+    if agent.registered != 0 and not stats["leaks"]:
+        problems.append("the cache's registration neither released nor recorded as a leak")
+    return problems
+
+
+@pytest.mark.parametrize("interrupted", ["forget", "shutdown"])
+def test_an_interrupt_at_any_line_of_a_receivers_close_loses_no_job(interrupted: str) -> None:
+    assert sweep(lambda line: closing(interrupted, line), RECEIVER_FILES, least=20) == {}
