@@ -105,6 +105,7 @@ import collections
 import functools
 import logging
 import re
+import signal
 import threading
 import time
 import weakref
@@ -321,6 +322,41 @@ def _check_sender(sender: object) -> None:
     if not isinstance(sender, str):
         raise TypeError(f"sender must be the str name connect() returned, got "
                         f"{type(sender).__name__} {sender!r}")
+
+
+class _HeldSigint:
+    """SIGINT's handler held back from :meth:`hold` until :meth:`let_go`, which puts it back
+    and runs it (raises the signal again) if a SIGINT came meanwhile. Only on the main thread,
+    where Python runs signal handlers (elsewhere no interrupt is raised), and only when the
+    handler was set from Python (else it could not be put back): otherwise nothing is held.
+    Costs two handler changes (about 3 us each)."""
+
+    __slots__ = ("came", "handler")
+
+    def __init__(self) -> None:
+        self.handler: Any = None
+        self.came = False
+
+    def hold(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        handler = signal.getsignal(signal.SIGINT)
+        if handler is None:  # (set from C: it could not be put back)
+            return
+        self.handler = handler  # (first: let_go puts it back, whatever comes after)
+        signal.signal(signal.SIGINT, self._came)
+
+    def _came(self, signum: int, frame: Any) -> None:
+        self.came = True
+
+    def let_go(self) -> None:
+        handler = self.handler
+        if handler is None:
+            return
+        signal.signal(signal.SIGINT, handler)  # (no SIGINT raises before this: it only marks)
+        self.handler = None
+        if self.came:
+            signal.raise_signal(signal.SIGINT)
 
 
 class _Expected:
@@ -740,8 +776,23 @@ class PeerReceiver(JobSide):
                 self._publish(expected)
 
     def _take_new(self, now: float) -> bool:
-        """Take the notifications NIXL delivered since it was last asked; False when NIXL's
-        call raised (nothing was taken)."""
+        """Take the notifications NIXL delivered since it was last asked, and file them; False
+        when NIXL's call raised (nothing was taken).
+
+        NIXL hands each notification over once, and its ``get_new_notifs`` is Python code: a
+        Ctrl-C handled as its binding returns would lose what it handed over (measured on
+        real UCX under a stream of SIGINTs: 73 of 200 jobs whose writes landed stayed
+        expected for good). So SIGINT's handler is held back meanwhile (:class:`_HeldSigint`)
+        and runs once they are filed."""
+        held = _HeldSigint()
+        try:
+            held.hold()
+            return self._take_and_file(now)
+        finally:
+            held.let_go()
+
+    def _take_and_file(self, now: float) -> bool:
+        """(:meth:`_take_new`, SIGINT held.)"""
         dropped = self._dropped
         self._file_arriving(now)  # (what an interrupt left of an earlier take, first)
         if self._let_go:  # (shut down: another side may have its agent now)

@@ -51,7 +51,11 @@ BOOKKEEPING = tuple(os.path.join(KVFSM, *name.split("/")) for name in (
 
 
 def interruptible(frame: Any) -> bool:
-    """Whether a signal could land at ``frame``'s line (see the module's notes)."""
+    """Whether a signal could land at ``frame``'s line (see the module's notes). Not inside a
+    peer receiver's hold of SIGINT's handler (``_HeldSigint``): from the moment it is held
+    until it is put back, a Ctrl-C only marks that it came, and raises nothing."""
+    if frame.f_code.co_qualname.startswith("_HeldSigint."):
+        return False
     filename, number = frame.f_code.co_filename, frame.f_lineno
     line = linecache.getline(filename, number).lstrip()
     if line.startswith(("try:", "with ")):

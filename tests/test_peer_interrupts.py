@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import os
+import signal
 from collections.abc import Callable
 from contextlib import suppress
 
@@ -113,7 +114,9 @@ def afterwards(receiver: PeerReceiver, agent: NotifyingAgent, nonce: str,
 
 @pytest.mark.parametrize("interrupted", ["connect", "expect", "poll"])
 def test_an_interrupt_at_any_line_of_a_receivers_call_loses_no_job(interrupted: str) -> None:
+    handler = signal.getsignal(signal.SIGINT)
     assert sweep(lambda line: story(interrupted, line), RECEIVER_FILES, least=20) == {}
+    assert signal.getsignal(signal.SIGINT) is handler, "SIGINT's handler put back every time"
 
 
 def closing(interrupted: str, line: int | None) -> list[str]:
@@ -175,4 +178,37 @@ def closing(interrupted: str, line: int | None) -> list[str]:
 
 @pytest.mark.parametrize("interrupted", ["forget", "shutdown"])
 def test_an_interrupt_at_any_line_of_a_receivers_close_loses_no_job(interrupted: str) -> None:
+    handler = signal.getsignal(signal.SIGINT)
     assert sweep(lambda line: closing(interrupted, line), RECEIVER_FILES, least=20) == {}
+    assert signal.getsignal(signal.SIGINT) is handler, "SIGINT's handler put back every time"
+
+
+class CtrlCAsNotificationsAreHandedOver(NotifyingAgent):
+    """NIXL's ``get_new_notifs`` is Python code: a SIGINT that comes as its binding returns is
+    handled there, before the receiver has what it handed over (NIXL hands each once)."""
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        handed = super().get_new_notifs()
+        if handed:
+            signal.raise_signal(signal.SIGINT)  # (its handler runs as this call returns)
+        return handed
+
+
+def test_a_ctrl_c_as_nixl_hands_notifications_over_loses_none_and_is_raised_after() -> None:
+    """The handler of a SIGINT that comes while the receiver takes NIXL's notifications runs
+    once they are filed: the interrupt comes out of the poll all the same, and the job whose
+    notification NIXL handed over completes at the next poll (it stayed expected for good:
+    under a stream of real SIGINTs on real UCX, 13 to 73 of 200 jobs whose writes landed)."""
+    agent = CtrlCAsNotificationsAreHandedOver()
+    receiver = PeerReceiver(torch.zeros(8, 16), agent=agent)
+    metadata = sender_metadata(SENDER)
+    nonce, _ = _parse_sender_metadata(metadata)
+    receiver.connect(metadata)
+    receiver.expect(promotion(1, 1), SENDER)
+    handler = signal.getsignal(signal.SIGINT)
+    agent.inbox = {SENDER: [notification_for(nonce, 1, [1])]}
+    with pytest.raises(KeyboardInterrupt):
+        receiver.get_finished_jobs()
+    assert signal.getsignal(signal.SIGINT) is handler, "put back"
+    assert [(r.job_id, r.success) for r in receiver.get_finished_jobs()] == [(1, True)]
+    receiver.shutdown(timeout=0.5)
