@@ -119,6 +119,17 @@ def test_an_interrupt_at_any_line_of_a_receivers_call_loses_no_job(interrupted: 
     assert signal.getsignal(signal.SIGINT) is handler, "SIGINT's handler put back every time"
 
 
+def expecting_job_1(agent: NotifyingAgent) -> tuple[PeerReceiver, bytes, str]:
+    """A receiver on ``agent`` linked to a sender, expecting its job 1 into block 1; the
+    sender's metadata and its link's nonce."""
+    receiver = PeerReceiver(torch.zeros(8, 16), agent=agent)
+    metadata = sender_metadata(SENDER)
+    nonce, _ = _parse_sender_metadata(metadata)
+    receiver.connect(metadata)
+    receiver.expect(promotion(1, 1), SENDER)
+    return receiver, metadata, nonce
+
+
 def closing(interrupted: str, line: int | None) -> list[str]:
     """A receiver expects job 1 of a sender, which then goes (``forget_peer``), or the
     receiver is shut down; the call named ``interrupted`` gets the interrupt at ``line`` and
@@ -128,11 +139,7 @@ def closing(interrupted: str, line: int | None) -> list[str]:
     completes job 1 again; after a shutdown, the cache's registration is released, or its
     release cut short is recorded as a leak."""
     agent = NotifyingAgent()
-    receiver = PeerReceiver(torch.zeros(8, 16), agent=agent)
-    metadata = sender_metadata(SENDER)
-    nonce, _ = _parse_sender_metadata(metadata)
-    receiver.connect(metadata)
-    receiver.expect(promotion(1, 1), SENDER)
+    receiver, metadata, nonce = expecting_job_1(agent)
     call = receiver.forget_peer if interrupted == "forget" else receiver.shutdown
     with interrupted_at(line if line != -1 else None, RECEIVER_FILES), \
             suppress(KeyboardInterrupt):
@@ -200,11 +207,7 @@ def test_a_ctrl_c_as_nixl_hands_notifications_over_loses_none_and_is_raised_afte
     notification NIXL handed over completes at the next poll (it stayed expected for good:
     under a stream of real SIGINTs on real UCX, 13 to 73 of 200 jobs whose writes landed)."""
     agent = CtrlCAsNotificationsAreHandedOver()
-    receiver = PeerReceiver(torch.zeros(8, 16), agent=agent)
-    metadata = sender_metadata(SENDER)
-    nonce, _ = _parse_sender_metadata(metadata)
-    receiver.connect(metadata)
-    receiver.expect(promotion(1, 1), SENDER)
+    receiver, _, nonce = expecting_job_1(agent)
     handler = signal.getsignal(signal.SIGINT)
     agent.inbox = {SENDER: [notification_for(nonce, 1, [1])]}
     with pytest.raises(KeyboardInterrupt):

@@ -94,9 +94,11 @@ def connect(sender: Engine, receiver: Engine) -> tuple[str, str]:
     return receiver_name, sender_name
 
 
-def test_a_sender_whose_receiver_is_killed_fails_what_it_owed_and_exits_cleanly(
-    engines: list[Engine],
-) -> None:
+def receiver_killed_after_a_write(engines: list[Engine]) -> tuple[Engine, str]:
+    """A sender and a receiver, job 1 written and published on both sides; then the receiver
+    is killed the moment job 2's write is over, before it takes the notification (measured: a
+    sender that then posted another write aborted at teardown, in a UCX assertion, unless its
+    worker progressed). Returns the sender and the receiver's name."""
     receiver, sender = Engine("receiver", "30"), Engine("sender")
     engines += [receiver, sender]
     receiver_name, sender_name = connect(sender, receiver)
@@ -105,12 +107,16 @@ def test_a_sender_whose_receiver_is_killed_fails_what_it_owed_and_exits_cleanly(
     assert sender.ask(do="results", count=1, within=5)["results"] == [[1, True]]
     assert receiver.ask(do="results", count=1, within=5,
                         link=[sender_name])["results"] == [[1, True]]
-
-    # the receiver is killed the moment job 2's write is over, before it takes the
-    # notification; the sender does not know yet, and posts job 3 to it (measured: a sender
-    # that did this aborted at teardown, in a UCX assertion, unless its worker progressed)
     sender.ask(do="submit", job=2, keys=["3"], blocks=[1], kill_when_done=receiver.process.pid)
     assert receiver.process.wait(10) == -signal.SIGKILL
+    return sender, receiver_name
+
+
+def test_a_sender_whose_receiver_is_killed_fails_what_it_owed_and_exits_cleanly(
+    engines: list[Engine],
+) -> None:
+    # the sender does not know yet, and posts job 3 to the killed receiver
+    sender, receiver_name = receiver_killed_after_a_write(engines)
     sender.ask(do="submit", job=3, keys=["4"], blocks=[2])
     assert sender.ask(do="results", count=2, within=5) == {"results": [[2, True], [3, False]],
                                                            "link": "CLOSED"}
@@ -133,16 +139,7 @@ def test_a_sender_left_without_a_poll_after_a_write_to_its_killed_receiver_faile
     (an error it did not catch), or drops the sender first. Its UCX worker progressed as the
     write failed, so its agent's teardown does not abort (it did, in every trial, while the
     worker progressed only as the link was closed, by a poll or a shutdown)."""
-    receiver, sender = Engine("receiver", "30"), Engine("sender")
-    engines += [receiver, sender]
-    _, sender_name = connect(sender, receiver)
-    receiver.ask(do="expect", job=1, keys=["2"], blocks=[2], sender=sender_name)
-    sender.ask(do="submit", job=1, keys=["2"], blocks=[0])
-    assert sender.ask(do="results", count=1, within=5)["results"] == [[1, True]]
-    assert receiver.ask(do="results", count=1, within=5,
-                        link=[sender_name])["results"] == [[1, True]]
-    sender.ask(do="submit", job=2, keys=["3"], blocks=[1], kill_when_done=receiver.process.pid)
-    assert receiver.process.wait(10) == -signal.SIGKILL
+    sender, _ = receiver_killed_after_a_write(engines)
     answer = sender.ask(do="submit", job=3, keys=["4"], blocks=[2], then=then)
     assert answer["submitted"] == 3
     if then == "drop":
