@@ -329,8 +329,9 @@ class _HeldSigint:
     and runs it (raises the signal again) if a SIGINT came meanwhile. Only on the main thread,
     where Python runs signal handlers (elsewhere no interrupt is raised), and only when the
     handler was set from Python (else it could not be put back): otherwise nothing is held.
-    Costs two handler changes (about 4.6 us each on the guest measured, docs/peer.md); it is
-    never left changed, so no one asking for the handler meanwhile finds kvfsm's."""
+    Costs two handler changes (about 4.6 us each on the guest measured, docs/peer.md); the
+    handler is put back at once (a wrapper of kvfsm's left in place would cost less, but
+    whoever asks for the handler would find it)."""
 
     __slots__ = ("came", "handler")
 
