@@ -132,7 +132,7 @@ from kvfsm.machines.peer_receive import (
     ReceiveEvent,
     ReceiveState,
 )
-from kvfsm.machines.transfer import FailureReason, latch_failure, latch_success
+from kvfsm.machines.transfer import FailureReason
 from kvfsm.peer_link import (
     PROBE_MESSAGE,
     PeerLink,
@@ -1116,8 +1116,8 @@ class PeerReceiver(JobSide):
         (the blocks being written, what each link owes, which notification each job waits
         for) is made again from the records; a job whose expect it cut short takes a fresh
         copy of its notification that came first, as the expect would have; an outcome whose
-        latch it cut short is latched as the job's state says (ARRIVED a success, PEER_LOST or
-        MISDIRECTED a failure saying so); notifications
+        latch it cut short is latched by the actions the table declares on the edge into the
+        job's state (ARRIVED a success, PEER_LOST or MISDIRECTED a failure); notifications
         left in the unknown store with an open link's nonce are that link's. The
         notifications taken from NIXL and not yet filed are filed by the next take."""
         self._mend_links()
@@ -1149,26 +1149,23 @@ class PeerReceiver(JobSide):
                 self._closed_link(inbox.link)
 
     def _mend_records(self) -> None:
-        """(:meth:`_mend`) The outcomes and publications an interrupt left half made."""
-        arrived: Any = PeerAnswer.ARRIVED  # (the answers the machine's actions are given)
-        gone: Any = PeerAnswer.GONE
-        misdirected: Any = PeerAnswer.MISDIRECTED
-        for expected in self._expected.values():  # an outcome its latch did not finish
-            if expected.state is ReceiveState.ARRIVED and expected.success is None:
-                latch_success(expected, arrived, None)
-            elif expected.state is ReceiveState.MISDIRECTED and (
-                    expected.success is None or expected.reason is None):
+        """(:meth:`_mend`) The outcomes and publications an interrupt left half made: a job
+        that left EXPECTING with its outcome not latched whole (a success not set, a failure
+        without its reason) has the actions of the edge that took it there run again, as the
+        machine's table declares them (the detail the fire carried is lost: what says so)."""
+        entered = {step.dest: (answer, step.actions)
+                   for answers in self.machine.table[ReceiveState.EXPECTING].values()
+                   for answer, step in answers.items() if step.dest is not ReceiveState.EXPECTING}
+        for expected in self._expected.values():
+            latched = expected.success is True or (
+                expected.success is False and expected.reason is not None)
+            if expected.state in entered and not latched:
+                answer, actions = entered[expected.state]
                 expected.success = None
-                latch_failure(expected, misdirected,
-                              f"sender {expected.peer} wrote job {expected.job_id} into other "
-                              "blocks than it was expected in (what said which was cut short "
-                              "by an interrupt)")
-            elif expected.state is ReceiveState.PEER_LOST and (
-                    expected.success is None or expected.reason is None):
-                expected.success = None
-                latch_failure(expected, gone,
-                              f"sender {expected.peer} is gone (what told so was cut short "
-                              "by an interrupt)")
+                for action in actions:
+                    action(expected, answer, f"sender {expected.peer}: job {expected.job_id} "
+                           f"went to {expected.state.name}; what said why was cut short by an "
+                           "interrupt")
         queued = {result.job_id for result in self._books.results}
         for expected in list(self._expected.values()):
             if expected.state is ReceiveState.PUBLISHED:

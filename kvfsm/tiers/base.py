@@ -246,8 +246,13 @@ class KnownNames:
     def record(self, names: Sequence[str], verdict: Lookup, *, load: bool = False) -> None:
         """A transfer's outcome: ``verdict`` on each of ``names``, now the most recent. A
         store's HIT makes a forgotten name the tier's again; a load's (``load``) does not: it
-        read the copy the caller made the tier forget, which stays MISS."""
+        read the copy the caller made the tier forget, which stays MISS. A failed load's MISS
+        lasts :attr:`failed_load_miss` seconds, when that is set (then the name is looked for
+        again, as a probed MISS with an age is)."""
         known = self._names
+        kept: Lookup | float = verdict
+        if load and verdict is Lookup.MISS and self.failed_load_miss is not None:
+            kept = time.monotonic() + self.failed_load_miss
         with self._lock:
             forgotten, doubted = self._forgotten, self._doubted
             if (forgotten or doubted) and verdict is Lookup.HIT:
@@ -259,18 +264,7 @@ class KnownNames:
                     for name in names:
                         forgotten.pop(name, None)
             for name in names:
-                known[name] = verdict
-                known.move_to_end(name)
-            if len(known) > self.limit:
-                self._forget_oldest()
-
-    def miss_for(self, names: Sequence[str], seconds: float) -> None:
-        """A failed load's MISS on each of ``names`` for ``seconds``, now the most recent; then
-        each is looked for again (a probe), as a probed MISS with an age is."""
-        known, until = self._names, time.monotonic() + seconds
-        with self._lock:
-            for name in names:
-                known[name] = until
+                known[name] = kept
                 known.move_to_end(name)
             if len(known) > self.limit:
                 self._forget_oldest()
@@ -1692,11 +1686,8 @@ def _record_verdicts(known: KnownNames, holdings: Holdings | None, may_run: Coll
         if known.doubting and transfer not in may_run:  # (a store cancelled while NIXL
             known.undoubt(transfer)  # ran it is over; one given up never is)
         if transfer.job.is_promotion:
-            if result.success or known.failed_load_miss is None:
-                known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
-                             load=True)
-            else:  # (a tier that never stores: looked for again once the MISS is that old)
-                known.miss_for(transfer.names, known.failed_load_miss)
+            known.record(transfer.names, Lookup.HIT if result.success else Lookup.MISS,
+                         load=True)
         else:
             vouched = known.store_ended(transfer.names)
             if result.success:
