@@ -92,6 +92,11 @@ class RemoteSide(Protocol):
     def close(self, transfer: Transfer) -> list[Leak]:
         """Release what :meth:`open` kept, after NIXL let go of it; report what could not be."""
 
+    # (a side may also say ``landed(transfer)``: checks what a load NIXL finished put in the
+    # primary blocks, raising if it is not a block's worth (the load then fails, its call
+    # ``landed``), as :class:`~kvfsm.tiers.object_store.ObjectStoreTier`'s side does; NIXL's
+    # OBJ backend reads what an object has, a shorter one included, and answers DONE)
+
     # (a side may also say ``transfer_per_block = True``: one NIXL transfer per block of a
     # job, for a backend whose state check may answer one request's error while others still
     # run: :class:`Split`; :class:`StorageSide` says False)
@@ -224,6 +229,8 @@ class TransferDriver:
         # a remote side that keeps StorageSide's commit or close has nothing to do there
         self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
         self._closes = getattr(type(remote), "close", None) is not StorageSide.close
+        self._lands = callable(getattr(type(remote), "landed", None))
+        self._after_done = self._commits or self._lands  # (one test on the hot path)
         self._per_block = bool(getattr(remote, "transfer_per_block", False))
         #: the leaks a cleanup an interrupt cut short had found, by transfer, for its rest
         self._cut_short: dict[Transfer, list[Leak]] = {}
@@ -370,7 +377,8 @@ class TransferDriver:
                call: str = "check_xfer_state") -> Outcome:
         """What a status call (``check_xfer_state``, or ``transfer`` at the post) answered, as
         an outcome: PROC, DONE (a store's commit made), ERR, or RAISED. A store NIXL finished
-        whose commit raised answers RAISED, and one whose commit is not over yet PROC."""
+        whose commit raised answers RAISED, and one whose commit is not over yet PROC; so
+        does a load whose side's ``landed`` check raised."""
         outcome = _STATUS.get(status) if type(status) is str else None
         if transfer.split is not None and outcome is not _PROC:
             # a job made per block whose first transfer is over: is every other one?
@@ -378,13 +386,22 @@ class TransferDriver:
                 transfer, transfer.split, outcome or self._status(status, call))
         if outcome is None:
             return self._status(status, call)
-        if outcome is _DONE and self._commits and not transfer.job.is_promotion:
-            try:
-                committed = self.remote.commit(transfer)
-            except Exception as error:
-                return Outcome(Answer.RAISED, CallFailed("commit", error.with_traceback(None)))
-            if committed is False:
-                return _COMMITTING
+        if outcome is _DONE and self._after_done:
+            if transfer.job.is_promotion:
+                if self._lands:
+                    try:
+                        self.remote.landed(transfer)  # type: ignore[attr-defined]
+                    except Exception as error:
+                        return Outcome(Answer.RAISED,
+                                       CallFailed("landed", error.with_traceback(None)))
+            elif self._commits:
+                try:
+                    committed = self.remote.commit(transfer)
+                except Exception as error:
+                    return Outcome(Answer.RAISED,
+                                   CallFailed("commit", error.with_traceback(None)))
+                if committed is False:
+                    return _COMMITTING
         return outcome
 
     @staticmethod

@@ -636,7 +636,9 @@ def test_a_tier_of_another_block_size_on_the_same_prefix_neither_finds_nor_loads
     another object. Without the folders (``size_folder=False``, the old layout) both name k
     alike: the 512-byte tier's probe finds the 256-byte object, a HIT, and its load reads
     what the object has into the first half of its block, as real NIXL's OBJ backend does,
-    and succeeds: the second half keeps what it held, wrong bytes published as a success."""
+    and answers DONE: the second half keeps what it held. The tier sees the block's end still
+    as it marked it before the load, and fails the load, saying the object is short, rather
+    than publish those bytes as a success; the mark is taken off again."""
     wide = torch.arange(4 * 128, dtype=torch.float32).neg().view(4, 128)  # 512-byte blocks
 
     def tiers(size_folder: bool) -> tuple[ObjectStoreTier, ObjectStoreTier]:
@@ -679,9 +681,13 @@ def test_a_tier_of_another_block_size_on_the_same_prefix_neither_finds_nor_loads
         assert wait_for_verdict(large, "k") is Lookup.HIT, "the other size's object"
         before = wide.clone()
         large.submit_load(TransferJob(6, ["k"], [2], is_promotion=True))
-        assert [r.success for r in results_until_idle(large)] == [True]
+        [result] = results_until_idle(large)
+        assert not result.success
+        assert result.reason is not None and result.reason.call == "landed"
+        assert result.reason.error.startswith(
+            "ShortObjectError: 1 object(s) shorter than a block of 512 bytes: 'kv/k'")
         assert wide[2, :64].numpy().tobytes() == primary[1].numpy().tobytes()
-        assert torch.equal(wide[2, 64:], before[2, 64:]), "half the block is what it held"
+        assert torch.equal(wide[2, 64:], before[2, 64:]), "the rest is what it held"
     finally:
         small.shutdown(timeout=5)
         large.shutdown(timeout=5)

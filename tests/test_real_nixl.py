@@ -207,7 +207,9 @@ def test_a_tier_of_another_block_size_on_the_same_prefix_finds_nothing_to_load_h
     key. NIXL's OBJ backend reads what an object has and answers DONE, so a tier of 8 KiB
     blocks loading a 4 KiB object published half of its block as a success: the other half
     kept what the engine had left in it. Each tier keeps its objects in a folder of its block
-    size, so the larger tier finds no object of its size: a MISS, and a load that fails."""
+    size, so the larger tier finds no object of its size: a MISS, and a load that fails.
+    Without the folders, the load now fails too: the block's end is still as the tier marked
+    it before the load."""
     bucket = s3_server.new_bucket()
     for size_folder in (True, False):
         small = torch.full((2, 4096), 0x11, dtype=torch.uint8)
@@ -227,9 +229,48 @@ def test_a_tier_of_another_block_size_on_the_same_prefix_finds_nothing_to_load_h
             assert large_tier.object_key("k") == "kv/8192-bytes/k"
             assert wait_for_lookup(large_tier, "k") is Lookup.MISS
             assert not loaded.success, "a 4 KiB object loaded into an 8 KiB block"
-        else:  # what the names without the size's folder let through: wrong bytes, published
-            assert loaded.success
+        else:  # without the size's folder: NIXL fills half the block and answers DONE; the
+            # block still ends as the tier marked it before the load, so the load fails
+            assert not loaded.success, "half a block published as a success"
+            assert loaded.reason is not None and loaded.reason.call == "landed"
+            assert "ShortObjectError" in loaded.reason.error
             assert bool((large[1, :4096] == 0x11).all()) and bool((large[1, 4096:] == 0x22).all())
+
+
+def test_an_object_another_program_put_under_a_blocks_name_loads_only_if_it_fills_the_block(
+    s3_server: S3Server, tiers: list[SecondaryTier]
+) -> None:
+    """Another program puts objects under a tier's names. One shorter than a block fills the
+    start of the block, and NIXL answers DONE: the tier fails the load, naming the object, and
+    the rest of the block is as the engine had it. One of a block's size loads. One longer
+    than a block loads its first block's worth: the tier cannot tell (operations.md)."""
+    size = 4096
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    bodies = {"short": b"\x01" * 100, "nearly": b"\x02" * (size - 8), "exact": b"\x03" * size,
+              "long": b"\x04" * size + b"\x05" * size}
+    for key, body in bodies.items():
+        client.put_object(Bucket=bucket, Key=f"{size}-bytes/{key}", Body=body)
+    cache = torch.full((len(bodies), size), 0x77, dtype=torch.uint8)
+    tier = ObjectStoreTier(cache, store=s3_server.config(bucket))
+    tiers.append(tier)
+    for job, key in enumerate(bodies):
+        tier.submit_load(TransferJob(job, [key], [job], is_promotion=True))
+    results = collect(tier, len(bodies))
+    outcomes = {key: results[job].success for job, key in enumerate(bodies)}
+    assert outcomes == {"short": False, "nearly": False, "exact": True, "long": True}
+    for job, key in enumerate(bodies):
+        block = cache[job].numpy().tobytes()
+        if key in ("short", "nearly"):
+            reason = results[job].reason
+            assert reason is not None and reason.call == "landed"
+            assert reason.error.startswith(
+                f"ShortObjectError: 1 object(s) shorter than a block of {size} bytes: "
+                f"'{size}-bytes/{key}'")
+            written = len(bodies[key])
+            assert block == bodies[key] + b"\x77" * (size - written), "the rest as it was"
+        else:
+            assert block == bodies[key][:size]
 
 
 def test_a_key_prefix_nixl_would_not_send_as_it_is_is_refused_before_any_agent_is_made(

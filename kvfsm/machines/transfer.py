@@ -193,7 +193,8 @@ class FailureReason:
 
     ``call`` is the NIXL call (``register_memory``, ``prep_xfer_dlist``, ``make_prepped_xfer``,
     ``transfer``, ``check_xfer_state``, ``release_xfer_handle``) or the tier's own call beside it
-    (``open`` of the remote blocks, ``commit`` of a finished store, ``notification``), or None
+    (``open`` of the remote blocks, ``commit`` of a finished store, ``landed``, the check of
+    what a finished load put in place, ``notification``), or None
     when no call failed (cancelled) or it is not known. ``error`` is text: for RAISED the
     exception as ``"Type: text"`` (``"OSError: [Errno 30] Read-only file system: '/x'"``,
     ``"nixlBackendError: NIXL_ERR_BACKEND"``); for ERR ``"answered 'ERR'"``; for CANCELLED

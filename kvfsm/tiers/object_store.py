@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
 import math
@@ -34,9 +35,9 @@ from kvfsm.tiers.base import (
     logger,
 )
 from kvfsm.tiers.holdings import check_remove, removal_failures
-from kvfsm.transfer import FailureKind, Transfer
+from kvfsm.transfer import FailureKind, Leak, Transfer
 
-__all__ = ["ObjectStoreTier", "s3_deleter"]
+__all__ = ["ObjectStoreTier", "ShortObjectError", "s3_deleter"]
 
 # NIXL's OBJ backend maps a descriptor's device id to its object key, so every descriptor
 # registered at the same time, by any tier of the process, needs its own id; they are reused
@@ -98,20 +99,82 @@ def _hold(agent: Any, wait: float) -> None:
     time.sleep(wait)
 
 
+class ShortObjectError(Exception):
+    """A load found an object shorter than a block: NIXL's OBJ backend read what it had into
+    the start of the block and answered DONE, leaving the rest of the block as it was."""
+
+
+#: the bytes at the end of a load's block marked before NIXL reads into it (see _Objects)
+MARK_BYTES = 8
+
+
 class _Objects(StorageSide):
     """The remote side: one object descriptor per block, nothing to open or close; a NIXL
     transfer per block (the OBJ backend answers a failed request's error while the job's other
-    requests still run: :class:`~kvfsm.driver.Split`)."""
+    requests still run: :class:`~kvfsm.driver.Split`).
+
+    NIXL's OBJ backend reads what an object has and answers DONE, so an object shorter than a
+    block would fill the start of it and leave the rest as the engine had it, published as a
+    success. So before a load the last :data:`MARK_BYTES` bytes of each of its blocks are set
+    to a mark (random, the tier's own), and once NIXL answers DONE a block that still ends in
+    the mark was not filled: the load fails (:class:`ShortObjectError`, its call ``landed``).
+    An object the size of a block overwrites the mark unless its own last 8 bytes are the mark
+    (one chance in 2**64). What this cannot see: an object shorter by less than 8 bytes whose
+    bytes overwrite a part of the mark, and an object longer than a block (its first block's
+    worth is read); blocks of fewer than 8 bytes are not marked."""
 
     mem_type = "OBJ"
     transfer_per_block = True
 
-    def __init__(self, block_bytes: int) -> None:
-        self.block_bytes = block_bytes
+    def __init__(self, primary: torch.Tensor) -> None:
+        self.primary = primary
+        self.block_bytes = size = int(primary[0].nbytes)
+        self.base = primary.data_ptr()  # where NIXL registers it (the tier checks it stays)
+        self.mark = os.urandom(MARK_BYTES)
+        #: an object shorter than a block can be seen (see above)
+        self.marks = size >= MARK_BYTES
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         size, dev_ids = self.block_bytes, _dev_ids
+        if transfer.job.is_promotion and self.marks and self._in_place():
+            mark, ends = self.mark, self.base + size - MARK_BYTES
+            tails = [ctypes.string_at(ends + block * size, MARK_BYTES)
+                     for block in transfer.job.block_ids]
+            transfer.opened = tails  # put back if the load fails (close)
+            for block in transfer.job.block_ids:
+                ctypes.memmove(ends + block * size, mark, MARK_BYTES)
         return [(0, size, next(dev_ids) % _DEV_ID_SPACE, name) for name in transfer.names]
+
+    def close(self, transfer: Transfer) -> list[Leak]:
+        """A failed load (NIXL let go of it): each block that still ends in the mark gets back
+        the bytes the mark covered."""
+        tails = transfer.opened
+        if tails is not None and transfer.success is False and self._in_place():
+            size, ends = self.block_bytes, self.base + self.block_bytes - MARK_BYTES
+            for block, tail in zip(transfer.job.block_ids, tails, strict=True):
+                if ctypes.string_at(ends + block * size, MARK_BYTES) == self.mark:
+                    ctypes.memmove(ends + block * size, tail, MARK_BYTES)
+        return []
+
+    def landed(self, transfer: Transfer) -> None:
+        """Raises :class:`ShortObjectError` naming each object of the load shorter than a
+        block (its block still ends in the mark :meth:`open` set)."""
+        if not self.marks or not self._in_place():
+            return
+        size, mark, ends = self.block_bytes, self.mark, self.base + self.block_bytes - MARK_BYTES
+        short = [name for name, block in zip(transfer.names, transfer.job.block_ids, strict=True)
+                 if ctypes.string_at(ends + block * size, MARK_BYTES) == mark]
+        if short:
+            raise ShortObjectError(
+                f"{len(short)} object(s) shorter than a block of {size} bytes: "
+                f"{', '.join(repr(name) for name in short[:3])}"
+                f"{' and more' if len(short) > 3 else ''}; NIXL's OBJ backend read what each "
+                "had into the start of its block and left the rest as it was")
+
+    def _in_place(self) -> bool:
+        """The primary cache is still where NIXL registered it (a tier refuses jobs once it
+        moved, and fails those it has: its old memory is not read or written here)."""
+        return self.primary.data_ptr() == self.base
 
 
 #: the calls that carry an OBJ request's outcome: a failure there is the store's answer
@@ -760,7 +823,7 @@ class ObjectStoreTier(SecondaryTier):
         made_probe = agent is None and probe_agent is None  # (its last reference the tier's)
         if agent is None:
             agent, probe_agent = _agents_for(store, probe_agent)
-        super().__init__(primary, agent=agent, remote=_Objects(int(primary[0].nbytes)),
+        super().__init__(primary, agent=agent, remote=_Objects(primary),
                          poll_interval=poll_interval,
                          machine=machine, policy=policy, steps=steps,
                          capacity_bytes=capacity_bytes, record_events=record_events,
