@@ -1143,34 +1143,62 @@ class TieringManager:
         """Drain every job, then shut every tier down, each within what is left of ``timeout``
         (a tier whose ``shutdown`` takes one). Idempotent.
 
+        Jobs still outstanding at the deadline are left to the tiers' shutdowns, as a tier's
+        own ``shutdown`` would leave them: each cancels what NIXL still runs and gives up what
+        is over (a release that keeps raising: one last try, then quarantined), so every such
+        job gets one failure, finalized here, while a transfer NIXL still runs is waited for
+        and never given up. So a shutdown returns by the deadline, plus the drain's step under
+        way at it, plus what each tier's shutdown takes past it (its one last try of each
+        transfer that is over, and the release of its registrations).
+
         Returns:
-            the jobs finalized while draining.
+            the jobs finalized while draining and shutting down.
 
         Raises:
             TieringInputError: ``timeout`` as :meth:`drain`; nothing was drained or shut down.
-            TieringDrainTimeout: jobs were still outstanding at the deadline; no tier was shut
-                down and the manager stays open, so shutdown can be called again.
+            TieringDrainTimeout: jobs whose transfers NIXL still ran at the deadline (their
+                blocks stay pinned or being written); the jobs finalized before are in its
+                ``finalized``. The manager stays open, so shutdown can be called again to
+                wait longer (each tier's shutdown, likewise, goes on where it left off).
             Exception: the first error a tier's shutdown raised, after every other tier was
-                shut down; the manager stays open (tiers' shutdowns are idempotent).
+                shut down; the manager stays open (tiers' shutdowns are idempotent), and the
+                jobs finalized are returned by the next :meth:`step` or shutdown.
         """
         seconds = _timeout(timeout)
         if self._closed:
             return []
         deadline = None if seconds is None else time.monotonic() + seconds
-        done = self.drain(seconds)
+        try:
+            done = self.drain(seconds)
+            drained = True
+        except TieringDrainTimeout as timed_out:  # the tiers' shutdowns end what they can
+            done = list(timed_out.finalized)
+            drained = False
         errors: list[Exception] = []
-        for name, tier in self._tiers.items():
-            try:  # within what is left of the deadline (None: no bound for the tier either)
-                if not _takes_timeout(tier.shutdown):
-                    tier.shutdown()
-                else:
-                    shutdown: Callable[..., None] = tier.shutdown
-                    shutdown(timeout=None if deadline is None
-                             else max(0.0, deadline - time.monotonic()))
-            except Exception as error:
-                error.add_note(f"raised by the shutdown of tier {name!r}")
-                errors.append(error)
-        if errors:
+        try:
+            for name, tier in self._tiers.items():
+                try:  # within what is left of the deadline (None: no bound for the tier either)
+                    if not _takes_timeout(tier.shutdown):
+                        tier.shutdown()
+                    else:
+                        shutdown: Callable[..., None] = tier.shutdown
+                        shutdown(timeout=None if deadline is None
+                                 else max(0.0, deadline - time.monotonic()))
+                except Exception as error:
+                    error.add_note(f"raised by the shutdown of tier {name!r}")
+                    errors.append(error)
+            if not drained:  # the failures the tiers' shutdowns published
+                done += self._step(deadline, draining=False)
+        except BookkeepingError as error:
+            error.finalized = (*done, *error.finalized)
+            raise
+        except BaseException:  # (an interrupt): the next step returns them
+            self._done[:0] = done
+            raise
+        if not drained and self.has_pending_work():
+            raise TieringDrainTimeout("shutdown", self.outstanding(), done, self._busy())
+        if errors:  # the jobs finalized are the next step's (or shutdown's) to return
+            self._done[:0] = done
             raise errors[0]
         self._closed = True
         return done

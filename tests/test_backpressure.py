@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvfsm import TransferJob
+from kvfsm.machines.transfer import FailureKind
 from kvfsm.policy import InFlightLimit, RetryPolicy
 from kvfsm.testing import FakeNixlAgent, FakeNixlError, ReturnErr
 from kvfsm.tiering import CPUPrimaryTier, TieringDrainTimeout, TieringManager
@@ -450,8 +451,9 @@ class StallingRelease(FakeNixlAgent):
 def test_a_manager_drain_polls_each_tier_once_at_most_past_its_deadline() -> None:
     """Three tiers, each with a store over whose release stalls and raises: a drain of 0.1 s
     finishes the step under way at its deadline, one poll of each tier (so a short bound
-    still finds every tier's finished jobs), and begins no other; the manager's shutdown,
-    which drains first, keeps it too."""
+    still finds every tier's finished jobs), and begins no other. The manager's shutdown
+    drains so too, then each tier's shutdown makes the poll under way at its deadline (past
+    already) and its one last try: three calls a tier, and the three jobs fail, quarantined."""
     primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
     agents = [StallingRelease(f"stalling-{index}") for index in range(3)]
     manager = TieringManager(primary, {
@@ -460,16 +462,18 @@ def test_a_manager_drain_polls_each_tier_once_at_most_past_its_deadline() -> Non
         for index, agent in enumerate(agents)})
     (block,) = write(primary, "k")
     assert len(manager.store([block])) == 3  # each release raised once at its submit
-    for end in (manager.drain, manager.shutdown):
-        before = [agent.releases for agent in agents]
-        with pytest.raises(TieringDrainTimeout):
-            end(timeout=0.1)
-        assert [agent.releases - was for agent, was in zip(agents, before, strict=True)] == [
-            1, 1, 1], "one poll of each tier, no more"
-    for agent in agents:  # releases work again: the jobs end, the manager shuts down
-        agent.mended = True
-    assert len(manager.shutdown(timeout=5)) == 3
-    assert primary.stats()["pinned"] == 0
+    before = [agent.releases for agent in agents]
+    with pytest.raises(TieringDrainTimeout):
+        manager.drain(timeout=0.1)
+    assert [agent.releases - was for agent, was in zip(agents, before, strict=True)] == [
+        1, 1, 1], "one poll of each tier, no more"
+    before = [agent.releases for agent in agents]
+    finalized = manager.shutdown(timeout=0.1)
+    assert [agent.releases - was for agent, was in zip(agents, before, strict=True)] == [
+        3, 3, 3], "the drain's poll, then the tier shutdown's poll and last try, no more"
+    assert [(done.success, done.reason and done.reason.kind) for done in finalized] == [
+        (False, FailureKind.QUARANTINED)] * 3
+    assert primary.stats()["pinned"] == 0 and manager.closed
 
 
 class SaturatedForgetting(DictTier):

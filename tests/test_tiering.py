@@ -822,8 +822,6 @@ def test_drain_with_a_deadline_names_what_is_outstanding_and_keeps_it(stack: Sta
         manager.drain(timeout=0.02)
     assert ids(list(raised.value.finalized)) == [(first, "first", True)]
     assert primary.pin_count(block) == 1, "the second tier's transfer may still hold the block"
-    with pytest.raises(TieringDrainTimeout):
-        manager.shutdown(timeout=0.01)
     assert not manager.closed and not stack.tiers["second"].closed, "nothing shut down"
 
     stack.agents["second"].clear_faults()  # the fault clears up
@@ -835,6 +833,58 @@ def test_drain_with_a_deadline_names_what_is_outstanding_and_keeps_it(stack: Sta
         manager.store([block])
     with pytest.raises(ManagerClosedError):
         manager.load(["k9"])
+
+
+def test_a_shutdown_at_its_deadline_gives_up_a_finished_store_whose_release_keeps_raising(
+) -> None:
+    """NIXL finished the second tier's store, but its release raises every time. The drain
+    runs out at the deadline, and the tiers' shutdowns end what they can, as a tier's own
+    shutdown does: one last release, then the transfer is quarantined, and its failure is
+    finalized. NIXL is done with the block, so its pin goes, and the manager closes. (Every
+    shutdown raised TieringDrainTimeout instead, for as long as the release kept raising: the
+    manager never closed.)"""
+    stack = build()
+    primary, manager = stack.primary, stack.manager
+    (block,) = write(primary, "k0")
+    stack.agents["second"].inject("release_xfer_handle", Raise(), times=10**6)
+    first, second = manager.store([block])
+
+    finalized = manager.shutdown(timeout=0.05)
+    assert sorted(ids(finalized)) == [(first, "first", True), (second, "second", False)]
+    (given_up,) = [done for done in finalized if done.job_id == second]
+    assert given_up.reason is not None and given_up.reason.kind is FailureKind.QUARANTINED
+    assert primary.pin_count(block) == 0
+    assert manager.closed and all(tier.closed for tier in stack.tiers.values())
+    assert stack.tiers["second"].stats()["quarantined"] == 1
+    assert stack.agents["second"].live_xfer_handles() == 1, "held for good, never released"
+    assert all(agent.misuses == [] for agent in stack.agents.values())
+
+
+def test_a_shutdown_at_its_deadline_cancels_what_nixl_still_runs_and_waits_for_it(
+    stack: Stack
+) -> None:
+    """The second tier's store still runs at the deadline: its tier's shutdown cancels it, but
+    never gives it up while NIXL may still read the block, so the shutdown raises
+    TieringDrainTimeout naming it (with the first tier's job, finalized), its pin kept and the
+    manager open. Once NIXL ends the transfer, the next shutdown finalizes the job's one
+    failure, cancelled, and closes."""
+    primary, manager = stack.primary, stack.manager
+    (block,) = write(primary, "k0")
+    stack.agents["second"].inject("check_xfer_state", StayProc(1), times=10**6)
+    first, second = manager.store([block])
+
+    with pytest.raises(TieringDrainTimeout, match=rf"job {second}: store") as raised:
+        manager.shutdown(timeout=0.05)
+    assert ids(list(raised.value.finalized)) == [(first, "first", True)]
+    assert primary.pin_count(block) == 1, "NIXL may still read the block"
+    assert not manager.closed
+
+    stack.agents["second"].clear_faults()  # NIXL ends the transfer
+    (cancelled,) = manager.shutdown(timeout=5)
+    assert ids([cancelled]) == [(second, "second", False)]
+    assert cancelled.reason is not None and cancelled.reason.kind is FailureKind.CANCELLED
+    assert primary.pin_count(block) == 0
+    assert manager.closed and all(tier.closed for tier in stack.tiers.values())
 
 
 @pytest.mark.timeout(30)
