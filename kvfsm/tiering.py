@@ -367,6 +367,7 @@ class CPUPrimaryTier:
         Raises:
             PrimaryTierError: as :meth:`check_new_keys`.
             OutOfBlocksError: fewer free and evictable blocks than keys (nothing was evicted).
+            KeyboardInterrupt: (or any interrupt) no block is taken; those evicted stay so.
         """
         checked = self.check_new_keys(keys)
         missing = len(checked) - len(self._free)
@@ -385,16 +386,22 @@ class CPUPrimaryTier:
                     f"{len(checked)} block(s) wanted, {stats['free']} free and "
                     f"{len(victims)} evictable ({stats['pinned']} pinned, {stats['writing']} "
                     f"being written, {stats['retired']} retired)")
-        for block in victims:
-            self._drop(block)
-            self.evictions += 1
-        blocks = []
-        for key in checked:
-            block = heapq.heappop(self._free)
-            self._counts[block] = WRITING
-            self._keys[block] = key
-            self._blocks[key] = block
-            blocks.append(block)
+        blocks: list[int] = []
+        try:
+            for block in victims:
+                self._drop(block)
+                self.evictions += 1
+            free = self._free
+            for key in checked:
+                block = free[0]  # held before it leaves the free heap: a signal, handled as a
+                self._counts[block] = WRITING  # C call returns or between blocks, finds it in
+                self._keys[block] = key  # one or the other (no call between the two)
+                self._blocks[key] = block
+                heapq.heappop(free)
+                blocks.append(block)
+        except BaseException:  # an interrupt: the allocation is taken back whole (the blocks
+            self._take_back(checked)  # it evicted stay evicted: each went whole)
+            raise
         return blocks
 
     def complete_write(self, block_ids: Iterable[int], success: bool) -> None:
@@ -465,8 +472,14 @@ class CPUPrimaryTier:
             BlockStateError: a block that is free or being written; or the same block twice.
         """
         counts = self._counts
-        counted = {block: counts[block] + 1 for block in self._check(block_ids, self._readable)}
-        counts.update(counted)  # (one call: an interrupt pins every block or none)
+        before = {block: counts[block] for block in self._check(block_ids, self._readable)}
+        counted = {block: count + 1 for block, count in before.items()}
+        try:
+            counts.update(counted)  # (one call: every block or none)
+        except BaseException:  # an interrupt as it returned: a pin that raises pins nothing
+            if counted.items() <= counts.items():  # (compared in C: no signal handled)
+                counts.update(before)
+            raise
 
     def complete_read(self, block_ids: Iterable[int]) -> None:
         """Drop one pin of each block (a transfer finished reading it, well or not).
@@ -535,10 +548,27 @@ class CPUPrimaryTier:
         return f"it holds key {key!r}, pinned by {count}"
 
     def _drop(self, block: int) -> None:
-        del self._blocks[self._keys.pop(block)]
+        # no call before the block is free: a signal is handled as a C call returns
+        key = self._keys[block]
+        del self._blocks[key]
+        del self._keys[block]
         del self._counts[block]
-        self._lru.pop(block, None)
+        if block in self._lru:
+            del self._lru[block]
         heapq.heappush(self._free, block)
+
+    def _take_back(self, keys: Sequence[Key]) -> None:
+        """Undo what an interrupted :meth:`allocate` held of ``keys`` (none was held before
+        it): each block taken is free again. (A second interrupt here stops it part way.)"""
+        held = self._blocks
+        for key in keys:
+            if key in held:
+                block = held[key]
+                del held[key]
+                del self._keys[block]
+                del self._counts[block]
+                if block not in self._free:  # (taken off the heap: the last step of a block)
+                    heapq.heappush(self._free, block)
 
 
 # -- the manager -----------------------------------------------------------------------------------
@@ -973,7 +1003,7 @@ class TieringManager:
             self._took_kinds(kinds)
         except BaseException as error:
             if blocks is None:  # allocate raised (having changed nothing), or an interrupt
-                raise  # came before it: nothing to take back
+                raise  # came before it or in it (which took its allocation back)
             if (job is not None and not isinstance(error, Exception)
                     and _took(self._tiers[tier], job.job_id)):
                 self._took_kinds(kinds)

@@ -1272,3 +1272,73 @@ def test_a_second_ctrl_c_as_a_kept_hand_out_is_kept_loses_nothing(
     monkeypatch.undo()
     assert [done.job_id for done in manager.step()] == jobs
     assert primary.pin_count(block) == 0 and not manager.has_pending_work()
+
+
+def accounted(primary: CPUPrimaryTier) -> bool:
+    """Every block is in the books once: free, being written, ready, pinned or retired."""
+    stats = primary.stats()
+    return sum(stats[state] for state in ("free", "writing", "ready", "pinned", "retired")) == (
+        primary.num_blocks)
+
+
+def test_a_ctrl_c_as_each_call_of_a_stores_cascade_returns_leaves_no_pin_behind() -> None:
+    """A Ctrl-C lands as each C call of a store's cascade, and of its pin, returns (where a
+    signal is handled), or as each function they call starts, in turn. Afterwards a shutdown
+    leaves both blocks unpinned, and the engine may free them: a pin the interrupt cut short
+    is taken back, or the job it was made for gets its result. (One landing as pin's update
+    returned left both blocks pinned for good, with no job: the cascade was told the pin
+    raised, so it took none of it back.)"""
+    for count in range(1, 200):
+        primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+        manager = TieringManager(primary, {"dict": DictTier(primary.cache)})
+        blocks = ready(primary, "a", "b")
+        fired = interrupted_at_c_return(count, TieringManager._cascade, functools.partial(
+            manager.store, blocks), CPUPrimaryTier.pin)
+        manager.shutdown(timeout=5)
+        assert [primary.pin_count(block) for block in blocks] == [0, 0], count
+        primary.free(blocks)
+        assert accounted(primary) and primary.stats()["free"] == 4, count
+        if not fired:
+            break
+    assert count > 10, "the interrupts landed inside"
+
+
+@pytest.mark.parametrize("evicting", [False, True])
+def test_a_ctrl_c_as_each_call_of_a_loads_allocation_returns_loses_no_block(
+        evicting: bool) -> None:
+    """A Ctrl-C lands as each C call of a load and of its allocation (the evictions it makes
+    too) returns, or as each function they call starts, in turn. Afterwards, with the load
+    shut down, no block is lost from the primary's books, none is left being written, and
+    the keys are held only by a load that got its result: a load of them again is taken.
+    (One landing between two blocks of the allocation left the first being written for good,
+    its key never to be loaded again: the load was told the allocation raised.)"""
+    for count in range(1, 400):
+        primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+        agent = FakeNixlAgent("objects")
+        tier = ObjectStoreTier(primary.cache, agent=agent)  # (it says what it took: owes)
+        manager = TieringManager(primary, {"objects": tier})
+        if evicting:  # two blocks ready: the load of three takes two free, evicts one
+            ready(primary, "r1", "r2")
+        for key in ("x", "y", "z"):
+            agent.objects[tier.object_key(key)] = key.encode() * BLOCK_BYTES
+        fired = interrupted_at_c_return(count, TieringManager.load, functools.partial(
+            manager.load, ["x", "y", "z"], tier="objects"), CPUPrimaryTier.allocate,
+            CPUPrimaryTier._drop)
+        manager.shutdown(timeout=5)
+        assert accounted(primary), (count, primary.stats())
+        assert primary.stats()["writing"] == 0, count
+        held = [primary.block_of(key) for key in ("x", "y", "z")]
+        assert held == [None] * 3 or None not in held, (count, held)
+        if None not in held:  # the load took them and got its result: the bytes landed
+            for key, block in zip("xyz", held, strict=True):
+                assert bool((primary.cache[block] == ord(key)).all()), (count, key)
+            primary.free([block for block in held if block is not None])
+        tier = ObjectStoreTier(primary.cache, agent=agent)
+        manager = TieringManager(primary, {"objects": tier})
+        assert manager.load(["x", "y", "z"], tier="objects") is not None, count
+        assert [done.success for done in manager.shutdown(timeout=5)] == [True], count
+        assert primary.stats()["writing"] == 0 and accounted(primary), count
+        assert agent.misuses == [] and agent.live_xfer_handles() == 0, count
+        if not fired:
+            break
+    assert count > 10, "the interrupts landed inside"
