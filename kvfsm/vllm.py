@@ -328,11 +328,16 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
 
     def _submit(self, job: VllmJob, *, load: bool) -> None:
         kind = "load" if load else "store"
+        if job.job_id in self._jobs:  # vLLM's ids are unique: a caller's bug, refused without
+            # touching the job in flight, and with no result: one under the id would be taken
+            # for the job in flight's, whose chunks NIXL may still move
+            logger.error("%s: %s job %d refused, with no result: a job of that id is in "
+                         "flight (its result is the one result of the id)", self.label, kind,
+                         job.job_id)
+            self._count(kind, "refused")
+            return
         try:
             tier = self.tier
-            if job.job_id in self._jobs:  # vLLM's ids are unique: a caller's bug, refused
-                # without touching the job in flight (whose record says what it moved)
-                raise tiers.InvalidJobError(f"job id {job.job_id} is already in flight")
             keys = list(job.keys)
             chunks = [int(c) for c in job.chunk_ids]
             if len(keys) != len(chunks):
