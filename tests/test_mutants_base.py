@@ -214,7 +214,8 @@ def test_a_shutdown_that_times_out_on_a_running_transfer_says_call_it_again(
     with pytest.raises(DrainTimeout) as timed_out:
         tier.shutdown(timeout=0.01)
     assert str(timed_out.value) == (
-        "shutdown (NIXL still runs these; call shutdown again to wait longer): 1 transfer(s) "
+        "shutdown (NIXL still runs these, or a store's commit, such as a durable file tier's "
+        "flush; call shutdown again to wait longer): 1 transfer(s) "
         "not published\n  job 1: CANCELLING, retries=0, last error: cancelled by shutdown()")
     assert [t.job_id for t in timed_out.value.stuck] == [1] and not tier.closed
     assert agent.running_transfers() == 1, "never released while NIXL runs it"

@@ -723,7 +723,8 @@ class SecondaryTier(JobSide):
         the same way, as far as the lifecycle has states); raise DrainTimeout naming those
         NIXL still runs (and all of them if another thread's call holds the tier's lock)."""
         if not take(self._lock, deadline):  # past it: only if no other call holds the lock
-            raise DrainTimeout("shutdown (NIXL still runs these, or another thread held the "
+            raise DrainTimeout("shutdown (NIXL still runs these, or a store's commit, such as "
+                               "a durable file tier's flush, or another thread held the "
                                "tier's lock; call shutdown again to wait longer)",
                                self.unpublished()) from None
         runner = self._runner
@@ -740,7 +741,8 @@ class SecondaryTier(JobSide):
                             runner.give_up(transfer, "shutdown deadline passed")
             running = self.unpublished()
             if running:
-                raise DrainTimeout("shutdown (NIXL still runs these; call shutdown again "
+                raise DrainTimeout("shutdown (NIXL still runs these, or a store's commit, "
+                                   "such as a durable file tier's flush; call shutdown again "
                                    "to wait longer)", running) from None
         finally:
             self._lock.release()
