@@ -193,7 +193,9 @@ class TierInputRefusedError(TierSubmitError, TieringInputError):
 
 
 class TieringDrainTimeout(TimeoutError):
-    """Jobs were still outstanding at the deadline; they stay outstanding, untouched."""
+    """Jobs were still outstanding at the deadline. A drain's stay outstanding, untouched; a
+    shutdown's are those whose transfers NIXL still ran once their tiers' shutdowns had
+    cancelled them: each gets its failure once NIXL is over."""
 
     def __init__(self, what: str, outstanding: Sequence[Submitted],
                  finalized: Sequence[Finalized], busy: Sequence[str] = ()) -> None:
@@ -797,6 +799,8 @@ class TieringManager:
         self._finalizing: tuple[str, JobResult] | None = None
         self._ids = itertools.count(1)
         self._closed = False
+        #: a shutdown began shutting the tiers down: no new job (its tiers refuse them)
+        self._closing = False
         #: every bookkeeping issue found so far (each was raised once, by step); and those
         #: found since a step last raised them (a step an interrupt cut short leaves them)
         self.bookkeeping_errors: list[BookkeepingIssue] = []
@@ -846,7 +850,7 @@ class TieringManager:
             was saturated, busy or read-only).
 
         Raises:
-            ManagerClosedError: after :meth:`shutdown`.
+            ManagerClosedError: after :meth:`shutdown`, or one that did not finish.
             TieringInputError: no blocks; a block whose key a tier cannot name, or two whose
                 keys it names alike; nothing was pinned or submitted.
             UnknownBlockError, BlockStateError: a block that is unknown, free or being written;
@@ -970,7 +974,7 @@ class TieringManager:
             (some may answer RETRY: ask again on a later step, or see :meth:`lookup`).
 
         Raises:
-            ManagerClosedError: after :meth:`shutdown`.
+            ManagerClosedError: after :meth:`shutdown`, or one that did not finish.
             TieringInputError: no keys, an unknown tier name, a key the tier cannot name or two
                 it names alike; nothing was evicted or allocated.
             PrimaryTierError: a malformed key, or one the primary tier already holds.
@@ -1187,9 +1191,11 @@ class TieringManager:
         Raises:
             TieringInputError: ``timeout`` as :meth:`drain`; nothing was drained or shut down.
             TieringDrainTimeout: jobs whose transfers NIXL still ran at the deadline (their
-                blocks stay pinned or being written); the jobs finalized before are in its
-                ``finalized``. The manager stays open, so shutdown can be called again to
-                wait longer (each tier's shutdown, likewise, goes on where it left off).
+                blocks stay pinned or being written; what a tier's shutdown raised is in its
+                notes and its cause); the jobs finalized before are in its ``finalized``. The
+                manager takes no new job from then on (:class:`ManagerClosedError`), but
+                steps, and shutdown can be called again to wait longer (each tier's
+                shutdown, likewise, goes on where it left off).
             Exception: the first error a tier's shutdown raised, after every other tier was
                 shut down; the manager stays open (tiers' shutdowns are idempotent), and the
                 jobs finalized are returned by the next :meth:`step` or shutdown.
@@ -1198,40 +1204,54 @@ class TieringManager:
         if self._closed:
             return []
         deadline = None if seconds is None else time.monotonic() + seconds
+        done: list[Finalized] = []
+        drained = False
         try:
             done = self.drain(seconds)
             drained = True
         except TieringDrainTimeout as timed_out:  # the tiers' shutdowns end what they can
-            done = list(timed_out.finalized)
-            drained = False
+            done = [*timed_out.finalized]  # (no call: a Ctrl-C loses none of them)
         errors: list[Exception] = []
+        timed_out_now: TieringDrainTimeout | None = None
         try:
-            for name, tier in self._tiers.items():
-                try:  # within what is left of the deadline (None: no bound for the tier either)
-                    if not _takes_timeout(tier.shutdown):
-                        tier.shutdown()
-                    else:
-                        shutdown: Callable[..., None] = tier.shutdown
-                        shutdown(timeout=None if deadline is None
-                                 else max(0.0, deadline - time.monotonic()))
-                except Exception as error:
-                    error.add_note(f"raised by the shutdown of tier {name!r}")
-                    errors.append(error)
+            self._shut_tiers(deadline, errors)
             if not drained:  # the failures the tiers' shutdowns published
                 done += self._step(deadline, draining=False)
+                if self.has_pending_work():
+                    timed_out_now = TieringDrainTimeout(
+                        "shutdown", self.outstanding(), done, self._busy())
+                    for error in errors:  # (what a tier's shutdown said of them)
+                        timed_out_now.add_note(f"{type(error).__name__}: {error}; "
+                                               + "; ".join(getattr(error, "__notes__", ())))
         except BookkeepingError as error:
             error.finalized = (*done, *error.finalized)
             raise
         except BaseException:  # (an interrupt): the next step returns them
             self._done[:0] = done
             raise
-        if not drained and self.has_pending_work():
-            raise TieringDrainTimeout("shutdown", self.outstanding(), done, self._busy())
+        if timed_out_now is not None:  # (it carries the jobs finalized)
+            raise timed_out_now from (errors[0] if errors else None)
         if errors:  # the jobs finalized are the next step's (or shutdown's) to return
             self._done[:0] = done
             raise errors[0]
         self._closed = True
         return done
+
+    def _shut_tiers(self, deadline: float | None, errors: list[Exception]) -> None:
+        """Shut every tier down within what is left of ``deadline`` (None: no bound for the
+        tier either), keeping what each raised in ``errors``; no new job from here on."""
+        self._closing = True
+        for name, tier in self._tiers.items():
+            try:
+                if not _takes_timeout(tier.shutdown):
+                    tier.shutdown()
+                else:
+                    shutdown: Callable[..., None] = tier.shutdown
+                    shutdown(timeout=None if deadline is None
+                             else max(0.0, deadline - time.monotonic()))
+            except Exception as error:
+                error.add_note(f"raised by the shutdown of tier {name!r}")
+                errors.append(error)
 
     def stats(self) -> dict[str, Any]:
         """Outstanding jobs per tier; stores and loads finalized, by outcome; the blocks kept
@@ -1250,6 +1270,9 @@ class TieringManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosedError("the TieringManager is shut down")
+        if self._closing:
+            raise ManagerClosedError("the TieringManager is shutting down (a shutdown did not "
+                                     "finish: call shutdown again)")
 
     def _find(self, keys: Sequence[Key]) -> str | None:
         for name, tier in self._tiers.items():

@@ -24,10 +24,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvfsm import JobResult, TransferJob
-from kvfsm.testing import FakeNixlAgent
+from kvfsm.testing import FakeNixlAgent, Raise
 from kvfsm.tiering import (
     BookkeepingError,
     CPUPrimaryTier,
+    ManagerClosedError,
     PrimaryTierError,
     TieringDrainTimeout,
     TieringInputError,
@@ -1342,3 +1343,74 @@ def test_a_ctrl_c_as_each_call_of_a_loads_allocation_returns_loses_no_block(
         if not fired:
             break
     assert count > 10, "the interrupts landed inside"
+
+
+def test_a_ctrl_c_as_each_call_of_a_shutdown_past_its_deadline_returns_loses_no_job() -> None:
+    """A shutdown whose drain runs out (a release that keeps raising) goes on to the tiers'
+    shutdowns; a Ctrl-C lands as each of its calls returns, or each function it calls starts,
+    in turn. The shutdowns that follow hand out every job once, and close the manager with
+    the block unpinned. (One landing as it asked whether work was left lost the jobs it had
+    finalized: held only in the call's own list, no later call handed them out.)"""
+    from .test_tiering import build, write  # noqa: PLC0415
+
+    for count in range(1, 100):
+        stack = build()
+        primary, manager = stack.primary, stack.manager
+        (block,) = write(primary, "k0")
+        stack.agents["second"].inject("release_xfer_handle", Raise(), times=10**6)
+        jobs = manager.store([block])
+        seen: list[int] = []
+
+        def shut(seconds: float, manager: TieringManager = manager,
+                 seen: list[int] = seen) -> None:
+            try:
+                seen.extend(done.job.job_id for done in manager.shutdown(timeout=seconds))
+            except (TieringDrainTimeout, BookkeepingError) as error:
+                seen.extend(done.job.job_id for done in error.finalized)
+
+        fired = interrupted_at_c_return(count, TieringManager.shutdown,
+                                        functools.partial(shut, 0.05),
+                                        TieringManager._shut_tiers)
+        for _ in range(3):
+            if not manager.closed:
+                shut(0.5)
+        assert manager.closed and sorted(seen) == sorted(jobs), (count, seen)
+        assert primary.pin_count(block) == 0, count
+        if not fired:
+            break
+    assert count > 5, "the interrupts landed inside"
+
+
+def test_a_shutdown_that_did_not_finish_takes_no_new_job_and_says_what_a_tier_raised(
+) -> None:
+    """A user's tier whose job never ends and whose shutdown raises: the manager's shutdown
+    raises TieringDrainTimeout, whose notes and cause say what the tier's shutdown raised
+    (it was dropped), and from then on the manager refuses new jobs, saying a shutdown did
+    not finish (they went on to tiers shut down, each refused by them in turn)."""
+    class Wedged(DictTier):
+        """Its job never ends; its shutdown raises."""
+
+        def get_finished_jobs(self) -> list[JobResult]:
+            return []
+
+        def has_pending_work(self) -> bool:
+            return True
+
+        def shutdown(self) -> None:
+            raise RuntimeError("disk controller wedged")
+
+    primary = CPUPrimaryTier(4, BLOCK_BYTES, torch.uint8)
+    manager = TieringManager(primary, {"mine": Wedged(primary.cache)})
+    blocks = ready(primary, "a", "b")
+    manager.store(blocks[:1])
+    with pytest.raises(TieringDrainTimeout) as raised:
+        manager.shutdown(timeout=0.05)
+    assert raised.value.__notes__ == [
+        "RuntimeError: disk controller wedged; raised by the shutdown of tier 'mine'"]
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    for call in (functools.partial(manager.store, blocks[1:]),
+                 functools.partial(manager.load, ["c"], tier="mine")):
+        with pytest.raises(ManagerClosedError, match=r"shutting down .* call shutdown again"):
+            call()
+    assert primary.pin_count(blocks[1]) == 0 and primary.block_of("c") is None
+    assert not manager.closed
