@@ -328,13 +328,12 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
 
     def _submit(self, job: VllmJob, *, load: bool) -> None:
         kind = "load" if load else "store"
-        if job.job_id in self._jobs:  # vLLM's ids are unique: a caller's bug, refused without
-            # touching the job in flight, and with no result: one under the id would be taken
-            # for the job in flight's, whose chunks NIXL may still move
+        if self._unreported(job.job_id):  # vLLM's ids are unique: a caller's bug, refused
+            # without touching the job in flight, and with no result (nor counted): one under
+            # the id would be taken for the other's, whose chunks NIXL may still move
             logger.error("%s: %s job %d refused, with no result: a job of that id is in "
-                         "flight (its result is the one result of the id)", self.label, kind,
-                         job.job_id)
-            self._count(kind, "refused")
+                         "flight or its result not yet taken (that result is the one result "
+                         "of the id)", self.label, kind, job.job_id)
             return
         try:
             tier = self.tier
@@ -379,6 +378,11 @@ class _Adapter(SecondaryTierManager):  # type: ignore[misc]  # vLLM is not type-
             logger.warning("%s: %s job %d refused, reported as failed: %s: %s", self.label,
                            kind, job.job_id, type(error).__name__, error)
             self._ready_result(job.job_id, kind, success=False, outcome="refused")
+
+    def _unreported(self, job_id: int) -> bool:
+        """A job of this id is in flight, or its result is made and not yet handed out."""
+        return (job_id in self._jobs or any(r.job_id == job_id for r in self._ready)
+                or any(r.job_id == job_id for _, r in self._made))
 
     def _ready_result(self, job_id: int, kind: str, *, success: bool, outcome: str) -> None:
         self._count(kind, outcome)

@@ -220,7 +220,7 @@ def test_capacity_needs_a_way_to_remove_and_at_least_one_block(
             return str(key)
 
     with pytest.raises(ValueError, match=r"remove must be a function .* got 42"):
-        OwnTier(primary, agent=agent, remote=_Objects(BLOCK), capacity_bytes=BLOCK, remove=42)
+        OwnTier(primary, agent=agent, remote=_Objects(primary), capacity_bytes=BLOCK, remove=42)
     assert agent.live_registrations() == 0  # refused before any NIXL call
 
 

@@ -1040,3 +1040,45 @@ def test_a_ctrl_c_as_a_transfer_handles_release_returns_never_releases_it_again(
     assert [(r.job_id, r.success) for r in results] == [(1, True)]
     assert agent.faults.count("release_xfer_handle") == blocks and agent.misuses == []
     tier.shutdown(timeout=1)
+
+
+def test_a_ctrl_c_at_each_line_never_publishes_a_short_object_nor_leaves_a_mark() -> None:
+    """Loads on an object store tier, two of them reading an object shorter than a block,
+    with a Ctrl-C at each line of the bookkeeping and of the object store's side in turn: no
+    load of a short object is published as a success, every job gets one result, and no
+    block of a load that did not succeed keeps the tier's mark. (An interrupt as a failure
+    was latched left the outcome unset at the cleanup, which then took no mark off.)"""
+    jobs = {0: (["full-1", "short-1"], [0, 1]), 1: (["short-2"], [2]), 2: (["full-2"], [3])}
+    files = (*BOOKKEEPING, os.path.join(KVFSM, "tiers", "object_store.py"))
+
+    def run(line: int | None) -> list[str]:
+        agent = FakeNixlAgent(complete_after_polls=1)
+        cache = torch.full((4, 8), 7.0)
+        tier = ObjectStoreTier(cache, agent=agent)
+        size = tier.block_bytes
+        for key in ("full-1", "full-2"):
+            agent.objects[tier.object_key(key)] = b"\x41" * size
+        for key in ("short-1", "short-2"):
+            agent.objects[tier.object_key(key)] = b"\x42" * 5
+        results = []
+        with interrupted_at(line, files), suppress(KeyboardInterrupt):
+            for job_id, (keys, blocks) in jobs.items():
+                tier.submit_load(TransferJob(job_id, keys, blocks, is_promotion=True))
+            results += tier.get_finished_jobs()
+        tier.shutdown(timeout=5)
+        results += tier.get_finished_jobs()
+        problems = []
+        counted = collections.Counter(result.job_id for result in results)
+        if any(count > 1 for count in counted.values()):
+            problems.append(f"twice: {sorted(counted.elements())}")
+        if any(result.success and result.job_id in (0, 1) for result in results):
+            problems.append("a short object published as a success")
+        mark = tier._driver.remote.mark  # type: ignore[attr-defined]
+        raw = cache.view(torch.uint8)
+        if any(raw[block, -8:].numpy().tobytes() == mark for block in range(4)):
+            problems.append("a mark left in a block")
+        if agent.misuses:
+            problems.append("misuse")
+        return problems
+
+    assert dict(sweep(run, files)) == {}

@@ -264,6 +264,40 @@ def test_a_job_whose_id_is_in_flight_is_refused_with_no_result_of_its_own(
         tier.shutdown()
 
 
+def test_a_job_whose_id_has_a_result_not_yet_taken_is_refused_with_no_result_too() -> None:
+    """A store of a block the tier holds has its result made at once, with no transfer; a
+    second job under that id, before vLLM took the result, is refused too, with no result:
+    the id has one result. (Only an id in flight was refused: this one got two.)"""
+    import numpy as np  # noqa: PLC0415 - vLLM's job type wants its chunk ids so
+    from vllm.v1.kv_offload.tiering.base import TransferJob as VllmJob  # noqa: PLC0415
+
+    from kvfsm.testing import FakeNixlAgent  # noqa: PLC0415
+    from kvfsm.vllm import ObjectStoreTier  # noqa: PLC0415
+
+    agent = FakeNixlAgent("ready", complete_after_polls=1)
+    view = memoryview(bytearray(4 * 64)).cast("B", (4, 64))
+    adapter = ObjectStoreTier(offloading_spec(chunk_bytes=64), view, "ObjectStoreTier",
+                              agent=agent,
+                              probe_agent=FakeNixlAgent("probe", objects=agent.objects))
+    k1, k2 = b"\x01" * 8, b"\x02" * 8
+
+    def job(job_id: int, keys: list[bytes], chunk: int) -> Any:
+        return VllmJob(job_id=job_id, keys=keys, chunk_ids=np.array([chunk]),
+                       is_promotion=False, req_context=None)
+
+    try:
+        adapter.submit_store(job(1, [k1], 0))
+        adapter.drain_jobs()
+        assert [(r.job_id, r.success) for r in adapter.get_finished_jobs()] == [(1, True)]
+        adapter.submit_store(job(5, [k1], 0))  # held: its result made at once
+        adapter.submit_store(job(5, [k2], 1))  # the same id, its result not taken yet
+        adapter.drain_jobs()
+        assert [(r.job_id, r.success) for r in adapter.get_finished_jobs()] == [(5, True)]
+        assert adapter.tier.lookup(k2) is not Lookup.HIT, "the second job moved nothing"
+    finally:
+        adapter.shutdown()
+
+
 def test_results_ready_without_the_tier_wait_out_a_poll_of_the_tier_that_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -120,8 +120,10 @@ class _Objects(StorageSide):
     the mark was not filled: the load fails (:class:`ShortObjectError`, its call ``landed``).
     An object the size of a block overwrites the mark unless its own last 8 bytes are the mark
     (one chance in 2**64). What this cannot see: an object shorter by less than 8 bytes whose
-    bytes overwrite a part of the mark, and an object longer than a block (its first block's
-    worth is read); blocks of fewer than 8 bytes are not marked."""
+    bytes overwrite a part of the mark (the rest of the mark stays in the block, published),
+    and an object longer than a block (its first block's worth is read); blocks of fewer than
+    8 bytes are not marked. A quarantined load keeps its marks (NIXL may still write), as does
+    one whose cleanup an interrupt cut short."""
 
     mem_type = "OBJ"
     transfer_per_block = True
@@ -146,10 +148,11 @@ class _Objects(StorageSide):
         return [(0, size, next(dev_ids) % _DEV_ID_SPACE, name) for name in transfer.names]
 
     def close(self, transfer: Transfer) -> list[Leak]:
-        """A failed load (NIXL let go of it): each block that still ends in the mark gets back
-        the bytes the mark covered."""
+        """A load NIXL let go of that did not succeed (failed, or its outcome not latched: an
+        interrupt cut the latch short, and it fails): each block that still ends in the mark
+        gets back the bytes the mark covered."""
         tails = transfer.opened
-        if tails is not None and transfer.success is False and self._in_place():
+        if tails is not None and transfer.success is not True and self._in_place():
             size, ends = self.block_bytes, self.base + self.block_bytes - MARK_BYTES
             for block, tail in zip(transfer.job.block_ids, tails, strict=True):
                 if ctypes.string_at(ends + block * size, MARK_BYTES) == self.mark:
