@@ -229,6 +229,9 @@ class TransferDriver:
         # a remote side that keeps StorageSide's commit or close has nothing to do there
         self._commits = getattr(type(remote), "commit", None) is not StorageSide.commit
         self._closes = getattr(type(remote), "close", None) is not StorageSide.close
+        #: the side's close has something to do only where its open kept something on the
+        #: transfer (``opened``): a side says so with ``closes_opened_only = True``
+        self._opened_only = getattr(remote, "closes_opened_only", False) is True
         self._lands = callable(getattr(type(remote), "landed", None))
         self._after_done = self._commits or self._lands  # (one test on the hot path)
         self._per_block = bool(getattr(remote, "transfer_per_block", False))
@@ -522,7 +525,7 @@ class TransferDriver:
                     self.agent.deregister_memory(files)
                 except Exception as error:
                     leaks.append(Leak(call, _describe(error)))
-            if self._closes:
+            if self._closes and (transfer.opened is not None or not self._opened_only):
                 call = "close"
                 try:
                     leaks += self.remote.close(transfer)

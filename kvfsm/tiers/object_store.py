@@ -127,6 +127,7 @@ class _Objects(StorageSide):
 
     mem_type = "OBJ"
     transfer_per_block = True
+    closes_opened_only = True  # (a store keeps nothing: its cleanup makes no call here)
 
     def __init__(self, primary: torch.Tensor) -> None:
         self.primary = primary
