@@ -693,8 +693,9 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     give-up edge; a running state is left before NIXL's end (a cancel, a give-up) only for a
     running state, or by a give-up (EXHAUSTED) for a final failure state; every way into a
     final state that is no failure state passes a ``release`` NIXL answered OK (F2); a final
-    failure state is entered before it on a step's answer or a cancel only by giving up; and
-    every way from the release into a final state passes a ``clean`` (F8).
+    failure state is entered before it on a step's answer or a cancel only by giving up;
+    every way from the release into a final state passes a ``clean`` (F8); and no edge runs
+    one of kvfsm's latches from a state a transfer may reach with its outcome latched (F3).
 
     Raises:
         MachineRefused: one line naming the machine, the state and what is missing.
@@ -733,6 +734,7 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     _check_circles(declaration, table)
     _check_running_left_when_over(declaration, table)
     _check_released_before_final(declaration, table)
+    _check_latched_once(declaration, table)
     posted = table[initial][TransferEvent.POST][Answer.PROC].dest
     if posted not in declaration.running:
         raise MachineRefused(f"machine {name!r}: 'post' answering PROC leads {initial.name} to "
@@ -965,6 +967,44 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
 
 #: the events of the calls a tier makes itself (the others are the machine's own steps)
 _TIER_EVENTS = frozenset(event.value for event in TransferEvent)
+
+#: kvfsm's actions that latch a transfer's outcome (each raises if one is latched already)
+_LATCHES = ("latch_success", "latch_failure", "latch_cancelled")
+
+
+def _check_latched_once(declaration: Declaration[Any, Any], table: Mapping[Any, Any]) -> None:
+    """An outcome is latched once (F3): no edge runs one of kvfsm's latches from a state a
+    transfer may reach with its outcome latched already (a walk through the states, with
+    whether each way latched one so far). There the latch would raise once the transfer had
+    moved on, and the outcome latched first would be the one published."""
+    start = (declaration.initial, False)
+    before: dict[tuple[Any, bool], tuple[Any, bool] | None] = {start: None}
+    queue = collections.deque([start])  # breadth first: a shortest way is named
+    while queue:
+        state, latched = here = queue.popleft()
+        for event, row in sorted(table.get(state, {}).items()):
+            for answer, step in sorted(row.items(), key=lambda item: item[0].name):
+                actions = getattr(step.edge, "actions", ())
+                latches = [action for action in actions if action in _LATCHES]
+                if latches and latched:
+                    way = [state]
+                    back = before[here]
+                    while back is not None:
+                        way.append(back[0])
+                        back = before[back]
+                    path = " -> ".join(s.name for s in reversed(way))
+                    raise MachineRefused(
+                        f"machine {declaration.name!r}: {state.name} -{event}({answer.name})-> "
+                        f"{step.dest.name} runs {latches[0]}, but a transfer may come to "
+                        f"{state.name} with its outcome latched already ({path}): an outcome "
+                        "is latched once (F3), so this latch would raise, and the outcome "
+                        "latched first be published; decide it before one is latched (a step "
+                        "NIXL's end leads to, as the tutorial's VERIFYING), or take the latch "
+                        "off this edge")
+                key = (step.dest, latched or bool(latches))
+                if key not in before:
+                    before[key] = here
+                    queue.append(key)
 
 
 def _check_running_left_when_over(declaration: Declaration[Any, Any],

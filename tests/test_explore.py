@@ -114,6 +114,9 @@ REFUSED = {
     "release_what_it_gave_up_on": "PROCESSING -poll(EXHAUSTED)-> FAILED leaves a running state",
     "skip_the_cleanup": "PUBLISHED, a final state, is reached after the release without a "
                         "'clean' (SUBMITTED -> DONE -> CLEANED -> PUBLISHED)",
+    "recompute_outcome_on_retry": "PROCESSING -cancel(OK)-> CANCELLING runs latch_cancelled, "
+                                  "but a transfer may come to PROCESSING with its outcome "
+                                  "latched already (SUBMITTED -> DONE -> PROCESSING)",
 }
 
 
@@ -121,12 +124,13 @@ REFUSED = {
 def unchecked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tiers that take what check_runnable refuses for the structure of its table alone (a
     way past the release into a final state, or one skipping the cleanup; an edge back into
-    the initial state; a running state left before NIXL's end): the
+    the initial state; a running state left before NIXL's end; a latch where an outcome may
+    be latched already): the
     explorer's own checks are then what stands between them and a green run."""
     import kvfsm.driver  # noqa: PLC0415
 
     for check in ("_check_released_before_final", "_check_initial_left_for_good",
-                  "_check_running_left_when_over"):
+                  "_check_running_left_when_over", "_check_latched_once"):
         monkeypatch.setattr(kvfsm.driver, check, lambda *args: None)
 
 
@@ -958,17 +962,25 @@ def test_a_step_answering_otherwise_from_run_to_run_stops_the_exploration_saying
 
 
 def test_a_cancel_that_latches_again_in_a_steps_state_is_caught_once_a_ctrl_c_leaves_a_job_there(
+    request: pytest.FixtureRequest,
 ) -> None:
     """The tutorial's checksum lifecycle, broken: a cancel in VERIFYING latches a failure
     (its outcome latched already by then, or the step's match latching success after it).
     A job waits in VERIFYING only when a Ctrl-C cut its step short; the explorer now makes
     one at each step call, and the scenario's cancel finds the job there: the next match
-    raises out of the tier. (2195 paths said 0 violations: no path took that edge.)"""
+    raises out of the tier. (2195 paths said 0 violations: no path took that edge.) A tier
+    refuses it before it runs, now, from its table: the explorer catches it all the same, in
+    a tier whose checks were bypassed."""
     from examples.verify_lifecycle import VERIFY_MACHINE, Checksums  # noqa: PLC0415
     from kvfsm.testing.explore import Interrupt  # noqa: PLC0415
 
     broken = VERIFY_MACHINE.extend("cancel_latches_in_verifying", replace={
         ("VERIFYING", "cancel", ""): {"after": "latch_cancelled"}})
+    with pytest.raises(MachineRefused, match=re.escape(
+            "VERIFYING -cancel(OK)-> VERIFYING runs latch_cancelled, but a transfer may come to "
+            "VERIFYING with its outcome latched already (SUBMITTED -> VERIFYING -> VERIFYING)")):
+        check_runnable(broken, {"verify": Checksums()}, RetryPolicy())
+    request.getfixturevalue("unchecked")
     found = explore(broken, steps={"verify": Checksums()})
     assert not found.ok
     assert found.counterexample is not None

@@ -230,6 +230,28 @@ def always(answer: Any) -> Any:
     return lambda transfer, primary: answer
 
 
+class Audited(enum.Enum):
+    GOOD = "GOOD"
+    BAD = "BAD"
+
+
+#: an audit once the transfer is released, failing the job on BAD: but the outcome was
+#: latched as NIXL ended, and is latched once
+AUDIT_AFTER_RELEASE = TRANSFER_MACHINE.extend(
+    "audit_after_release", states=["AUDITING"],
+    replace={("XFER_RELEASED", "clean", "cleaned"): {"dest": "AUDITING"},
+             ("XFER_RELEASED", "clean", "leaked"): {"dest": "AUDITING"}},
+    answers={"audit": (Audited.GOOD, Audited.BAD, Answer.RAISED)},
+    guards={"good": (Audited.GOOD,), "bad": (Audited.BAD, Answer.RAISED)},
+    transitions=[
+        {"trigger": "audit", "source": "AUDITING", "dest": "CLEANED", "conditions": "good"},
+        {"trigger": "audit", "source": "AUDITING", "dest": "CLEANED", "conditions": "bad",
+         "after": "latch_failure"},
+        {"trigger": "cancel", "source": "AUDITING", "dest": "AUDITING"},
+    ],
+    effects={"AUDITING": "audit"})
+
+
 @pytest.mark.parametrize(("machine", "steps", "refusal"), [
     # a "hook on release" took the place of the tier's own release on every path that made
     # the release by itself: the job published success, its transfer handle never released
@@ -269,6 +291,12 @@ def always(answer: Any) -> Any:
     # a transfer whose state check raised sat in REPOSTING until its drain timed out
     (REPOST, {}, "state REPOSTING waits on 'post', but a tier posts a transfer once, from the "
                  "initial state SUBMITTED"),
+    # an audit answering BAD raised OutcomeAlreadyLatched into the caller's poll, and the next
+    # poll published the success latched as NIXL ended: the audit's failure never published
+    (AUDIT_AFTER_RELEASE, {"audit": always(Audited.BAD)},
+     r"AUDITING -audit\(BAD\)-> CLEANED runs latch_failure, but a transfer may come to "
+     r"AUDITING with its outcome latched already \(SUBMITTED -> DONE -> XFER_RELEASED -> "
+     r"AUDITING\): an outcome is latched once"),
 ])
 def test_a_lifecycle_a_tier_could_not_run_safely_is_refused_before_any_nixl_call(
     tmp_path: Path, machine: Declaration[Any, Any], steps: dict[str, Any], refusal: str,
