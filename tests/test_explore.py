@@ -130,7 +130,8 @@ def unchecked(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvfsm.driver  # noqa: PLC0415
 
     for check in ("_check_released_before_final", "_check_initial_left_for_good",
-                  "_check_running_left_when_over", "_check_latched_once"):
+                  "_check_running_left_when_over", "_check_latched_once",
+                  "_check_cancel_keeps_what_ended"):
         monkeypatch.setattr(kvfsm.driver, check, lambda *args: None)
 
 
@@ -529,10 +530,13 @@ def test_a_step_answer_is_judged_by_what_kvfsms_actions_on_its_edge_latch() -> N
         assert explore(machine, steps=steps, max_faults=0).ok, machine.name
 
 
-def test_a_cancel_failing_a_job_nixl_finished_is_reported_with_the_cancels_promise() -> None:
+def test_a_cancel_failing_a_job_nixl_finished_is_reported_with_the_cancels_promise(
+    request: pytest.FixtureRequest,
+) -> None:
     """A lifecycle whose cancel fails a job once NIXL finished its transfer breaks the tier's
     promise (a transfer that ended keeps its outcome); the violation says that a cancel came
-    after NIXL's end, not only that NIXL finished it."""
+    after NIXL's end, not only that NIXL finished it. A tier refuses it from its table now (it
+    ran it, and only the explorer said so)."""
     from examples.verify_lifecycle import Checksums  # noqa: PLC0415
 
     declared = _verify_machine("verify_cancel", "VERIFYING", "FAILED")
@@ -547,6 +551,12 @@ def test_a_cancel_failing_a_job_nixl_finished_is_reported_with_the_cancels_promi
         + [{"trigger": "cancel", "source": "VERIFYING", "dest": "FAILED",
             "after": "latch_cancelled"}],
         effects={"VERIFYING": "verify"}, calls={"verify": "crc32"})
+    with pytest.raises(MachineRefused, match=re.escape(
+            "VERIFYING -cancel(OK)-> FAILED runs latch_cancelled, but NIXL's transfer is over "
+            "in VERIFYING (not a running state), and a cancel keeps the outcome of a transfer "
+            "that ended")):
+        check_runnable(fails, {"verify": Checksums()}, RetryPolicy())
+    request.getfixturevalue("unchecked")
     # a Ctrl-C cuts the first verify short: job 1, NIXL's transfer over, is cancelled there
     _, violations, _ = replay(parse_path("mode=1;verify:interrupt@1"), fails,
                               steps={"verify": Checksums()})
@@ -1070,3 +1080,4 @@ def test_a_lifecycle_whose_give_up_waits_for_nixls_end_explores_clean() -> None:
         (S.CANCELLING, "poll", "errored"): {"dest": S.QUARANTINED, "after": ["quarantine"]}})
     found = explore(machine, stop_at_first=False)
     assert found.ok, found.report()
+
