@@ -694,9 +694,8 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     running state, or by a give-up (EXHAUSTED) for a final failure state; every way into a
     final state that is no failure state passes a ``release`` NIXL answered OK (F2); a final
     failure state is entered before it on a step's answer or a cancel only by giving up;
-    every way from the release into a final state passes a ``clean`` (F8); no edge runs
-    one of kvfsm's latches from a state a transfer may reach with its outcome latched (F3);
-    and no cancel runs one from a state NIXL's transfer is over in (it keeps the outcome).
+    every way from the release into a final state passes a ``clean`` (F8); and no edge runs
+    one of kvfsm's latches from a state a transfer may reach with its outcome latched (F3).
 
     Raises:
         MachineRefused: one line naming the machine, the state and what is missing.
@@ -736,7 +735,6 @@ def check_runnable(declaration: Declaration[Any, Any], steps: Mapping[str, Any],
     _check_running_left_when_over(declaration, table)
     _check_released_before_final(declaration, table)
     _check_latched_once(declaration, table)
-    _check_cancel_keeps_what_ended(declaration, table)
     posted = table[initial][TransferEvent.POST][Answer.PROC].dest
     if posted not in declaration.running:
         raise MachineRefused(f"machine {name!r}: 'post' answering PROC leads {initial.name} to "
@@ -1007,26 +1005,6 @@ def _check_latched_once(declaration: Declaration[Any, Any], table: Mapping[Any, 
                 if key not in before:
                     before[key] = here
                     queue.append(key)
-
-
-def _check_cancel_keeps_what_ended(declaration: Declaration[Any, Any],
-                                   table: Mapping[Any, Any]) -> None:
-    """A cancel keeps the outcome of a transfer NIXL ended (the tier's promise, ``cancel``):
-    from a state past the post that is not running, the cancel edge runs none of kvfsm's
-    latches, even where a step of the machine's own decides the outcome after NIXL's end."""
-    for state, row in table.items():
-        if state is declaration.initial or state in declaration.running:
-            continue
-        step = row.get(TransferEvent.CANCEL, {}).get(Answer.OK)
-        actions = getattr(getattr(step, "edge", None), "actions", ())
-        latches = [action for action in actions if action in _LATCHES]
-        if step is not None and latches:
-            raise MachineRefused(
-                f"machine {declaration.name!r}: {state.name} -cancel(OK)-> {step.dest.name} "
-                f"runs {latches[0]}, but NIXL's transfer is over in {state.name} (not a running "
-                "state), and a cancel keeps the outcome of a transfer that ended (the tier's "
-                "cancel() promises it); make the cancel there a stay, and let the step decide "
-                "(as the tutorial's VERIFYING)")
 
 
 def _check_running_left_when_over(declaration: Declaration[Any, Any],

@@ -350,6 +350,28 @@ def test_shutdown_gives_up_a_step_whose_give_up_leads_to_another_wait_and_publis
     assert (agent.live_xfer_handles(), agent.live_registrations()) == (0, 0)
 
 
+def test_a_step_given_up_at_shutdown_says_what_it_last_raised(tmp_path: Path) -> None:
+    """The check raises (its index unreachable), and its edge keeps the transfer where it is
+    to try again, keeping no error of its own. At shutdown's deadline it is given up: the
+    reason says the deadline passed and what the check last raised (it said only the first:
+    the error that kept the job from its outcome was nowhere)."""
+    def unreachable(transfer: Any, primary: Any) -> Any:
+        raise ConnectionError("checksum index unreachable")
+
+    tier, agent = file_tier(tmp_path, CHECK_UNTIL_GIVEN_UP, {"check": unreachable},
+                            policy=RetryPolicy(max_attempts=None, max_seconds=None))
+    tier.submit_store(TransferJob(1, ["a"], [0]))
+    for _ in range(20):  # until NIXL finished it, and the check raised
+        assert tier.get_finished_jobs() == []
+    tier.shutdown(timeout=0.05)
+    [result] = tier.get_finished_jobs()
+    assert not result.success and result.reason is not None
+    assert result.reason.call == "check"
+    assert result.reason.error == ("shutdown deadline passed; last error: ConnectionError: "
+                                   "checksum index unreachable")
+    assert (agent.live_xfer_handles(), agent.live_registrations()) == (0, 0)
+
+
 def test_a_step_whose_tries_are_given_up_fails_its_job_saying_how_many_and_what_it_answered(
     tmp_path: Path,
 ) -> None:

@@ -736,13 +736,28 @@ def _cancel(agent: _WatchedAgent, tier: SecondaryTier, job_id: int) -> None:
         seen.status in {None, "PROC"} and seen.outcome is None) or (
         # NIXL said it is over, and a Ctrl-C cut short the poll that heard it: to the tier
         # it still runs (it asks again); a cancel now is of a running transfer
-        seen.unheard and tier.state_of(job_id) in tier._runner.running_states)
+        seen.unheard and tier.state_of(job_id) in tier._runner.running_states) or (
+        # NIXL is over, but a step of the lifecycle's own decides the outcome after it (a
+        # checksum's), and the declared cancel there fails the job: the outcome a cancel
+        # keeps is one latched, and none is yet
+        _cancel_latches(tier, job_id))
     seen.cancelled_over = seen.cancelled_over or not seen.cancelled_running
     try:
         tier.cancel(job_id)
     except Exception as error:
         agent.violations.append(Violation(Invariant.NO_ESCAPE, job_id,
                                           f"cancel raised {_described(error)}"))
+
+
+def _cancel_latches(tier: SecondaryTier, job_id: int) -> bool:
+    """A cancel now latches the job's outcome, a failure: none is latched yet, and the
+    lifecycle's cancel edge from the job's state runs one of kvfsm's latches of a failure."""
+    record = tier._runner.records.get(job_id)
+    if record is None or record.success is not None:
+        return False
+    step = tier._runner.table.get(record.state, {}).get(TransferEvent.CANCEL, {}).get(Answer.OK)
+    actions = getattr(getattr(step, "edge", None), "actions", ())
+    return any(action in ("latch_failure", "latch_cancelled") for action in actions)
 
 
 def _state(tier: SecondaryTier, job_id: int) -> str:
