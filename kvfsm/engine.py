@@ -37,10 +37,11 @@ one before left off, so it is exactly what firing them one by one would do), and
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -590,21 +591,22 @@ class Declaration(Generic[S, A]):
                 raise DeclarationError(f"{name}: effects names state {member.name} twice")
             waits[member] = effect
         effects_now.update(waits)
-        return Declaration(
-            name,
-            states=new,
-            initial=ours(self.initial),
-            answers={**self.answers, **answers},
-            guards={**self.guards, **guards},
-            actions={**self.actions, **actions},
-            transitions=[*table, *map(mapped, transitions)],
-            final=[*map(ours, self.final), *map(ours, final)],
-            failure_states=[*map(ours, self.failure_states), *map(ours, failure_states)],
-            unreachable=[*map(ours, self.unreachable), *map(ours, unreachable)],
-            calls={**self.calls, **calls},
-            effects=effects_now or None,
-            running=[*map(ours, self.running), *map(ours, running)],
-        )
+        with _noting_replaced(self, guards, actions):  # (a mistake there is said to be one)
+            return Declaration(
+                name,
+                states=new,
+                initial=ours(self.initial),
+                answers={**self.answers, **answers},
+                guards={**self.guards, **guards},
+                actions={**self.actions, **actions},
+                transitions=[*table, *map(mapped, transitions)],
+                final=[*map(ours, self.final), *map(ours, final)],
+                failure_states=[*map(ours, self.failure_states), *map(ours, failure_states)],
+                unreachable=[*map(ours, self.unreachable), *map(ours, unreachable)],
+                calls={**self.calls, **calls},
+                effects=effects_now or None,
+                running=[*map(ours, self.running), *map(ours, running)],
+            )
 
     def edges_from(self, source: S, event: str) -> list[Edge]:
         """The edges leaving ``source`` on ``event``, in the order their guards are tried."""
@@ -1022,6 +1024,25 @@ def _blame(error: BaseException, machine: str, step: Step[Any], action: Action |
     if hasattr(type(record), "action_error"):  # (a kvfsm Transfer: a failure this leaves
         # unlatched says what raised, not that no reason was recorded)
         record.action_error = f"{blamed} raised {type(error).__name__}: {error}"
+
+
+@contextlib.contextmanager
+def _noting_replaced(base: Declaration[Any, Any], guards: Mapping[str, Iterable[Any]],
+                     actions: Mapping[str, Any]) -> Iterator[None]:
+    """A declaration made by ``base.extend`` that is refused says which guards and actions
+    given to it took the place of ``base``'s own of the same name (used on its edges too):
+    a name taken by mistake otherwise surfaces as an error about another edge."""
+    try:
+        yield
+    except DeclarationError as error:
+        replaced = [f"guard {key!r}" for key, given in guards.items()
+                    if key in base.guards and frozenset(given) != base.guards[key]]
+        replaced += [f"action {key!r}" for key, given in actions.items()
+                     if key in base.actions and given is not base.actions[key]]
+        if replaced:
+            error.add_note(f"{', '.join(replaced)} given to extend() take(s) the place of "
+                           f"machine {base.name!r}'s own of that name, on its edges too")
+        raise
 
 
 def _state_names(value: Any) -> list[str]:

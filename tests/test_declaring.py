@@ -19,6 +19,7 @@ import pytest
 
 from kvfsm import TRANSFER_MACHINE, Declaration
 from kvfsm.engine import DeclarationError
+from kvfsm.lifecycle import Answer
 
 
 class Door(enum.Enum):
@@ -296,3 +297,30 @@ def test_an_extension_state_named_as_its_enums_private_name_is_refused_by_name()
     member of a private name: it fails later as "no state '_MineState__x'"."""
     with pytest.raises(DeclarationError, match="states names the new states by their names"):
         TRANSFER_MACHINE.extend("mine", states=["_MineState__x"], unreachable=["_MineState__x"])
+
+
+def test_a_guard_named_like_one_of_the_machine_it_extends_is_said_to_replace_it() -> None:
+    """A user's guard named ``errored``, as one of the shipped lifecycle's, takes its place on
+    the shipped edges too: refused, the error says so, where it named only an edge the user
+    never wrote."""
+    class Checked(enum.Enum):
+        MATCH = "MATCH"
+        MISMATCH = "MISMATCH"
+
+    with pytest.raises(DeclarationError, match="guard 'errored'") as refused:
+        TRANSFER_MACHINE.extend(
+            "clash", states=["VERIFYING"],
+            replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
+                     ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
+            answers={"verify": (Checked.MATCH, Checked.MISMATCH, Answer.RAISED)},
+            guards={"ok": (Checked.MATCH,), "errored": (Checked.MISMATCH, Answer.RAISED)},
+            transitions=[
+                {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
+                 "conditions": "ok", "after": "latch_success"},
+                {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
+                 "conditions": "errored", "after": "latch_failure"},
+                {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
+            effects={"VERIFYING": "verify"})
+    assert refused.value.__notes__ == [
+        "guard 'errored' given to extend() take(s) the place of machine 'transfer''s own of "
+        "that name, on its edges too"]
