@@ -264,13 +264,29 @@ def replay(declaration: Declaration[Any, Any], trace: dict[str, Any]) -> Diverge
     reasoned = _reason_diverges(trace)
     if reasoned is not None:
         return diverged(end, *reasoned)
-    if record is not None and isinstance(trace.get("success"), bool):
-        latched = bool(record.success) and state not in (
-            declaration.final & declaration.failure_states)
-        if trace["success"] is not latched:
-            return diverged(end, f"success={str(trace['success']).lower()}",
-                            f"the declared actions of these steps latch "
-                            f"success={str(latched).lower()}")
+    latched = _latched_diverges(declaration, trace, record, state)
+    return None if latched is None else diverged(end, *latched)
+
+
+def _latched_diverges(declaration: Declaration[Any, Any], trace: dict[str, Any],
+                      record: BareRecord | None, state: Any) -> tuple[str, str] | None:
+    """What a trace's outcome records against what the declared actions of its steps latch
+    (recorded, declared), or None; nothing is compared where an action needed more than a
+    bare record (``record`` None)."""
+    if record is None or not isinstance(trace.get("success"), bool):
+        return None
+    latched = bool(record.success) and state not in (
+        declaration.final & declaration.failure_states)
+    if trace["success"] is not latched:
+        return (f"success={str(trace['success']).lower()}",
+                f"the declared actions of these steps latch success={str(latched).lower()}")
+    reason = trace.get("reason")
+    kind = reason.get("kind") if isinstance(reason, dict) else None
+    if (record.success is None and kind not in (None, FailureKind.UNKNOWN.value)
+            and state not in declaration.failure_states):
+        return (f"a failure's reason of kind {kind}",
+                "the declared actions of these steps latch no outcome, so nothing says why "
+                "the job failed (its reason: unknown)")
     return None
 
 

@@ -78,11 +78,12 @@ def _lenient_verify() -> Declaration[Any, Any]:
 LENIENT_VERIFY = _lenient_verify()
 #: not steps: a list, and a mapping whose value is no function
 NOT_STEPS, STEPS_OF_NOTHING = ["verify"], {"verify": 3}
-#: a cancel while the user's step runs latches the outcome again: found on the path where the
-#: step is interrupted
+#: a cancel while the user's step runs sends the job on to FAILED latching nothing (it fails
+#: saying no reason): found on the path where the step is interrupted (a cancel latching
+#: again there is refused by the tier now, from its table)
 CANCEL_LATCHES_AGAIN = VERIFY_MACHINE.extend(
-    "cancel_latches_again",
-    replace={("VERIFYING", "cancel", ""): {"dest": "VERIFYING", "after": "latch_cancelled"}})
+    "cancel_latches_nothing",
+    replace={("VERIFYING", "cancel", ""): {"dest": "FAILED", "after": []}})
 
 
 def test_the_default_demo_verifies_every_byte_through_real_nixl_files() -> None:
@@ -972,7 +973,7 @@ def test_the_replay_command_of_a_path_interrupting_a_step_replays_it(
                   if line.startswith("replay it with: "))
     assert "verify:interrupt@" in command
     assert main(shlex.split(command)[1:]) == 1, "the printed command replays the violation"
-    assert "OutcomeAlreadyLatched" in capsys.readouterr().out
+    assert "nothing latched why it failed" in capsys.readouterr().out
 
 
 def test_a_ctrl_c_as_the_demo_ends_is_no_traceback_and_no_success() -> None:

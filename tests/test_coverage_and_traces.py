@@ -473,3 +473,28 @@ def test_a_peer_exploration_that_found_a_violation_counts_no_transition_as_teste
         assert sum(coverage.counts(machines["peer_link"]).values()) > 0
     finally:
         coverage.stop()
+
+
+def test_a_trace_whose_reason_the_declaration_would_not_latch_diverges() -> None:
+    """A checksum mismatch recorded with its reason, replayed against the same lifecycle whose
+    mismatch edge no longer latches the failure: that declaration says nothing of why the job
+    failed (its reason would be unknown), so the trace diverges where it replayed clean."""
+    from examples.verify_lifecycle import VERIFY_MACHINE  # noqa: PLC0415
+
+    trace = {"job_id": 3, "success": False, "reason": {
+        "kind": "err", "call": "verify", "error": "answered MISMATCH", "error_type": None},
+        "steps": [["post", "PROC", "SUBMITTED", "PROCESSING", 0.0],
+                  ["poll", "DONE", "PROCESSING", "VERIFYING", 0.1],
+                  ["verify", "MISMATCH", "VERIFYING", "FAILED", 0.2],
+                  ["release", "OK", "FAILED", "XFER_RELEASED", 0.3],
+                  ["clean", "OK", "XFER_RELEASED", "CLEANED", 0.3],
+                  ["publish", "OK", "CLEANED", "PUBLISHED", 0.3]]}
+    assert replay(VERIFY_MACHINE, trace) is None
+    unlatched = VERIFY_MACHINE.extend("verify_unlatched", replace={
+        ("VERIFYING", "verify", "unverified"): {"after": []}})
+    diverged = replay(unlatched, trace)
+    assert diverged is not None and diverged.step == 7
+    assert str(diverged).endswith(
+        "recorded a failure's reason of kind err; the declaration: the declared actions of "
+        "these steps latch no outcome, so nothing says why the job failed (its reason: "
+        "unknown)")
