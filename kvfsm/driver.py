@@ -34,7 +34,15 @@ from typing import Any, Protocol
 
 from kvfsm.agent import NixlAgent
 from kvfsm.engine import Declaration
-from kvfsm.machines.transfer import Answer, CallFailed, StepMisanswered, TransferEvent
+from kvfsm.machines.transfer import (
+    Answer,
+    CallFailed,
+    StepMisanswered,
+    TransferEvent,
+    latch_cancelled,
+    latch_failure,
+    latch_success,
+)
 from kvfsm.policy import RetryPolicy
 from kvfsm.runner import COMMITTING, END, NIXL_RUNNING, Outcome
 from kvfsm.transfer import Leak, Transfer
@@ -968,15 +976,17 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
 #: the events of the calls a tier makes itself (the others are the machine's own steps)
 _TIER_EVENTS = frozenset(event.value for event in TransferEvent)
 
-#: kvfsm's actions that latch a transfer's outcome (each raises if one is latched already)
-_LATCHES = ("latch_success", "latch_failure", "latch_cancelled")
+#: kvfsm's actions that latch a transfer's outcome (each raises if one is latched already),
+#: known by the function, whatever name a declaration gives it
+_LATCHES = (latch_success, latch_failure, latch_cancelled)
 
 
 def _check_latched_once(declaration: Declaration[Any, Any], table: Mapping[Any, Any]) -> None:
     """An outcome is latched once (F3): no edge runs one of kvfsm's latches from a state a
     transfer may reach with its outcome latched already (a walk through the states, with
     whether each way latched one so far). There the latch would raise once the transfer had
-    moved on, and the outcome latched first would be the one published."""
+    moved on, and the outcome latched first would be the one published. (Read from the table:
+    an action of the user's own that calls one of kvfsm's latches is not seen.)"""
     start = (declaration.initial, False)
     before: dict[tuple[Any, bool], tuple[Any, bool] | None] = {start: None}
     queue = collections.deque([start])  # breadth first: a shortest way is named
@@ -984,8 +994,8 @@ def _check_latched_once(declaration: Declaration[Any, Any], table: Mapping[Any, 
         state, latched = here = queue.popleft()
         for event, row in sorted(table.get(state, {}).items()):
             for answer, step in sorted(row.items(), key=lambda item: item[0].name):
-                actions = getattr(step.edge, "actions", ())
-                latches = [action for action in actions if action in _LATCHES]
+                latches = [getattr(action, "__name__", str(action))
+                           for action in step.actions if action in _LATCHES]
                 if latches and latched:
                     way = [state]
                     back = before[here]

@@ -1035,10 +1035,10 @@ def _noting_replaced(base: Declaration[Any, Any], guards: Mapping[str, Iterable[
     try:
         yield
     except DeclarationError as error:
-        replaced = [f"guard {key!r}" for key, given in guards.items()
-                    if key in base.guards and frozenset(given) != base.guards[key]]
-        replaced += [f"action {key!r}" for key, given in actions.items()
-                     if key in base.actions and given is not base.actions[key]]
+        said = str(error)
+        replaced = [f"{kind} {key!r}" for kind, given, have in (
+            ("guard", guards, base.guards), ("action", actions, base.actions))
+            for key in given if key in have and repr(key) in said]  # (the ones it names)
         if replaced:
             error.add_note(f"{', '.join(replaced)} given to extend() take(s) the place of "
                            f"machine {base.name!r}'s own of that name, on its edges too")

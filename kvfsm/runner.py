@@ -689,9 +689,8 @@ class Runner(Books):
             self._giving_up[transfer] = was
             self.may_run.add(transfer)
         try:
-            self.machine.fire(transfer, effect, Answer.EXHAUSTED, why if effect in _NIXL_WAITS
-                              else CallFailed(effect, why if transfer.error is None
-                                              else f"{why}; last error: {transfer.error}"))
+            self.machine.fire(transfer, effect, Answer.EXHAUSTED,
+                              why if effect in _NIXL_WAITS else CallFailed(effect, why))
             self._giving_up.pop(transfer, None)
             logger.error("job %d %s in %s: %s", transfer.job_id, self._gave_up(transfer),
                          was.name, why, extra=transfer.log_fields())
@@ -744,8 +743,8 @@ class Runner(Books):
                          transfer.error, extra=transfer.log_fields())
             return
         self.machine.fire(transfer, effect, answer, detail)
-        if effect not in _NIXL_WAITS and not _alone(detail):  # a step's error, kept for a
-            _keep_error(transfer, answer, detail)  # give-up to say (its edge may keep none)
+        if effect not in _NIXL_WAITS and not _alone(detail):  # a step's error, kept (its
+            _keep_error(transfer, answer, detail)  # edge may keep none) for the logs to say
         transfer.attempts = failures
         retry_at = transfer.retry_at = self.policy.next_attempt(failures, now,
                                                                 transfer.finished_at)

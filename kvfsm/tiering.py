@@ -1197,8 +1197,9 @@ class TieringManager:
                 steps, and shutdown can be called again to wait longer (each tier's
                 shutdown, likewise, goes on where it left off).
             Exception: the first error a tier's shutdown raised, after every other tier was
-                shut down; the manager stays open (tiers' shutdowns are idempotent), and the
-                jobs finalized are returned by the next :meth:`step` or shutdown.
+                shut down; the manager is not closed, and takes no new job, but shutdown can
+                be called again (tiers' shutdowns are idempotent), and the jobs finalized are
+                returned by the next :meth:`step` or shutdown.
         """
         seconds = _timeout(timeout)
         if self._closed:

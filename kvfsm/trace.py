@@ -282,7 +282,8 @@ def _latched_diverges(declaration: Declaration[Any, Any], trace: dict[str, Any],
                 f"the declared actions of these steps latch success={str(latched).lower()}")
     reason = trace.get("reason")
     kind = reason.get("kind") if isinstance(reason, dict) else None
-    if (record.success is None and kind not in (None, FailureKind.UNKNOWN.value)
+    if (record.success is None and record.reason is None
+            and kind not in (None, FailureKind.UNKNOWN.value)
             and state not in declaration.failure_states):
         return (f"a failure's reason of kind {kind}",
                 "the declared actions of these steps latch no outcome, so nothing says why "

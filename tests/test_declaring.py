@@ -324,3 +324,11 @@ def test_a_guard_named_like_one_of_the_machine_it_extends_is_said_to_replace_it(
     assert refused.value.__notes__ == [
         "guard 'errored' given to extend() take(s) the place of machine 'transfer''s own of "
         "that name, on its edges too"]
+
+
+def test_a_malformed_guard_named_like_one_of_the_machine_it_extends_is_said_malformed() -> None:
+    """The note naming a replaced guard is made only of what the refusal names: a guard given
+    as one answer, not a collection, is refused as such (the note's making raised TypeError
+    over it)."""
+    with pytest.raises(DeclarationError, match=r"guards\['errored'\] must be a collection"):
+        TRANSFER_MACHINE.extend("malformed", guards={"errored": Answer.RAISED})

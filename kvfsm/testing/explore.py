@@ -756,8 +756,8 @@ def _cancel_latches(tier: SecondaryTier, job_id: int) -> bool:
     if record is None or record.success is not None:
         return False
     step = tier._runner.table.get(record.state, {}).get(TransferEvent.CANCEL, {}).get(Answer.OK)
-    actions = getattr(getattr(step, "edge", None), "actions", ())
-    return any(action in ("latch_failure", "latch_cancelled") for action in actions)
+    return step is not None and any(action in (latch_failure, latch_cancelled)
+                                    for action in step.actions)
 
 
 def _state(tier: SecondaryTier, job_id: int) -> str:
