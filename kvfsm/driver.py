@@ -941,12 +941,7 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
                 if dest in final and (after == released or (after == held and (
                         dest not in held_ok or (answer is not Answer.EXHAUSTED and (
                             event not in _TIER_EVENTS or event == TransferEvent.CANCEL))))):
-                    way = [dest, state]
-                    back = before[here]
-                    while back is not None:
-                        way.append(back[0])
-                        back = before[back]
-                    path = " -> ".join(s.name for s in reversed(way))
+                    path = _way(before, here, dest)
                     raise MachineRefused(f"machine {name!r}: " + (
                         f"{dest.name}, a final state, is reached after the release without a "
                         f"'clean' ({path}): the transfer's descriptors and registrations "
@@ -973,6 +968,17 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
                     queue.append((dest, after))
 
 
+def _way(before: Mapping[Any, Any], here: tuple[Any, Any], *then: Any) -> str:
+    """The way a walk through the states came to ``here`` (a state and what the walk keeps of
+    it), by the step before each (``before``), then ``then``: ``"SUBMITTED -> DONE -> ..."``."""
+    way = [here[0]]
+    back = before[here]
+    while back is not None:
+        way.append(back[0])
+        back = before[back]
+    return " -> ".join(state.name for state in [*reversed(way), *then])
+
+
 #: the events of the calls a tier makes itself (the others are the machine's own steps)
 _TIER_EVENTS = frozenset(event.value for event in TransferEvent)
 
@@ -997,12 +1003,7 @@ def _check_latched_once(declaration: Declaration[Any, Any], table: Mapping[Any, 
                 latches = [getattr(action, "__name__", str(action))
                            for action in step.actions if action in _LATCHES]
                 if latches and latched:
-                    way = [state]
-                    back = before[here]
-                    while back is not None:
-                        way.append(back[0])
-                        back = before[back]
-                    path = " -> ".join(s.name for s in reversed(way))
+                    path = _way(before, here)
                     raise MachineRefused(
                         f"machine {declaration.name!r}: {state.name} -{event}({answer.name})-> "
                         f"{step.dest.name} runs {latches[0]}, but a transfer may come to "
