@@ -28,7 +28,7 @@ import collections
 import enum
 import functools
 import operator
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any, Protocol
 
@@ -925,58 +925,79 @@ def _check_released_before_final(declaration: Declaration[Any, Any],
     name, final = declaration.name, declaration.final
     held_ok = final & declaration.failure_states
     held, released, cleaned = 0, 1, 2
-    start = (declaration.initial, held)
-    before: dict[tuple[Any, int], tuple[Any, int] | None] = {start: None}
-    queue = collections.deque([start])  # breadth first: a shortest way is named
+
+    def phase_after(phase: int, event: str, answer: Any, step: Any) -> int:
+        if phase == held and event == TransferEvent.RELEASE and answer is Answer.OK:
+            return released  # past a release NIXL answered: the handle was let go
+        if phase == released and event == TransferEvent.CLEAN:
+            return cleaned
+        return phase
+
+    for _, _, event, answer, step, after, way in _walk(declaration, table, held, phase_after):
+        dest = step.dest
+        if dest in final and (after == released or (after == held and (
+                dest not in held_ok or (answer is not Answer.EXHAUSTED and (
+                    event not in _TIER_EVENTS or event == TransferEvent.CANCEL))))):
+            path = way(dest)
+            raise MachineRefused(f"machine {name!r}: " + (
+                f"{dest.name}, a final state, is reached after the release without a "
+                f"'clean' ({path}): the transfer's descriptors and registrations "
+                "would leak; lead every way from the release into a final state "
+                "through a state waiting on 'clean'" if after == released else
+                f"{dest.name}, a final state that is no failure state, is reached "
+                f"without a 'release' ({path}): a result published before its transfer "
+                "handle is released lets the engine reuse memory NIXL may still use; "
+                "lead every way into it through a state waiting on 'release' (or make "
+                "the state a failure state: its transfer's handles are then held for "
+                "good)" if dest not in held_ok else
+                f"{dest.name}, a final failure state, is entered holding the transfer "
+                f"handle on {'a ' if event == TransferEvent.CANCEL else 'the step '}"
+                f"{getattr(event, 'value', event)!r} answering {answer.name} ({path}):"
+                " NIXL's transfer is over, "
+                "yet it would hold its handles, and the primary cache's registration, "
+                "for good (quarantined); lead the "
+                + ("cancel elsewhere (a stay, as the shipped lifecycle's in DONE: "
+                   "the job keeps its outcome)" if event == TransferEvent.CANCEL
+                   else "step's failure through the release (to FAILED, say), or into "
+                   "this state only on EXHAUSTED (its tries given up)")))
+
+
+#: a step of a walk through the states: the state, what the walk kept of the way there, the
+#: event, the answer, the step, what it keeps past the step, and the way there by name
+_Walked = tuple[Any, Any, str, Any, Any, Any, Callable[..., str]]
+
+
+def _walk(declaration: Declaration[Any, Any], table: Mapping[Any, Any], first: Any,
+          then: Callable[[Any, str, Any, Any], Any]) -> Iterator[_Walked]:
+    """Every step of the table a transfer may take, breadth first from the initial state, each
+    state with what the walk keeps of the way there (``first`` at the initial state, then
+    ``then(kept, event, answer, step)`` past each step: a way keeping something else is walked
+    again). Each step comes with a function naming a shortest way to it (``way(*more)``:
+    ``"SUBMITTED -> DONE -> ..."``, then the states ``more``)."""
+    start = (declaration.initial, first)
+    before: dict[tuple[Any, Any], tuple[Any, Any] | None] = {start: None}
+    queue = collections.deque([start])
+
+    def way_to(here: tuple[Any, Any]) -> Callable[..., str]:
+        def way(*more: Any) -> str:
+            states: list[Any] = []
+            back: tuple[Any, Any] | None = here
+            while back is not None:
+                states.append(back[0])
+                back = before[back]
+            return " -> ".join(state.name for state in [*reversed(states), *more])
+        return way
+
     while queue:
-        state, phase = here = queue.popleft()
+        here = queue.popleft()
+        state, kept = here
         for event, row in sorted(table.get(state, {}).items()):
             for answer, step in sorted(row.items(), key=lambda item: item[0].name):
-                after = phase
-                if phase == held and event == TransferEvent.RELEASE and answer is Answer.OK:
-                    after = released  # past a release NIXL answered: the handle was let go
-                elif phase == released and event == TransferEvent.CLEAN:
-                    after = cleaned
-                dest = step.dest
-                if dest in final and (after == released or (after == held and (
-                        dest not in held_ok or (answer is not Answer.EXHAUSTED and (
-                            event not in _TIER_EVENTS or event == TransferEvent.CANCEL))))):
-                    path = _way(before, here, dest)
-                    raise MachineRefused(f"machine {name!r}: " + (
-                        f"{dest.name}, a final state, is reached after the release without a "
-                        f"'clean' ({path}): the transfer's descriptors and registrations "
-                        "would leak; lead every way from the release into a final state "
-                        "through a state waiting on 'clean'" if after == released else
-                        f"{dest.name}, a final state that is no failure state, is reached "
-                        f"without a 'release' ({path}): a result published before its transfer "
-                        "handle is released lets the engine reuse memory NIXL may still use; "
-                        "lead every way into it through a state waiting on 'release' (or make "
-                        "the state a failure state: its transfer's handles are then held for "
-                        "good)" if dest not in held_ok else
-                        f"{dest.name}, a final failure state, is entered holding the transfer "
-                        f"handle on {'a ' if event == TransferEvent.CANCEL else 'the step '}"
-                        f"{getattr(event, 'value', event)!r} answering {answer.name} ({path}):"
-                        " NIXL's transfer is over, "
-                        "yet it would hold its handles, and the primary cache's registration, "
-                        "for good (quarantined); lead the "
-                        + ("cancel elsewhere (a stay, as the shipped lifecycle's in DONE: "
-                           "the job keeps its outcome)" if event == TransferEvent.CANCEL
-                           else "step's failure through the release (to FAILED, say), or into "
-                           "this state only on EXHAUSTED (its tries given up)")))
-                if (dest, after) not in before:
-                    before[(dest, after)] = here
-                    queue.append((dest, after))
-
-
-def _way(before: Mapping[Any, Any], here: tuple[Any, Any], *then: Any) -> str:
-    """The way a walk through the states came to ``here`` (a state and what the walk keeps of
-    it), by the step before each (``before``), then ``then``: ``"SUBMITTED -> DONE -> ..."``."""
-    way = [here[0]]
-    back = before[here]
-    while back is not None:
-        way.append(back[0])
-        back = before[back]
-    return " -> ".join(state.name for state in [*reversed(way), *then])
+                after = then(kept, event, answer, step)
+                yield state, kept, event, answer, step, after, way_to(here)
+                if (step.dest, after) not in before:
+                    before[(step.dest, after)] = here
+                    queue.append((step.dest, after))
 
 
 #: the events of the calls a tier makes itself (the others are the machine's own steps)
@@ -993,29 +1014,22 @@ def _check_latched_once(declaration: Declaration[Any, Any], table: Mapping[Any, 
     whether each way latched one so far). There the latch would raise once the transfer had
     moved on, and the outcome latched first would be the one published. (Read from the table:
     an action of the user's own that calls one of kvfsm's latches is not seen.)"""
-    start = (declaration.initial, False)
-    before: dict[tuple[Any, bool], tuple[Any, bool] | None] = {start: None}
-    queue = collections.deque([start])  # breadth first: a shortest way is named
-    while queue:
-        state, latched = here = queue.popleft()
-        for event, row in sorted(table.get(state, {}).items()):
-            for answer, step in sorted(row.items(), key=lambda item: item[0].name):
-                latches = [getattr(action, "__name__", str(action))
-                           for action in step.actions if action in _LATCHES]
-                if latches and latched:
-                    path = _way(before, here)
-                    raise MachineRefused(
-                        f"machine {declaration.name!r}: {state.name} -{event}({answer.name})-> "
-                        f"{step.dest.name} runs {latches[0]}, but a transfer may come to "
-                        f"{state.name} with its outcome latched already ({path}): an outcome "
-                        "is latched once (F3), so this latch would raise, and the outcome "
-                        "latched first be published; decide it before one is latched (a step "
-                        "NIXL's end leads to, as the tutorial's VERIFYING), or take the latch "
-                        "off this edge")
-                key = (step.dest, latched or bool(latches))
-                if key not in before:
-                    before[key] = here
-                    queue.append(key)
+    def latches(step: Any) -> list[str]:
+        return [getattr(action, "__name__", str(action))
+                for action in step.actions if action in _LATCHES]
+
+    for state, latched, event, answer, step, _, way in _walk(
+            declaration, table, False,
+            lambda latched, event, answer, step: latched or bool(latches(step))):
+        if latched and latches(step):
+            raise MachineRefused(
+                f"machine {declaration.name!r}: {state.name} -{event}({answer.name})-> "
+                f"{step.dest.name} runs {latches(step)[0]}, but a transfer may come to "
+                f"{state.name} with its outcome latched already ({way()}): an outcome "
+                "is latched once (F3), so this latch would raise, and the outcome "
+                "latched first be published; decide it before one is latched (a step "
+                "NIXL's end leads to, as the tutorial's VERIFYING), or take the latch "
+                "off this edge")
 
 
 def _check_running_left_when_over(declaration: Declaration[Any, Any],

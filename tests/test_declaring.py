@@ -303,24 +303,10 @@ def test_a_guard_named_like_one_of_the_machine_it_extends_is_said_to_replace_it(
     """A user's guard named ``errored``, as one of the shipped lifecycle's, takes its place on
     the shipped edges too: refused, the error says so, where it named only an edge the user
     never wrote."""
-    class Checked(enum.Enum):
-        MATCH = "MATCH"
-        MISMATCH = "MISMATCH"
+    from examples.verify_lifecycle import Verified  # noqa: PLC0415
 
     with pytest.raises(DeclarationError, match="guard 'errored'") as refused:
-        TRANSFER_MACHINE.extend(
-            "clash", states=["VERIFYING"],
-            replace={("SUBMITTED", "post", "finished"): {"dest": "VERIFYING", "after": []},
-                     ("PROCESSING", "poll", "finished"): {"dest": "VERIFYING", "after": []}},
-            answers={"verify": (Checked.MATCH, Checked.MISMATCH, Answer.RAISED)},
-            guards={"ok": (Checked.MATCH,), "errored": (Checked.MISMATCH, Answer.RAISED)},
-            transitions=[
-                {"trigger": "verify", "source": "VERIFYING", "dest": "DONE",
-                 "conditions": "ok", "after": "latch_success"},
-                {"trigger": "verify", "source": "VERIFYING", "dest": "FAILED",
-                 "conditions": "errored", "after": "latch_failure"},
-                {"trigger": "cancel", "source": "VERIFYING", "dest": "VERIFYING"}],
-            effects={"VERIFYING": "verify"})
+        TRANSFER_MACHINE.extend("clash", guards={"errored": (Verified.MISMATCH, Answer.RAISED)})
     assert refused.value.__notes__ == [
         "guard 'errored' given to extend() take(s) the place of machine 'transfer''s own of "
         "that name, on its edges too"]

@@ -134,13 +134,14 @@ class _Objects(StorageSide):
         self.block_bytes = size = int(primary[0].nbytes)
         self.base = primary.data_ptr()  # where NIXL registers it (the tier checks it stays)
         self.mark = os.urandom(MARK_BYTES)
+        self._ends = self.base + size - MARK_BYTES  # block 0's mark; block b's b blocks on
         #: an object shorter than a block can be seen (see above)
         self.marks = size >= MARK_BYTES
 
     def open(self, transfer: Transfer) -> list[tuple[int, int, int, str]]:
         size, dev_ids = self.block_bytes, _dev_ids
         if transfer.job.is_promotion and self.marks and self._in_place():
-            mark, ends = self.mark, self.base + size - MARK_BYTES
+            mark, ends = self.mark, self._ends
             tails = [ctypes.string_at(ends + block * size, MARK_BYTES)
                      for block in transfer.job.block_ids]
             transfer.opened = tails  # put back if the load fails (close)
@@ -154,7 +155,7 @@ class _Objects(StorageSide):
         gets back the bytes the mark covered."""
         tails = transfer.opened
         if tails is not None and transfer.success is not True and self._in_place():
-            size, ends = self.block_bytes, self.base + self.block_bytes - MARK_BYTES
+            size, ends = self.block_bytes, self._ends
             for block, tail in zip(transfer.job.block_ids, tails, strict=True):
                 if ctypes.string_at(ends + block * size, MARK_BYTES) == self.mark:
                     ctypes.memmove(ends + block * size, tail, MARK_BYTES)
@@ -165,7 +166,7 @@ class _Objects(StorageSide):
         block (its block still ends in the mark :meth:`open` set)."""
         if not self.marks or not self._in_place():
             return
-        size, mark, ends = self.block_bytes, self.mark, self.base + self.block_bytes - MARK_BYTES
+        size, mark, ends = self.block_bytes, self.mark, self._ends
         short = [name for name, block in zip(transfer.names, transfer.job.block_ids, strict=True)
                  if ctypes.string_at(ends + block * size, MARK_BYTES) == mark]
         if short:
